@@ -1,0 +1,82 @@
+"""ReplacementContext: the replacement tensors for one forward pass, and the
+context-local "active context" used by hand-instrumented models."""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Mapping
+from typing import Iterator
+
+import torch
+
+
+class ReplacementContext(Mapping):
+    """``{module_name: Tensor[num_tokens, E]}`` plus ``mask``, a bool ``[num_tokens]``.
+
+    ``mask[s]`` is True exactly where slot ``s`` holds a reference row; every other
+    row is zero. A context whose mask is all False turns replacement off without
+    changing any shape, so a compiled graph serves "on" and "off" alike.
+    """
+
+    __slots__ = ("_tensors", "mask", "storage")
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = ()):
+        if mask.dtype != torch.bool or mask.dim() != 1:
+            raise ValueError(f"mask must be a 1-D bool tensor, got {mask.dtype} of shape {tuple(mask.shape)}")
+        for name, t in tensors.items():
+            if t.dim() < 1 or t.shape[0] != mask.shape[0]:
+                raise ValueError(
+                    f"replacement for {name!r} has shape {tuple(t.shape)}; expected "
+                    f"[{mask.shape[0]}, ...] to match the mask"
+                )
+        self._tensors = dict(tensors)
+        self.mask = mask
+        self.storage = storage  # the packed tensors the module tensors view, when built by a TensorReplacer
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.mask.shape[0]
+
+    def to(self, device: torch.device | str | None) -> "ReplacementContext":
+        if device is None:
+            return self
+        return ReplacementContext({k: v.to(device) for k, v in self._tensors.items()}, self.mask.to(device))
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self._tensors.items())
+        return f"ReplacementContext({{{shapes}}}, active={int(self.mask.sum())}/{self.num_tokens})"
+
+
+_active: contextvars.ContextVar[ReplacementContext | None] = contextvars.ContextVar(
+    "fxreplace_active_context", default=None
+)
+
+
+def set_active_context(ctx: ReplacementContext | None) -> None:
+    """Make ``ctx`` the context that :func:`get_replacement_tensor` reads.
+
+    Context-local (``contextvars``): concurrent forward passes in different
+    threads or asyncio tasks each see their own context.
+    """
+    _active.set(ctx)
+
+
+def get_active_context() -> ReplacementContext | None:
+    return _active.get()
+
+
+def get_replacement_tensor(name: str) -> torch.Tensor | None:
+    """The active context's tensor for ``name``, or None when there is none."""
+    ctx = _active.get()
+    if ctx is None:
+        return None
+    return ctx.get(name)

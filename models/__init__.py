@@ -1,0 +1,101 @@
+"""Per-family knowledge, registered by architecture name.
+
+A family module says which modules hold the tensors worth replacing in the HF
+implementation (and in vLLM's, which names and returns them differently), how to
+convert replacement logits for a fused variant whose only injection point is
+downstream of them, and gives a tiny config for tests and demos.
+
+Registering a family (``models/my_family.py``, then import it below)::
+
+    from transformers import MyMoeConfig
+    from fxreplace.targets import Target
+    from . import Family, register_family
+
+    def tiny_config():
+        # few layers, head_dim in {32, 64, ...} (vLLM CPU attention), >= 8 experts
+        return MyMoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                           head_dim=32, num_experts=8, num_experts_per_tok=2)
+
+    register_family(Family(
+        architecture="MyMoeForCausalLM",
+        targets=(Target("model.layers.*.mlp.gate"),),          # router logits: first linear
+        vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
+        fused_adapter="softmax_topk_renorm",                   # logits -> affinities
+        tiny_config=tiny_config,
+    ))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import torch
+
+from fxreplace.targets import Target
+
+
+@dataclass(frozen=True)
+class Family:
+    """What fxreplace knows about one model architecture.
+
+    ``targets``: the HF implementation's injection sites (router logits for MoE
+    models). ``vllm_targets``: the same sites in vLLM's implementation.
+    ``fused_adapter``: converts logits to what a fused router kernel returns.
+    ``tiny_config``: a small config with random weights for tests and demos;
+    ``model_kwargs``: arguments ``from_config`` needs here (e.g. eager attention).
+    ``transform``: turns the HF model into the family's variant (e.g. a fused router).
+    """
+
+    architecture: str
+    targets: tuple[Target, ...]
+    tiny_config: Callable[[], object]
+    vllm_targets: tuple[Target, ...] = ()
+    fused_adapter: Union[str, Callable, None] = None
+    model_kwargs: dict = field(default_factory=dict)
+    transform: Callable | None = None
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    _FAMILIES[family.architecture] = family
+    return family
+
+
+def get_family(architecture: str) -> Family:
+    try:
+        return _FAMILIES[architecture]
+    except KeyError:
+        raise KeyError(f"no fxreplace family for {architecture!r}; registered: {sorted(_FAMILIES)}") from None
+
+
+def families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def tiny_model(architecture: str, *, seed: int = 0, init_std: float | None = 0.2, **config_overrides):
+    """A random-weight float32 model of the family's tiny config, in eval mode.
+
+    ``init_std`` sets the weight init scale: the default 0.02 gives near-uniform
+    router logits whose argmax ties flip on rounding noise; 0.2 gives peaked
+    logits so routing is decided and comparisons are meaningful.
+    """
+    from transformers import AutoModelForCausalLM
+
+    family = get_family(architecture)
+    config = family.tiny_config()
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    if init_std is not None:
+        config.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **family.model_kwargs)
+    if family.transform is not None:
+        model = family.transform(model)
+    return model.eval()
+
+
+from . import deepseek_v3, fused_router, gpt_oss, llama, mixtral, qwen3_moe  # noqa: E402,F401  (registration)

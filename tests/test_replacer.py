@@ -1,0 +1,234 @@
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxreplace import (
+    ReplacementContext,
+    TensorReplacer,
+    get_replacement_tensor,
+    set_active_context,
+)
+from fxreplace.testing import build_context_loop, slot_owners
+
+
+def captures_for(lengths, decode_steps, modules=("m0", "m1"), widths=(4, 3), dtype=torch.float32, seed=0, kv_cache=False):
+    g = torch.Generator().manual_seed(seed)
+    caps = []
+    for L, D in zip(lengths, decode_steps):
+        entry = {}
+        for m, E in zip(modules, widths):
+            steps = [torch.randn(1, L, E, generator=g).to(dtype)]
+            steps += [torch.randn(1, 1 if kv_cache else L + i, E, generator=g).to(dtype) for i in range(1, D + 1)]
+            entry[m] = steps
+        caps.append(entry)
+    return caps
+
+
+@pytest.fixture
+def replacer():
+    caps = captures_for([3, 5, 2], [2, 1, 3])
+    r = TensorReplacer(caps, prompt_token_ids=[[1, 2, 3], [1, 2, 3, 4, 5], [40, 50]])
+    r.caps = caps
+    return r
+
+
+def test_register_resolves_longest_prefix_and_hint(replacer):
+    assert replacer.register_request("a", [1, 2, 3, 4, 5]) == 1
+    assert replacer.register_request("b", [1, 2, 3, 77]) == 0
+    assert replacer.register_request("c", [1, 2, 3, 4, 5], prompt_idx=0) == 0, "hint removes the documented ambiguity"
+    assert replacer.register_request("a", [40, 50]) == 1, "re-registering is a no-op"
+    with pytest.raises(KeyError, match="prompt 9 is not in the reference store"):
+        replacer.register_request("d", [1], prompt_idx=9)
+    with pytest.raises(KeyError, match=r"request 'e': its 2 tokens start with no stored prompt"):
+        replacer.register_request("e", [7, 7])
+    assert replacer.requests == {"a": 1, "b": 0, "c": 0}
+
+
+def test_release_forgets_requests(replacer):
+    replacer.register_request("a", [40, 50])
+    assert replacer.release_request("a") is True
+    assert replacer.release_request("a") is False
+    assert replacer.requests == {}
+    with pytest.raises(KeyError, match="request 'a' is not registered"):
+        replacer.build_context(["a"], [0], is_prefill=False)
+
+
+def test_prefill_chunk_not_starting_at_zero(replacer):
+    replacer.register_request("a", [1, 2, 3, 4, 5])
+    # chunk covering positions 2..5, then padding that happens to continue with a jump
+    ctx = replacer.build_context(["a"], [2, 3, 4, 5, 0, 1, 2, 3], is_prefill=True)
+    assert ctx.mask.tolist() == [True, True, True, True, False, False, False, False]
+    rows = replacer.store.rows(1, "m0")
+    assert torch.equal(ctx["m0"][:4], rows[2:6])
+    assert torch.count_nonzero(ctx["m0"][4:]) == 0
+
+
+def test_prefill_padding_that_repeats_last_position(replacer):
+    replacer.register_request("a", [1, 2, 3])
+    ctx = replacer.build_context(["a"], [0, 1, 2, 2, 2], is_prefill=True)
+    assert ctx.mask.tolist() == [True, True, True, False, False]
+    with pytest.raises(ValueError, match="a prefill batch holds exactly one request, got 2"):
+        replacer.build_context(["a", "a"], [0, 1], is_prefill=True)
+
+
+def test_decode_with_speculative_slots_and_out_of_range_positions(replacer):
+    replacer.register_request("a", [1, 2, 3, 9])  # prompt 0: 3 + 2 positions
+    replacer.register_request("b", [40, 50])  # prompt 2: 2 + 3 positions
+    ctx = replacer.build_context(["a", "b"], [3, 4, 5, 6, 2, 3, 4, 5, 0, 0], is_prefill=False, tokens_per_req=4)
+    assert ctx.mask.tolist() == [True, True, False, False, True, True, True, False, False, False]
+    assert torch.equal(ctx["m1"][1], replacer.caps[0]["m1"][2][0, -1])
+    assert torch.equal(ctx["m1"][6], replacer.caps[2]["m1"][3][0, -1])
+    assert ctx["m0"].dtype == torch.float32 and ctx["m0"].shape == (10, 4)
+
+
+def test_unknown_requests_pass_through_when_asked():
+    caps = captures_for([2], [1])
+    r = TensorReplacer(caps, prompt_token_ids=[[5, 6]], on_unknown="passthrough")
+    assert r.register_request("known", [5, 6]) == 0
+    assert r.register_request("stranger", [1, 1]) is None
+    ctx = r.build_context(["known", "stranger", "never-registered"], [2, 0, 1], is_prefill=False)
+    assert ctx.mask.tolist() == [True, False, False]
+    with pytest.raises(ValueError, match="on_unknown must be"):
+        TensorReplacer(caps, on_unknown="ignore")
+
+
+def test_build_context_for_mixed_batch(replacer):
+    replacer.register_request("a", [1, 2, 3, 4, 5])
+    replacer.register_request("b", [40, 50, 1])
+    replacer.register_request("c", [1, 2, 3])
+    # a: prefill chunk at 3..5 of prompt 1 (6 rows), b: one decode token, c: two speculative tokens, then padding.
+    positions = [3, 4, 5, 4, 3, 4, 0, 0]
+    ctx = replacer.build_context_for_batch(["a", "b", "c"], [3, 1, 2], positions)
+    assert ctx.mask.tolist() == [True, True, True, True, True, True, False, False]
+    assert torch.equal(ctx["m0"][3], replacer.store.rows(2, "m0")[4])
+    with pytest.raises(ValueError, match="requests schedule 9 tokens but the batch has only 8 positions"):
+        replacer.build_context_for_batch(["a", "b", "c"], [3, 4, 2], positions)
+    with pytest.raises(ValueError, match="got 2 num_scheduled_tokens for 3 requests"):
+        replacer.build_context_for_batch(["a", "b", "c"], [3, 4], positions)
+
+
+def test_warmup_context_is_zero_and_off(replacer):
+    ctx = replacer.warmup_context(6)
+    assert isinstance(ctx, ReplacementContext)
+    assert not ctx.mask.any() and ctx.mask.shape == (6,)
+    assert set(ctx) == {"m0", "m1"} and ctx["m1"].shape == (6, 3)
+    assert all(torch.count_nonzero(t) == 0 for t in ctx.values())
+    assert set(dict(ctx)) == {"m0", "m1"}
+
+
+def test_context_keeps_capture_dtype():
+    r = TensorReplacer(captures_for([2], [0], dtype=torch.bfloat16), prompt_token_ids=[[1, 2]])
+    r.register_request("a", [1, 2])
+    assert r.build_context(["a"], [0, 1], True)["m0"].dtype == torch.bfloat16
+
+
+def test_positions_must_be_one_dimensional(replacer):
+    with pytest.raises(ValueError, match=r"positions must be 1-D \[num_slots\], got shape \(2, 2\)"):
+        replacer.build_context([], [[0, 1], [2, 3]], is_prefill=False)
+
+
+def test_without_token_ids_requests_need_a_hint():
+    r = TensorReplacer(captures_for([2], [0]))
+    with pytest.raises(ValueError, match="only be registered with an explicit prompt_idx"):
+        r.register_request("a", [1, 2])
+    assert r.register_request("a", None, prompt_idx=0) == 0
+
+
+def test_active_context_is_thread_local(replacer):
+    replacer.register_request("a", [1, 2, 3])
+    mine = replacer.build_context(["a"], [0, 1, 2], True)
+    seen = {}
+
+    def worker():
+        seen["before"] = get_replacement_tensor("m0")
+        theirs = replacer.warmup_context(2)
+        set_active_context(theirs)
+        seen["after"] = get_replacement_tensor("m0")
+
+    set_active_context(mine)
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    try:
+        assert seen["before"] is None
+        assert seen["after"].shape == (2, 4)
+        assert get_replacement_tensor("m0") is mine["m0"]
+        assert get_replacement_tensor("not-a-module") is None
+    finally:
+        set_active_context(None)
+    assert get_replacement_tensor("m0") is None
+
+
+# ---------------------------------------------------------------- property tests
+
+
+@st.composite
+def scenario(draw):
+    n_prompts = draw(st.integers(1, 4))
+    lengths = draw(st.lists(st.integers(1, 6), min_size=n_prompts, max_size=n_prompts))
+    decode = draw(st.lists(st.integers(0, 4), min_size=n_prompts, max_size=n_prompts))
+    kv_cache = draw(st.booleans())
+    n_req = draw(st.integers(0, 4))
+    # each request: a prompt (or None = unknown to the reference)
+    req_prompts = draw(st.lists(st.one_of(st.none(), st.integers(0, n_prompts - 1)), min_size=n_req, max_size=n_req))
+    return lengths, decode, kv_cache, req_prompts
+
+
+def _setup(lengths, decode, kv_cache, req_prompts, seed):
+    caps = captures_for(lengths, decode, seed=seed, kv_cache=kv_cache)
+    r = TensorReplacer(caps, on_unknown="passthrough")
+    req_ids = [f"req-{i}" for i in range(len(req_prompts))]
+    for rid, p in zip(req_ids, req_prompts):
+        if p is not None:
+            r.register_request(rid, None, prompt_idx=p)
+    return caps, r, req_ids
+
+
+def _assert_same(ctx, expected, mask):
+    assert ctx.mask.tolist() == mask.tolist()
+    for m, t in expected.items():
+        assert torch.equal(ctx[m], t), m
+
+
+@settings(max_examples=150, deadline=None)
+@given(sc=scenario(), tokens_per_req=st.integers(1, 4), extra_pad=st.integers(0, 5), data=st.data())
+def test_decode_matches_per_slot_oracle(sc, tokens_per_req, extra_pad, data):
+    lengths, decode, kv_cache, req_prompts = sc
+    caps, r, req_ids = _setup(lengths, decode, kv_cache, req_prompts, seed=len(req_prompts))
+    slots = len(req_ids) * tokens_per_req + extra_pad
+    positions = data.draw(st.lists(st.integers(-1, 12), min_size=slots, max_size=slots))
+    ctx = r.build_context(req_ids, positions, is_prefill=False, tokens_per_req=tokens_per_req)
+    owners = slot_owners(slots, len(req_ids), is_prefill=False, tokens_per_req=tokens_per_req)
+    _assert_same(ctx, *build_context_loop(caps, req_prompts, positions, owners))
+
+
+@settings(max_examples=150, deadline=None)
+@given(sc=scenario(), start=st.integers(0, 8), run=st.integers(1, 8), pad=st.lists(st.integers(0, 12), max_size=6))
+def test_prefill_matches_per_slot_oracle(sc, start, run, pad):
+    lengths, decode, kv_cache, req_prompts = sc
+    req_prompts = (req_prompts or [0])[:1]
+    caps, r, req_ids = _setup(lengths, decode, kv_cache, req_prompts, seed=start)
+    positions = list(range(start, start + run)) + pad
+    ctx = r.build_context(req_ids, positions, is_prefill=True)
+    owners = slot_owners(len(positions), 1, positions=positions, is_prefill=True)
+    _assert_same(ctx, *build_context_loop(caps, req_prompts, positions, owners))
+
+
+@settings(max_examples=150, deadline=None)
+@given(sc=scenario(), data=st.data())
+def test_mixed_batch_matches_per_slot_oracle(sc, data):
+    lengths, decode, kv_cache, req_prompts = sc
+    caps, r, req_ids = _setup(lengths, decode, kv_cache, req_prompts, seed=7)
+    counts = data.draw(st.lists(st.integers(0, 5), min_size=len(req_ids), max_size=len(req_ids)))
+    pad = data.draw(st.integers(0, 4))
+    positions = []
+    for c in counts:  # each request's tokens are consecutive from some start
+        s = data.draw(st.integers(0, 10))
+        positions += list(range(s, s + c))
+    positions += data.draw(st.lists(st.integers(0, 10), min_size=pad, max_size=pad))
+    ctx = r.build_context_for_batch(req_ids, counts, positions)
+    owners = slot_owners(len(positions), len(req_ids), num_scheduled_tokens=counts)
+    _assert_same(ctx, *build_context_loop(caps, req_prompts, positions, owners))
