@@ -1,0 +1,122 @@
+"""Cost of instrument() under torch.compile (inductor), Qwen3-MoE mid-size, fp32.
+
+Variants, timed interleaved (medians): plain compiled model; instrumented with
+replacement off (mask all False); on with the model's own router logits (same
+routing, so only the inserted ops cost); on with different logits. Also the
+compile-time ratio and how many graphs the instrumented model compiled over the
+on/off/new-value calls. Prints a table and a final JSON line.
+
+    python benchmarks/bench_graph.py [--quick] [--threads N]
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from fxreplace.context import ReplacementContext
+from fxreplace.instrument import instrument
+
+TARGETS = ["model.layers.*.mlp.gate"]
+
+
+def build(tokens):
+    config = Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        num_experts=16, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=tokens,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def own_router_logits(model, ids):
+    """The router logits the plain model computes (the gate's output[0])."""
+    captured, handles = {}, []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            handles.append(module.register_forward_hook(
+                lambda m, a, out, name=name: captured.__setitem__(name, out[0].detach().clone())))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for h in handles:
+        h.remove()
+    return captured
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer timed repetitions")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (1 is steadier on a machine shared with other jobs)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokens, reps = 256, (10 if args.quick else 40)
+    torch._inductor.config.fx_graph_cache = False  # time real compiles
+
+    plain = build(tokens)
+    model = instrument(copy.deepcopy(plain), TARGETS)
+    ids = torch.randint(0, 1024, (1, tokens), generator=torch.Generator().manual_seed(0))
+    same = own_router_logits(plain, ids)
+    on_same = ReplacementContext(same, torch.ones(tokens, dtype=torch.bool))
+    gen = torch.Generator().manual_seed(1)
+    on_other = ReplacementContext({n: torch.randn(tokens, 16, generator=gen) for n in same},
+                                  torch.ones(tokens, dtype=torch.bool))
+    off = ReplacementContext({n: torch.zeros(tokens, 16) for n in same}, torch.zeros(tokens, dtype=torch.bool))
+
+    compiled_plain = torch.compile(plain)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter)
+    variants = {
+        "plain": lambda: compiled_plain(input_ids=ids, use_cache=False),
+        "off": lambda: compiled(input_ids=ids, use_cache=False, replacements=off),
+        "on_same_routing": lambda: compiled(input_ids=ids, use_cache=False, replacements=on_same),
+        "on_other_logits": lambda: compiled(input_ids=ids, use_cache=False, replacements=on_other),
+    }
+    with torch.no_grad():
+        # Warm inductor's process-wide state and kernel cache once, so neither
+        # timed compile pays the first-compile cost alone.
+        torch.compile(copy.deepcopy(plain))(input_ids=ids, use_cache=False)
+        torch._dynamo.reset()
+        compile_plain = timed(variants["plain"])
+        compile_instrumented = timed(variants["on_same_routing"])
+        for fn in variants.values():  # warm up (no compile expected for the instrumented ones)
+            fn()
+        graphs = counter.frame_count
+        torch.testing.assert_close(variants["on_same_routing"]().logits, variants["plain"]().logits,
+                                   rtol=1e-3, atol=1e-3)
+        times = {name: [] for name in variants}
+        order = list(variants)
+        for rep in range(reps):
+            for name in order[rep % len(order):] + order[:rep % len(order)]:  # rotate: no position bias
+                times[name].append(timed(variants[name]))
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(f"{'variant':<18}{'median ms':>12}{'vs plain':>10}")
+    for name, value in median.items():
+        print(f"{name:<18}{value * 1e3:>12.2f}{value / median['plain']:>10.3f}")
+    print(f"compile: plain {compile_plain:.1f}s, instrumented {compile_instrumented:.1f}s; graphs compiled: {graphs}")
+    print(json.dumps({
+        "overhead_off": round(median["off"] / median["plain"], 4),
+        "overhead_on_same_routing": round(median["on_same_routing"] / median["plain"], 4),
+        "overhead_on_other_logits": round(median["on_other_logits"] / median["plain"], 4),
+        "compile_time_ratio": round(compile_instrumented / compile_plain, 4),
+        "graphs_compiled": graphs,
+        "tokens": tokens, "repetitions": reps,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Adapters turn replacement router *logits* into the value an injection point
+computes.
+
+Needed when the only place to inject is downstream of the logits, e.g. a fused
+router kernel that never materialises them and returns expert affinities. An
+adapter is ``fn(logits [T, E], module) -> Tensor``; ``module`` is the targeted
+module, so routing constants (``top_k``, a correction bias) come from the model
+itself. All built-in routing adapters return dense ``[T, E]`` affinities: the
+routing weight at each chosen expert, zero elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+from torch import nn
+
+Adapter = Callable[[torch.Tensor, nn.Module], torch.Tensor]
+
+_REGISTRY: dict[str, Adapter] = {}
+
+
+def register_adapter(name: str, fn: Adapter) -> Adapter:
+    """Make ``fn(logits, module)`` available to ``Target(adapter=name)``."""
+    if not callable(fn):
+        raise TypeError(f"adapter {name!r} must be callable")
+    _REGISTRY[name] = fn
+    return fn
+
+
+def get_adapter(adapter: Union[str, Adapter, None]) -> Adapter:
+    """Resolve a :class:`~fxreplace.Target` adapter field to a function."""
+    if adapter is None:
+        return identity
+    if callable(adapter):
+        return adapter
+    try:
+        return _REGISTRY[adapter]
+    except KeyError:
+        raise KeyError(f"unknown adapter {adapter!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def identity(logits: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    return logits
+
+
+def _module_attr(module: nn.Module, value, attr: str, adapter: str):
+    if value is not None:
+        return value
+    if not hasattr(module, attr):
+        raise ValueError(f"adapter {adapter} needs {attr!r}: pass it explicitly or give the module that attribute")
+    return getattr(module, attr)
+
+
+def _scatter(weights: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    dense = torch.zeros(weights.shape[0], num_experts, dtype=weights.dtype, device=weights.device)
+    return dense.scatter(1, indices, weights)
+
+
+def topk_softmax_scatter(k: int | None = None) -> Adapter:
+    """GPT-OSS routing: top-k of the raw logits, softmax over those k values."""
+
+    def adapter(logits, module):
+        top_k = _module_attr(module, k, "top_k", "topk_softmax_scatter")
+        values, indices = torch.topk(logits.float(), top_k, dim=-1)
+        return _scatter(torch.softmax(values, dim=-1), indices, logits.shape[-1])
+
+    return adapter
+
+
+def softmax_topk_renorm(k: int | None = None, renormalize: bool | None = None) -> Adapter:
+    """Qwen3-MoE / Mixtral routing: softmax over all experts, top-k, optional
+    renormalisation of the k weights to sum to one."""
+
+    def adapter(logits, module):
+        top_k = _module_attr(module, k, "top_k", "softmax_topk_renorm")
+        renorm = renormalize if renormalize is not None else getattr(module, "norm_topk_prob", True)
+        values, indices = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+        if renorm:
+            values = values / values.sum(dim=-1, keepdim=True)
+        return _scatter(values, indices, logits.shape[-1])
+
+    return adapter
+
+
+def sigmoid_bias_grouped_topk(
+    k: int | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float | None = None,
+    norm_topk_prob: bool | None = None,
+) -> Adapter:
+    """DeepSeek-V3 routing: sigmoid scores; experts chosen by score plus the
+    module's ``e_score_correction_bias`` within the best ``topk_group`` groups;
+    weights are the unbiased scores, optionally renormalised, then scaled."""
+
+    def adapter(logits, module):
+        name = "sigmoid_bias_grouped_topk"
+        top_k = _module_attr(module, k, "top_k", name)
+        groups = _module_attr(module, n_group, "num_group", name)
+        keep_groups = _module_attr(module, topk_group, "topk_group", name)
+        scale = _module_attr(module, routed_scaling_factor, "routed_scaling_factor", name)
+        renorm = _module_attr(module, norm_topk_prob, "norm_topk_prob", name)
+        num_tokens, num_experts = logits.shape
+        scores = logits.float().sigmoid()
+        choice = scores + module.e_score_correction_bias.float()
+        group_scores = choice.view(num_tokens, groups, num_experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=keep_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand(num_tokens, groups, num_experts // groups)
+        choice = choice.masked_fill(expert_mask.reshape(num_tokens, num_experts) == 0, float("-inf"))
+        indices = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, indices)
+        if renorm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return _scatter(weights * scale, indices, num_experts)
+
+    return adapter
+
+
+register_adapter("identity", identity)
+register_adapter("topk_softmax_scatter", topk_softmax_scatter())
+register_adapter("softmax_topk_renorm", softmax_topk_renorm())
+register_adapter("sigmoid_bias_grouped_topk", sigmoid_bias_grouped_topk())

@@ -1,0 +1,100 @@
+"""The slice of a full ``[T, E]`` replacement that one rank's module computes.
+
+Replacements enter the graph unsharded. Slicing is expressed as tensor ops so a
+single SPMD graph serves every rank when the rank is a tensor input (as Neuron
+compiles): no Python branch ever depends on the rank's value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+
+MODES = ("sequence", "expert", "data")
+
+
+class ShapeError(ValueError):
+    """A replacement whose shape does not fit the tensor it replaces."""
+
+
+@dataclass(frozen=True, eq=False)
+class ShardSpec:
+    """How the injection point is partitioned across ``world_size`` ranks.
+
+    ``mode``: ``"sequence"`` (the module sees rows ``rank*T/world ...``),
+    ``"expert"`` (it sees columns ``rank*E/world ...``) or ``"data"`` (each
+    replica gets its own context: nothing to slice).
+    ``rank``: a Python int, or a 0-d integer tensor that the graph reads at run
+    time (set it in place to move a compiled graph to another rank).
+    """
+
+    mode: str
+    world_size: int = 1
+    rank: Union[int, torch.Tensor] = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"shard mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        if isinstance(self.rank, torch.Tensor):
+            if self.rank.dim() != 0 or self.rank.dtype.is_floating_point or self.rank.dtype == torch.bool:
+                raise ValueError(f"a rank tensor must be a 0-d integer tensor, got {self.rank!r}")
+            check_rank_value(self.rank, self.world_size)
+        elif not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} out of range for world_size {self.world_size}")
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def check_rank_value(rank: torch.Tensor, world_size: int) -> None:
+    """Range-check a rank tensor in eager mode (never inside a traced graph)."""
+    if not _tracing() and not 0 <= int(rank) < world_size:
+        raise ValueError(f"rank {int(rank)} out of range for world_size {world_size}")
+
+
+def require(condition, message: Callable[[], str]) -> None:
+    """Raise :class:`ShapeError` now when ``condition`` is a concrete bool;
+    for symbolic shapes, record a check that the compiled graph asserts.
+    ``message`` is a callable so symbolic sizes are only formatted on failure."""
+    if isinstance(condition, bool):
+        if not condition:
+            raise ShapeError(message())
+    else:
+        torch._check(condition, message)
+
+
+def _local_block(x: torch.Tensor, dim: int, world_size: int, rank, what: str) -> torch.Tensor:
+    size = x.shape[dim]
+    require(size % world_size == 0, lambda: f"{what}: size {size} is not divisible by world_size {world_size}")
+    block = size // world_size
+    if isinstance(rank, int):
+        return x.narrow(dim, rank * block, block)
+    check_rank_value(rank, world_size)
+    index = rank.to(torch.long) * block + torch.arange(block, device=x.device)
+    return x.index_select(dim, index)
+
+
+def shard_rows(x: torch.Tensor, spec: ShardSpec | None, rank, what: str) -> torch.Tensor:
+    """Sequence parallel: this rank's block of rows (tokens)."""
+    if spec is None or spec.mode != "sequence" or spec.world_size == 1:
+        return x
+    return _local_block(x, 0, spec.world_size, rank, what)
+
+
+def shard_columns(x: torch.Tensor, spec: ShardSpec | None, rank, what: str) -> torch.Tensor:
+    """Expert parallel: this rank's block of the last (expert) dimension."""
+    if spec is None or spec.mode != "expert" or spec.world_size == 1:
+        return x
+    return _local_block(x, x.dim() - 1, spec.world_size, rank, what)
+
+
+def rows_before_sharding(local_rows, spec: ShardSpec | None):
+    """Token count of the full replacement given the rows one rank computes."""
+    if spec is not None and spec.mode == "sequence":
+        return local_rows * spec.world_size
+    return local_rows

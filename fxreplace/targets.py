@@ -1,0 +1,109 @@
+"""Which modules to instrument: :class:`Target` specs and their resolution to
+qualified module names, with errors that show the closest existing names."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Union
+
+from torch import nn
+
+from .sharding import ShardSpec
+
+#: ``"auto"``, ``"output"``, ``"output[i]"``, or ``fn(nodes) -> Node`` picking the
+#: injection node among the FX nodes computed inside the module.
+Point = Union[str, Callable]
+
+
+class TargetError(ValueError):
+    """A target pattern or injection point that does not exist in the model."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One injection site, or many through a glob pattern.
+
+    ``pattern``: qualified module name; ``*`` matches one name component
+    (``model.layers.*.mlp.gate``), ``**`` any number of them.
+    ``point``: where inside the module the replacement goes: ``"output"`` /
+    ``"output[i]"``, ``"auto"`` (the output when it is one tensor, else the
+    logits node: the first linear-family op computed in the module), or a
+    callable ``fn(nodes) -> Node`` given the module's FX nodes in order.
+    ``adapter``: converts replacement *logits* into what the injection point
+    computes (a registered name, or ``fn(logits, module)``); see
+    :mod:`fxreplace.adapters`.
+    ``shard``: the slice of the full ``[T, E]`` replacement this module sees.
+    ``name``: the reference capture name when it differs from the module name;
+    ``{}``/``{0}``... are filled with what the pattern's wildcards matched, e.g.
+    ``Target("model.layers.*.mlp.router", name="model.layers.{}.mlp.gate")``.
+    """
+
+    pattern: str
+    point: Point = "auto"
+    adapter: Union[str, Callable, None] = None
+    shard: ShardSpec | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A target bound to one module of the model."""
+
+    module_name: str
+    capture_name: str
+    point: Point
+    adapter: Union[str, Callable, None]
+    shard: ShardSpec | None
+
+
+TargetLike = Union[str, Target]
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    parts = re.split(r"(\*\*|\*|\?)", pattern)
+    regex = "".join(
+        {"**": "(.*)", "*": "([^.]*)", "?": "[^.]"}.get(p, re.escape(p)) for p in parts
+    )
+    return re.compile(regex + r"\Z")
+
+
+def closest_names(query: str, names: Iterable[str], n: int = 5) -> list[str]:
+    """Qualified names that look like ``query`` (wildcards read as ``0``)."""
+    probe = query.replace("**", "0").replace("*", "0")
+    return difflib.get_close_matches(probe, list(names), n=n, cutoff=0.4)
+
+
+def resolve_targets(model: nn.Module, targets: Iterable[TargetLike]) -> list[ResolvedTarget]:
+    """Expand patterns over ``model.named_modules()``, in model order.
+
+    Every pattern must match at least one module and no module may be matched
+    twice: a silent miss or a double injection would make results meaningless.
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, ResolvedTarget] = {}
+    for target in targets:
+        if isinstance(target, str):
+            target = Target(target)
+        regex = _glob_regex(target.pattern)
+        matched = False
+        for name in names:
+            m = regex.match(name)
+            if not m:
+                continue
+            matched = True
+            if name in resolved:
+                raise TargetError(f"module {name!r} is matched by more than one target")
+            capture_name = target.name.format(*m.groups()) if target.name else name
+            resolved[name] = ResolvedTarget(name, capture_name, target.point, target.adapter, target.shard)
+        if not matched:
+            raise TargetError(
+                f"target {target.pattern!r} matches no module; closest qualified names: "
+                f"{closest_names(target.pattern, names)}"
+            )
+    capture_names = [r.capture_name for r in resolved.values()]
+    if len(set(capture_names)) != len(capture_names):
+        raise TargetError(f"two targets share a capture name: {capture_names}")
+    order = {name: i for i, name in enumerate(names)}
+    return sorted(resolved.values(), key=lambda r: order[r.module_name])

@@ -1,0 +1,31 @@
+"""DeepSeek-V3: sigmoid scores, correction bias, group-limited top-k. HF router
+``mlp.gate`` (logits, weights, indices) on MoE layers (after
+``first_k_dense_replace`` dense ones); vLLM's ``mlp.gate`` is a ReplicatedLinear
+returning (logits, bias). Export needs num_key_value_heads == num_attention_heads."""
+
+from transformers import DeepseekV3Config
+
+from fxreplace.targets import Target
+
+from . import Family, register_family
+
+
+def tiny_config(**overrides):
+    config = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+        max_position_embeddings=256,
+    )
+    return DeepseekV3Config(**{**config, **overrides})
+
+
+register_family(Family(
+    architecture="DeepseekV3ForCausalLM",
+    targets=(Target("model.layers.*.mlp.gate"),),
+    vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
+    fused_adapter="sigmoid_bias_grouped_topk",
+    tiny_config=tiny_config,
+))

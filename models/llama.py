@@ -1,0 +1,29 @@
+"""Dense Llama: no router; useful targets are block outputs. ``mlp`` returns a
+tensor; ``self_attn`` returns (output, weights), so its point is ``output[0]``;
+the decoder layer's output is the residual stream after that layer."""
+
+from transformers import LlamaConfig
+
+from fxreplace.targets import Target
+
+from . import Family, register_family
+
+MLP_OUTPUT = Target("model.layers.*.mlp", point="output")
+ATTENTION_OUTPUT = Target("model.layers.*.self_attn", point="output[0]")
+RESIDUAL_STREAM = Target("model.layers.*", point="output")
+
+
+def tiny_config(**overrides):
+    config = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+    )
+    return LlamaConfig(**{**config, **overrides})
+
+
+register_family(Family(
+    architecture="LlamaForCausalLM",
+    targets=(MLP_OUTPUT,),
+    vllm_targets=(MLP_OUTPUT, ATTENTION_OUTPUT),
+    tiny_config=tiny_config,
+))

@@ -1,0 +1,27 @@
+"""Mixtral: softmax -> top-k -> renormalised routing; router ``mlp.gate``
+(HF returns (logits, weights, indices); vLLM's gate is a ReplicatedLinear
+returning (logits, bias))."""
+
+from transformers import MixtralConfig
+
+from fxreplace.targets import Target
+
+from . import Family, register_family
+
+
+def tiny_config(**overrides):
+    config = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+    )
+    return MixtralConfig(**{**config, **overrides})
+
+
+register_family(Family(
+    architecture="MixtralForCausalLM",
+    targets=(Target("model.layers.*.mlp.gate"),),
+    vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]"),),
+    fused_adapter="softmax_topk_renorm",
+    tiny_config=tiny_config,
+))

@@ -1,0 +1,175 @@
+"""instrument() on Qwen3-MoE: replacement semantics, model identity, errors,
+one compiled graph for on/off/new values, static feed buffers."""
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fxreplace.models as families
+from fxreplace.context import ReplacementContext
+from fxreplace.instrument import TargetNotHitError, instrument
+from fxreplace.sharding import ShapeError
+from graph_helpers import TOKENS, OverrideLinear, input_ids, off_context, random_context
+
+ARCH = "Qwen3MoeForCausalLM"
+GATES = ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+E = 8
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return families.tiny_model(ARCH)
+
+
+@pytest.fixture(scope="module")
+def model(plain):
+    return instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
+
+
+def reference(plain, ctx):
+    weights = {plain.get_submodule(n).weight: ctx[n] for n in ctx}
+    with torch.no_grad(), OverrideLinear(weights, ctx.mask):
+        return plain(input_ids=input_ids()).logits
+
+
+def logits(model, **kwargs):
+    with torch.no_grad():
+        return model(input_ids=input_ids(), **kwargs).logits
+
+
+def test_targets_and_model_identity(plain):
+    fresh = copy.deepcopy(plain)
+    params = dict(fresh.named_parameters())
+    keys = list(fresh.state_dict())
+    out = instrument(fresh, ["model.layers.*.mlp.gate"])
+    assert out is fresh and out.targets == GATES
+    assert list(out.state_dict()) == keys
+    assert all(p is params[n] for n, p in out.named_parameters())
+    assert type(out).__name__ == type(plain).__name__ and isinstance(out, type(plain))
+    with pytest.raises(ValueError, match="already instrumented"):
+        instrument(out, ["model.layers.*.mlp.gate"])
+
+
+def test_replacement_equals_independent_override(model, plain):
+    ctx = random_context(GATES, E)
+    expected = reference(plain, ctx)
+    assert not torch.allclose(expected, logits(plain))  # the replacement matters
+    torch.testing.assert_close(logits(model, replacements=ctx), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_off_and_plain_equal_the_plain_model(model, plain):
+    assert torch.equal(logits(model), logits(plain))
+    assert torch.equal(logits(model, replacements=off_context(GATES, E)), logits(plain))
+
+
+def test_dict_replaces_all_rows_and_missing_names_stay_off(model, plain):
+    ctx = random_context(GATES, E, mask=torch.ones(TOKENS, dtype=torch.bool))
+    expected = reference(plain, ctx)
+    torch.testing.assert_close(logits(model, replacements=dict(ctx.items())), expected, rtol=1e-5, atol=1e-5)
+    only_first = ReplacementContext({GATES[0]: ctx[GATES[0]]}, ctx.mask)
+    torch.testing.assert_close(logits(model, replacements=only_first), reference(plain, only_first),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(KeyError, match="no replacement name"):
+        logits(model, replacements={"model.layers.0.mlp.router": ctx[GATES[0]]})
+
+
+def test_load_state_dict_updates_what_forward_uses(plain):
+    fresh = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"])
+    state = {k: v.clone() for k, v in fresh.state_dict().items()}
+    state[f"{GATES[0]}.weight"] = torch.randn(E, 64)
+    for assign in (False, True):
+        other = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"])
+        other.load_state_dict(state, assign=assign)
+        twin = copy.deepcopy(plain)
+        twin.load_state_dict(state)
+        assert torch.equal(logits(other), logits(twin))
+        assert not torch.equal(logits(other), logits(plain))
+
+
+def test_shape_mismatch_names_module_and_shapes(model):
+    bad = random_context(GATES, E, tokens=TOKENS + 1)
+    with pytest.raises(ShapeError, match=r"model\.layers\.0\.mlp\.gate.*\(9, 8\).*\[8, E\]"):
+        logits(model, replacements=bad)
+    wrong_experts = ReplacementContext({n: torch.zeros(TOKENS, E + 1) for n in GATES}, torch.ones(TOKENS, dtype=torch.bool))
+    with pytest.raises(ShapeError, match=r"model\.layers\.0\.mlp\.gate.*\(8, 9\).*\(8, 8\)"):
+        logits(model, replacements=wrong_experts)
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("eager")
+    with pytest.raises(ShapeError, match=r"model\.layers\.0\.mlp\.gate"):
+        with torch.no_grad():
+            torch.compile(model, backend=cnt)(input_ids=input_ids(), replacements=bad)
+
+
+def test_a_forward_that_skips_the_router_is_an_error(plain):
+    fresh = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"])
+    moe = fresh.model.layers[1].mlp
+    moe.forward = lambda hidden_states: hidden_states  # a "kernel" that never calls the gate
+    with pytest.raises(TargetNotHitError, match=r"model\.layers\.1\.mlp\.gate"):
+        logits(fresh, replacements=random_context(GATES, E))
+    with pytest.raises(TargetNotHitError, match=r"model\.layers\.1\.mlp\.gate"):
+        logits(fresh)
+    gate = fresh.model.layers[0].mlp.gate
+    twice = fresh.model.layers[0].mlp
+    twice.forward = lambda h: (gate(h.view(-1, 64)), gate(h.view(-1, 64)), h)[-1]
+    with pytest.raises(TargetNotHitError, match="hit twice"):
+        logits(fresh)
+
+
+def test_one_compiled_graph_for_on_off_and_new_values(model, plain):
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, backend=cnt, fullgraph=True)
+    contexts = [random_context(GATES, E, seed=1), off_context(GATES, E), random_context(GATES, E, seed=2)]
+    for ctx in contexts:
+        with torch.no_grad():
+            out = compiled(input_ids=input_ids(), replacements=ctx).logits
+        torch.testing.assert_close(out, reference(plain, ctx), rtol=1e-5, atol=1e-5)
+    assert cnt.frame_count == 1
+
+
+def test_inductor_matches_eager_and_compiles_once(model, plain):
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=cnt)
+    for seed in (3, 4):
+        ctx = random_context(GATES, E, seed=seed)
+        with torch.no_grad():
+            out = compiled(input_ids=input_ids(), replacements=ctx).logits
+        torch.testing.assert_close(out, reference(plain, ctx), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        out = compiled(input_ids=input_ids(), replacements=off_context(GATES, E)).logits
+    torch.testing.assert_close(out, logits(plain), rtol=1e-4, atol=1e-4)
+    assert cnt.frame_count == 1
+
+
+def test_feed_buffers_serve_one_graph(plain):
+    torch._dynamo.reset()
+    fed = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
+    keys = list(fed.state_dict())
+    cnt = CompileCounterWithBackend("eager")
+    compiled = torch.compile(fed, backend=cnt, fullgraph=True)
+    fed.feed(off_context(GATES, E, tokens=16))  # warmup: sizes the buffers
+    assert list(fed.state_dict()) == keys  # buffers are not persistent
+    with torch.no_grad():
+        assert torch.equal(compiled(input_ids=input_ids()).logits, logits(plain))
+    for seed in (5, 6):
+        ctx = random_context(GATES, E, seed=seed)
+        fed.feed(ctx)
+        with torch.no_grad():
+            out = compiled(input_ids=input_ids()).logits
+        torch.testing.assert_close(out, reference(plain, ctx), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, logits(fed, replacements=ctx), rtol=1e-5, atol=1e-5)
+    fed.clear()
+    with torch.no_grad():
+        assert torch.equal(compiled(input_ids=input_ids()).logits, logits(plain))
+    assert cnt.frame_count == 1
+    with pytest.raises(ShapeError, match="does not fit"):
+        fed.feed(random_context(GATES, E, tokens=17))
+
+
+def test_feed_needs_max_tokens(plain):
+    fresh = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"])
+    with pytest.raises(ValueError, match="max_tokens"):
+        fresh.feed(off_context(GATES, E))
