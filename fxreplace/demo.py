@@ -1,41 +1,110 @@
-"""The built-in example: captures → store on disk → scheduler batches → replacement contexts."""
+"""``fxreplace demo``: the whole workflow on a built-in tiny MoE model.
+
+Reference: the fp32 model, eager. Target: the same weights in bf16, instrumented
+and compiled, run by the embedded runner. Both are validated with teacher forcing,
+without and with router-logit replacement, and a report is written.
+"""
 
 from __future__ import annotations
 
-import tempfile
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from .replacer import TensorReplacementConfig
-from .store import ReferenceStore
+from .capture import capture_reference
+from .instrument import instrument
+from .replacer import TensorReplacer
+from .runner import Runner, RunnerConfig
+from .validation import ValidationResult, logit_validation
 
 
-def run_context_demo() -> None:
-    torch.manual_seed(0)
-    experts, layers = 8, 2
-    prompts = [[101, 7, 42, 9], [101, 7, 55]]
-    decode_steps = 3
-    # Step-wise router logits as a reference model produces them: prefill [1, L, E],
-    # then one full recompute [1, L + i, E] per generated token.
-    captures = [
-        {f"model.layers.{n}.mlp.gate": [torch.randn(1, len(p) + i, experts) for i in range(decode_steps + 1)] for n in range(layers)}
-        for p in prompts
+@dataclass
+class DemoConfig:
+    architecture: str = "Qwen3MoeForCausalLM"
+    prompts: int = 8
+    new_tokens: int = 32
+    layers: int = 4
+    experts: int = 16
+    init_std: float = 0.3  # peaked logits, so ties don't decide divergence
+    seed: int = 1
+    compile: bool = True
+    report_dir: str = "fxreplace-report"
+
+
+def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> ValidationResult:
+    from fxreplace.models import get_family, tiny_model
+
+    started = time.perf_counter()
+    family = get_family(cfg.architecture)
+    reference_model = tiny_model(cfg.architecture, seed=cfg.seed, init_std=cfg.init_std, num_hidden_layers=cfg.layers,
+                                 num_experts=cfg.experts)
+    config = reference_model.config
+    generator = torch.Generator().manual_seed(cfg.seed)
+    prompts = [
+        torch.randint(0, config.vocab_size, (int(torch.randint(8, 25, (1,), generator=generator)),), generator=generator).tolist()
+        for _ in range(cfg.prompts)
     ]
-    with tempfile.TemporaryDirectory() as tmp:
-        ReferenceStore.from_captures(captures, prompt_token_ids=prompts, metadata={"source_model": "demo"}).save(tmp)
-        print(f"saved {len(prompts)} prompts x {layers} modules to {tmp} (safetensors + index.json)")
-        replacer = TensorReplacementConfig(tensors_path=tmp).build(on_unknown="passthrough")
+    targets = list(family.targets)
+    print(f"reference: {cfg.architecture} ({cfg.layers} layers, {_experts(config)} experts, fp32, eager); "
+          f"{cfg.prompts} prompts x {cfg.new_tokens} new tokens")
+    reference = capture_reference(reference_model, prompts, targets, cfg.new_tokens, progress=progress)
 
-        print("register: a prompt, a teacher-forcing retry of it, and an unknown prompt")
-        for req, tokens in {"req-a": prompts[0], "req-a-retry": prompts[0] + [5, 6], "req-b": prompts[1], "req-x": [1, 2]}.items():
-            print(f"  {req:<12} {tokens} -> prompt {replacer.register_request(req, tokens)}")
+    target_model = instrument(copy.deepcopy(reference_model).to(torch.bfloat16), targets)
+    compiled = torch.compile(target_model, backend="inductor") if cfg.compile else target_model
+    runner = Runner(
+        compiled,
+        config,
+        replacer=TensorReplacer(reference.store),
+        runner_config=RunnerConfig(prefill_buckets=(64,), batch_buckets=(cfg.prompts,), max_len=128),
+        dtype=torch.bfloat16,
+        observed=target_model,
+    )
+    print(f"target: the same weights in bf16, instrumented at {len(target_model.targets)} routers, "
+          f"{'compiled (inductor)' if cfg.compile else 'eager'}, embedded runner")
+    result = logit_validation(runner, reference, router_topk=getattr(config, "num_experts_per_tok", None), progress=progress)
+    report = result.write_report(cfg.report_dir)
+    print_summary(result)
+    print(f"report: {Path(report).resolve()}   ({time.perf_counter() - started:.0f} s)")
+    return result
 
-        ctx = replacer.build_context(["req-b"], [0, 1, 2, 0, 0, 0, 0, 0], is_prefill=True)
-        print(f"prefill bucket of 8 for req-b: mask {ctx.mask.int().tolist()}")
-        ctx = replacer.build_context_for_batch(["req-a-retry", "req-b", "req-x"], [2, 1, 1], [4, 5, 3, 9, 0, 0])
-        print(f"mixed batch (2 speculative + 1 decode + 1 unknown + 2 padding): mask {ctx.mask.int().tolist()}")
-        gate = ctx["model.layers.0.mlp.gate"]
-        print(f"layer 0 router logits for those slots: {tuple(gate.shape)}, argmax {gate.argmax(-1).tolist()}")
-        for req in list(replacer.requests):
-            replacer.release_request(req)
-        print(f"released all requests; request map now {replacer.requests}")
+
+def print_summary(result: ValidationResult) -> None:
+    summary = result.summary()
+    off, on = summary["off"], summary["on"]
+    print()
+    print(f"{'prompt':>6} | {'first divergence':^21} | {'mean top-5 error':^21}")
+    print(f"{'':>6} | {'without':>10} {'with':>10} | {'without':>10} {'with':>10}")
+    for p in off["prompts"]:
+        a, b = off["prompts"][p], on["prompts"][p]
+        print(f"{p:>6} | {_fmt(a['first_divergence']):>10} {_fmt(b['first_divergence']):>10} | "
+              f"{_fmt(a['mean_top5_error']):>10} {_fmt(b['mean_top5_error']):>10}")
+    print()
+    print(f"{'':28}{'without':>10}{'with':>10}   (replacement of router logits)")
+    for label, key in [("top-1 agreement", "top1_agreement"), ("prompts diverged", "prompts_diverged"),
+                       ("mean top-5 error", "mean_top5_error"), ("mean KL", "mean_kl"),
+                       ("router agreement (top-k)", "router_agreement_mean")]:
+        print(f"{label:<28}{_fmt(off[key]):>10}{_fmt(on[key]):>10}")
+    better = (on["prompts_diverged"] < off["prompts_diverged"]) or (
+        on["prompts_diverged"] == off["prompts_diverged"] and (on["top1_agreement"] or 0) > (off["top1_agreement"] or 0))
+    print()
+    if off["prompts_diverged"] == 0:
+        print("verdict: the target did not diverge even without replacement; nothing to isolate here.")
+    elif better:
+        print("verdict: replacing the router logits reduces the divergence: the routers are (part of) the cause.")
+    else:
+        print("verdict: replacing the router logits does NOT reduce the divergence: look elsewhere.")
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _experts(config) -> int:
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", 0)

@@ -14,11 +14,13 @@ torch.compile builds one graph for on, off and new values.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import fx, nn
@@ -301,6 +303,40 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
     model._fxreplace = Instrumentation(resolved, points, injections, slots, max_tokens)
     model.__class__ = _instrumented_class(type(model))
     return model
+
+
+def uninstrument(model: nn.Module) -> nn.Module:
+    """Undo :func:`instrument`: the targets' own forwards and the model's class come back."""
+    if not isinstance(model, InstrumentedModel):
+        raise ValueError("model is not instrumented")
+    state = model._fxreplace
+    for target in state.targets:
+        del model.get_submodule(target.module_name).__dict__["forward"]
+    for i in range(len(state.targets)):
+        for name in state.buffer_names(i):
+            model._buffers.pop(name, None)
+    del model._fxreplace
+    model.__class__ = type(model).__bases__[1]
+    return model
+
+
+@contextmanager
+def observe(model: nn.Module, callback: Callable[[str, torch.Tensor], None]):
+    """Call ``callback(capture_name, computed)`` at every target's injection point,
+    with the value the model computed there (before any replacement)."""
+    if not isinstance(model, InstrumentedModel):
+        raise ValueError("observe() needs an instrumented model")
+    state = model._fxreplace
+    added = []
+    for target, injection in zip(state.targets, state.injections):
+        observer = functools.partial(callback, target.capture_name)
+        injection.observers.append(observer)
+        added.append((injection, observer))
+    try:
+        yield
+    finally:
+        for injection, observer in added:
+            injection.observers.remove(observer)
 
 
 def export_input_name(capture_name: str) -> str:

@@ -41,7 +41,8 @@ class Injection:
     target) and that output-point wrappers call directly, so both paths share one
     implementation. ``replacement=None`` passes ``computed`` through unchanged.
     With ``prefix=True`` the replacement and mask are max-size buffers and only
-    their first rows (the tokens of this call) are read.
+    their first rows (the tokens of this call) are read. ``observers`` see the
+    computed value first (reference capture, router agreement).
     """
 
     def __init__(self, module_name: str, module: nn.Module, adapter=None, shard: ShardSpec | None = None):
@@ -49,9 +50,12 @@ class Injection:
         self.module = module
         self.adapter: Adapter = get_adapter(adapter)
         self.shard = shard
+        self.observers: list[Callable[[torch.Tensor], None]] = []
         self.__name__ = "fxreplace_inject"  # name hint for FX code generation
 
     def __call__(self, computed, replacement=None, mask=None, rank=None, prefix=False):
+        for observe in self.observers:
+            observe(computed)
         if replacement is None:
             return computed
         name = self.module_name

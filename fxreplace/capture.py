@@ -1,0 +1,93 @@
+"""Reference capture: greedy generation on the reference model, recording the targets.
+
+The targets are resolved and located exactly as :func:`fxreplace.instrument` does
+(for MoE routers: the logits node inside the router, not the returned tuple), by
+instrumenting the model for the duration of the capture and observing what each
+injection point computes. The model is restored afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .instrument import InstrumentedModel, instrument, observe, uninstrument
+from .reference import Reference
+from .targets import TargetLike
+
+
+@torch.no_grad()
+def capture_reference(
+    model: torch.nn.Module,
+    prompt_token_ids: Sequence[Sequence[int]],
+    targets: Iterable[TargetLike],
+    max_new_tokens: int,
+    *,
+    progress: bool = True,
+) -> Reference:
+    """Greedy-generate ``max_new_tokens`` per prompt and record, per prompt:
+    each target's value in the step-wise capture format (step 0 = prefill
+    ``[1, L, E]``, then ``[1, 1, E]`` per decode step), the logits of every
+    generated step, and the generated tokens.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompts = [_check_prompt(i, p, model.config.vocab_size) for i, p in enumerate(prompt_token_ids)]
+    if not prompts:
+        raise ValueError("no prompts to capture")
+    owned = not isinstance(model, InstrumentedModel)
+    if owned:
+        instrument(model, targets)
+    try:
+        names = [t.capture_name for t in model._fxreplace.targets]
+        device = next(model.parameters()).device
+        captures, tokens, logits = [], [], []
+        for prompt in tqdm(prompts, desc="capture", disable=not progress):
+            steps: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+
+            def record(name: str, computed: torch.Tensor) -> None:
+                steps[name].append(computed.detach().reshape(1, -1, computed.shape[-1]).clone())
+
+            generated, step_logits = [], []
+            with observe(model, record):
+                out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+                for step in range(max_new_tokens):
+                    last = out.logits[0, -1]
+                    step_logits.append(last.float().cpu())
+                    generated.append(int(last.argmax()))
+                    if step + 1 == max_new_tokens:
+                        break
+                    out = model(
+                        input_ids=torch.tensor([[generated[-1]]], device=device),
+                        past_key_values=out.past_key_values,
+                        use_cache=True,
+                    )
+            captures.append({n: [t.cpu() for t in s] for n, s in steps.items()})
+            tokens.append(generated)
+            logits.append(torch.stack(step_logits))
+    finally:
+        if owned:
+            uninstrument(model)
+    config = model.config
+    metadata = {
+        "source_model": getattr(config, "name_or_path", "") or "",
+        "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
+        "model_type": getattr(config, "model_type", ""),
+        "vocab_size": config.vocab_size,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "targets": names,
+        "max_new_tokens": max_new_tokens,
+    }
+    return Reference.from_parts(captures, prompts, tokens, logits, metadata)
+
+
+def _check_prompt(i: int, prompt, vocab_size: int) -> list[int]:
+    ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+    if not ids:
+        raise ValueError(f"prompt {i} is empty")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt {i}: token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
+    return ids

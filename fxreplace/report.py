@@ -1,0 +1,134 @@
+"""Validation report: PNG plots and one self-contained HTML page."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MODE_LABELS = {"off": "without replacement", "on": "with replacement"}
+MODE_COLORS = {"off": "tab:red", "on": "tab:blue"}
+
+
+def write_report(result, directory: str | Path) -> Path:
+    """Write ``report.html``, ``error_per_step.png``, ``router_agreement.png`` and ``result.json``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "result.json").write_text(result.to_json())
+    _plot_errors(result, directory / "error_per_step.png")
+    has_router = any(result.router.get(m) for m in result.modes)
+    if has_router:
+        _plot_router(result, directory / "router_agreement.png")
+    (directory / "report.html").write_text(_html(result, has_router))
+    return directory / "report.html"
+
+
+def _plot_errors(result, path: Path) -> None:
+    prompts = sorted({s.prompt for s in result.steps})
+    cols = min(4, len(prompts)) or 1
+    rows = (len(prompts) + cols - 1) // cols or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), squeeze=False, sharey=True)
+    for ax, p in zip(axes.flat, prompts):
+        for mode in result.modes:
+            steps = [s for s in result.steps if s.mode == mode and s.prompt == p]
+            ax.plot([s.step for s in steps], [max(s.top5_error, 1e-7) for s in steps], ".-", color=MODE_COLORS[mode],
+                    label=MODE_LABELS[mode], lw=1, ms=3)
+            div = [s for s in steps if not s.top1_agree]
+            ax.scatter([s.step for s in div], [max(s.top5_error, 1e-7) for s in div], marker="x", s=40,
+                       color=MODE_COLORS[mode], zorder=3, label=f"divergence ({mode})")
+        ax.set_yscale("log")
+        ax.set_title(f"prompt {p}", fontsize=9)
+        ax.set_xlabel("generated step", fontsize=8)
+    for ax in list(axes.flat)[len(prompts):]:
+        ax.axis("off")
+    axes[0, 0].set_ylabel("max |Δ log p| over reference top-5")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle("Top-5 log-probability error per step (x = top-1 token differs; teacher forcing continues)")
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_router(result, path: Path) -> None:
+    modules = sorted({m for mode in result.modes for m in result.router.get(mode, {})}, key=_natural)
+    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(modules) + 2), 3.5))
+    width = 0.8 / max(1, len(result.modes))
+    for i, mode in enumerate(result.modes):
+        values = []
+        for m in modules:
+            agree, total = result.router.get(mode, {}).get(m, (0, 0))
+            values.append(agree / total if total else 0)
+        ax.bar([j + i * width for j in range(len(modules))], values, width, color=MODE_COLORS[mode], label=MODE_LABELS[mode])
+    ax.set_xticks([j + width * (len(result.modes) - 1) / 2 for j in range(len(modules))])
+    ax.set_xticklabels([_short(m) for m in modules], rotation=30, ha="right", fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("fraction of tokens")
+    ax.set_title("Target's own top-k routing equals the reference's")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _html(result, has_router: bool) -> str:
+    summary = result.summary()
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>fxreplace validation report</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}"
+        ".diverged{background:#fdd}.within_tolerance{background:#ffd}.matched{background:#dfd}</style></head><body>",
+        "<h1>fxreplace logit validation</h1>",
+        f"<p>{result.num_prompts} prompts, {result.num_steps} validated steps. Tolerances: "
+        f"{html.escape(str(result.tolerances.to_dict()))}</p>",
+        "<h2>Summary</h2><table><tr><th>mode</th><th>top-1 agreement</th><th>prompts diverged</th>"
+        "<th>mean top-5 error</th><th>mean KL</th><th>router agreement</th><th>matched / within / diverged</th></tr>",
+    ]
+    for mode, s in summary.items():
+        counts = s["status_counts"]
+        parts.append(
+            f"<tr><td>{MODE_LABELS[mode]}</td><td>{_fmt(s['top1_agreement'])}</td><td>{s['prompts_diverged']}</td>"
+            f"<td>{_fmt(s['mean_top5_error'])}</td><td>{_fmt(s['mean_kl'])}</td><td>{_fmt(s['router_agreement_mean'])}</td>"
+            f"<td>{counts['matched']} / {counts['within_tolerance']} / {counts['diverged']}</td></tr>"
+        )
+    parts.append("</table><img src='error_per_step.png' style='max-width:100%'>")
+    if has_router:
+        parts.append("<h2>Router agreement per target</h2><img src='router_agreement.png' style='max-width:100%'>")
+    parts.append("<h2>First divergence per prompt</h2><table><tr><th>prompt</th>")
+    parts += [f"<th>{MODE_LABELS[m]}</th>" for m in summary]
+    parts.append("</tr>")
+    for p in sorted({s.prompt for s in result.steps}):
+        cells = "".join(f"<td>{_fmt(summary[m]['prompts'].get(p, {}).get('first_divergence'))}</td>" for m in summary)
+        parts.append(f"<tr><td>{p}</td>{cells}</tr>")
+    parts.append("</table><h2>Per-token table</h2><table><tr><th>mode</th><th>prompt</th><th>step</th><th>retry</th>"
+                 "<th>ref token</th><th>target token</th><th>top-5 err</th><th>top-50 err</th><th>KL</th><th>status</th></tr>")
+    for s in result.steps:
+        parts.append(
+            f"<tr class='{s.status}'><td>{s.mode}</td><td>{s.prompt}</td><td>{s.step}</td><td>{s.round}</td>"
+            f"<td>{s.reference_token}</td><td>{s.target_token}</td><td>{_fmt(s.top5_error)}</td><td>{_fmt(s.top50_error)}</td>"
+            f"<td>{_fmt(s.kl)}</td><td>{s.status}{' (NaN)' if s.nan else ''}</td></tr>"
+        )
+    parts.append("</table></body></html>")
+    return "\n".join(parts)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _short(module: str) -> str:
+    return module.replace("model.layers.", "L").replace(".mlp.", ".")
+
+
+def _natural(name: str):
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

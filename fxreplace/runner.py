@@ -1,0 +1,244 @@
+"""A small static-shape generation engine, laid out the way compiled engines lay out batches.
+
+Why it exists: the context builder must be exercised with the layouts real
+engines produce, not with hand-written positions. So this runner
+
+- prefills one request at a time, padded to the smallest fitting prefill bucket;
+- decodes all running requests in one forward, padded to a batch bucket, with
+  ``tokens_per_req = 1 + k`` slots per request when speculating ``k`` n-gram drafts;
+- gives every request a fresh id, registers it with the replacer, and builds
+  every forward's :class:`~fxreplace.ReplacementContext` from its own scheduler
+  metadata (request ids, positions), passed to the model as ``replacements=``.
+
+Shapes are static per bucket (a static KV cache of ``max_len`` per batch bucket, a
+4-D attention mask instead of variable cache lengths), so a compiled model builds
+one graph per bucket and never recompiles when replacement is switched on or off.
+
+KV layout: requests of a decode wave share one write index ``W`` in the batch
+cache (each request's prefill is copied right-aligned to ``W``); which cache
+slots a row may attend to is tracked in ``valid`` and encoded in the mask, so
+rejected speculative drafts simply stay masked.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from transformers import StaticCache
+
+from .instrument import observe
+from .replacer import TensorReplacer
+
+
+@dataclass
+class RunnerConfig:
+    prefill_buckets: Sequence[int] = (16, 32, 64, 128)
+    batch_buckets: Sequence[int] = (1, 2, 4, 8)
+    max_len: int = 256  # KV cache length per request
+    speculative_tokens: int = 0  # n-gram drafts verified per decode step (k); tokens_per_req = 1 + k
+    ngram: int = 2  # the proposer matches the last `ngram` tokens
+
+
+@dataclass
+class Generation:
+    """One request's greedy continuation and the logits that chose each token."""
+
+    req_id: str
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # one [vocab] per generated token
+    # what each target computed (before replacement), per position: {capture name: {position: [E]}}
+    observed: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def logits_tensor(self) -> torch.Tensor:
+        return torch.stack(self.logits)
+
+
+def smallest_bucket(buckets: Sequence[int], n: int, what: str) -> int:
+    fitting = [b for b in sorted(buckets) if b >= n]
+    if not fitting:
+        raise ValueError(f"{what} of {n} exceeds the largest bucket {max(buckets)} (buckets: {sorted(buckets)})")
+    return fitting[0]
+
+
+def propose_ngram(history: Sequence[int], n: int, k: int) -> list[int]:
+    """k draft tokens: what followed the most recent earlier occurrence of the last n tokens.
+
+    Falls back to repeating the last token, so every request always has k drafts
+    (a fixed tokens_per_req keeps shapes static).
+    """
+    if len(history) > n:
+        tail = list(history[-n:])
+        for start in range(len(history) - n - 1, -1, -1):
+            if list(history[start : start + n]) == tail:
+                follow = list(history[start + n : start + n + k])
+                return follow + [history[-1]] * (k - len(follow))
+    return [history[-1]] * k
+
+
+class Runner:
+    """Greedy generation over an HF causal LM (instrumented or not) with engine-style batches.
+
+    ``model`` is called as ``model(input_ids=, position_ids=, attention_mask=4-D,
+    past_key_values=StaticCache, use_cache=True[, replacements=ctx])``; pass the
+    instrumented (and compiled) model, and its plain HF config as ``config``.
+    ``observed``: the instrumented model whose targets' computed values are
+    recorded per request and position (for router agreement).
+    """
+
+    def __init__(self, model: Callable, config, replacer: TensorReplacer | None = None, runner_config: RunnerConfig | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", observed: torch.nn.Module | None = None):
+        self.model = model
+        self.observed = observed
+        self.config = config
+        self.replacer = replacer
+        self.cfg = runner_config or RunnerConfig()
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._caches: dict[tuple[str, int], StaticCache] = {}
+        self._ids = itertools.count()
+        self.forwards = 0
+
+    # ------------------------------------------------------------------ public
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool = True,
+                 prompt_hints: Sequence[int | None] | None = None) -> list[Generation]:
+        """Greedy continuation of each prompt; ``replace=False`` runs the same graphs with an all-off mask.
+
+        ``prompt_hints[i]`` registers request i with an explicit reference prompt index.
+        """
+        if replace and self.replacer is None:
+            raise ValueError("replace=True needs a Runner built with a replacer")
+        hints = list(prompt_hints) if prompt_hints is not None else [None] * len(prompts)
+        wave = max(self.cfg.batch_buckets)
+        results = []
+        for start in range(0, len(prompts), wave):
+            chunk = [list(map(int, p)) for p in prompts[start : start + wave]]
+            results += self._run_wave(chunk, hints[start : start + wave], max_new_tokens, replace)
+        return results
+
+    # ------------------------------------------------------------------ internals
+
+    def _run_wave(self, prompts, hints, max_new_tokens, replace) -> list[Generation]:
+        gens = [Generation(f"req-{next(self._ids)}", p) for p in prompts]
+        if replace:
+            for g, hint in zip(gens, hints):
+                self.replacer.register_request(g.req_id, g.prompt, prompt_idx=hint)
+        try:
+            k = self.cfg.speculative_tokens
+            width = 1 + k
+            batch = smallest_bucket(self.cfg.batch_buckets, len(gens), "a decode batch")
+            write = max(len(g.prompt) for g in gens)  # shared write index W
+            needed = write + max_new_tokens * width
+            if needed > self.cfg.max_len:
+                raise ValueError(f"max_len {self.cfg.max_len} is too small: the longest prompt ({write}) plus "
+                                 f"{max_new_tokens} steps of {width} tokens needs {needed}")
+            cache = self._cache("decode", batch)
+            valid = torch.zeros(batch, self.cfg.max_len, dtype=torch.bool)
+            for row, g in enumerate(gens):
+                self._prefill(g, replace, cache, row, write, valid)
+            positions = torch.tensor([len(g.prompt) for g in gens] + [0] * (batch - len(gens)))
+            while any(len(g.tokens) < max_new_tokens for g in gens):
+                drafts = [propose_ngram(g.prompt + g.tokens, self.cfg.ngram, k) for g in gens]
+                inputs = torch.zeros(batch, width, dtype=torch.long)
+                for row, g in enumerate(gens):
+                    inputs[row] = torch.tensor([g.tokens[-1]] + drafts[row])
+                slot_pos = positions[:, None] + torch.arange(width)
+                step_mask = valid.clone()
+                step_mask[:, write : write + width] = True
+                causal = torch.ones(width, width, dtype=torch.bool).tril()
+                mask4d = step_mask[:, None, None, :].repeat(1, 1, width, 1)
+                mask4d[:, 0, :, write : write + width] = causal
+                ctx = self._context([g.req_id for g in gens], slot_pos.flatten(), False, width, replace)
+                logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx)
+                for row, g in enumerate(gens):
+                    chosen = logits[row].argmax(-1).tolist()
+                    accepted = 0
+                    while accepted < k and drafts[row][accepted] == chosen[accepted]:
+                        accepted += 1
+                    for name, values in seen.items():  # the inputs of accepted slots are real tokens
+                        rows = values[row * width : row * width + accepted + 1]
+                        g.observed.setdefault(name, {}).update(zip(slot_pos[row, : accepted + 1].tolist(), rows))
+                    for j in range(accepted + 1):
+                        if len(g.tokens) < max_new_tokens:
+                            g.tokens.append(chosen[j])
+                            g.logits.append(logits[row, j].float().clone())
+                    valid[row, write : write + accepted + 1] = True
+                    positions[row] += accepted + 1
+                write += width
+            return gens
+        finally:
+            if replace:
+                for g in gens:
+                    self.replacer.release_request(g.req_id)
+
+    def _prefill(self, g: Generation, replace: bool, batch_cache: StaticCache, row: int, write: int, valid: torch.Tensor):
+        n = len(g.prompt)
+        bucket = smallest_bucket(self.cfg.prefill_buckets, n, "a prompt")
+        cache = self._cache("prefill", bucket)
+        inputs = torch.zeros(1, bucket, dtype=torch.long)
+        inputs[0, :n] = torch.tensor(g.prompt)
+        positions = torch.zeros(1, bucket, dtype=torch.long)  # padding slots repeat position 0: not a continuation
+        positions[0, :n] = torch.arange(n)
+        mask4d = torch.zeros(1, 1, bucket, self.cfg.max_len, dtype=torch.bool)
+        mask4d[0, 0, :, :bucket] = torch.ones(bucket, bucket, dtype=torch.bool).tril()
+        ctx = self._context([g.req_id], positions[0], True, 1, replace)
+        logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx)
+        for name, values in seen.items():
+            g.observed.setdefault(name, {}).update(zip(range(n), values[:n]))
+        g.tokens.append(int(logits[0, n - 1].argmax()))
+        g.logits.append(logits[0, n - 1].float().clone())
+        for src, dst in zip(cache.layers, batch_cache.layers):
+            dst.keys[row, :, write - n : write] = src.keys[0, :, :n]
+            dst.values[row, :, write - n : write] = src.values[0, :, :n]
+        valid[row] = False
+        valid[row, write - n : write] = True
+
+    def _context(self, req_ids, positions, is_prefill, tokens_per_req, replace):
+        if self.replacer is None:
+            return None
+        if not replace:
+            return self.replacer.warmup_context(positions.shape[0], device=self.device)
+        return self.replacer.build_context(req_ids, positions, is_prefill, device=self.device, tokens_per_req=tokens_per_req)
+
+    def _forward(self, inputs, positions, mask_bool, cache: StaticCache, write: int, ctx):
+        """Logits ``[batch, slots, vocab]`` and the observed target values ``{name: [batch*slots, E]}``."""
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(write)
+        mask = torch.zeros(mask_bool.shape, dtype=self.dtype).masked_fill(~mask_bool, torch.finfo(self.dtype).min)
+        kwargs = dict(
+            input_ids=inputs.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=mask.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        if ctx is not None:
+            kwargs["replacements"] = ctx
+        self.forwards += 1
+        seen: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), (observe(self.observed, seen.__setitem__) if self.observed is not None else nullcontext()):
+            logits = self.model(**kwargs).logits
+        return logits, {name: value.reshape(-1, value.shape[-1]).float().cpu() for name, value in seen.items()}
+
+    def _cache(self, kind: str, size: int) -> StaticCache:
+        """One static cache per (kind, bucket): reused so compiled graphs see the same objects."""
+        key = (kind, size)
+        if key not in self._caches:
+            cache = StaticCache(config=self.config, max_cache_len=self.cfg.max_len)
+            text = self.config.get_text_config(decoder=True)
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            cache.early_initialization(
+                batch_size=1 if kind == "prefill" else size,
+                num_heads=text.num_key_value_heads,
+                head_dim=head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            self._caches[key] = cache
+        return self._caches[key]

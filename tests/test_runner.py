@@ -1,0 +1,123 @@
+"""The embedded runner: engine-style layouts, exact greedy generation, contexts built from its own metadata."""
+
+import pytest
+import torch
+
+from fxreplace import TensorReplacer
+from fxreplace.models import tiny_model
+from fxreplace.runner import Runner, RunnerConfig, propose_ngram
+from fxreplace.testing import build_context_loop, slot_owners
+
+PROMPTS = [[1, 5, 9, 3, 7], [2, 8, 8, 4, 1, 6, 3, 9, 12], [3, 3, 3]]
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_model("Qwen3MoeForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf):
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            g = hf.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+            out.append((g.sequences[0, len(p):].tolist(), torch.cat(g.logits)))
+    return out
+
+
+class Spy:
+    """Calls the HF model and records every context it was given."""
+
+    def __init__(self, model):
+        self.model, self.contexts = model, []
+
+    def __call__(self, replacements=None, **kwargs):
+        self.contexts.append(replacements)
+        return self.model(**kwargs)
+
+
+def fake_reference(num_modules=2, width=4):
+    """Captures whose rows encode (prompt, position) so a context reveals what was gathered."""
+    caps = []
+    for p, prompt in enumerate(PROMPTS):
+        rows = len(prompt) + STEPS
+        value = torch.tensor([[p * 1000 + pos] * width for pos in range(rows)], dtype=torch.float32)
+        caps.append({f"m{i}": value + i for i in range(num_modules)})
+    return dict(enumerate(caps)), caps
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_runner_reproduces_hf_greedy_generation(hf, hf_greedy, k):
+    runner = Runner(hf, hf.config, runner_config=RunnerConfig(speculative_tokens=k, max_len=128, batch_buckets=(1, 4)))
+    gens = runner.generate(PROMPTS, STEPS, replace=False)
+    for g, (tokens, logits) in zip(gens, hf_greedy):
+        assert g.tokens == tokens
+        torch.testing.assert_close(g.logits_tensor, logits, atol=1e-4, rtol=0)
+    if k:
+        assert runner.forwards < len(PROMPTS) + STEPS - 1, "speculation must accept some drafts"
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_every_context_matches_the_per_slot_oracle(hf, k):
+    flat, _ = fake_reference()
+    replacer = TensorReplacer(flat, prompt_token_ids=PROMPTS)
+    spy = Spy(hf)
+    cfg = RunnerConfig(speculative_tokens=k, max_len=160, prefill_buckets=(8, 16), batch_buckets=(1, 2, 4))
+    runner = Runner(spy, hf.config, replacer=replacer, runner_config=cfg)
+    recorded = []
+    original = replacer.build_context
+
+    def build(req_ids, positions, is_prefill, device=None, tokens_per_req=1):
+        ctx = original(req_ids, positions, is_prefill, device=device, tokens_per_req=tokens_per_req)
+        recorded.append((list(req_ids), positions.tolist(), is_prefill, tokens_per_req, ctx))
+        return ctx
+
+    replacer.build_context = build
+    gens = runner.generate(PROMPTS, STEPS, replace=True)
+    assert replacer.requests == {}, "requests are released after the wave"
+    prompt_of = {g.req_id: i for i, g in enumerate(gens)}
+    assert len(recorded) == runner.forwards == len(spy.contexts)
+    prefill_shapes = set()
+    for req_ids, positions, is_prefill, width, ctx in recorded:
+        owners = slot_owners(len(positions), len(req_ids), positions=positions, is_prefill=is_prefill, tokens_per_req=width)
+        expected, mask = build_context_loop(flat, [prompt_of[r] for r in req_ids], positions, owners)
+        assert ctx.mask.tolist() == mask.tolist()
+        for m in expected:
+            assert torch.equal(ctx[m], expected[m])
+        if is_prefill:
+            prefill_shapes.add(len(positions))
+            n = int(ctx.mask.sum())
+            assert positions[:n] == list(range(n)) and n == len(PROMPTS[prompt_of[req_ids[0]]]), "padding masked off"
+        else:
+            assert width == 1 + k
+            assert len(positions) == 4 * width, "3 requests padded to the batch bucket of 4"
+            assert not ctx.mask[3 * width :].any()
+    assert prefill_shapes == {8, 16}
+
+
+def test_replace_false_feeds_an_all_off_context_of_the_same_shapes(hf):
+    flat, _ = fake_reference()
+    spy = Spy(hf)
+    runner = Runner(spy, hf.config, replacer=TensorReplacer(flat, prompt_token_ids=PROMPTS),
+                    runner_config=RunnerConfig(max_len=64, prefill_buckets=(16,), batch_buckets=(4,)))
+    runner.generate(PROMPTS, 2, replace=False)
+    assert all(not c.mask.any() for c in spy.contexts)
+    assert {tuple(c["m0"].shape) for c in spy.contexts} == {(16, 4), (4, 4)}
+
+
+def test_bad_sizes_are_clear_errors(hf):
+    runner = Runner(hf, hf.config, runner_config=RunnerConfig(max_len=16, prefill_buckets=(8,)))
+    with pytest.raises(ValueError, match=r"a prompt of 9 exceeds the largest bucket 8"):
+        runner.generate([list(range(9))], 1, replace=False)
+    with pytest.raises(ValueError, match=r"max_len 16 is too small"):
+        runner.generate([[1, 2]], 20, replace=False)
+    with pytest.raises(ValueError, match="replace=True needs a Runner built with a replacer"):
+        runner.generate([[1, 2]], 1)
+
+
+def test_ngram_proposer():
+    assert propose_ngram([1, 2, 3, 1, 2], n=2, k=2) == [3, 1]
+    assert propose_ngram([4, 5, 6], n=2, k=3) == [6, 6, 6]
+    assert propose_ngram([7, 8, 7, 8], n=2, k=3) == [7, 8, 8]
