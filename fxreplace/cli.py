@@ -1,27 +1,167 @@
-"""The ``fxreplace`` command."""
+"""The ``fxreplace`` command: demo, capture, validate, inspect."""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import sys
+from pathlib import Path
 
 
-def _demo(args: argparse.Namespace) -> int:
+def load_model(spec: str):
+    """``builtin:ARCH`` (a tiny random model from fxreplace.models) or a local HF directory (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if spec.startswith("builtin:"):
+        from fxreplace.models import tiny_model
+
+        return tiny_model(spec.removeprefix("builtin:"))
+    if not Path(spec).is_dir():
+        raise SystemExit(f"error: model {spec!r} is neither builtin:ARCH nor a local directory")
+    return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+
+
+def default_targets(model) -> list:
+    from fxreplace.models import get_family
+
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    return list(get_family(arch).targets)
+
+
+def read_prompts(path: str, vocab_size: int) -> list[list[int]]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: cannot read prompts file {path}: {e}") from None
+    if not isinstance(data, list) or not all(isinstance(p, list) and p for p in data):
+        raise SystemExit(f"error: {path} must hold a JSON list of non-empty token id lists")
+    for i, p in enumerate(data):
+        bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise SystemExit(f"error: {path}: prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+    return data
+
+
+def _demo(args) -> int:
     from .demo import DemoConfig, run_demo
 
     run_demo(DemoConfig(prompts=args.prompts, new_tokens=args.new_tokens, compile=not args.eager, report_dir=args.report_dir))
     return 0
 
 
+def _capture(args) -> int:
+    from .capture import capture_reference
+
+    model = load_model(args.model)
+    prompts = read_prompts(args.prompts, model.config.vocab_size)
+    targets = args.target or default_targets(model)
+    reference = capture_reference(model, prompts, targets, args.max_new_tokens)
+    reference.metadata["source_model"] = args.model
+    reference.save(args.out)
+    print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.modules)} targets -> {args.out}")
+    return 0
+
+
+def _validate(args) -> int:
+    import torch
+
+    from .demo import print_summary
+    from .instrument import instrument
+    from .reference import load_reference
+    from .replacer import TensorReplacer
+    from .runner import Runner, RunnerConfig
+    from .validation import logit_validation
+
+    reference = load_reference(args.reference)
+    model = load_model(args.model)
+    if model.config.vocab_size != reference.vocab_size:
+        raise SystemExit(f"error: the reference has vocab size {reference.vocab_size} but {args.model} has "
+                         f"{model.config.vocab_size}: it was captured from another model")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    targets = args.target or default_targets(model)
+    target = instrument(copy.deepcopy(model).to(dtype), targets)
+    missing = [t for t in (t.capture_name for t in target._fxreplace.targets) if t not in reference.store.columns]
+    if missing:
+        raise SystemExit(f"error: the reference holds no captures for targets {missing}; it has {reference.store.modules}")
+    longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in range(reference.num_prompts))
+    bucket = 1 << (longest - 1).bit_length()
+    runner = Runner(
+        torch.compile(target) if args.compile else target,
+        model.config,
+        replacer=TensorReplacer(reference.store),
+        runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(8, reference.num_prompts),), max_len=2 * bucket),
+        dtype=dtype,
+        observed=target,
+    )
+    result = logit_validation(runner, reference, router_topk=getattr(model.config, "num_experts_per_tok", None))
+    result.write_report(args.report_dir)
+    print_summary(result)
+    print(f"report: {Path(args.report_dir).resolve() / 'report.html'}")
+    return 0
+
+
+def _inspect(args) -> int:
+    import torch
+
+    model = load_model(args.model)
+    shapes: dict[str, tuple] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or "gate" in name.rsplit(".", 1)[-1] or "router" in name.rsplit(".", 1)[-1]:
+            def hook(mod, inputs, output, name=name):
+                first = output[0] if isinstance(output, tuple) else output
+                if isinstance(first, torch.Tensor):
+                    shapes[name] = (type(mod).__name__, tuple(first.shape), isinstance(output, tuple))
+            hooks.append(module.register_forward_hook(hook))
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, args.tokens, dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    print(f"candidate injection points for {args.model} ({args.tokens} tokens; routers first):")
+    routers = [n for n in shapes if n.endswith((".gate", ".router"))]
+    for name in routers + [n for n in shapes if n not in routers]:
+        cls, shape, is_tuple = shapes[name]
+        note = "returns a tuple: point 'auto' injects at its logits" if is_tuple else ""
+        print(f"  {name:<40} {cls:<24} {str(shape):<16} {note}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fxreplace", description="Tensor replacement for accuracy debugging of compiled LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
+
     demo = sub.add_parser("demo", help="capture, run compiled bf16 with and without router replacement, validate, report")
     demo.add_argument("--prompts", type=int, default=8)
     demo.add_argument("--new-tokens", type=int, default=32)
     demo.add_argument("--eager", action="store_true", help="do not torch.compile the target")
     demo.add_argument("--report-dir", default="fxreplace-report")
     demo.set_defaults(func=_demo)
+
+    capture = sub.add_parser("capture", help="capture reference tensors and logits from an HF model")
+    capture.add_argument("model", help="builtin:ARCH or a local HF directory")
+    capture.add_argument("--prompts", required=True, help="JSON file: a list of token id lists")
+    capture.add_argument("--target", action="append", help="target pattern (default: the family's routers); repeatable")
+    capture.add_argument("--max-new-tokens", type=int, default=32)
+    capture.add_argument("--out", required=True, help="reference directory to write")
+    capture.set_defaults(func=_capture)
+
+    validate = sub.add_parser("validate", help="teacher-forced logit validation of a target against a reference")
+    validate.add_argument("model", help="builtin:ARCH or a local HF directory (the target's weights)")
+    validate.add_argument("--reference", required=True, help="directory written by `fxreplace capture`")
+    validate.add_argument("--engine", choices=["runner"], default="runner")
+    validate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    validate.add_argument("--compile", action="store_true", help="torch.compile the target (inductor)")
+    validate.add_argument("--target", action="append")
+    validate.add_argument("--report-dir", default="fxreplace-report")
+    validate.set_defaults(func=_validate)
+
+    inspect = sub.add_parser("inspect", help="list candidate injection points with their shapes")
+    inspect.add_argument("model", help="builtin:ARCH or a local HF directory")
+    inspect.add_argument("--tokens", type=int, default=4)
+    inspect.set_defaults(func=_inspect)
+
     args = parser.parse_args(argv)
     return args.func(args)
 

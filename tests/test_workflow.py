@@ -1,0 +1,168 @@
+"""Reference capture, teacher-forced validation, the CLI and the demo."""
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from fxreplace import TensorReplacer
+from fxreplace.capture import capture_reference
+from fxreplace.cli import main as cli
+from fxreplace.metrics import compare_logits
+from fxreplace.models import tiny_model
+from fxreplace.reference import Reference, load_reference
+from fxreplace.runner import Runner, RunnerConfig
+from fxreplace.store import ReferenceStore
+from fxreplace.validation import logit_validation
+
+ARCH = "Qwen3MoeForCausalLM"
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26], [43, 38]]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(ARCH)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return capture_reference(model, PROMPTS, ["model.layers.*.mlp.gate"], STEPS, progress=False)
+
+
+def test_capture_equals_forward_hook_oracle_and_hf_generate(model, reference):
+    for p, prompt in enumerate(PROMPTS):
+        seen = {}
+        hooks = [model.get_submodule(f"model.layers.{i}.mlp.gate").register_forward_hook(
+            lambda mod, args, out, i=i: seen.setdefault(i, []).append(out[0].detach().clone())) for i in range(2)]
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        for h in hooks:
+            h.remove()
+        assert reference.tokens(p) == gen.sequences[0, len(prompt):].tolist()
+        torch.testing.assert_close(reference.logits(p), torch.cat(gen.logits), atol=1e-5, rtol=0)
+        for i in range(2):
+            hook_rows = torch.cat(seen[i][:STEPS])  # HF's router sees [tokens, hidden]: rows per position
+            torch.testing.assert_close(reference.store.rows(p, f"model.layers.{i}.mlp.gate"), hook_rows, atol=1e-5, rtol=0)
+
+
+def test_capture_restores_the_model(model, reference):
+    assert type(model).__name__ == ARCH and not hasattr(model, "_fxreplace")
+    assert "forward" not in model.get_submodule("model.layers.0.mlp.gate").__dict__
+
+
+def test_reference_round_trips_through_disk(tmp_path, reference):
+    reference.save(tmp_path / "ref")
+    loaded = load_reference(tmp_path / "ref")
+    assert loaded.metadata["architecture"] == ARCH and loaded.metadata["vocab_size"] == 128
+    for p in range(len(PROMPTS)):
+        assert loaded.prompt_tokens(p) == PROMPTS[p] and loaded.tokens(p) == reference.tokens(p)
+        assert torch.equal(loaded.logits(p), reference.logits(p))
+        assert torch.equal(loaded.store.rows(p, "model.layers.1.mlp.gate"), reference.store.rows(p, "model.layers.1.mlp.gate"))
+
+
+def test_bad_inputs_give_clear_errors(model, reference):
+    with pytest.raises(ValueError, match=r"prompt 1: token ids must be integers in \[0, 128\)"):
+        capture_reference(model, [[1, 2], [1, 500]], ["model.layers.*.mlp.gate"], 2, progress=False)
+    with pytest.raises(ValueError, match="no reference generation"):
+        Reference(ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=[[1, 2]]))
+    with pytest.raises(ValueError, match=r"reference logits \(128,\) and target logits \(64,\) differ in shape .*another model"):
+        compare_logits(torch.zeros(128), torch.zeros(64))
+
+
+@dataclass
+class Gen:
+    req_id: str
+    tokens: list
+    logits: list
+    observed: dict = field(default_factory=dict)
+
+
+class PlantedEngine:
+    """Replays the reference except that, in one prompt, one step picks another token."""
+
+    def __init__(self, reference, prompt, step):
+        self.reference, self.prompt, self.step, self.calls = reference, prompt, step, []
+
+    def generate(self, prompts, max_new_tokens, replace):
+        out = []
+        for inputs in prompts:
+            p = next(i for i in range(self.reference.num_prompts) if inputs[: len(PROMPTS[i])] == PROMPTS[i])
+            start = len(inputs) - len(PROMPTS[p])
+            self.calls.append((p, start))
+            logits = [self.reference.logits(p)[s].clone() for s in range(start, self.reference.num_generated(p))]
+            if p == self.prompt and start <= self.step:
+                logits[self.step - start][self.reference.tokens(p)[self.step]] = -1e9  # argmax moves elsewhere
+            out.append(Gen(f"r{len(self.calls)}", [int(l.argmax()) for l in logits], logits))
+        return out
+
+
+def test_teacher_forcing_records_the_planted_divergence_and_continues(reference):
+    engine = PlantedEngine(reference, prompt=1, step=3)
+    result = logit_validation(engine, reference, modes=("off",), progress=False)
+    rows = result.table("off")
+    assert len(rows) == len(PROMPTS) * STEPS, "every reference step validated exactly once"
+    diverged = [(r.prompt, r.step, r.round) for r in rows if not r.top1_agree]
+    assert diverged == [(1, 3, 0)]
+    assert (1, 4) in engine.calls, "the retry starts after the divergent step, extended with reference tokens"
+    assert result.summary()["off"]["prompts"][1]["first_divergence"] == 3
+    assert json.loads(result.to_json())["summary"]["off"]["prompts_diverged"] == 1
+
+
+def test_runner_validation_with_a_perturbed_model_resolves_retries_to_their_prompt(model, reference):
+    import copy
+
+    target = copy.deepcopy(model)
+    banned = reference.tokens(0)[2]  # the target can never pick it: prompt 0 diverges by step 2 at the latest
+
+    def ban(module, args, out):
+        out[..., banned] -= 1e4
+        return out
+
+    target.lm_head.register_forward_hook(ban)
+    replacer = TensorReplacer(reference.store)
+    resolved = []
+    register = replacer.register_request
+    replacer.register_request = lambda rid, tokens, prompt_idx=None: resolved.append((list(tokens), register(rid, tokens, prompt_idx))) or resolved[-1][1]
+    runner = Runner(target, target.config, replacer=replacer, runner_config=RunnerConfig(prefill_buckets=(32,), batch_buckets=(4,), max_len=64))
+    result = logit_validation(runner, reference, modes=("on",), progress=False)
+    first = result.summary()["on"]["prompts"][0]["first_divergence"]
+    assert first == reference.tokens(0).index(banned)
+    retries = [(tokens, p) for tokens, p in resolved if len(tokens) > len(PROMPTS[p])]
+    assert retries, "teacher forcing retried"
+    for tokens, p in retries:
+        assert tokens[: len(PROMPTS[p])] == PROMPTS[p]
+    assert replacer.requests == {}
+
+
+def test_cli_capture_validate_inspect(tmp_path, capsys):
+    (tmp_path / "prompts.json").write_text(json.dumps(PROMPTS[:2]))
+    assert cli(["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", "4",
+                "--out", str(tmp_path / "ref")]) == 0
+    assert cli(["validate", f"builtin:{ARCH}", "--reference", str(tmp_path / "ref"), "--report-dir", str(tmp_path / "rep")]) == 0
+    assert (tmp_path / "rep" / "report.html").exists()
+    assert cli(["inspect", f"builtin:{ARCH}"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.mlp.gate" in out and "top-1 agreement" in out
+    (tmp_path / "bad.json").write_text("[[1, 2, 999]]")
+    with pytest.raises(SystemExit, match=r"prompt 0 has token ids outside \[0, 128\)"):
+        cli(["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match=r"reference holds no captures for targets \['model.layers.0.mlp'"):
+        cli(["validate", "builtin:LlamaForCausalLM", "--reference", str(tmp_path / "ref")])
+    tiny_model(ARCH, vocab_size=256).save_pretrained(tmp_path / "other")
+    with pytest.raises(SystemExit, match="reference has vocab size 128 but .*other has 256: it was captured from another model"):
+        cli(["validate", str(tmp_path / "other"), "--reference", str(tmp_path / "ref")])
+
+
+def test_demo_end_to_end_compiled(tmp_path, capsys):
+    """The README's main job, shortened: compiled bf16 target, both modes, report written."""
+    assert cli(["demo", "--prompts", "4", "--new-tokens", "8", "--report-dir", str(tmp_path / "report")]) == 0
+    out = capsys.readouterr().out
+    assert "verdict:" in out and "router agreement" in out
+    for name, min_size in [("report.html", 2000), ("error_per_step.png", 10000), ("router_agreement.png", 5000), ("result.json", 1000)]:
+        assert (tmp_path / "report" / name).stat().st_size > min_size, name
+    summary = json.loads((tmp_path / "report" / "result.json").read_text())["summary"]
+    assert set(summary) == {"off", "on"}
+    assert summary["on"]["mean_kl"] < summary["off"]["mean_kl"], "reference routing brings the bf16 target closer"
