@@ -1,0 +1,24 @@
+"""vLLM integration: a ``vllm.general_plugins`` plugin that instruments vLLM's own
+model implementation and feeds each forward the replacement tensors of the
+requests in vLLM's batch.
+
+Offline::
+
+    from vllm import LLM
+    llm = LLM(model=path, additional_config={"fxreplace": {
+        "tensors": captures, "prompt_token_ids": prompt_ids}})        # or tensors_path=...
+
+Online::
+
+    python -m vllm.entrypoints.openai.api_server --model DIR \\
+        --additional-config '{"fxreplace": {"tensors_path": "REF_DIR"}}'
+
+Users of the Neuron tool can keep ``additional_config={"neuron_config":
+{"tensor_replacement": TensorReplacementConfig(...)}}``. The plugin is inert
+when neither key is present.
+"""
+
+from .config import CONFIG_KEY, ConfigError, FxReplaceConfig, parse_config
+from .plugin import VllmReplacement, get_state, register
+
+__all__ = ["CONFIG_KEY", "ConfigError", "FxReplaceConfig", "VllmReplacement", "get_state", "parse_config", "register"]

@@ -1,0 +1,296 @@
+"""The vLLM plugin: instruments vLLM's own model at load time and feeds each
+forward the replacement built from the scheduler's actual batch.
+
+``register()`` (entry point ``vllm.general_plugins``) runs in every vLLM process
+(front end, engine core, workers). It only patches classes, idempotently:
+
+* ``EngineArgs.create_engine_config`` (front end): wraps the fxreplace section of
+  ``additional_config`` in an :class:`~fxreplace.vllm.config.FxReplaceConfig` so
+  vLLM can hash and pickle it;
+* the model runners' ``load_model``: after loading, when configured, builds a
+  :class:`VllmReplacement` (instrument + static buffers) before warmup compiles;
+* ``GPUModelRunner.execute_model``: registers new requests, releases finished ones;
+* ``GPUModelRunner._model_forward``: builds the context for the batch and fills
+  the buffers in place, then turns replacement off again after the forward.
+
+Without an fxreplace config each wrapper costs one attribute lookup per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..instrument import instrument
+from ..replacer import TensorReplacementConfig, TensorReplacer
+from ..targets import Target, TargetError, resolve_targets
+from .config import FxReplaceConfig, parse_config, wrap_in_place
+
+logger = logging.getLogger("fxreplace.vllm")
+
+_STATE_ATTR = "_fxreplace_state"
+_STEP_ATTR = "_fxreplace_scheduler_output"
+_MARK = "_fxreplace_wrapped"
+_registered = False
+
+
+# --------------------------------------------------------------------------- patches
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point. Idempotent; only patches classes."""
+    global _registered
+    if _registered:
+        return
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception as exc:  # pragma: no cover - incompatible vLLM
+        logger.warning("fxreplace: vLLM V1 model runner not importable (%s); plugin disabled", exc)
+        _registered = True
+        return
+    runners = [GPUModelRunner]
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        runners.append(CPUModelRunner)
+    except Exception:  # non-CPU builds
+        pass
+    _wrap(EngineArgs, "create_engine_config", _create_engine_config)
+    for cls in runners:  # CPUModelRunner overrides load_model: wrap each class's own
+        if "load_model" in cls.__dict__:
+            _wrap(cls, "load_model", _load_model)
+    _wrap(GPUModelRunner, "execute_model", _execute_model)
+    _wrap(GPUModelRunner, "_model_forward", _model_forward)
+    _registered = True
+
+
+def _wrap(cls: type, name: str, make) -> None:
+    original = cls.__dict__[name]
+    if getattr(original, _MARK, False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, _MARK, True)
+    setattr(cls, name, wrapper)
+
+
+def _create_engine_config(original):
+    def create_engine_config(self, *args, **kwargs):
+        wrap_in_place(getattr(self, "additional_config", None))
+        return original(self, *args, **kwargs)
+
+    return create_engine_config
+
+
+def _load_model(original):
+    def load_model(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if getattr(self, _STATE_ATTR, None) is None:
+            config = parse_config(self.vllm_config.additional_config)
+            if config is not None:
+                setattr(self, _STATE_ATTR, VllmReplacement(self, config))
+        return out
+
+    return load_model
+
+
+def _execute_model(original):
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        state = getattr(self, _STATE_ATTR, None)
+        if state is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        state.update_requests(scheduler_output)
+        setattr(self, _STEP_ATTR, scheduler_output)
+        try:
+            return original(self, scheduler_output, *args, **kwargs)
+        finally:
+            setattr(self, _STEP_ATTR, None)
+
+    return execute_model
+
+
+def _model_forward(original):
+    def _model_forward(self, *args, **kwargs):
+        state = getattr(self, _STATE_ATTR, None)
+        if state is None:
+            return original(self, *args, **kwargs)
+        scheduler_output = getattr(self, _STEP_ATTR, None)
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if scheduler_output is not None:
+            state.prepare(self, scheduler_output, positions)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            state.clear()  # dummy/profile runs between steps see replacement off
+
+    return _model_forward
+
+
+# --------------------------------------------------------------------------- per worker
+
+
+def _name_map_rules(name_map) -> list[tuple[re.Pattern, str]]:
+    """``{capture_name: vllm_module_name}``; ``*`` wildcards on both sides pair up in order."""
+    rules = []
+    for capture, module in (name_map or {}).items():
+        regex = "".join("([^.]*)" if p == "*" else re.escape(p) for p in re.split(r"(\*)", module))
+        if capture.count("*") != module.count("*"):
+            raise TargetError(f"name_map {capture!r} -> {module!r}: both sides need the same number of '*'")
+        rules.append((re.compile(regex + r"\Z"), capture))
+    return rules
+
+
+def _capture_name(module_name: str, default: str, rules) -> str:
+    for regex, capture in rules:
+        m = regex.match(module_name)
+        if m:
+            parts = capture.split("*")
+            return "".join(p + (m.group(i + 1) if i < len(parts) - 1 else "") for i, p in enumerate(parts))
+    return default
+
+
+def _parse_target(t: Any) -> Target:
+    if isinstance(t, Target):
+        return t
+    if isinstance(t, str):
+        return Target(t)
+    if isinstance(t, dict):
+        return Target(**t)
+    raise TargetError(f"a target must be a pattern string, a Target or a dict of Target fields; got {t!r}")
+
+
+class VllmReplacement:
+    """fxreplace state of one model runner: the replacer and the instrumented model."""
+
+    def __init__(self, runner, config: FxReplaceConfig):
+        fields = config.fields
+        self.runner = runner
+        self.model = runner.model
+        arch = _architecture(runner)
+        self.replacer = self._build_replacer(fields)
+        self.targets = self._targets(arch, fields)
+        self.max_tokens = int(runner.max_num_tokens)
+        self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        instrument(self.model, self.targets, max_tokens=self.max_tokens)
+        # Feed before warmup compiles: the graph must read the buffers from its first trace.
+        self.model.feed(self.replacer.warmup_context(self.max_tokens, device=self.device))
+        self.unknown_level = logging.ERROR if fields.get("on_unknown") == "error" else logging.INFO
+        self.steps = 0
+        self.tokens_replaced = 0
+        self.errors = 0
+        logger.info("fxreplace: instrumented %d target(s) of %s (%s ...), %d reference prompt(s), buffers of %d tokens",
+                    len(self.targets), arch, self.targets[0].pattern, self.replacer.store.num_prompts, self.max_tokens)
+
+    # ------------------------------------------------------------ setup
+
+    @staticmethod
+    def _build_replacer(fields: dict) -> TensorReplacer:
+        source = TensorReplacementConfig(
+            tensors=fields.get("tensors"), tensors_path=fields.get("tensors_path"),
+            prompt_token_ids=fields.get("prompt_token_ids"), prompt_token_ids_path=fields.get("prompt_token_ids_path"),
+        )
+        try:
+            # Unknown prompts always pass through in the engine (a worker cannot fail one
+            # request); on_unknown="error" makes each one an ERROR log line instead of INFO.
+            return source.build(on_unknown="passthrough")
+        except Exception as exc:
+            where = fields.get("tensors_path") or "the in-memory tensors"
+            raise type(exc)(f"fxreplace: cannot load the reference from {where}: {exc}") from exc
+
+    def _targets(self, arch: str, fields: dict) -> list[Target]:
+        explicit = fields.get("targets")
+        if explicit is not None:
+            targets = [_parse_target(t) for t in explicit]
+        else:
+            from fxreplace.models import get_family
+
+            try:
+                targets = list(get_family(arch).vllm_targets)
+            except KeyError as exc:
+                raise TargetError(f"fxreplace: {exc.args[0]}; give 'targets' in the fxreplace config") from None
+            if not targets:
+                raise TargetError(f"fxreplace: the {arch} family has no vllm_targets; give 'targets' in the config")
+        rules = _name_map_rules(fields.get("name_map"))
+        resolved = resolve_targets(self.model, targets)
+        stored = set(self.replacer.modules)
+        out, missing = [], []
+        for r in resolved:
+            capture = _capture_name(r.module_name, r.capture_name, rules)
+            if capture not in stored:
+                missing.append(f"{r.module_name} (capture name {capture!r})")
+                continue
+            out.append(Target(r.module_name, point=r.point, adapter=r.adapter, shard=r.shard, name=capture))
+        if missing and (explicit is not None or not out):
+            raise TargetError(
+                f"fxreplace: the reference holds no tensors for {len(missing)} target(s): {missing[:4]}; "
+                f"stored names: {sorted(stored)[:6]}{' ...' if len(stored) > 6 else ''}. "
+                "Map capture names with 'name_map' or choose 'targets'"
+            )
+        if missing:
+            logger.warning("fxreplace: %d default target(s) have no reference tensors and stay unreplaced: %s",
+                           len(missing), missing[:4])
+        return out
+
+    # ------------------------------------------------------------ per step
+
+    def update_requests(self, scheduler_output) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.replacer.release_request(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            tokens = new.prompt_token_ids
+            if tokens is None:  # prompt embeddings: nothing to match
+                continue
+            try:
+                matched = self.replacer.register_request(new.req_id, list(tokens))
+            except Exception as exc:  # one bad request must not stop the engine
+                logger.error("fxreplace: request %s is served without replacement: %s", new.req_id, exc)
+                continue
+            if matched is None:
+                logger.log(self.unknown_level, "fxreplace: request %s (%d prompt tokens, first %s) matches no "
+                           "reference prompt; served without replacement", new.req_id, len(tokens), list(tokens[:8]))
+
+    def prepare(self, runner, scheduler_output, positions) -> None:
+        """Fill the buffers for this forward from the batch vLLM actually runs."""
+        try:
+            batch = runner.input_batch
+            num_reqs = batch.num_reqs
+            req_ids = batch.req_ids[:num_reqs]
+            counts = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in req_ids), np.int64, num_reqs)
+            total = int(counts.sum())
+            if isinstance(positions, torch.Tensor) and positions.device.type == "cpu":
+                pos = positions[:total]
+            else:  # device positions: recompute on the host
+                owner = np.repeat(np.arange(num_reqs), counts)
+                starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+                pos = torch.from_numpy(batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)[owner]
+                                       + np.arange(total) - starts[owner])
+            ctx = self.replacer.build_context_for_batch(req_ids, counts, pos)
+            self.model.feed(ctx)
+            self.steps += 1
+            self.tokens_replaced += int(ctx.mask.sum())
+        except Exception as exc:
+            self.errors += 1
+            self.clear()
+            logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
+
+    def clear(self) -> None:
+        self.model.clear()
+
+    @property
+    def requests(self) -> dict:
+        return self.replacer.requests
+
+
+def _architecture(runner) -> str:
+    archs = getattr(runner.model_config.hf_config, "architectures", None) or []
+    return archs[0] if archs else type(runner.model).__name__
+
+
+def get_state(runner) -> VllmReplacement | None:
+    """The fxreplace state of a model runner (None when not configured)."""
+    return getattr(runner, _STATE_ATTR, None)

