@@ -17,6 +17,7 @@ import torch
 from .capture import capture_reference
 from .instrument import instrument
 from .replacer import TensorReplacer
+from .report import fmt
 from .runner import Runner, RunnerConfig
 from .validation import ValidationResult, logit_validation
 
@@ -79,14 +80,14 @@ def print_summary(result: ValidationResult) -> None:
     print(f"{'':>6} | {'without':>10} {'with':>10} | {'without':>10} {'with':>10}")
     for p in off["prompts"]:
         a, b = off["prompts"][p], on["prompts"][p]
-        print(f"{p:>6} | {_fmt(a['first_divergence']):>10} {_fmt(b['first_divergence']):>10} | "
-              f"{_fmt(a['mean_top5_error']):>10} {_fmt(b['mean_top5_error']):>10}")
+        print(f"{p:>6} | {fmt(a['first_divergence']):>10} {fmt(b['first_divergence']):>10} | "
+              f"{fmt(a['mean_top5_error']):>10} {fmt(b['mean_top5_error']):>10}")
     print()
     print(f"{'':28}{'without':>10}{'with':>10}   (replacement of router logits)")
     for label, key in [("top-1 agreement", "top1_agreement"), ("prompts diverged", "prompts_diverged"),
                        ("mean top-5 error", "mean_top5_error"), ("mean KL", "mean_kl"),
                        ("router agreement (top-k)", "router_agreement_mean")]:
-        print(f"{label:<28}{_fmt(off[key]):>10}{_fmt(on[key]):>10}")
+        print(f"{label:<28}{fmt(off[key]):>10}{fmt(on[key]):>10}")
     better = (on["prompts_diverged"] < off["prompts_diverged"]) or (
         on["prompts_diverged"] == off["prompts_diverged"] and (on["top1_agreement"] or 0) > (off["top1_agreement"] or 0))
     print()
@@ -96,14 +97,6 @@ def print_summary(result: ValidationResult) -> None:
         print("verdict: replacing the router logits reduces the divergence: the routers are (part of) the cause.")
     else:
         print("verdict: replacing the router logits does NOT reduce the divergence: look elsewhere.")
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
 
 
 def _experts(config) -> int:

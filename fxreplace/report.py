@@ -91,8 +91,8 @@ def _html(result, has_router: bool) -> str:
     for mode, s in summary.items():
         counts = s["status_counts"]
         parts.append(
-            f"<tr><td>{MODE_LABELS[mode]}</td><td>{_fmt(s['top1_agreement'])}</td><td>{s['prompts_diverged']}</td>"
-            f"<td>{_fmt(s['mean_top5_error'])}</td><td>{_fmt(s['mean_kl'])}</td><td>{_fmt(s['router_agreement_mean'])}</td>"
+            f"<tr><td>{MODE_LABELS[mode]}</td><td>{fmt(s['top1_agreement'])}</td><td>{s['prompts_diverged']}</td>"
+            f"<td>{fmt(s['mean_top5_error'])}</td><td>{fmt(s['mean_kl'])}</td><td>{fmt(s['router_agreement_mean'])}</td>"
             f"<td>{counts['matched']} / {counts['within_tolerance']} / {counts['diverged']}</td></tr>"
         )
     parts.append("</table><img src='error_per_step.png' style='max-width:100%'>")
@@ -102,23 +102,24 @@ def _html(result, has_router: bool) -> str:
     parts += [f"<th>{MODE_LABELS[m]}</th>" for m in summary]
     parts.append("</tr>")
     for p in sorted({s.prompt for s in result.steps}):
-        cells = "".join(f"<td>{_fmt(summary[m]['prompts'].get(p, {}).get('first_divergence'))}</td>" for m in summary)
+        cells = "".join(f"<td>{fmt(summary[m]['prompts'].get(p, {}).get('first_divergence'))}</td>" for m in summary)
         parts.append(f"<tr><td>{p}</td>{cells}</tr>")
     parts.append("</table><h2>Per-token table</h2><table><tr><th>mode</th><th>prompt</th><th>step</th><th>retry</th>"
                  "<th>ref token</th><th>target token</th><th>top-5 err</th><th>top-50 err</th><th>KL</th><th>status</th></tr>")
     for s in result.steps:
         parts.append(
             f"<tr class='{s.status}'><td>{s.mode}</td><td>{s.prompt}</td><td>{s.step}</td><td>{s.round}</td>"
-            f"<td>{s.reference_token}</td><td>{s.target_token}</td><td>{_fmt(s.top5_error)}</td><td>{_fmt(s.top50_error)}</td>"
-            f"<td>{_fmt(s.kl)}</td><td>{s.status}{' (NaN)' if s.nan else ''}</td></tr>"
+            f"<td>{s.reference_token}</td><td>{s.target_token}</td><td>{fmt(s.top5_error)}</td><td>{fmt(s.top50_error)}</td>"
+            f"<td>{fmt(s.kl)}</td><td>{s.status}{' (NaN)' if s.nan else ''}</td></tr>"
         )
     parts.append("</table></body></html>")
     return "\n".join(parts)
 
 
-def _fmt(v) -> str:
+def fmt(v) -> str:
+    """Compact number for tables: 3 significant digits, '-' for missing."""
     if v is None:
-        return "–"
+        return "-"
     if isinstance(v, float):
         return f"{v:.3g}"
     return str(v)

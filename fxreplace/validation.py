@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .metrics import DIVERGED, MATCHED, WITHIN_TOLERANCE, Tolerances, compare_logits, topk_agreement
+from .metrics import DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, compare_logits, topk_agreement
 from .reference import Reference
 
 
@@ -30,21 +30,15 @@ class Engine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool) -> list: ...
 
 
-@dataclass
-class StepRecord:
+@dataclass(frozen=True)
+class StepRecord(StepMetrics):
+    """One validated step: its metrics and where it came from."""
+
     mode: str  # "off" (no replacement) or "on"
     prompt: int
     step: int  # index of the generated token
     round: int  # 0 = first run, n = n-th teacher-forcing retry
     req_id: str
-    top1_agree: bool
-    reference_token: int
-    target_token: int
-    top5_error: float
-    top50_error: float
-    kl: float
-    nan: bool
-    status: str
 
 
 @dataclass
@@ -153,7 +147,7 @@ def logit_validation(
                 for j, logits in enumerate(gen.logits[: reference.num_generated(p) - start]):
                     step = start + j
                     m = compare_logits(ref_logits[step], logits, tolerances)
-                    result.steps.append(StepRecord(mode, p, step, rounds, gen.req_id, **asdict(m)))
+                    result.steps.append(StepRecord(**asdict(m), mode=mode, prompt=p, step=step, round=rounds, req_id=gen.req_id))
                     bar.update(1)
                     covered[p] = step + 1
                     if m.nan:
