@@ -65,6 +65,8 @@ def _capture(args) -> int:
 
 
 def _validate(args) -> int:
+    if args.engine == "vllm":
+        return _validate_vllm(args)
     import torch
 
     from .demo import print_summary
@@ -88,16 +90,54 @@ def _validate(args) -> int:
     longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in range(reference.num_prompts))
     bucket = 1 << (longest - 1).bit_length()
     runner = Runner(
-        torch.compile(target) if args.compile else target,
+        target,
         model.config,
         replacer=TensorReplacer(reference.store),
         runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(8, reference.num_prompts),), max_len=2 * bucket),
         dtype=dtype,
         observed=target,
+        compile="inductor" if args.compile else None,
     )
     result = logit_validation(runner, reference, router_topk=getattr(model.config, "num_experts_per_tok", None))
     result.write_report(args.report_dir)
     print_summary(result)
+    if args.compile:
+        print(f"graphs compiled: {runner.graphs_compiled}")
+    print(f"report: {Path(args.report_dir).resolve() / 'report.html'}")
+    return 0
+
+
+def _validate_vllm(args) -> int:
+    """Teacher-forced validation through a real vLLM engine (the fxreplace plugin
+    configured with the reference; see :mod:`fxreplace.vllm.engine`)."""
+    from .demo import print_summary
+    from .reference import load_reference
+    from .validation import logit_validation
+
+    if not Path(args.model).is_dir():
+        raise SystemExit(f"error: --engine vllm needs a local checkpoint directory, got {args.model!r}")
+    if args.compile:
+        raise SystemExit("error: --compile is for --engine runner; vLLM compiles by default (--eager to disable)")
+    reference = load_reference(args.reference)
+    from .vllm.engine import VllmEngine
+
+    longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in range(reference.num_prompts))
+    engine = VllmEngine(args.model, args.reference, dtype=args.dtype, logprobs=args.logprobs, targets=args.target,
+                        enforce_eager=args.eager, max_model_len=max(longest + 8, 128),
+                        max_num_seqs=min(8, reference.num_prompts))
+    try:
+        if engine.vocab_size != reference.vocab_size:
+            raise SystemExit(f"error: the reference has vocab size {reference.vocab_size} but {args.model} has "
+                             f"{engine.vocab_size}: it was captured from another model")
+        with open(Path(args.model) / "config.json") as f:
+            topk = json.load(f).get("num_experts_per_tok")
+        result = logit_validation(engine, reference, router_topk=topk)
+    finally:
+        engine.close()
+    result.write_report(args.report_dir)
+    print_summary(result)
+    if args.compile:
+        print(f"graphs compiled: {runner.graphs_compiled}")
     print(f"report: {Path(args.report_dir).resolve() / 'report.html'}")
     return 0
 
@@ -150,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     validate = sub.add_parser("validate", help="teacher-forced logit validation of a target against a reference")
     validate.add_argument("model", help="builtin:ARCH or a local HF directory (the target's weights)")
     validate.add_argument("--reference", required=True, help="directory written by `fxreplace capture`")
-    validate.add_argument("--engine", choices=["runner"], default="runner")
+    validate.add_argument("--engine", choices=["runner", "vllm"], default="runner",
+                          help="runner: fxreplace's static-shape runner; vllm: a vLLM engine with the fxreplace plugin")
     validate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
-    validate.add_argument("--compile", action="store_true", help="torch.compile the target (inductor)")
+    validate.add_argument("--compile", action="store_true", help="torch.compile the target (inductor; --engine runner)")
+    validate.add_argument("--eager", action="store_true", help="--engine vllm: enforce eager mode (no vLLM compile)")
+    validate.add_argument("--logprobs", type=int, default=-1,
+                          help="--engine vllm: log-probs per step, -1 = whole vocabulary (exact metrics); "
+                               "k > 0 fills the rest with the smallest returned value")
     validate.add_argument("--target", action="append")
     validate.add_argument("--report-dir", default="fxreplace-report")
     validate.set_defaults(func=_validate)

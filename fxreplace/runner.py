@@ -88,11 +88,23 @@ class Runner:
     past_key_values=StaticCache, use_cache=True[, replacements=ctx])``; pass the
     instrumented (and compiled) model, and its plain HF config as ``config``.
     ``observed``: the instrumented model whose targets' computed values are
-    recorded per request and position (for router agreement).
+    recorded per request and position (for router agreement). ``compile``: a
+    torch.compile backend (e.g. "inductor") to compile ``model`` with, counting
+    the graphs it builds in ``graphs_compiled`` (one per bucket is expected).
     """
 
     def __init__(self, model: Callable, config, replacer: TensorReplacer | None = None, runner_config: RunnerConfig | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", observed: torch.nn.Module | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", observed: torch.nn.Module | None = None,
+                 compile: str | None = None):
+        self.graphs_compiled = 0
+        if compile is not None:
+            backend = torch._dynamo.lookup_backend(compile)
+
+            def counting_backend(gm, example_inputs):
+                self.graphs_compiled += 1
+                return backend(gm, example_inputs)
+
+            model = torch.compile(model, backend=counting_backend)
         self.model = model
         self.observed = observed
         self.config = config

@@ -111,6 +111,23 @@ def test_teacher_forcing_records_the_planted_divergence_and_continues(reference)
     assert json.loads(result.to_json())["summary"]["off"]["prompts_diverged"] == 1
 
 
+class NanEngine(PlantedEngine):
+    def generate(self, prompts, max_new_tokens, replace):
+        gens = super().generate(prompts, max_new_tokens, replace)
+        for (p, start), g in zip(self.calls[-len(gens):], gens):
+            if p == self.prompt and start <= self.step:
+                g.logits[self.step - start] = torch.full_like(g.logits[0], float("nan"))
+        return gens
+
+
+def test_nan_logits_are_validated_flagged_and_stop_the_prompt(reference):
+    result = logit_validation(NanEngine(reference, prompt=0, step=2), reference, modes=("off",), progress=False)
+    rows = [r for r in result.table("off") if r.prompt == 0]
+    assert [r.step for r in rows] == [0, 1, 2] and rows[-1].nan and rows[-1].status == "diverged"
+    assert result.summary()["off"]["prompts"][0]["nan"] is True
+    assert len([r for r in result.table("off") if r.prompt == 1]) == STEPS, "other prompts carry on"
+
+
 def test_runner_validation_with_a_perturbed_model_resolves_retries_to_their_prompt(model, reference):
     import copy
 
@@ -161,6 +178,7 @@ def test_demo_end_to_end_compiled(tmp_path, capsys):
     assert cli(["demo", "--prompts", "4", "--new-tokens", "8", "--report-dir", str(tmp_path / "report")]) == 0
     out = capsys.readouterr().out
     assert "verdict:" in out and "router agreement" in out
+    assert "graphs compiled: 2 " in out, "one prefill and one decode bucket; on/off must not recompile"
     for name, min_size in [("report.html", 2000), ("error_per_step.png", 10000), ("router_agreement.png", 5000), ("result.json", 1000)]:
         assert (tmp_path / "report" / name).stat().st_size > min_size, name
     summary = json.loads((tmp_path / "report" / "result.json").read_text())["summary"]
