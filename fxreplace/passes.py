@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .adapters import Adapter, get_adapter
-from .sharding import ShardSpec, require, rows_before_sharding, shard_columns, shard_rows
+from .sharding import ShardSpec, layout_hint, require, rows_before_sharding, shard_columns, shard_rows
 from .targets import Point, TargetError
 
 _aten = torch.ops.aten
@@ -58,7 +58,7 @@ class Injection:
             observe(computed)
         if replacement is None:
             return computed
-        name = self.module_name
+        name, spec = self.module_name, self.shard
         flat = computed.reshape(-1, computed.shape[-1])
         tokens = rows_before_sharding(flat.shape[0], self.shard)
         if prefix:
@@ -66,7 +66,8 @@ class Injection:
         require(
             replacement.dim() == 2 and replacement.shape[0] == tokens,
             lambda: f"replacement for {name} has shape {tuple(replacement.shape)}, but the module computes "
-            f"{tuple(computed.shape)} here, so it needs [{tokens}, E]",
+            f"{tuple(computed.shape)} here, so it needs [{tokens}, E]"
+            + layout_hint(spec, replacement.shape, flat.shape),
         )
         require(
             mask.dtype == torch.bool and mask.dim() == 1 and mask.shape[0] == tokens,
@@ -74,13 +75,14 @@ class Injection:
         )
         if rank is None and self.shard is not None:
             rank = self.shard.rank
-        replacement = shard_rows(replacement, self.shard, rank, f"tokens of the replacement for {name}")
-        mask = shard_rows(mask, self.shard, rank, f"tokens of the mask for {name}")
-        value = shard_columns(self.adapter(replacement, self.module), self.shard, rank, f"experts of {name}")
+        replacement = shard_rows(replacement, spec, rank, f"tokens of the replacement for {name} ({spec})")
+        mask = shard_rows(mask, spec, rank, f"tokens of the mask for {name} ({spec})")
+        full = self.adapter(replacement, self.module)
+        value = shard_columns(full, spec, rank, f"experts of {name} ({spec})")
         require(
             tuple(value.shape) == tuple(flat.shape),
             lambda: f"replacement for {name} becomes {tuple(value.shape)} after shard/adapter, but the module "
-            f"computes {tuple(flat.shape)} (from {tuple(computed.shape)})",
+            f"computes {tuple(flat.shape)} (from {tuple(computed.shape)})" + layout_hint(spec, full.shape, flat.shape),
         )
         out = torch.where(mask.unsqueeze(-1), value.to(flat.dtype), flat)
         return out.reshape(computed.shape)

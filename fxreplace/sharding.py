@@ -46,6 +46,23 @@ class ShardSpec:
         elif not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} out of range for world_size {self.world_size}")
 
+    def __repr__(self) -> str:
+        rank = f"tensor({int(self.rank)})" if isinstance(self.rank, torch.Tensor) and not _tracing() else self.rank
+        return f"ShardSpec({self.mode!r}, world_size={self.world_size}, rank={rank})"
+
+    @classmethod
+    def from_process_group(cls, mode: str, group=None, *, rank_as_tensor: bool = False) -> "ShardSpec":
+        """The spec for this process in ``group`` (default: the world group of
+        ``torch.distributed``), so world size and rank cannot disagree with the
+        process group. ``rank_as_tensor=True`` gives a 0-d rank tensor: one SPMD
+        graph for every rank."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShardSpec.from_process_group needs an initialised torch.distributed process group")
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        return cls(mode, world_size, torch.tensor(rank) if rank_as_tensor else rank)
+
 
 def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
@@ -91,6 +108,34 @@ def shard_columns(x: torch.Tensor, spec: ShardSpec | None, rank, what: str) -> t
     if spec is None or spec.mode != "expert" or spec.world_size == 1:
         return x
     return _local_block(x, x.dim() - 1, spec.world_size, rank, what)
+
+
+def layout_hint(spec: ShardSpec | None, replacement_shape, computed_shape) -> str:
+    """Why a replacement does not fit a sharded module: appended to shape errors.
+    Called only when formatting an error, so sizes are concrete."""
+    if spec is None or spec.mode == "data" or spec.world_size == 1:
+        return ""
+    world = spec.world_size
+    if spec.mode == "sequence":
+        local = 1
+        for size in computed_shape[:-1]:
+            local *= int(size)
+        full = int(replacement_shape[0]) if len(replacement_shape) else 0
+        hint = f" [{spec}: this rank computes {local} tokens, so the full replacement has {local * world}]"
+        if full % world:
+            return hint + f"; {full} tokens cannot be split evenly over world_size {world}"
+        if full == local:
+            return hint + (f"; the module sees all {full} tokens of the replacement, so its input is not "
+                           "sequence-sharded: drop the shard spec, or scatter the tokens before this module")
+        return hint + f"; a sequence-parallel split of {full} tokens gives {full // world} per rank, not {local}"
+    # expert
+    local = int(computed_shape[-1])
+    hint = f" [{spec}: this rank computes {local} experts, so the full replacement has {local * world}]"
+    full = int(replacement_shape[-1]) if len(replacement_shape) else 0
+    if full == local:
+        return hint + (f"; the module computes all {full} experts, so its output is not expert-sharded: drop the "
+                       "shard spec, or put the target where the experts are split")
+    return hint
 
 
 def rows_before_sharding(local_rows, spec: ShardSpec | None):
