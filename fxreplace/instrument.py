@@ -222,17 +222,36 @@ class InstrumentedModel:
         return [t.module_name for t in self._fxreplace.targets]
 
     @torch.no_grad()
-    def feed(self, replacements) -> None:
+    def feed(self, replacements, *, bind: bool = False) -> None:
         """Copy a context into static max-size buffers that forwards without
         ``replacements=`` read (first T rows). For engines that own the forward
         call or replay CUDA graphs: buffers keep their storage, so a compiled or
         captured graph sees new values. Feed (e.g. a warmup context) before
-        compiling."""
+        compiling.
+
+        ``bind=True``: no copy; the buffers *become* the context's tensors and its
+        mask (a ReplacementContext of ``max_tokens`` rows holding every target).
+        Writing into that context in place afterwards, e.g. with
+        ``TensorReplacer.build_context_for_batch(..., out=<its first T rows>)``,
+        is then the whole feed; :meth:`clear` still turns replacement off."""
         state = self._fxreplace
         if state.max_tokens is None:
             raise ValueError("feed() needs instrument(..., max_tokens=N) to size its buffers")
         tensors = {name: replacements[name] for name in replacements}
         mask = replacements.mask if isinstance(replacements, ReplacementContext) else None
+        if bind:
+            if mask is None or tuple(mask.shape) != (state.max_tokens,):
+                raise ShapeError(f"feed(bind=True) needs a ReplacementContext of max_tokens={state.max_tokens} rows")
+            for i, target in enumerate(state.targets):
+                value = tensors.get(target.capture_name)
+                if value is None or value.shape[0] != state.max_tokens:
+                    raise ShapeError(f"feed(bind=True): {target.capture_name!r} is missing or not "
+                                     f"{state.max_tokens} rows")
+                values_name, mask_name = state.buffer_names(i)
+                self.register_buffer(values_name, value, persistent=False)
+                self.register_buffer(mask_name, mask, persistent=False)
+            state.feeding = True
+            return
         for i, target in enumerate(state.targets):
             values_name, mask_name = state.buffer_names(i)
             value = tensors.get(target.capture_name)

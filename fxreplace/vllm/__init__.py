@@ -15,10 +15,13 @@ Online::
 
 Users of the Neuron tool can keep ``additional_config={"neuron_config":
 {"tensor_replacement": TensorReplacementConfig(...)}}``. The plugin is inert
-when neither key is present.
+when neither key is present. :class:`VllmEngine` runs teacher-forced validation
+through vLLM (``fxreplace validate --engine vllm``).
 """
 
 from .config import CONFIG_KEY, ConfigError, FxReplaceConfig, parse_config
+from .engine import VllmEngine
 from .plugin import VllmReplacement, get_state, register
 
-__all__ = ["CONFIG_KEY", "ConfigError", "FxReplaceConfig", "VllmReplacement", "get_state", "parse_config", "register"]
+__all__ = ["CONFIG_KEY", "ConfigError", "FxReplaceConfig", "VllmEngine", "VllmReplacement", "get_state",
+           "parse_config", "register"]

@@ -9,23 +9,38 @@ forward the replacement built from the scheduler's actual batch.
   vLLM can hash and pickle it;
 * the model runners' ``load_model``: after loading, when configured, builds a
   :class:`VllmReplacement` (instrument + static buffers) before warmup compiles;
-* ``GPUModelRunner.execute_model``: registers new requests, releases finished ones;
-* ``GPUModelRunner._model_forward``: builds the context for the batch and fills
-  the buffers in place, then turns replacement off again after the forward.
+* when configured, that runner *instance* (not the class) gets two wrappers:
+  ``execute_model`` registers new requests and releases finished ones;
+  ``_model_forward`` builds the context for the batch and fills the buffers in
+  place, then turns replacement off again after the forward.
 
-Without an fxreplace config each wrapper costs one attribute lookup per step.
+Unconfigured, nothing runs per step: the class-level wrappers only act at engine
+configuration and model load, and step methods are never wrapped.
+
+Per request, ``SamplingParams(extra_args={"fxreplace": "off"})`` (online:
+``"vllm_xargs": {"fxreplace": "off"}``) serves a request without replacement even
+when its prompt is in the reference.
+
+Debugging: with ``FXREPLACE_DEBUG_STATE=/path/state.json`` in the worker's
+environment, the worker rewrites that file after every step's request
+bookkeeping: ``{"pid", "steps", "errors", "tokens_replaced", "registered",
+"released", "requests": {req_id: prompt index or null}}``. The server tests use it
+to see the request map drain; unset, no file I/O happens.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import re
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..context import ReplacementContext
 from ..instrument import instrument
 from ..replacer import TensorReplacementConfig, TensorReplacer
 from ..targets import Target, TargetError, resolve_targets
@@ -34,7 +49,8 @@ from .config import FxReplaceConfig, parse_config, wrap_in_place
 logger = logging.getLogger("fxreplace.vllm")
 
 _STATE_ATTR = "_fxreplace_state"
-_STEP_ATTR = "_fxreplace_scheduler_output"
+DEBUG_STATE_ENV = "FXREPLACE_DEBUG_STATE"
+OFF_VALUES = ("off", "false", "0", False, 0)
 _MARK = "_fxreplace_wrapped"
 _registered = False
 
@@ -65,8 +81,6 @@ def register() -> None:
     for cls in runners:  # CPUModelRunner overrides load_model: wrap each class's own
         if "load_model" in cls.__dict__:
             _wrap(cls, "load_model", _load_model)
-    _wrap(GPUModelRunner, "execute_model", _execute_model)
-    _wrap(GPUModelRunner, "_model_forward", _model_forward)
     _registered = True
 
 
@@ -93,42 +107,41 @@ def _load_model(original):
         if getattr(self, _STATE_ATTR, None) is None:
             config = parse_config(self.vllm_config.additional_config)
             if config is not None:
-                setattr(self, _STATE_ATTR, VllmReplacement(self, config))
+                state = VllmReplacement(self, config)
+                setattr(self, _STATE_ATTR, state)
+                _wrap_steps(self, state)
         return out
 
     return load_model
 
 
-def _execute_model(original):
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        state = getattr(self, _STATE_ATTR, None)
-        if state is None:
-            return original(self, scheduler_output, *args, **kwargs)
+def _wrap_steps(runner, state: "VllmReplacement") -> None:
+    """Per-step wrappers on one configured runner instance (its bound methods)."""
+    execute = runner.execute_model
+    forward = runner._model_forward
+
+    @functools.wraps(execute)
+    def execute_model(scheduler_output, *args, **kwargs):
         state.update_requests(scheduler_output)
-        setattr(self, _STEP_ATTR, scheduler_output)
+        state.scheduler_output = scheduler_output
         try:
-            return original(self, scheduler_output, *args, **kwargs)
+            return execute(scheduler_output, *args, **kwargs)
         finally:
-            setattr(self, _STEP_ATTR, None)
+            state.scheduler_output = None
 
-    return execute_model
-
-
-def _model_forward(original):
-    def _model_forward(self, *args, **kwargs):
-        state = getattr(self, _STATE_ATTR, None)
-        if state is None:
-            return original(self, *args, **kwargs)
-        scheduler_output = getattr(self, _STEP_ATTR, None)
-        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        if scheduler_output is not None:
-            state.prepare(self, scheduler_output, positions)
+    @functools.wraps(forward)
+    def _model_forward(*args, **kwargs):
+        scheduler_output = state.scheduler_output
+        if scheduler_output is None:  # dummy/profile run: replacement stays off
+            return forward(*args, **kwargs)
+        state.prepare(runner, scheduler_output, kwargs.get("positions", args[1] if len(args) > 1 else None))
         try:
-            return original(self, *args, **kwargs)
+            return forward(*args, **kwargs)
         finally:
-            state.clear()  # dummy/profile runs between steps see replacement off
+            state.clear()  # dummy runs between steps see replacement off
 
-    return _model_forward
+    runner.execute_model = execute_model
+    runner._model_forward = _model_forward
 
 
 # --------------------------------------------------------------------------- per worker
@@ -172,24 +185,34 @@ class VllmReplacement:
         self.runner = runner
         self.model = runner.model
         arch = _architecture(runner)
-        self.replacer = self._build_replacer(fields)
+        self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        # the reference lives where the model runs: each step gathers into the model's buffers
+        self.replacer = self._build_replacer(fields, self.device)
         self.targets = self._targets(arch, fields)
         self.max_tokens = int(runner.max_num_tokens)
-        self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         instrument(self.model, self.targets, max_tokens=self.max_tokens)
-        # Feed before warmup compiles: the graph must read the buffers from its first trace.
-        self.model.feed(self.replacer.warmup_context(self.max_tokens, device=self.device))
+        # Bind before warmup compiles: the graph reads these buffers from its first trace.
+        # Each step gathers straight into their first rows (no second copy).
+        self.feed = self.replacer.warmup_context(self.max_tokens)
+        self.model.feed(self.feed, bind=True)
+        self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
         self.unknown_level = logging.ERROR if fields.get("on_unknown") == "error" else logging.INFO
-        self.steps = 0
+        self.steps = 0  # forwards that held at least one request matched to the reference
         self.tokens_replaced = 0
         self.errors = 0
+        self.registered = 0  # requests registered (matched or not) and released, over the engine's life
+        self.released = 0
+        self.scheduler_output = None  # the step being executed (set by the execute_model wrapper)
+        self.armed = False  # whether the buffers may hold a live mask (clear() is a no-op otherwise)
+        self.matched: set[str] = set()  # registered requests that resolved to a reference prompt
+        self.debug_state_path = os.environ.get(DEBUG_STATE_ENV) or None
         logger.info("fxreplace: instrumented %d target(s) of %s (%s ...), %d reference prompt(s), buffers of %d tokens",
                     len(self.targets), arch, self.targets[0].pattern, self.replacer.store.num_prompts, self.max_tokens)
 
     # ------------------------------------------------------------ setup
 
     @staticmethod
-    def _build_replacer(fields: dict) -> TensorReplacer:
+    def _build_replacer(fields: dict, device) -> TensorReplacer:
         source = TensorReplacementConfig(
             tensors=fields.get("tensors"), tensors_path=fields.get("tensors_path"),
             prompt_token_ids=fields.get("prompt_token_ids"), prompt_token_ids_path=fields.get("prompt_token_ids_path"),
@@ -197,7 +220,7 @@ class VllmReplacement:
         try:
             # Unknown prompts always pass through in the engine (a worker cannot fail one
             # request); on_unknown="error" makes each one an ERROR log line instead of INFO.
-            return source.build(on_unknown="passthrough")
+            return source.build(on_unknown="passthrough", device=device)
         except Exception as exc:
             where = fields.get("tensors_path") or "the in-memory tensors"
             raise type(exc)(f"fxreplace: cannot load the reference from {where}: {exc}") from exc
@@ -240,19 +263,42 @@ class VllmReplacement:
 
     def update_requests(self, scheduler_output) -> None:
         for req_id in scheduler_output.finished_req_ids:
-            self.replacer.release_request(req_id)
+            self.released += self.replacer.release_request(req_id)
+            self.matched.discard(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             tokens = new.prompt_token_ids
             if tokens is None:  # prompt embeddings: nothing to match
                 continue
+            extra = getattr(new.sampling_params, "extra_args", None)
+            if extra and extra.get("fxreplace") in OFF_VALUES:  # unregistered: served untouched
+                continue
             try:
                 matched = self.replacer.register_request(new.req_id, list(tokens))
+                self.registered += 1
             except Exception as exc:  # one bad request must not stop the engine
                 logger.error("fxreplace: request %s is served without replacement: %s", new.req_id, exc)
                 continue
-            if matched is None:
+            if matched is not None:
+                self.matched.add(new.req_id)
+            else:
                 logger.log(self.unknown_level, "fxreplace: request %s (%d prompt tokens, first %s) matches no "
                            "reference prompt; served without replacement", new.req_id, len(tokens), list(tokens[:8]))
+        if self.debug_state_path is not None:
+            self.write_debug_state()
+
+    def write_debug_state(self) -> None:
+        """Atomically rewrite the ``FXREPLACE_DEBUG_STATE`` file (debugging only)."""
+        path = self.debug_state_path
+        state = {"pid": os.getpid(), "steps": self.steps, "errors": self.errors,
+                 "tokens_replaced": self.tokens_replaced, "registered": self.registered,
+                 "released": self.released, "requests": self.requests}
+        try:
+            with open(f"{path}.tmp{os.getpid()}", "w") as f:
+                json.dump(state, f)
+            os.replace(f"{path}.tmp{os.getpid()}", path)
+        except OSError as exc:
+            logger.warning("fxreplace: cannot write %s=%s: %s", DEBUG_STATE_ENV, path, exc)
+            self.debug_state_path = None
 
     def prepare(self, runner, scheduler_output, positions) -> None:
         """Fill the buffers for this forward from the batch vLLM actually runs."""
@@ -260,6 +306,8 @@ class VllmReplacement:
             batch = runner.input_batch
             num_reqs = batch.num_reqs
             req_ids = batch.req_ids[:num_reqs]
+            if self.matched.isdisjoint(req_ids):  # nothing to replace: buffers stay off
+                return
             counts = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in req_ids), np.int64, num_reqs)
             total = int(counts.sum())
             if isinstance(positions, torch.Tensor) and positions.device.type == "cpu":
@@ -269,8 +317,8 @@ class VllmReplacement:
                 starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
                 pos = torch.from_numpy(batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)[owner]
                                        + np.arange(total) - starts[owner])
-            ctx = self.replacer.build_context_for_batch(req_ids, counts, pos)
-            self.model.feed(ctx)
+            self.armed = True
+            ctx = self.replacer.build_context_for_batch(req_ids, counts, pos, out=self._rows(total))
             self.steps += 1
             self.tokens_replaced += int(ctx.mask.sum())
         except Exception as exc:
@@ -278,8 +326,20 @@ class VllmReplacement:
             self.clear()
             logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
 
+    def _rows(self, n: int) -> ReplacementContext:
+        """The bound buffers' first ``n`` rows as an ``out=`` context (cached per n)."""
+        view = self._views.get(n)
+        if view is None:
+            feed = self.feed
+            view = ReplacementContext({m: t[:n] for m, t in feed.items()}, feed.mask[:n],
+                                      storage=tuple(s[:n] for s in feed.storage))
+            self._views[n] = view
+        return view
+
     def clear(self) -> None:
-        self.model.clear()
+        if self.armed:
+            self.feed.mask.fill_(False)  # every target's mask buffer is this one tensor
+            self.armed = False
 
     @property
     def requests(self) -> dict:

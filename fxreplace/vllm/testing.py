@@ -38,7 +38,7 @@ def save_tiny_checkpoint(architecture: str, directory: str | os.PathLike, *, see
 def capture_router_logits(model, targets, token_ids) -> dict:
     """``{capture_name: Tensor[S, E]}``: each target's logits for one sequence
     (an HF model instrumented with the family's targets; the injection point is
-    the router's first linear, recomputed here from its input and weight)."""
+    the router's first linear, recomputed here from its input, weight and bias)."""
     import torch
     import torch.nn.functional as F
 
@@ -47,7 +47,7 @@ def capture_router_logits(model, targets, token_ids) -> dict:
     def hook(name):
         def pre_hook(module, args):
             x = args[0].reshape(-1, args[0].shape[-1])
-            captured[name] = F.linear(x, module.weight).detach().clone()
+            captured[name] = F.linear(x, module.weight, getattr(module, "bias", None)).detach().clone()
         return pre_hook
 
     handles = [model.get_submodule(name).register_forward_pre_hook(hook(name)) for name in targets]

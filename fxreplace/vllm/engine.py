@@ -1,0 +1,82 @@
+"""A vLLM engine behind fxreplace's validation engine protocol
+(``generate(prompts, max_new_tokens, replace) -> [Generation]``), used by
+``fxreplace validate --engine vllm``.
+
+One engine serves both modes. The plugin is configured with the reference;
+``replace=False`` requests carry ``extra_args={"fxreplace": "off"}``, which the
+plugin honours per request. Each mode gets its own ``cache_salt`` so the prefix
+cache never hands KV computed with replacement to a request without it (or the
+reverse), while retries of one mode still reuse their cached prefixes.
+
+Logits: vLLM returns log-probabilities, not logits, and only the top ``k``
+tokens of each step. Validation compares log-softmaxed values, so log-probs stand
+in for logits exactly. By default ``k = -1`` (the whole vocabulary: exact
+metrics, but one Python object per vocabulary entry per step, slow for 100k+
+vocabularies). With a smaller ``k`` the tokens outside the top ``k`` get the
+smallest returned log-prob: top-1 and top-5/top-50 errors stay exact while the
+reference's top-50 lies inside the target's top-k; KL is then approximate.
+``Generation.observed`` stays empty (router agreement is not measured).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import torch
+
+from ..runner import Generation
+
+OFF = {"fxreplace": "off"}
+
+
+class VllmEngine:
+    """``VllmEngine(model_dir, reference_dir, dtype="float32", logprobs=-1, targets=None, **llm_kwargs)``.
+
+    ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``enforce_eager``, ``max_model_len``).
+    """
+
+    def __init__(self, model: str, reference: str, *, dtype: str = "float32", logprobs: int = -1,
+                 targets: Sequence[Any] | None = None, **llm_kwargs):
+        from vllm import LLM
+
+        config: dict[str, Any] = {"tensors_path": str(reference)}
+        if targets:
+            config["targets"] = list(targets)
+        self.logprobs = logprobs
+        llm_kwargs.setdefault("max_logprobs", logprobs)
+        llm_kwargs.setdefault("seed", 0)
+        self.llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": config}, **llm_kwargs)
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool) -> list[Generation]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=self.logprobs,
+                            extra_args=None if replace else dict(OFF))
+        salt = "fxreplace-on" if replace else "fxreplace-off"
+        inputs = [{"prompt_token_ids": list(p), "cache_salt": salt} for p in prompts]
+        outs = self.llm.generate(inputs, sp, use_tqdm=False)
+        gens = []
+        for prompt, out in zip(prompts, outs):
+            completion = out.outputs[0]
+            gens.append(Generation(req_id=f"{out.request_id}:{'on' if replace else 'off'}", prompt=list(prompt),
+                                   tokens=list(completion.token_ids),
+                                   logits=[self._dense(step) for step in completion.logprobs]))
+        return gens
+
+    def _dense(self, step: dict) -> torch.Tensor:
+        """``{token: Logprob}`` of one step -> ``[vocab]`` log-probs (missing: the smallest returned)."""
+        ids = torch.tensor(list(step), dtype=torch.long)
+        values = torch.tensor([v.logprob for v in step.values()], dtype=torch.float32)
+        dense = torch.full((self.vocab_size,), float(values.min()), dtype=torch.float32)
+        dense[ids] = values
+        return dense
+
+    def close(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        self.llm = None

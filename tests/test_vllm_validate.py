@@ -1,0 +1,98 @@
+"""``fxreplace validate --engine vllm`` end to end, tiny Qwen3-MoE in float32.
+
+The reference is HF's greedy generation with forced router logits, except that at
+step ``SWAP`` it takes the second-best token (and its logits say so). vLLM with
+replacement must match every step but that one, which is a divergence: the
+validation retries with the reference tokens as a new request, which the plugin
+resolves by prefix, and every later step matches again. Without replacement vLLM
+routes differently and diverges.
+
+The CLI runs in a subprocess (an in-process engine there): a second in-process
+engine in the pytest process after test_vllm.py's ngram engine would fail (see
+that test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fxreplace.reference import Reference
+from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs
+from test_vllm import NEW, Ref
+
+SWAP = 3
+NAMES = ["short", "repeat"]
+
+
+def forced_generation(ref: Ref, prompt: list[int]):
+    """Greedy HF generation under forced routing, with the second-best token at step SWAP."""
+    seq, tokens, logits = list(prompt), [], []
+    for step in range(NEW):
+        lp = hf_logprobs(ref.hf, seq, force_routing(capture_router_logits(ref.hf, ref.hf.targets, seq)))[-1]
+        if step == SWAP:
+            token = int(lp.topk(2).indices[1])
+            lp = lp.clone()
+            lp[token] = lp.max() + 1.0
+        else:
+            token = int(lp.argmax())
+        tokens.append(token)
+        logits.append(lp)
+        seq.append(token)
+    captures = force_routing(capture_router_logits(ref.hf, ref.hf.targets, seq))  # causal: rows match each step's
+    return captures, tokens, torch.stack(logits)
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fxreplace_vllm_validate")
+    ref = Ref(tmp)
+    captures, prompts, tokens, logits = {}, [], [], []
+    for i, name in enumerate(NAMES):
+        c, t, lg = forced_generation(ref, ref.prompts[name])
+        captures[i] = c
+        prompts.append(ref.prompts[name])
+        tokens.append(t)
+        logits.append(lg)
+    reference_dir = tmp / "reference"
+    Reference.from_parts(captures, prompts, tokens, logits, metadata={"source_model": ref.ckpt}).save(reference_dir)
+    report = tmp / "report"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
+    env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-m", "fxreplace", "validate", ref.ckpt, "--reference", str(reference_dir),
+                           "--engine", "vllm", "--dtype", "float32", "--eager", "--report-dir", str(report)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((report / "result.json").read_text()), proc.stdout
+
+
+def test_validate_vllm_with_replacement_matches_but_the_swapped_step(validated):
+    result, stdout = validated
+    on = [s for s in result["steps"] if s["mode"] == "on"]
+    assert sorted((s["prompt"], s["step"]) for s in on) == [(p, j) for p in range(len(NAMES)) for j in range(NEW)]
+    for s in on:
+        if s["step"] == SWAP:
+            assert not s["top1_agree"] and s["round"] == 0, s
+        else:
+            assert s["status"] == "matched" and s["top5_error"] < 1e-4, s
+            assert s["round"] == (0 if s["step"] < SWAP else 1), s  # later steps come from the retry
+    retry_ids = {s["req_id"] for s in on if s["round"] == 1}
+    first_ids = {s["req_id"] for s in on if s["round"] == 0}
+    assert len(retry_ids) == len(NAMES) and not retry_ids & first_ids  # each retry is a new request
+    summary = result["summary"]["on"]
+    assert all(p["divergences"] == 1 and p["first_divergence"] == SWAP and p["retries"] == 1
+               for p in summary["prompts"].values())
+    assert "report:" in stdout
+
+
+def test_validate_vllm_without_replacement_diverges(validated):
+    result, _ = validated
+    off = result["summary"]["off"]
+    assert off["prompts_diverged"] == len(NAMES)
+    assert off["status_counts"]["matched"] < off["steps"] / 2
+    assert off["mean_top5_error"] > 0.1
