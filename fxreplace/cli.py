@@ -64,12 +64,33 @@ def _capture(args) -> int:
     return 0
 
 
+def _check_vocab(reference, model_name: str, vocab_size: int) -> None:
+    if vocab_size != reference.vocab_size:
+        raise SystemExit(f"error: the reference has vocab size {reference.vocab_size} but {model_name} has "
+                         f"{vocab_size}: it was captured from another model")
+
+
+def _longest_sequence(reference) -> int:
+    """Prompt plus generated tokens of the longest reference prompt: what a retry can reach."""
+    return max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in range(reference.num_prompts))
+
+
+def _report(result, report_dir: str, extra: str = "") -> int:
+    from .demo import print_summary
+
+    result.write_report(report_dir)
+    print_summary(result)
+    if extra:
+        print(extra)
+    print(f"report: {Path(report_dir).resolve() / 'report.html'}")
+    return 0
+
+
 def _validate(args) -> int:
     if args.engine == "vllm":
         return _validate_vllm(args)
     import torch
 
-    from .demo import print_summary
     from .instrument import instrument
     from .reference import load_reference
     from .replacer import TensorReplacer
@@ -78,17 +99,14 @@ def _validate(args) -> int:
 
     reference = load_reference(args.reference)
     model = load_model(args.model)
-    if model.config.vocab_size != reference.vocab_size:
-        raise SystemExit(f"error: the reference has vocab size {reference.vocab_size} but {args.model} has "
-                         f"{model.config.vocab_size}: it was captured from another model")
+    _check_vocab(reference, args.model, model.config.vocab_size)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     targets = args.target or default_targets(model)
     target = instrument(copy.deepcopy(model).to(dtype), targets)
     missing = [t for t in (t.capture_name for t in target._fxreplace.targets) if t not in reference.store.columns]
     if missing:
         raise SystemExit(f"error: the reference holds no captures for targets {missing}; it has {reference.store.modules}")
-    longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in range(reference.num_prompts))
-    bucket = 1 << (longest - 1).bit_length()
+    bucket = 1 << (_longest_sequence(reference) - 1).bit_length()
     runner = Runner(
         target,
         model.config,
@@ -99,18 +117,12 @@ def _validate(args) -> int:
         compile="inductor" if args.compile else None,
     )
     result = logit_validation(runner, reference, router_topk=getattr(model.config, "num_experts_per_tok", None))
-    result.write_report(args.report_dir)
-    print_summary(result)
-    if args.compile:
-        print(f"graphs compiled: {runner.graphs_compiled}")
-    print(f"report: {Path(args.report_dir).resolve() / 'report.html'}")
-    return 0
+    return _report(result, args.report_dir, f"graphs compiled: {runner.graphs_compiled}" if args.compile else "")
 
 
 def _validate_vllm(args) -> int:
     """Teacher-forced validation through a real vLLM engine (the fxreplace plugin
     configured with the reference; see :mod:`fxreplace.vllm.engine`)."""
-    from .demo import print_summary
     from .reference import load_reference
     from .validation import logit_validation
 
@@ -121,25 +133,18 @@ def _validate_vllm(args) -> int:
     reference = load_reference(args.reference)
     from .vllm.engine import VllmEngine
 
-    longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in range(reference.num_prompts))
+    longest = _longest_sequence(reference)
     engine = VllmEngine(args.model, args.reference, dtype=args.dtype, logprobs=args.logprobs, targets=args.target,
                         enforce_eager=args.eager, max_model_len=max(longest + 8, 128),
                         max_num_seqs=min(8, reference.num_prompts))
     try:
-        if engine.vocab_size != reference.vocab_size:
-            raise SystemExit(f"error: the reference has vocab size {reference.vocab_size} but {args.model} has "
-                             f"{engine.vocab_size}: it was captured from another model")
+        _check_vocab(reference, args.model, engine.vocab_size)
         with open(Path(args.model) / "config.json") as f:
             topk = json.load(f).get("num_experts_per_tok")
         result = logit_validation(engine, reference, router_topk=topk)
     finally:
         engine.close()
-    result.write_report(args.report_dir)
-    print_summary(result)
-    if args.compile:
-        print(f"graphs compiled: {runner.graphs_compiled}")
-    print(f"report: {Path(args.report_dir).resolve() / 'report.html'}")
-    return 0
+    return _report(result, args.report_dir)
 
 
 def _inspect(args) -> int:
