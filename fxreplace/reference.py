@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .store import ReferenceStore
+from .store import ReferenceStore, _offsets
 
 TOKENS, LOGITS, OFFSETS = "generated.tokens", "generated.logits", "generated.offsets"
 
@@ -32,7 +32,7 @@ class Reference:
         extras = {
             TOKENS: torch.tensor([t for seq in tokens for t in seq], dtype=torch.long),
             LOGITS: torch.cat(logits) if logits else torch.zeros(0),
-            OFFSETS: torch.tensor([0] + [len(t) for t in tokens]).cumsum(0),
+            OFFSETS: _offsets([len(t) for t in tokens]),
         }
         return cls(ReferenceStore.from_captures(captures, prompt_token_ids=prompt_token_ids, metadata=metadata, extras=extras))
 
