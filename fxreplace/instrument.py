@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import re
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
 from .context import ReplacementContext
 from .passes import Injection, InjectionSpec, find_injection_node, insert_replacements, parse_output_point
@@ -380,11 +382,14 @@ def export(
     the model's signature), then one ``[T, E]`` replacement per target named
     :func:`export_input_name` (capture name), then ``fxreplace_mask`` (bool
     ``[T]``) and, when a target's shard rank is a tensor, ``fxreplace_rank``.
-    Shapes are static for now (``dynamic_shapes`` is reserved). Mask all False
-    turns replacement off in the same program.
+    Mask all False turns replacement off in the same program.
+
+    ``dynamic_shapes`` is :func:`torch.export.export`'s, for the model's inputs
+    (a dict by argument name, or a tuple matching positional ``example_inputs``);
+    the token dimension of the replacement and mask inputs then follows them
+    (``Dim.AUTO``: export derives ``T`` from the model's shapes and checks it at
+    run time).
     """
-    if dynamic_shapes is not None:
-        raise NotImplementedError("export() with dynamic_shapes is not supported yet; use torch.compile(dynamic=True)")
     kwargs = dict(example_inputs) if isinstance(example_inputs, Mapping) else {}
     args = () if isinstance(example_inputs, Mapping) else tuple(example_inputs)
     resolved = resolve_targets(model, targets)
@@ -417,8 +422,9 @@ def export(
     examples = {}
     for target, spec, value in zip(resolved, specs, located):
         shard = target.shard
-        rows = value.numel() // value.shape[-1]
-        columns = value.shape[-1]
+        shape = [guarding_hint_or_throw(size) for size in value.shape]  # the example's sizes when shapes are dynamic
+        rows = math.prod(shape) // shape[-1]
+        columns = shape[-1]
         if shard is not None and shard.mode == "sequence":
             rows *= shard.world_size
         if shard is not None and shard.mode == "expert":
@@ -431,6 +437,13 @@ def export(
     if tensor_rank:
         examples["fxreplace_rank"] = next(t.shard.rank for t in resolved if t.shard and isinstance(t.shard.rank, torch.Tensor))
 
-    given = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    signature = inspect.signature(model.forward)
+    given = signature.bind_partial(*args, **kwargs).arguments
     inputs = {name: given[name] for name in old_inputs} | examples
-    return torch.export.export(gm, (), inputs, strict=False)
+    if dynamic_shapes is None:
+        return torch.export.export(gm, (), inputs, strict=False)
+    if not isinstance(dynamic_shapes, Mapping):
+        dynamic_shapes = signature.bind_partial(*dynamic_shapes).arguments
+    follows = {name: ({0: torch.export.Dim.AUTO} if name != "fxreplace_rank" else None) for name in examples}
+    shapes = {name: dynamic_shapes.get(name) for name in old_inputs} | follows
+    return torch.export.export(gm, (), inputs, dynamic_shapes=shapes, strict=False)
