@@ -47,7 +47,7 @@ def child(args) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    data = torch.load(args.ref)
+    data = torch.load(args.ref, weights_only=True)
     extra = {}
     if args.config == "active":
         extra["additional_config"] = {"fxreplace": {"tensors": data["captures"], "prompt_token_ids": data["token_ids"]}}

@@ -1,7 +1,9 @@
-"""fxreplace inside vLLM's OpenAI-compatible server (a real subprocess, eager,
-API server and engine core in separate processes), tiny Qwen3-MoE in float32.
+"""fxreplace inside vLLM's OpenAI-compatible server (a real subprocess, API server
+and engine core in separate processes), tiny Qwen3-MoE in float32.
 
-One server per module: exactness over HTTP (completions with token-id prompts
+Two servers, one after the other: eager and vLLM's compiled mode (Dynamo with
+the eager backend, ``VLLM_CPU_CI_ENV=1``, as in test_vllm.py; inductor with
+``FXREPLACE_TEST_INDUCTOR=1``). Each runs exactness over HTTP (completions with token-id prompts
 and logprobs, compared with HF run with the same forced router logits), then 100
 concurrent requests (known prompts, teacher-forcing retries, unknown prompts,
 clients that disconnect early). The worker's request map is read from the file
@@ -35,7 +37,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, ref: Ref, tmp):
+    def __init__(self, ref: Ref, tmp, mode: str):
         self.ref = ref
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,8 +45,11 @@ class Server:
         self.log_path = tmp / "server.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", FXREPLACE_DEBUG_STATE=self.state_path)
+        if mode == "compiled" and not os.environ.get("FXREPLACE_TEST_INDUCTOR"):
+            env["VLLM_CPU_CI_ENV"] = "1"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ref.ckpt,
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+               *(["--enforce-eager"] if mode == "eager" else []),
                "--seed", "0", "--max-model-len", "256", "--block-size", "32", "--max-num-seqs", "16",
                "--max-num-batched-tokens", "64", "--uvicorn-log-level", "warning",
                # engine core in its own process (the multi-process path), its worker inside it:
@@ -104,9 +109,9 @@ def ref(tmp_path_factory):
     return Ref(tmp_path_factory.mktemp("fxreplace_vllm_server"))
 
 
-@pytest.fixture(scope="module")
-def server(ref, tmp_path_factory):
-    srv = Server(ref, tmp_path_factory.mktemp("server"))
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def server(ref, tmp_path_factory, request):
+    srv = Server(ref, tmp_path_factory.mktemp("server"), request.param)
     try:
         srv.wait_ready()
         yield srv
