@@ -1,27 +1,32 @@
 """Decode step time of an MoE model in vLLM: without the fxreplace plugin, with the
 plugin loaded but unconfigured, and with replacement active (every token of every
-request replaced); eager and compiled; rounds interleaved.
+request replaced); eager and compiled.
 
-    python benchmarks/bench_vllm.py [--quick]
+    python benchmarks/bench_vllm.py [--quick] [--samples N]
 
-Each measurement runs in its own process (the plugin patches classes for the
-life of a process; ``VLLM_PLUGINS`` keeps it from loading for the baseline).
-Decode step time = (time for NEW tokens - time for 1 token) / (NEW - 1); per
-process the minimum over repeats (other load on a shared machine only adds
-time), per configuration the median over rounds; the order of the three
-configurations rotates every round. Compiled mode is vLLM's default (Dynamo +
-Inductor; compiled graphs are cached by vLLM after the first round). Final
-line: JSON with ``overhead_inactive`` and ``overhead_active`` (ratios to the
-baseline, worst over modes), the per-mode step times, and
-``overhead_active_intrinsic``: 1 + the plugin's own measured time per forward
-(request bookkeeping, gather, clear) over the baseline step, a figure that other
-load on the machine barely moves.
+Each configuration is its own engine process (the plugin patches classes for the
+life of a process; ``VLLM_PLUGINS`` keeps it from loading for the baseline). The
+three engines of a round stay alive side by side and take turns: one sample from
+each, in rotating order. On a shared machine the speed drifts by 10-40% over
+minutes, which separate runs per configuration cannot tell from an overhead;
+samples taken seconds apart see the same machine. Measured on this machine: of
+engines started one after another, the first runs ~25% slower than the others
+for its whole life, whatever its configuration. So a mode has three rounds of
+fresh engines, and each configuration is started first in one of them.
+
+One sample = decode step time = (time for NEW tokens - time for 1 token) /
+(NEW - 1) over all prompts, each the fastest of three runs. Per round, a
+configuration's ratio is the median over turns of its sample / the baseline's
+sample of the same turn; its overhead is the median over the three rounds (worst
+mode). ``overhead_active_intrinsic`` is 1 + the plugin's own measured time per
+forward (request bookkeeping, gather, clear) over the baseline step, a figure
+that neither other load nor process placement moves.
 
 Unconfigured, the plugin wraps no per-step method (only engine configuration
-and model load), so ``overhead_inactive`` measures noise. Active, each step
-gathers the batch's reference rows straight into the model's static buffers
+and model load), so ``overhead_inactive`` measures the noise floor. Active, each
+step gathers the batch's reference rows straight into the model's static buffers
 (one ``index_select`` per packed group and one mask copy) and clears the mask
-after the forward.
+after the forward. Compiled mode is vLLM's default (Dynamo + Inductor).
 """
 
 from __future__ import annotations
@@ -41,16 +46,28 @@ MID = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, n
            vocab_size=1024, max_position_embeddings=1024)
 QUICK = dict(MID, hidden_size=256, moe_intermediate_size=128, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=4, num_experts=8, num_experts_per_tok=2, vocab_size=512)
+CONFIGS = ("no_plugin", "inactive", "active")
+
+
+def plugins_but_fxreplace() -> str:
+    """``VLLM_PLUGINS`` for the baseline: every installed general plugin except ours."""
+    from importlib.metadata import entry_points
+
+    return ",".join(e.name for e in entry_points(group="vllm.general_plugins") if e.name != "fxreplace")
 
 
 def child(args) -> None:
+    """One engine; answers each ``sample`` line on stdin with one decode-step sample."""
     import torch
     from vllm import LLM, SamplingParams
 
     data = torch.load(args.ref, weights_only=True)
     extra = {}
     if args.config == "active":
-        extra["additional_config"] = {"fxreplace": {"tensors": data["captures"], "prompt_token_ids": data["token_ids"]}}
+        from fxreplace.vllm import FxReplaceConfig
+
+        extra["additional_config"] = {"fxreplace": FxReplaceConfig(tensors=data["captures"],
+                                                                   prompt_token_ids=data["token_ids"])}
     llm = LLM(model=args.ckpt, dtype="float32", enforce_eager=args.mode == "eager", seed=0, max_model_len=512,
               distributed_executor_backend="uni", enable_prefix_caching=False, max_num_seqs=len(data["prompts"]),
               **extra)
@@ -78,14 +95,47 @@ def child(args) -> None:
 
     run(4)  # warm
     plugin.update(s=0.0, forwards=0)
-    steps = []
-    for _ in range(args.repeats):
-        t1, tn = run(1), run(args.new)
-        steps.append((tn - t1) / (args.new - 1))
-    result = {"step_s": min(steps), "median_s": statistics.median(steps)}
-    if plugin["forwards"]:
-        result["plugin_s_per_forward"] = plugin["s"] / plugin["forwards"]
-    print("RESULT " + json.dumps(result))
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "sample":
+            break
+        t1, tn = min(run(1) for _ in range(3)), min(run(args.new) for _ in range(3))
+        result = {"step_s": (tn - t1) / (args.new - 1)}
+        if plugin["forwards"]:
+            result["plugin_s_per_forward"] = plugin["s"] / plugin["forwards"]
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+class Engine:
+    """A child engine process driven over its stdin/stdout."""
+
+    def __init__(self, config: str, mode: str, ckpt: str, ref: str, new: int, env: dict):
+        self.name = f"{mode}/{config}"
+        env = dict(env)
+        if config == "no_plugin":
+            env["VLLM_PLUGINS"] = plugins_but_fxreplace()
+        self.log = tempfile.TemporaryFile(mode="w+")
+        cmd = [sys.executable, __file__, "--child", "--config", config, "--mode", mode, "--ckpt", ckpt,
+               "--ref", ref, "--new", str(new)]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True)
+        self.expect("READY")
+
+    def expect(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        self.log.seek(0)
+        sys.exit(f"{self.name} failed:\n{self.log.read()[-3000:]}")
+
+    def sample(self) -> dict:
+        self.proc.stdin.write("sample\n")
+        self.proc.stdin.flush()
+        return json.loads(self.expect("RESULT "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
 
 
 def main() -> None:
@@ -94,8 +144,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config"), ap.add_argument("--mode"), ap.add_argument("--ckpt"), ap.add_argument("--ref")
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each starts every configuration)")
+    ap.add_argument("--samples", type=int, default=None, help="sample turns per round (default 8, quick 4)")
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -107,9 +156,8 @@ def main() -> None:
 
     shape = QUICK if args.quick else MID
     modes = ["eager"] if args.quick else ["eager", "compiled"]
-    rounds = args.rounds
+    samples = args.samples or (4 if args.quick else 8)
     new = 16 if args.quick else 32
-    repeats = 3
     num_prompts, prompt_len = 8, 64
     tmp = tempfile.mkdtemp(prefix="fxreplace_bench_vllm_")
     ckpt = str(save_tiny_checkpoint(ARCH, os.path.join(tmp, "ckpt"), **shape))
@@ -124,44 +172,48 @@ def main() -> None:
     del hf
 
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    configs = {"no_plugin": "lora_filesystem_resolver", "inactive": None, "active": None}
-    results: dict = {m: {c: [] for c in configs} for m in modes}
-    order = list(configs)
-    plugin_cost: dict = {m: [] for m in modes}
-    for r in range(rounds):
-        for mode in modes:
-            for config in order[r % 3:] + order[:r % 3]:  # interleaved, rotating order
-                plugins = configs[config]
-                e = dict(env)
-                if plugins is not None:
-                    e["VLLM_PLUGINS"] = plugins  # every general plugin but fxreplace
-                cmd = [sys.executable, __file__, "--child", "--config", config, "--mode", mode, "--ckpt", ckpt,
-                       "--ref", ref, "--new", str(new), "--repeats", str(repeats)]
-                proc = subprocess.run(cmd, env=e, capture_output=True, text=True)
-                line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-                if proc.returncode or not line:
-                    sys.exit(f"{mode}/{config} failed:\n{proc.stderr[-3000:]}")
-                got = json.loads(line[-1][7:])
-                step = got["step_s"]
-                results[mode][config].append(step)
-                if "plugin_s_per_forward" in got:
-                    plugin_cost[mode].append(got["plugin_s_per_forward"])
-                print(f"round {r} {mode:8s} {config:10s} decode step {step * 1e3:8.2f} ms", flush=True)
-    summary = {"model": shape, "num_prompts": num_prompts, "new_tokens": new, "step_ms": {}}
+    summary = {"model": shape, "num_prompts": num_prompts, "new_tokens": new, "samples_per_round": samples,
+               "step_ms": {}, "paired_ratio": {}, "plugin_ms_per_forward": {}}
     inactive, active, intrinsic = [], [], []
+    order = list(CONFIGS)
     for mode in modes:
-        med = {c: statistics.median(v) for c, v in results[mode].items()}
-        summary["step_ms"][mode] = {c: round(v * 1e3, 3) for c, v in med.items()}
-        inactive.append(med["inactive"] / med["no_plugin"])
-        active.append(med["active"] / med["no_plugin"])
-        if plugin_cost[mode]:  # the plugin's own time per forward: immune to other load's noise
-            cost = statistics.median(plugin_cost[mode])
-            summary.setdefault("plugin_ms_per_forward", {})[mode] = round(cost * 1e3, 4)
-            intrinsic.append(1 + cost / med["no_plugin"])
+        steps = {config: [] for config in order}
+        rounds = {config: [] for config in order}  # per round: median of the turn-paired ratios to no_plugin
+        cost = []
+        for r in range(len(order)):
+            created = order[r:] + order[:r]  # engines started earlier run slower: each config goes first once
+            engines = {config: Engine(config, mode, ckpt, ref, new, env) for config in created}  # one at a time
+            turns = {config: [] for config in order}
+            for i in range(samples):
+                for config in created[i % 3:] + created[:i % 3]:  # rotate: no position bias
+                    got = engines[config].sample()
+                    turns[config].append(got["step_s"])
+                    if "plugin_s_per_forward" in got:
+                        cost.append(got["plugin_s_per_forward"])
+            for engine in engines.values():
+                engine.close()
+            for config in order:
+                steps[config] += turns[config]
+                rounds[config].append(statistics.median(x / b for x, b in zip(turns[config], turns["no_plugin"])))
+            print(f"{mode:8s} round {r} (started {', '.join(created)}): "
+                  + "  ".join(f"{c} {statistics.median(turns[c]) * 1e3:6.2f} ms x{rounds[c][-1]:.3f}" for c in order),
+                  flush=True)
+        paired = {c: statistics.median(v) for c, v in rounds.items()}
+        summary["step_ms"][mode] = {c: round(statistics.median(v) * 1e3, 3) for c, v in steps.items()}
+        summary["paired_ratio"][mode] = {c: round(v, 4) for c, v in paired.items()}
+        inactive.append(paired["inactive"])
+        active.append(paired["active"])
+        # the plugin's own time per forward: immune to other load and to process placement
+        summary["plugin_ms_per_forward"][mode] = round(statistics.median(cost) * 1e3, 4)
+        intrinsic.append(1 + statistics.median(cost) / statistics.median(steps["no_plugin"]))
+    print(f"{'mode':10s}{'config':12s}{'step ms':>10s}{'vs base':>9s}")
+    for mode in modes:
+        for config in order:
+            print(f"{mode:10s}{config:12s}{summary['step_ms'][mode][config]:10.3f}"
+                  f"{summary['paired_ratio'][mode][config]:9.3f}")
     summary["overhead_inactive"] = round(max(inactive), 4)
     summary["overhead_active"] = round(max(active), 4)
-    if intrinsic:
-        summary["overhead_active_intrinsic"] = round(max(intrinsic), 4)
+    summary["overhead_active_intrinsic"] = round(max(intrinsic), 4)
     print(json.dumps(summary))
 
 

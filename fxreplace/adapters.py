@@ -5,8 +5,13 @@ Needed when the only place to inject is downstream of the logits, e.g. a fused
 router kernel that never materialises them and returns expert affinities. An
 adapter is ``fn(logits [T, E], module) -> Tensor``; ``module`` is the targeted
 module, so routing constants (``top_k``, a correction bias) come from the model
-itself. All built-in routing adapters return dense ``[T, E]`` affinities: the
-routing weight at each chosen expert, zero elsewhere.
+itself. The built-in routing adapters come in two forms, for the two things fused
+routers hand to their experts: dense ``[T, E]`` affinities (the routing weight at
+each chosen expert, zero elsewhere; ``topk_softmax_scatter``, ...) and top-k pairs
+``(weights [T, k], expert ids [T, k])`` in the order the routing's top-k picks
+them (``pairs=True``; registered as ``topk_softmax_pairs``, ...). A pair adapter
+replaces a point that computes such a pair (``Target(point="output")`` on a router
+returning ``(weights, ids)``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Callable, Union
 import torch
 from torch import nn
 
-Adapter = Callable[[torch.Tensor, nn.Module], torch.Tensor]
+Adapter = Callable[[torch.Tensor, nn.Module], Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]
 
 _REGISTRY: dict[str, Adapter] = {}
 
@@ -58,30 +63,40 @@ def _scatter(weights: torch.Tensor, indices: torch.Tensor, num_experts: int) -> 
     return dense.scatter(1, indices, weights)
 
 
-def topk_softmax_scatter(k: int | None = None) -> Adapter:
-    """GPT-OSS routing: top-k of the raw logits, softmax over those k values."""
+def _routed(route: Callable, pairs: bool) -> Adapter:
+    """``route(logits, module) -> (weights, ids)`` as a dense or a pair adapter."""
 
     def adapter(logits, module):
-        top_k = _module_attr(module, k, "top_k", "topk_softmax_scatter")
-        values, indices = torch.topk(logits.float(), top_k, dim=-1)
-        return _scatter(torch.softmax(values, dim=-1), indices, logits.shape[-1])
+        weights, indices = route(logits, module)
+        return (weights, indices) if pairs else _scatter(weights, indices, logits.shape[-1])
 
     return adapter
 
 
-def softmax_topk_renorm(k: int | None = None, renormalize: bool | None = None) -> Adapter:
+def topk_softmax_scatter(k: int | None = None, pairs: bool = False) -> Adapter:
+    """GPT-OSS routing: top-k of the raw logits, softmax over those k values."""
+
+    def route(logits, module):
+        top_k = _module_attr(module, k, "top_k", "topk_softmax_scatter")
+        values, indices = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(values, dim=-1), indices
+
+    return _routed(route, pairs)
+
+
+def softmax_topk_renorm(k: int | None = None, renormalize: bool | None = None, pairs: bool = False) -> Adapter:
     """Qwen3-MoE / Mixtral routing: softmax over all experts, top-k, optional
     renormalisation of the k weights to sum to one."""
 
-    def adapter(logits, module):
+    def route(logits, module):
         top_k = _module_attr(module, k, "top_k", "softmax_topk_renorm")
         renorm = renormalize if renormalize is not None else getattr(module, "norm_topk_prob", True)
         values, indices = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
         if renorm:
             values = values / values.sum(dim=-1, keepdim=True)
-        return _scatter(values, indices, logits.shape[-1])
+        return values, indices
 
-    return adapter
+    return _routed(route, pairs)
 
 
 def sigmoid_bias_grouped_topk(
@@ -90,12 +105,13 @@ def sigmoid_bias_grouped_topk(
     topk_group: int | None = None,
     routed_scaling_factor: float | None = None,
     norm_topk_prob: bool | None = None,
+    pairs: bool = False,
 ) -> Adapter:
     """DeepSeek-V3 routing: sigmoid scores; experts chosen by score plus the
     module's ``e_score_correction_bias`` within the best ``topk_group`` groups;
     weights are the unbiased scores, optionally renormalised, then scaled."""
 
-    def adapter(logits, module):
+    def route(logits, module):
         name = "sigmoid_bias_grouped_topk"
         top_k = _module_attr(module, k, "top_k", name)
         groups = _module_attr(module, n_group, "num_group", name)
@@ -110,16 +126,19 @@ def sigmoid_bias_grouped_topk(
         group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)
         expert_mask = group_mask.unsqueeze(-1).expand(num_tokens, groups, num_experts // groups)
         choice = choice.masked_fill(expert_mask.reshape(num_tokens, num_experts) == 0, float("-inf"))
-        indices = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        indices = torch.topk(choice, k=top_k, dim=-1)[1]
         weights = scores.gather(1, indices)
         if renorm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return _scatter(weights * scale, indices, num_experts)
+        return weights * scale, indices
 
-    return adapter
+    return _routed(route, pairs)
 
 
 register_adapter("identity", identity)
 register_adapter("topk_softmax_scatter", topk_softmax_scatter())
 register_adapter("softmax_topk_renorm", softmax_topk_renorm())
 register_adapter("sigmoid_bias_grouped_topk", sigmoid_bias_grouped_topk())
+register_adapter("topk_softmax_pairs", topk_softmax_scatter(pairs=True))
+register_adapter("softmax_topk_renorm_pairs", softmax_topk_renorm(pairs=True))
+register_adapter("sigmoid_bias_grouped_topk_pairs", sigmoid_bias_grouped_topk(pairs=True))

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .reference import Reference
-from .targets import TargetLike
+from .targets import TargetError, TargetLike
 
 
 @torch.no_grad()
@@ -34,9 +34,7 @@ def capture_reference(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompts = [_check_prompt(i, p, model.config.vocab_size) for i, p in enumerate(prompt_token_ids)]
-    if not prompts:
-        raise ValueError("no prompts to capture")
+    prompts = check_prompts(prompt_token_ids, model.config.vocab_size)
     owned = not isinstance(model, InstrumentedModel)
     if owned:
         instrument(model, targets)
@@ -48,6 +46,9 @@ def capture_reference(
             steps: dict[str, list[torch.Tensor]] = {n: [] for n in names}
 
             def record(name: str, computed: torch.Tensor) -> None:
+                if not isinstance(computed, torch.Tensor):
+                    raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor; "
+                                      "capture the reference at the logits (e.g. the unfused model's router)")
                 steps[name].append(computed.detach().reshape(1, -1, computed.shape[-1]).clone())
 
             generated, step_logits = [], []
@@ -83,11 +84,17 @@ def capture_reference(
     return Reference.from_parts(captures, prompts, tokens, logits, metadata)
 
 
-def _check_prompt(i: int, prompt, vocab_size: int) -> list[int]:
-    ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-    if not ids:
-        raise ValueError(f"prompt {i} is empty")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt {i}: token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
-    return ids
+def check_prompts(prompt_token_ids: Sequence, vocab_size: int) -> list[list[int]]:
+    """Token id lists (or tensors) as plain lists; a ValueError names the first bad prompt."""
+    prompts = []
+    for i, prompt in enumerate(prompt_token_ids):
+        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+        prompts.append(ids)
+    if not prompts:
+        raise ValueError("no prompts to capture")
+    return prompts

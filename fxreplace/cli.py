@@ -31,17 +31,19 @@ def default_targets(model) -> list:
 
 
 def read_prompts(path: str, vocab_size: int) -> list[list[int]]:
+    """The prompts file (a JSON list of token id lists), checked against the model's vocabulary."""
+    from .capture import check_prompts
+
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"error: cannot read prompts file {path}: {e}") from None
-    if not isinstance(data, list) or not all(isinstance(p, list) and p for p in data):
-        raise SystemExit(f"error: {path} must hold a JSON list of non-empty token id lists")
-    for i, p in enumerate(data):
-        bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise SystemExit(f"error: {path}: prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
-    return data
+    if not isinstance(data, list) or not all(isinstance(p, list) for p in data):
+        raise SystemExit(f"error: {path} must hold a JSON list of token id lists")
+    try:
+        return check_prompts(data, vocab_size)
+    except ValueError as e:
+        raise SystemExit(f"error: {path}: {e}") from None
 
 
 def _demo(args) -> int:

@@ -141,7 +141,8 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
             if not slot.take():
                 return output
             value = output if index is None else output[index]
-            if not isinstance(value, torch.Tensor):
+            pair = isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value)
+            if not isinstance(value, torch.Tensor) and not pair:
                 raise TargetError(
                     f"{point.module_name!r}: point {point.point!r} is a {type(value).__name__}, not a tensor; "
                     "use point='output[i]' or a callable point"

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .adapters import Adapter, get_adapter
-from .sharding import ShardSpec, layout_hint, require, rows_before_sharding, shard_columns, shard_rows
+from .sharding import ShapeError, ShardSpec, layout_hint, require, rows_before_sharding, shard_columns, shard_rows
 from .targets import Point, TargetError
 
 _aten = torch.ops.aten
@@ -59,15 +59,16 @@ class Injection:
         if replacement is None:
             return computed
         name, spec = self.module_name, self.shard
-        flat = computed.reshape(-1, computed.shape[-1])
-        tokens = rows_before_sharding(flat.shape[0], self.shard)
+        parts = tuple(computed) if isinstance(computed, (tuple, list)) else (computed,)
+        flats = [part.reshape(-1, part.shape[-1]) for part in parts]
+        tokens = rows_before_sharding(flats[0].shape[0], self.shard)
         if prefix:
             replacement, mask = replacement[:tokens], mask[:tokens]
         require(
             replacement.dim() == 2 and replacement.shape[0] == tokens,
             lambda: f"replacement for {name} has shape {tuple(replacement.shape)}, but the module computes "
-            f"{tuple(computed.shape)} here, so it needs [{tokens}, E]"
-            + layout_hint(spec, replacement.shape, flat.shape),
+            f"{_shapes(parts)} here, so it needs [{tokens}, E]"
+            + layout_hint(spec, replacement.shape, flats[0].shape),
         )
         require(
             mask.dtype == torch.bool and mask.dim() == 1 and mask.shape[0] == tokens,
@@ -76,16 +77,33 @@ class Injection:
         if rank is None and self.shard is not None:
             rank = self.shard.rank
         replacement = shard_rows(replacement, spec, rank, f"tokens of the replacement for {name} ({spec})")
-        mask = shard_rows(mask, spec, rank, f"tokens of the mask for {name} ({spec})")
+        mask = shard_rows(mask, spec, rank, f"tokens of the mask for {name} ({spec})").unsqueeze(-1)
         full = self.adapter(replacement, self.module)
-        value = shard_columns(full, spec, rank, f"experts of {name} ({spec})")
-        require(
-            tuple(value.shape) == tuple(flat.shape),
-            lambda: f"replacement for {name} becomes {tuple(value.shape)} after shard/adapter, but the module "
-            f"computes {tuple(flat.shape)} (from {tuple(computed.shape)})" + layout_hint(spec, full.shape, flat.shape),
-        )
-        out = torch.where(mask.unsqueeze(-1), value.to(flat.dtype), flat)
-        return out.reshape(computed.shape)
+        values = tuple(full) if isinstance(full, (tuple, list)) else (full,)
+        if len(values) != len(parts):
+            raise TargetError(f"the adapter for {name} returns {len(values)} tensor(s) {_shapes(values)}, but the "
+                             f"point computes {len(parts)}: {_shapes(parts)}; pick one with point='output[i]' or use a "
+                             "pair adapter (e.g. 'topk_softmax_pairs') for a (weights, ids) point")
+        if len(values) > 1 and spec is not None and spec.mode == "expert":
+            raise ShapeError(f"{name}: expert sharding slices dense [T, E] values; top-k pairs hold global expert "
+                             "ids, so give this rank the full pairs (no shard spec)")
+        out = []
+        for full_value, flat, part in zip(values, flats, parts):
+            value = shard_columns(full_value, spec, rank, f"experts of {name} ({spec})")
+            require(
+                tuple(value.shape) == tuple(flat.shape),
+                lambda: f"replacement for {name} becomes {tuple(value.shape)} after shard/adapter, but the module "
+                f"computes {tuple(flat.shape)} (from {tuple(part.shape)})"
+                + layout_hint(spec, full_value.shape, flat.shape),
+            )
+            out.append(torch.where(mask, value.to(flat.dtype), flat).reshape(part.shape))
+        if not isinstance(computed, (tuple, list)):
+            return out[0]
+        return type(computed)(*out) if hasattr(computed, "_fields") else type(computed)(out)  # namedtuple or not
+
+
+def _shapes(tensors) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in tensors)
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,11 @@ class TensorReplacer:
         """Forget a finished or aborted request; returns whether it was registered."""
         return self._requests.pop(req_id, None) is not None
 
+    def any_matched(self, req_ids: Sequence[str]) -> bool:
+        """Whether any of these requests resolved to a stored prompt (a batch
+        without one needs no context: replacement stays off)."""
+        return any(self._requests.get(r, _UNMATCHED) != _UNMATCHED for r in req_ids)
+
     # ------------------------------------------------------------------ contexts
 
     def build_context(

@@ -236,7 +236,9 @@ class Runner:
         seen: dict[str, torch.Tensor] = {}
         with torch.no_grad(), (observe(self.observed, seen.__setitem__) if self.observed is not None else nullcontext()):
             logits = self.model(**kwargs).logits
-        return logits, {name: value.reshape(-1, value.shape[-1]).float().cpu() for name, value in seen.items()}
+        # router agreement compares logits: points that compute (weights, ids) pairs have none to offer
+        return logits, {name: value.reshape(-1, value.shape[-1]).float().cpu() for name, value in seen.items()
+                        if isinstance(value, torch.Tensor)}
 
     def _cache(self, kind: str, size: int) -> StaticCache:
         """One static cache per (kind, bucket): reused so compiled graphs see the same objects."""

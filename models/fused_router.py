@@ -1,8 +1,15 @@
 """GPT-OSS with a *fused* router: one custom op computes router linear, top-k and
-softmax and returns dense expert affinities [T, E], standing in for a Neuron
-fused kernel. The logits never exist as a tensor, so the only injection point is
-the router output and replacement logits go through ``topk_softmax_scatter``.
+softmax, standing in for a Neuron fused kernel. The logits never exist as a
+tensor, so the only injection point is the router output and replacement logits
+go through an adapter. Two variants, for the two forms such kernels return:
+
+* ``GptOssForCausalLM+fused_router``: dense expert affinities ``[T, E]``
+  (adapter ``topk_softmax_scatter``);
+* ``GptOssForCausalLM+fused_topk``: top-k pairs ``(weights [T, k], expert ids
+  [T, k])`` handed straight to the experts (adapter ``topk_softmax_pairs``).
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +32,18 @@ def _(hidden, weight, bias, k):
     return hidden.new_empty(hidden.shape[0], weight.shape[0])
 
 
+@torch.library.custom_op("fxreplace_models::router_topk_pairs", mutates_args=())
+def router_topk_pairs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, indices = torch.topk(F.linear(hidden, weight, bias), k, dim=-1)
+    return torch.softmax(values, dim=-1), indices
+
+
+@router_topk_pairs.register_fake
+def _(hidden, weight, bias, k):
+    return hidden.new_empty(hidden.shape[0], k), hidden.new_empty(hidden.shape[0], k, dtype=torch.long)
+
+
 class FusedTopKRouter(nn.Module):
     """Same parameters (and state_dict keys) as GptOssTopKRouter; returns affinities."""
 
@@ -38,35 +57,49 @@ class FusedTopKRouter(nn.Module):
         return torch.ops.fxreplace_models.router_topk_softmax(hidden_states, self.weight, self.bias, self.top_k)
 
 
-class FusedGptOssMLP(nn.Module):
-    """GptOssMLP whose experts consume affinities from the fused router."""
+class FusedTopKPairRouter(FusedTopKRouter):
+    """Returns ``(weights [T, k], expert ids [T, k])``."""
 
-    def __init__(self, mlp: nn.Module):
+    def forward(self, hidden_states):
+        return torch.ops.fxreplace_models.router_topk_pairs(hidden_states, self.weight, self.bias, self.top_k)
+
+
+class FusedGptOssMLP(nn.Module):
+    """GptOssMLP whose experts consume what the fused router returns."""
+
+    def __init__(self, mlp: nn.Module, router: type[FusedTopKRouter]):
         super().__init__()
-        self.router = FusedTopKRouter(mlp.router)
+        self.router = router(mlp.router)
         self.experts = mlp.experts
 
     def forward(self, hidden_states):
         batch_size, sequence_length, hidden_dim = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, hidden_dim)
-        affinities = self.router(hidden_states)
-        scores, indices = torch.topk(affinities, self.router.top_k, dim=-1)
+        routed = self.router(hidden_states)
+        if isinstance(routed, torch.Tensor):  # dense affinities
+            scores, indices = torch.topk(routed, self.router.top_k, dim=-1)
+        else:
+            scores, indices = routed
         hidden_states = self.experts(hidden_states, indices, scores)
         return hidden_states.reshape(batch_size, sequence_length, hidden_dim), scores
 
 
-def fuse_routers(model: nn.Module) -> nn.Module:
+def fuse_routers(model: nn.Module, router: type[FusedTopKRouter] = FusedTopKRouter) -> nn.Module:
     """Swap every GPT-OSS MoE block for its fused-router twin, in place."""
     for layer in model.model.layers:
-        layer.mlp = FusedGptOssMLP(layer.mlp)
+        layer.mlp = FusedGptOssMLP(layer.mlp, router)
     return model
 
 
-register_family(Family(
-    architecture="GptOssForCausalLM+fused_router",
-    targets=(Target("model.layers.*.mlp.router", point="output", adapter="topk_softmax_scatter"),),
-    fused_adapter="topk_softmax_scatter",
-    tiny_config=gpt_oss.tiny_config,
-    model_kwargs={"attn_implementation": "eager"},
-    transform=fuse_routers,
-))
+for architecture, router, adapter in (
+    ("GptOssForCausalLM+fused_router", FusedTopKRouter, "topk_softmax_scatter"),
+    ("GptOssForCausalLM+fused_topk", FusedTopKPairRouter, "topk_softmax_pairs"),
+):
+    register_family(Family(
+        architecture=architecture,
+        targets=(Target("model.layers.*.mlp.router", point="output", adapter=adapter),),
+        fused_adapter=adapter,
+        tiny_config=gpt_oss.tiny_config,
+        model_kwargs={"attn_implementation": "eager"},
+        transform=functools.partial(fuse_routers, router=router),
+    ))

@@ -37,7 +37,8 @@ def routed(request):
 
 
 def test_registry_lists_the_families():
-    assert set(ROUTED + ["LlamaForCausalLM", "GptOssForCausalLM+fused_router"]) <= set(families.families())
+    fused = ["GptOssForCausalLM+fused_router", "GptOssForCausalLM+fused_topk"]
+    assert set(ROUTED + ["LlamaForCausalLM"] + fused) <= set(families.families())
     with pytest.raises(KeyError, match="registered"):
         families.get_family("NopeForCausalLM")
 
@@ -79,13 +80,16 @@ def test_llama_block_outputs(target, index):
     assert torch.equal(run(model, replacements=off_context(model.targets, 64)), run(plain))
 
 
-def test_fused_router_through_adapter_equals_unfused():
+@pytest.mark.parametrize("variant", ["GptOssForCausalLM+fused_router", "GptOssForCausalLM+fused_topk"])
+def test_fused_router_through_adapter_equals_unfused(variant):
+    """Dense affinities and (weights, ids) pairs: both fused forms, fed replacement
+    logits through their adapters, equal the unfused model replacing its logits."""
     unfused = families.tiny_model("GptOssForCausalLM")
-    fused = families.tiny_model("GptOssForCausalLM+fused_router")
+    fused = families.tiny_model(variant)
     assert list(fused.state_dict()) == list(unfused.state_dict())
     torch.testing.assert_close(run(fused), run(unfused), rtol=1e-5, atol=1e-5)
     instrument(unfused, families.get_family("GptOssForCausalLM").targets)
-    instrument(fused, families.get_family("GptOssForCausalLM+fused_router").targets)
+    instrument(fused, families.get_family(variant).targets)
     ctx = random_context(fused.targets, 8, seed=7)
     expected = run(unfused, replacements=ctx)
     assert not torch.allclose(expected, run(unfused))

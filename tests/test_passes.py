@@ -70,6 +70,11 @@ def test_adapters_reproduce_the_hf_routing(arch, adapter):
         logits, weights, indices = router(hidden)
         dense = torch.zeros_like(logits).scatter(1, indices, weights.float())
         torch.testing.assert_close(get_adapter(adapter)(logits, router), dense)
+        pair_weights, pair_indices = get_adapter(adapter + "_pairs" if "scatter" not in adapter
+                                                 else "topk_softmax_pairs")(logits, router)
+    assert pair_weights.shape == pair_indices.shape == indices.shape
+    assert torch.equal(pair_indices.sort(-1).values, indices.sort(-1).values)  # the same experts
+    torch.testing.assert_close(torch.zeros_like(logits).scatter(1, pair_indices, pair_weights), dense)
 
 
 def test_adapter_registry():

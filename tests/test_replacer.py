@@ -49,7 +49,13 @@ def test_register_resolves_longest_prefix_and_hint(replacer):
 
 def test_release_forgets_requests(replacer):
     replacer.register_request("a", [40, 50])
+    passthrough = TensorReplacer(replacer.caps, prompt_token_ids=[[1, 2, 3], [1, 2, 3, 4, 5], [40, 50]],
+                                 on_unknown="passthrough")
+    passthrough.register_request("u", [9, 9])
+    assert not passthrough.any_matched(["u", "never-registered"])
+    assert replacer.any_matched(["x", "a"])
     assert replacer.release_request("a") is True
+    assert not replacer.any_matched(["a"])
     assert replacer.release_request("a") is False
     assert replacer.requests == {}
     with pytest.raises(KeyError, match="request 'a' is not registered"):

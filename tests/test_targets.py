@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from fxreplace.instrument import instrument, locate_injection_point
-from fxreplace.targets import Target, TargetError, resolve_targets
+from fxreplace.targets import Target, TargetError, rename_captures, resolve_targets
 
 
 class Block(nn.Module):
@@ -47,6 +47,16 @@ def test_capture_name_template():
     assert [r.capture_name for r in resolved] == [f"model.layers.{i}.mlp.gate" for i in range(3)]
 
 
+def test_name_map_renames_captures_with_wildcards():
+    resolved = resolve_targets(Toy(), ["layers.*.router", "pair"])
+    renamed = rename_captures(resolved, {"model.layers.*.mlp.gate": "layers.*.router", "final": "pair"})
+    assert [r.capture_name for r in renamed] == [f"model.layers.{i}.mlp.gate" for i in range(3)] + ["final"]
+    assert [r.module_name for r in renamed] == [r.module_name for r in resolved]
+    assert rename_captures(resolved, {"other": "layers.9.router"}) == resolved  # unmatched: unchanged
+    with pytest.raises(TargetError, match="same wildcards"):
+        rename_captures(resolved, {"model.layers.*.mlp.gate": "layers.0.router"})
+
+
 def test_unknown_pattern_lists_closest_names():
     with pytest.raises(TargetError, match=r"matches no module.*layers\.0\.router"):
         resolve_targets(Toy(), ["layers.*.routr"])
@@ -77,7 +87,7 @@ def test_auto_point_picks_output_or_first_linear():
 
 def test_output_point_on_a_tuple_needs_an_index():
     toy = instrument(Toy(), [Target("pair", point="output")])
-    with pytest.raises(TargetError, match=r"not a tensor.*output\[i\]"):
+    with pytest.raises(TargetError, match=r"adapter for pair returns 1 tensor.*computes 2.*output\[i\]"):
         toy(torch.zeros(2, 4), replacements={"pair": torch.zeros(2, 4)})
     fixed = instrument(Toy(), [Target("pair", point="output[1]")])
     out = fixed.pair(torch.ones(2, 4))  # outside an instrumented forward: untouched

@@ -34,7 +34,6 @@ import functools
 import json
 import logging
 import os
-import re
 from typing import Any
 
 import numpy as np
@@ -43,7 +42,7 @@ import torch
 from ..context import ReplacementContext
 from ..instrument import instrument
 from ..replacer import TensorReplacementConfig, TensorReplacer
-from ..targets import Target, TargetError, resolve_targets
+from ..targets import Target, TargetError, rename_captures, resolve_targets
 from .config import FxReplaceConfig, parse_config, wrap_in_place
 
 logger = logging.getLogger("fxreplace.vllm")
@@ -147,26 +146,6 @@ def _wrap_steps(runner, state: "VllmReplacement") -> None:
 # --------------------------------------------------------------------------- per worker
 
 
-def _name_map_rules(name_map) -> list[tuple[re.Pattern, str]]:
-    """``{capture_name: vllm_module_name}``; ``*`` wildcards on both sides pair up in order."""
-    rules = []
-    for capture, module in (name_map or {}).items():
-        regex = "".join("([^.]*)" if p == "*" else re.escape(p) for p in re.split(r"(\*)", module))
-        if capture.count("*") != module.count("*"):
-            raise TargetError(f"name_map {capture!r} -> {module!r}: both sides need the same number of '*'")
-        rules.append((re.compile(regex + r"\Z"), capture))
-    return rules
-
-
-def _capture_name(module_name: str, default: str, rules) -> str:
-    for regex, capture in rules:
-        m = regex.match(module_name)
-        if m:
-            parts = capture.split("*")
-            return "".join(p + (m.group(i + 1) if i < len(parts) - 1 else "") for i, p in enumerate(parts))
-    return default
-
-
 def _parse_target(t: Any) -> Target:
     if isinstance(t, Target):
         return t
@@ -204,7 +183,6 @@ class VllmReplacement:
         self.released = 0
         self.scheduler_output = None  # the step being executed (set by the execute_model wrapper)
         self.armed = False  # whether the buffers may hold a live mask (clear() is a no-op otherwise)
-        self.matched: set[str] = set()  # registered requests that resolved to a reference prompt
         self.debug_state_path = os.environ.get(DEBUG_STATE_ENV) or None
         logger.info("fxreplace: instrumented %d target(s) of %s (%s ...), %d reference prompt(s), buffers of %d tokens",
                     len(self.targets), arch, self.targets[0].pattern, self.replacer.store.num_prompts, self.max_tokens)
@@ -238,12 +216,11 @@ class VllmReplacement:
                 raise TargetError(f"fxreplace: {exc.args[0]}; give 'targets' in the fxreplace config") from None
             if not targets:
                 raise TargetError(f"fxreplace: the {arch} family has no vllm_targets; give 'targets' in the config")
-        rules = _name_map_rules(fields.get("name_map"))
-        resolved = resolve_targets(self.model, targets)
+        resolved = rename_captures(resolve_targets(self.model, targets), fields.get("name_map") or {})
         stored = set(self.replacer.modules)
         out, missing = [], []
         for r in resolved:
-            capture = _capture_name(r.module_name, r.capture_name, rules)
+            capture = r.capture_name
             if capture not in stored:
                 missing.append(f"{r.module_name} (capture name {capture!r})")
                 continue
@@ -264,7 +241,6 @@ class VllmReplacement:
     def update_requests(self, scheduler_output) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.released += self.replacer.release_request(req_id)
-            self.matched.discard(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             tokens = new.prompt_token_ids
             if tokens is None:  # prompt embeddings: nothing to match
@@ -278,9 +254,7 @@ class VllmReplacement:
             except Exception as exc:  # one bad request must not stop the engine
                 logger.error("fxreplace: request %s is served without replacement: %s", new.req_id, exc)
                 continue
-            if matched is not None:
-                self.matched.add(new.req_id)
-            else:
+            if matched is None:
                 logger.log(self.unknown_level, "fxreplace: request %s (%d prompt tokens, first %s) matches no "
                            "reference prompt; served without replacement", new.req_id, len(tokens), list(tokens[:8]))
         if self.debug_state_path is not None:
@@ -306,7 +280,7 @@ class VllmReplacement:
             batch = runner.input_batch
             num_reqs = batch.num_reqs
             req_ids = batch.req_ids[:num_reqs]
-            if self.matched.isdisjoint(req_ids):  # nothing to replace: buffers stay off
+            if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers stay off
                 return
             counts = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in req_ids), np.int64, num_reqs)
             total = int(counts.sum())
