@@ -2,7 +2,7 @@
 plugin loaded but unconfigured, and with replacement active (every token of every
 request replaced); eager and compiled.
 
-    python benchmarks/bench_vllm.py [--quick] [--samples N]
+    python benchmarks/bench_vllm.py [--quick] [--samples N] [--rounds 3k]
 
 Each configuration is its own engine process (the plugin patches classes for the
 life of a process; ``VLLM_PLUGINS`` keeps it from loading for the baseline). The
@@ -11,14 +11,16 @@ each, in rotating order. On a shared machine the speed drifts by 10-40% over
 minutes, which separate runs per configuration cannot tell from an overhead;
 samples taken seconds apart see the same machine. Measured on this machine: of
 engines started one after another, the first runs ~25% slower than the others
-for its whole life, whatever its configuration. So a mode has three rounds of
-fresh engines, and each configuration is started first in one of them.
+for its whole life, whatever its configuration. So a mode has rounds of fresh
+engines (3 by default, a multiple of 3), each configuration started first in a
+third of them.
 
 One sample = decode step time = (time for NEW tokens - time for 1 token) /
 (NEW - 1) over all prompts, each the fastest of three runs. Per round, a
 configuration's ratio is the median over turns of its sample / the baseline's
-sample of the same turn; its overhead is the median over the three rounds (worst
-mode). ``overhead_active_intrinsic`` is 1 + the plugin's own measured time per
+sample of the same turn; its overhead is the geometric mean over the rounds
+(worst mode): every configuration is started at every position equally often, so
+a position's slowdown multiplies into its ratios and its speed-up cancels it. ``overhead_active_intrinsic`` is 1 + the plugin's own measured time per
 forward (request bookkeeping, gather, clear) over the baseline step, a figure
 that neither other load nor process placement moves.
 
@@ -145,7 +147,10 @@ def main() -> None:
     ap.add_argument("--config"), ap.add_argument("--mode"), ap.add_argument("--ckpt"), ap.add_argument("--ref")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--samples", type=int, default=None, help="sample turns per round (default 8, quick 4)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of fresh engines per mode (a multiple of 3)")
     args = ap.parse_args()
+    if args.rounds < 3 or args.rounds % 3:
+        ap.error("--rounds must be a multiple of 3 (every configuration starts at every position)")
     if args.child:
         return child(args)
 
@@ -180,8 +185,8 @@ def main() -> None:
         steps = {config: [] for config in order}
         rounds = {config: [] for config in order}  # per round: median of the turn-paired ratios to no_plugin
         cost = []
-        for r in range(len(order)):
-            created = order[r:] + order[:r]  # engines started earlier run slower: each config goes first once
+        for r in range(args.rounds):
+            created = order[r % 3:] + order[:r % 3]  # engines started earlier run slower: each goes first in turn
             engines = {config: Engine(config, mode, ckpt, ref, new, env) for config in created}  # one at a time
             turns = {config: [] for config in order}
             for i in range(samples):
@@ -198,9 +203,10 @@ def main() -> None:
             print(f"{mode:8s} round {r} (started {', '.join(created)}): "
                   + "  ".join(f"{c} {statistics.median(turns[c]) * 1e3:6.2f} ms x{rounds[c][-1]:.3f}" for c in order),
                   flush=True)
-        paired = {c: statistics.median(v) for c, v in rounds.items()}
+        paired = {c: statistics.geometric_mean(v) for c, v in rounds.items()}
         summary["step_ms"][mode] = {c: round(statistics.median(v) * 1e3, 3) for c, v in steps.items()}
         summary["paired_ratio"][mode] = {c: round(v, 4) for c, v in paired.items()}
+        summary.setdefault("round_ratios", {})[mode] = {c: [round(x, 4) for x in v] for c, v in rounds.items()}
         inactive.append(paired["inactive"])
         active.append(paired["active"])
         # the plugin's own time per forward: immune to other load and to process placement
