@@ -64,7 +64,7 @@ def test_reference_round_trips_through_disk(tmp_path, reference):
 
 
 def test_bad_inputs_give_clear_errors(model, reference):
-    with pytest.raises(ValueError, match=r"prompt 1: token ids must be integers in \[0, 128\)"):
+    with pytest.raises(ValueError, match=r"prompt 1 has token ids outside \[0, 128\)"):
         capture_reference(model, [[1, 2], [1, 500]], ["model.layers.*.mlp.gate"], 2, progress=False)
     with pytest.raises(ValueError, match="no reference generation"):
         Reference(ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=[[1, 2]]))
