@@ -6,9 +6,9 @@ log-probabilities of the HF model run with the same forced logits.
 
 Engines run in-process, one at a time: each engine runs one workload, its
 results are cached, and it is shut down before the next one starts. The
-compiled engine uses ``VLLM_CPU_CI_ENV=1`` (Dynamo tracing with the eager
-backend: the same trace-time freezing hazards as inductor, without its compile
-time); set ``FXREPLACE_TEST_INDUCTOR=1`` to compile with inductor instead.
+compiled engines use vLLM's default compilation (Dynamo + Inductor); set
+``FXREPLACE_TEST_DYNAMO_EAGER=1`` for Dynamo with the eager backend
+(``VLLM_CPU_CI_ENV=1``: the same trace-time freezing hazards, faster to start).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import textwrap
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-if not os.environ.get("FXREPLACE_TEST_INDUCTOR"):
+if os.environ.get("FXREPLACE_TEST_DYNAMO_EAGER"):
     os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 import pytest

@@ -1,10 +1,10 @@
 """fxreplace inside vLLM's OpenAI-compatible server (a real subprocess, API server
 and engine core in separate processes), tiny Qwen3-MoE in float32.
 
-Two servers, one after the other: eager and vLLM's compiled mode (Dynamo with
-the eager backend, ``VLLM_CPU_CI_ENV=1``, as in test_vllm.py; inductor with
-``FXREPLACE_TEST_INDUCTOR=1``). Each runs exactness over HTTP (completions with token-id prompts
-and logprobs, compared with HF run with the same forced router logits), then 100
+Two servers, one after the other: eager and vLLM's default compiled mode
+(Dynamo + Inductor; ``FXREPLACE_TEST_DYNAMO_EAGER=1`` as in test_vllm.py). Each
+runs exactness over HTTP (completions with token-id prompts and logprobs,
+compared with HF run with the same forced router logits), then 100
 concurrent requests (known prompts, teacher-forcing retries, unknown prompts,
 clients that disconnect early). The worker's request map is read from the file
 the plugin writes when ``FXREPLACE_DEBUG_STATE`` is set.
@@ -45,7 +45,7 @@ class Server:
         self.log_path = tmp / "server.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", FXREPLACE_DEBUG_STATE=self.state_path)
-        if mode == "compiled" and not os.environ.get("FXREPLACE_TEST_INDUCTOR"):
+        if mode == "compiled" and os.environ.get("FXREPLACE_TEST_DYNAMO_EAGER"):
             env["VLLM_CPU_CI_ENV"] = "1"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ref.ckpt,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",

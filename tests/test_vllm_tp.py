@@ -12,7 +12,8 @@ scheduler output.
 
 The engine runs in a subprocess (``VLLM_CPU_OMP_THREADS_BIND="0|1"``: one core per
 worker; ``distributed_executor_backend="mp"``), once eager and once compiled
-(``VLLM_CPU_CI_ENV=1``: Dynamo with the eager backend). The workers' request maps
+(vLLM's default Dynamo + Inductor; ``FXREPLACE_TEST_DYNAMO_EAGER=1`` as in
+test_vllm.py). The workers' request maps
 are read with ``collective_rpc`` after one extra request, whose step carries the
 finished ids to the workers.
 """
@@ -129,7 +130,7 @@ def ref(tmp_path_factory):
 def run_tp(ref: Ref, mode: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # callable collective_rpc
-    if mode == "compiled" and not os.environ.get("FXREPLACE_TEST_INDUCTOR"):
+    if mode == "compiled" and os.environ.get("FXREPLACE_TEST_DYNAMO_EAGER"):
         env["VLLM_CPU_CI_ENV"] = "1"
     # Own session: on timeout the engine core and both workers die with the script
     # (orphaned vLLM workers busy-poll and starve everything after them).
