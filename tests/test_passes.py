@@ -156,3 +156,27 @@ def test_sharding_errors():
     ep = instrument(ep, [Target("router", point="output", shard=ShardSpec("expert", 3, 0))])
     with pytest.raises(ShapeError, match="size 8 is not divisible by world_size 3"):
         ep(torch.randn(2, 4), replacements={"router": torch.randn(2, 8)})
+
+
+def test_pair_points_are_replaced_elementwise_and_refuse_expert_sharding():
+    class TopKRouter(nn.Module):
+        top_k = 2
+
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 8)
+
+        def forward(self, x):
+            values, ids = torch.topk(self.linear(x), 2, dim=-1)
+            return values.softmax(-1), ids
+
+    router, x = TopKRouter(), torch.randn(5, 4)
+    logits, mask = torch.randn(5, 8) * 3, torch.tensor([True, False, True, True, False])
+    weights, ids = Injection("router", router, "topk_softmax_pairs")(router(x), logits, mask)
+    want_w, want_i = get_adapter("topk_softmax_pairs")(logits, router)
+    plain_w, plain_i = router(x)
+    assert torch.equal(ids[mask], want_i[mask]) and torch.equal(ids[~mask], plain_i[~mask])
+    assert torch.equal(weights[mask], want_w[mask]) and torch.equal(weights[~mask], plain_w[~mask])
+    sharded = Injection("router", router, "topk_softmax_pairs", ShardSpec("expert", 2, 0))
+    with pytest.raises(ShapeError, match="top-k pairs hold global expert ids"):
+        sharded(router(x), logits, mask)
