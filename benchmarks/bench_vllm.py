@@ -69,7 +69,7 @@ def child(args) -> None:
         from fxreplace.vllm import FxReplaceConfig
 
         extra["additional_config"] = {"fxreplace": FxReplaceConfig(tensors=data["captures"],
-                                                                   prompt_token_ids=data["token_ids"])}
+                                                                   prompt_token_ids=data["prompts"])}
     llm = LLM(model=args.ckpt, dtype="float32", enforce_eager=args.mode == "eager", seed=0, max_model_len=512,
               distributed_executor_backend="uni", enable_prefix_caching=False, max_num_seqs=len(data["prompts"]),
               **extra)
@@ -173,7 +173,7 @@ def main() -> None:
     prompts = [torch.randint(4, shape["vocab_size"], (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
     captures = {i: force_routing(capture_router_logits(hf, hf.targets, p + [5] * (new + 8))) for i, p in enumerate(prompts)}
     ref = os.path.join(tmp, "ref.pt")
-    torch.save({"captures": captures, "token_ids": prompts, "prompts": prompts}, ref)
+    torch.save({"captures": captures, "prompts": prompts}, ref)
     del hf
 
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")

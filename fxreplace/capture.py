@@ -13,6 +13,8 @@ from typing import Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from fxreplace.models import architecture
+
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .reference import Reference
 from .targets import TargetError, TargetLike
@@ -74,7 +76,7 @@ def capture_reference(
     config = model.config
     metadata = {
         "source_model": getattr(config, "name_or_path", "") or "",
-        "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
+        "architecture": architecture(config, type(model).__name__),
         "model_type": getattr(config, "model_type", ""),
         "vocab_size": config.vocab_size,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),

@@ -24,10 +24,9 @@ def load_model(spec: str):
 
 
 def default_targets(model) -> list:
-    from fxreplace.models import get_family
+    from fxreplace.models import architecture, get_family
 
-    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    return list(get_family(arch).targets)
+    return list(get_family(architecture(model.config, type(model).__name__)).targets)
 
 
 def read_prompts(path: str, vocab_size: int) -> list[list[int]]:

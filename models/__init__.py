@@ -76,6 +76,11 @@ def families() -> list[str]:
     return sorted(_FAMILIES)
 
 
+def architecture(config, default: str) -> str:
+    """The architecture a config names first (the family registry key), else ``default``."""
+    return (getattr(config, "architectures", None) or [default])[0]
+
+
 def tiny_model(architecture: str, *, seed: int = 0, init_std: float | None = 0.2, **config_overrides):
     """A random-weight float32 model of the family's tiny config, in eval mode.
 

@@ -229,7 +229,9 @@ def test_config_carrier_hash_and_pickle():
 
 @pytest.mark.parametrize("bad, match", [
     ({"tensor": 1}, "unknown fxreplace config field"),
-    ({"prompt_token_ids": [[1]]}, "exactly one of 'tensors' or 'tensors_path'"),
+    ({"prompt_token_ids": [[1]]}, r"fxreplace config: give tensors or tensors_path \(got fields \['prompt_token_ids'\]\)"),
+    ({"tensors_path": "/x", "prompt_token_ids": [[1]], "prompt_token_ids_path": "/y"},
+     "give either prompt_token_ids or prompt_token_ids_path, not both"),
     ({"tensors_path": "/x", "on_unknown": "drop"}, "on_unknown"),
     ({"tensors_path": "/x", "name_map": ["a"]}, "name_map"),
 ])

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..replacer import TensorReplacementConfig
+
 CONFIG_KEY = "fxreplace"
 NEURON_KEYS = ("neuron_config", "tensor_replacement")
 
@@ -52,11 +54,10 @@ def _fields_of(spec: Any) -> dict:
     if unknown:
         raise ConfigError(f"unknown fxreplace config field(s) {unknown}; known fields: {list(FIELDS)}")
     out = {k: v for k, v in spec.items() if v is not None}
-    if ("tensors" in out) == ("tensors_path" in out):
-        raise ConfigError("fxreplace config needs exactly one of 'tensors' or 'tensors_path' "
-                          f"(got fields {sorted(out)})")
-    if "prompt_token_ids" in out and "prompt_token_ids_path" in out:
-        raise ConfigError("give either 'prompt_token_ids' or 'prompt_token_ids_path', not both")
+    try:  # the reference source: TensorReplacementConfig's own checks
+        TensorReplacementConfig(**{f.name: out.get(f.name) for f in dataclass_fields(TensorReplacementConfig)})
+    except ValueError as exc:
+        raise ConfigError(f"fxreplace config: {exc} (got fields {sorted(out)})") from None
     on_unknown = out.get("on_unknown", "passthrough")
     if on_unknown not in ("passthrough", "error"):
         raise ConfigError(f"on_unknown must be 'passthrough' or 'error', got {on_unknown!r}")

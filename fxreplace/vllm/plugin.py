@@ -160,10 +160,12 @@ class VllmReplacement:
     """fxreplace state of one model runner: the replacer and the instrumented model."""
 
     def __init__(self, runner, config: FxReplaceConfig):
+        from fxreplace.models import architecture  # configured engines only: unconfigured start-up stays light
+
         fields = config.fields
         self.runner = runner
         self.model = runner.model
-        arch = _architecture(runner)
+        arch = architecture(runner.model_config.hf_config, type(runner.model).__name__)
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         # the reference lives where the model runs: each step gathers into the model's buffers
         self.replacer = self._build_replacer(fields, self.device)
@@ -318,11 +320,6 @@ class VllmReplacement:
     @property
     def requests(self) -> dict:
         return self.replacer.requests
-
-
-def _architecture(runner) -> str:
-    archs = getattr(runner.model_config.hf_config, "architectures", None) or []
-    return archs[0] if archs else type(runner.model).__name__
 
 
 def get_state(runner) -> VllmReplacement | None:

@@ -35,29 +35,23 @@ def save_tiny_checkpoint(architecture: str, directory: str | os.PathLike, *, see
     return directory
 
 
-def capture_router_logits(model, targets, token_ids) -> dict:
-    """``{capture_name: Tensor[S, E]}``: each target's logits for one sequence
-    (an HF model instrumented with the family's targets; the injection point is
-    the router's first linear, recomputed here from its input, weight and bias)."""
+def capture_router_logits(model, names, token_ids) -> dict:
+    """``{name: Tensor[S, E]}``: what each target of an instrumented HF model
+    computes at its injection point over one sequence (the router logits, for the
+    families' targets), observed as reference capture does; ``names`` picks the
+    capture names to return."""
     import torch
-    import torch.nn.functional as F
+
+    from fxreplace.instrument import observe
 
     captured = {}
 
-    def hook(name):
-        def pre_hook(module, args):
-            x = args[0].reshape(-1, args[0].shape[-1])
-            captured[name] = F.linear(x, module.weight, getattr(module, "bias", None)).detach().clone()
-        return pre_hook
+    def record(name, computed):
+        captured[name] = computed.detach().reshape(-1, computed.shape[-1]).clone()
 
-    handles = [model.get_submodule(name).register_forward_pre_hook(hook(name)) for name in targets]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([list(token_ids)]))
-    finally:
-        for h in handles:
-            h.remove()
-    return captured
+    with torch.no_grad(), observe(model, record):
+        model(torch.tensor([list(token_ids)]))
+    return {name: captured[name] for name in names}
 
 
 def force_routing(logits: dict, bias: float = 15.0) -> dict:
