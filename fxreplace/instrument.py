@@ -25,8 +25,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import fx, nn
-from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
+from ._compat import size_hint
 from .context import ReplacementContext
 from .passes import Injection, InjectionSpec, find_injection_node, insert_replacements, parse_output_point
 from .sharding import ShapeError
@@ -423,7 +423,7 @@ def export(
     examples = {}
     for target, spec, value in zip(resolved, specs, located):
         shard = target.shard
-        shape = [guarding_hint_or_throw(size) for size in value.shape]  # the example's sizes when shapes are dynamic
+        shape = [size_hint(size) for size in value.shape]  # the example's sizes when shapes are dynamic
         rows = math.prod(shape) // shape[-1]
         columns = shape[-1]
         if shard is not None and shard.mode == "sequence":

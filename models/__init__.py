@@ -46,6 +46,7 @@ class Family:
     ``tiny_config``: a small config with random weights for tests and demos;
     ``model_kwargs``: arguments ``from_config`` needs here (e.g. eager attention).
     ``transform``: turns the HF model into the family's variant (e.g. a fused router).
+    ``build``: makes the model from its config when it is not a transformers model.
     """
 
     architecture: str
@@ -55,6 +56,7 @@ class Family:
     fused_adapter: Union[str, Callable, None] = None
     model_kwargs: dict = field(default_factory=dict)
     transform: Callable | None = None
+    build: Callable | None = None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -69,7 +71,8 @@ def get_family(architecture: str) -> Family:
     try:
         return _FAMILIES[architecture]
     except KeyError:
-        raise KeyError(f"no fxreplace family for {architecture!r}; registered: {sorted(_FAMILIES)}") from None
+        missing = "" if _HF_AVAILABLE else " (the HF families need transformers: pip install 'fxreplace[hf]')"
+        raise KeyError(f"no fxreplace family for {architecture!r}; registered: {sorted(_FAMILIES)}{missing}") from None
 
 
 def families() -> list[str]:
@@ -88,8 +91,6 @@ def tiny_model(architecture: str, *, seed: int = 0, init_std: float | None = 0.2
     router logits whose argmax ties flip on rounding noise; 0.2 gives peaked
     logits so routing is decided and comparisons are meaningful.
     """
-    from transformers import AutoModelForCausalLM
-
     family = get_family(architecture)
     config = family.tiny_config()
     for key, value in config_overrides.items():
@@ -97,10 +98,25 @@ def tiny_model(architecture: str, *, seed: int = 0, init_std: float | None = 0.2
     if init_std is not None:
         config.initializer_range = init_std
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **family.model_kwargs)
+    if family.build is not None:
+        model = family.build(config)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **family.model_kwargs)
     if family.transform is not None:
         model = family.transform(model)
     return model.eval()
 
 
-from . import deepseek_v3, fused_router, gpt_oss, llama, mixtral, qwen3_moe  # noqa: E402,F401  (registration)
+# Registration. The HF families need transformers (the `hf` extra); the core and the
+# HF-independent families work without it.
+from . import neuron_moe  # noqa: E402,F401
+
+try:
+    import transformers  # noqa: F401
+except ModuleNotFoundError:
+    _HF_AVAILABLE = False
+else:
+    _HF_AVAILABLE = True
+    from . import deepseek_v3, fused_router, gpt_oss, llama, mixtral, qwen3_moe  # noqa: E402,F401

@@ -1,6 +1,7 @@
 """Mixtral: softmax -> top-k -> renormalised routing; router ``mlp.gate``
 (HF returns (logits, weights, indices); vLLM's gate is a ReplicatedLinear
-returning (logits, bias))."""
+returning (logits, bias)). transformers 4.x names the MoE block ``block_sparse_moe``,
+hence the wildcard: the router is ``model.layers.N.mlp.gate`` on 5.x."""
 
 from transformers import MixtralConfig
 
@@ -20,7 +21,7 @@ def tiny_config(**overrides):
 
 register_family(Family(
     architecture="MixtralForCausalLM",
-    targets=(Target("model.layers.*.mlp.gate"),),
+    targets=(Target("model.layers.*.*.gate"),),
     vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]"),),
     fused_adapter="softmax_topk_renorm",
     tiny_config=tiny_config,

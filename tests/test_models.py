@@ -43,6 +43,25 @@ def test_registry_lists_the_families():
         families.get_family("NopeForCausalLM")
 
 
+@pytest.mark.compat
+@pytest.mark.parametrize("architecture", ROUTED)
+def test_family_targets_are_the_router_logits(architecture):
+    """On transformers 5 (routers return (logits, weights, ids): the point is their
+    first linear) and 4.x (plain nn.Linear gates returning logits: their output),
+    the family's targets replace exactly the router logits (eager: 4.x experts
+    have data-dependent shapes and do not compile into one graph)."""
+    plain = families.tiny_model(architecture)
+    model = instrument(copy.deepcopy(plain), families.get_family(architecture).targets)
+    names, experts = model.targets, num_experts(plain.config)
+    assert len(names) >= 1 and all(n.endswith(".gate") or n.endswith(".router") for n in names)
+    ctx = random_context(names, experts, seed=1)
+    with OverrideLinear({plain.get_submodule(n).weight: ctx[n] for n in names}, ctx.mask):
+        expected = run(plain)
+    assert not torch.allclose(expected, run(plain))
+    torch.testing.assert_close(run(model, replacements=ctx), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(run(model, replacements=off_context(names, experts)), run(plain))
+
+
 def test_family_replacement_off_and_single_graph(routed):
     plain, model, experts = routed
     names = model.targets
