@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+HF_EXTRA = {"transformers", "tqdm", "matplotlib"}  # the `hf` extra: every command needs it
+
 
 def load_model(spec: str):
     """``builtin:ARCH`` (a tiny random model from fxreplace.models) or a local HF directory (fp32)."""
@@ -214,7 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     inspect.set_defaults(func=_inspect)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as error:
+        if error.name not in HF_EXTRA:
+            raise
+        sys.exit(f"fxreplace {args.command} needs {error.name}: pip install 'fxreplace[hf]'")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ import copy
 
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.export import Dim
 
+import fxreplace
 import fxreplace.models as families
 from fxreplace.instrument import instrument
 from graph_helpers import OverrideLinear, input_ids, off_context, random_context
@@ -57,3 +59,17 @@ def test_fused_router_through_adapter_equals_unfused():
         for ctx in (random_context(fused.targets, EXPERTS, seed=7), off_context(fused.targets, EXPERTS)):
             expected = unfused(input_ids(), replacements=ctx)
             torch.testing.assert_close(fused(input_ids(), replacements=ctx), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_export_equals_eager_at_every_length():
+    """export() with a dynamic sequence length (where fxreplace reads size hints,
+    the one torch-version shim) on the HF-independent model, on every torch."""
+    eager = instrument(families.tiny_model(ARCH), families.get_family(ARCH).targets)
+    program = fxreplace.export(families.tiny_model(ARCH), (input_ids(),), families.get_family(ARCH).targets,
+                               dynamic_shapes=({1: Dim("seq", min=2, max=32)},))
+    for tokens in (8, 5, 16):
+        ctx = random_context(eager.targets, EXPERTS, tokens, seed=tokens)
+        inputs = {fxreplace.export_input_name(n): ctx[n] for n in eager.targets} | {"fxreplace_mask": ctx.mask}
+        with torch.no_grad():
+            out = program.module()(input_ids=input_ids(tokens), **inputs)
+            torch.testing.assert_close(out, eager(input_ids(tokens), replacements=ctx), rtol=1e-5, atol=1e-5)

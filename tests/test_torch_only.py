@@ -57,3 +57,10 @@ def test_core_without_transformers(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch-only core OK" in result.stdout
+
+
+def test_cli_without_the_hf_extra_says_what_to_install():
+    script = "import sys; sys.modules['transformers'] = None\nfrom fxreplace.cli import main\nmain(['demo'])"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "fxreplace demo needs transformers: pip install 'fxreplace[hf]'" in result.stderr, result.stderr[-2000:]
