@@ -120,6 +120,17 @@ class ReplacementConfig:
             token_ids = tensors.prompt_token_ids
         return tensors, token_ids
 
+    def reference_token_ids(self) -> Any:
+        """The reference prompts' token ids (None when the reference has none),
+        reading only what holds them."""
+        if self.prompt_token_ids is not None:
+            return self.prompt_token_ids
+        if self.prompt_token_ids_path is not None:
+            from .store import load_token_ids
+
+            return load_token_ids(self.prompt_token_ids_path)
+        return self.resolve()[1]
+
     def build_replacer(self, **kwargs):
         """A :class:`~fxreplace.TensorReplacer` over the reference (``on_unknown``
         this config's unless given: an engine that refuses unknown prompts before

@@ -94,9 +94,10 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
             value = output if index is None else output[index]
             pair = isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value)
             if not isinstance(value, torch.Tensor) and not pair:
+                fallback = " (it cannot be traced alone, so 'auto' means its output)" if point.point == "auto" else ""
                 raise TargetError(
-                    f"{point.module_name!r}: point {point.point!r} is a {type(value).__name__}, not a tensor; "
-                    "use point='output[i]' or a callable point"
+                    f"{point.module_name!r}: point {point.point!r}{fallback} is a {type(value).__name__}, not a "
+                    "tensor; use point='output[i]' or a callable point"
                 )
             value = injection(value, slot.replacement, slot.mask, leading_rows=slot.leading_rows)
             if index is None:
