@@ -152,6 +152,27 @@ def trace_alone(module: nn.Module) -> fx.GraphModule:
     return fx.symbolic_trace(module)
 
 
+def computes_linear_output(module: nn.Module, located: InjectionPoint) -> bool:
+    """Whether the point's value comes straight out of a linear layer: for a router,
+    the logits. Linear-family modules (``nn.Linear``, vLLM's ``*Linear`` layers, whose
+    ``output[0]`` is the result) are recognised by type; other output points by
+    tracing the module alone, when it can be traced."""
+    if located.graph_module is not None:
+        gm = located.graph_module
+        return is_linear(find_injection_node(gm, "", located.point), gm)
+    if located.output_index in (None, 0) and type(module).__name__.endswith("Linear"):
+        return True
+    try:
+        gm = trace_alone(module)
+    except Exception:
+        return False
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    index = located.output_index
+    if index is not None:
+        output = output[index] if isinstance(output, (tuple, list)) and index < len(output) else None
+    return isinstance(output, fx.Node) and is_linear(output, gm)
+
+
 def locate_injection_point(module: nn.Module, module_name: str, point: Point = "auto") -> InjectionPoint:
     """Resolve ``point`` for ``module`` without changing anything."""
     check_point(point)
