@@ -27,7 +27,7 @@ from .context import ReplacementContext
 from .passes import Injection, InjectionSpec, insert_replacements
 from .points import InjectionPoint, computes_linear_output, locate_injection_point
 from .sharding import ShapeError
-from .targets import ResolvedTarget, TargetError, TargetLike, resolve_targets
+from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
 
 class TargetNotHitError(RuntimeError):
@@ -136,6 +136,13 @@ class Instrumentation:
         names = [t.capture_name for t in self.targets]
         if tensors and not any(name in tensors for name in names):
             raise KeyError(f"no replacement name {sorted(tensors)} matches a target capture name {names}")
+        # A context may carry more modules than this model instruments (e.g. one layer
+        # of a full reference); names typed into a dict must each name a target.
+        unknown = [] if isinstance(replacements, ReplacementContext) else [n for n in tensors if n not in names]
+        if unknown:
+            close = {n: closest_names(n, names, n=2) for n in unknown}
+            raise KeyError(f"replacement name(s) {unknown} match no target; close capture names: {close}; "
+                           f"all capture names: {names}")
         context_mask = replacements.mask if isinstance(replacements, ReplacementContext) else None
         for slot, name in zip(self.slots, names):
             value = tensors.get(name)
@@ -147,10 +154,13 @@ class Instrumentation:
                 mask = torch.ones(value.shape[0], dtype=torch.bool, device=value.device)
             slot.arm(value, mask)
 
-    def finish(self) -> None:
-        missed = [slot.target.module_name for slot in self.slots if slot.state != "taken"]
+    def reset(self) -> None:
         for slot in self.slots:
             slot.reset()
+
+    def finish(self) -> None:
+        missed = [slot.target.module_name for slot in self.slots if slot.state != "taken"]
+        self.reset()
         if missed:
             raise TargetNotHitError(
                 f"targets not reached in this forward (a replaced or fused forward may skip them): {missed}"
@@ -166,9 +176,14 @@ class InstrumentedModel:
         """The model's forward; ``replacements`` is a ReplacementContext (its mask
         selects rows), a dict ``{name: Tensor[T, E]}`` (all rows replaced), or
         None (plain model, or the fed buffers after :meth:`feed`)."""
-        self._fxreplace.arm(self, replacements)
-        output = super().forward(*args, **kwargs)
-        self._fxreplace.finish()
+        state = self._fxreplace
+        try:
+            state.arm(self, replacements)
+            output = super().forward(*args, **kwargs)
+        except BaseException:
+            state.reset()  # a failed forward must leave no replacement armed for later calls
+            raise
+        state.finish()
         return output
 
     @property
@@ -276,6 +291,9 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
     if isinstance(model, InstrumentedModel):
         raise ValueError("model is already instrumented")
     resolved = resolve_targets(model, targets)
+    hook = model.__dict__.pop(_REFUSE_HOOK, None)
+    if hook is not None:
+        hook.remove()
     points, injections, slots = [], [], []
     for target in resolved:
         module = model.get_submodule(target.module_name)
@@ -305,7 +323,18 @@ def uninstrument(model: nn.Module) -> nn.Module:
             model._buffers.pop(name, None)
     del model._fxreplace
     model.__class__ = type(model).__bases__[1]
+    model.__dict__[_REFUSE_HOOK] = model.register_forward_pre_hook(_refuse_replacements, with_kwargs=True)
     return model
+
+
+_REFUSE_HOOK = "_fxreplace_refuse_replacements"
+
+
+def _refuse_replacements(model: nn.Module, args, kwargs):
+    """After :func:`uninstrument`: an HF forward's ``**kwargs`` would swallow ``replacements=``."""
+    if "replacements" in kwargs:
+        raise TypeError(f"{type(model).__name__} is no longer instrumented (uninstrument() was called): it would "
+                        "ignore replacements=; instrument() it again to replace")
 
 
 @contextmanager

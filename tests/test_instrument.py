@@ -243,3 +243,60 @@ def test_routing_adapter_at_a_logits_point_is_refused(plain):
     with torch.no_grad():
         torch.testing.assert_close(model(torch.randn(16, 16), replacements={"0": logits}),
                                    get_adapter("softmax_topk_renorm")(logits, model[0]))
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_a_failed_forward_leaves_no_replacement_armed(plain):
+    fresh = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"])
+    ctx = random_context(GATES, E, mask=torch.ones(TOKENS, dtype=torch.bool))
+    bad = {GATES[0]: ctx[GATES[0]], GATES[1]: torch.zeros(TOKENS + 1, E)}  # layer 0 replaced, then layer 1 fails
+    with pytest.raises(ShapeError, match=r"model\.layers\.1\.mlp\.gate"):
+        logits(fresh, replacements=bad)
+    gate, hidden = fresh.get_submodule(GATES[1]), torch.randn(TOKENS, 64)
+    with torch.no_grad():  # a direct call of a target is the plain module again
+        assert torch.equal(gate(hidden)[0], torch.nn.functional.linear(hidden, gate.weight))
+    assert torch.equal(logits(fresh), logits(plain))  # no stale "hit twice", no stale replacement
+    with pytest.raises(KeyError):
+        logits(fresh, replacements={"nope": ctx[GATES[0]]})
+    assert torch.equal(logits(fresh), logits(plain))
+
+
+def test_misspelled_replacement_name_is_an_error(model):
+    ctx = random_context(GATES, E)
+    with pytest.raises(KeyError, match=r"\['model\.layers\.1\.mlp\.gat'\] match no target; close capture names: "
+                                       r"\{'model\.layers\.1\.mlp\.gat': \['model\.layers\.1\.mlp\.gate'"):
+        logits(model, replacements={GATES[0]: ctx[GATES[0]], "model.layers.1.mlp.gat": ctx[GATES[1]]})
+
+
+def test_targets_as_one_string_are_one_pattern(plain):
+    assert instrument(copy.deepcopy(plain), "model.layers.*.mlp.gate").targets == GATES
+    with pytest.raises(TargetError, match=r"target 'model.layers.9.mlp.gate' matches no module"):
+        instrument(copy.deepcopy(plain), "model.layers.9.mlp.gate")
+
+
+def test_replacement_dtype_and_device_are_checked(model):
+    ints = {n: torch.ones(TOKENS, E, dtype=torch.int64) for n in GATES}
+    with pytest.raises(TypeError, match=r"replacement for model\.layers\.0\.mlp\.gate is torch\.int64, but the "
+                                        r"module computes torch\.float32"):
+        logits(model, replacements=ints)
+    meta = {n: torch.zeros(TOKENS, E, device="meta") for n in GATES}
+    with pytest.raises(ValueError, match=r"replacement for model\.layers\.0\.mlp\.gate is on meta, but the module "
+                                         r"computes on cpu"):
+        logits(model, replacements=meta)
+    halves = {n: t.to(torch.bfloat16) for n, t in random_context(GATES, E).items()}
+    logits(model, replacements=halves)  # another float dtype is cast, as before
+
+
+def test_uninstrumented_model_refuses_replacements(plain):
+    from fxreplace.instrument import uninstrument
+
+    fresh = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"])
+    uninstrument(fresh)
+    with pytest.raises(TypeError, match=r"Qwen3MoeForCausalLM is no longer instrumented .*replacements="):
+        logits(fresh, replacements=random_context(GATES, E))
+    assert torch.equal(logits(fresh), logits(plain))
+    again = instrument(fresh, ["model.layers.*.mlp.gate"])  # and instrumenting again works
+    ctx = random_context(GATES, E)
+    torch.testing.assert_close(logits(again, replacements=ctx), reference(plain, ctx), rtol=1e-5, atol=1e-5)
