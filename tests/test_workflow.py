@@ -131,7 +131,9 @@ def test_nan_logits_are_validated_flagged_and_stop_the_prompt(reference):
 def test_runner_validation_with_a_perturbed_model_resolves_retries_to_their_prompt(model, reference):
     import copy
 
-    target = copy.deepcopy(model)
+    from fxreplace.instrument import instrument
+
+    target = instrument(copy.deepcopy(model), ["model.layers.*.mlp.gate"])  # the runner passes replacements=
     banned = reference.tokens(0)[2]  # the target can never pick it: prompt 0 diverges by step 2 at the latest
 
     def ban(module, args, out):
