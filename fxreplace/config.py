@@ -109,16 +109,24 @@ class ReplacementConfig:
     # ------------------------------------------------------------ use
 
     def resolve(self) -> tuple[Any, Any]:
-        """``(tensors, prompt_token_ids)``, loading files where paths were given."""
-        from .store import ReferenceStore, load_captures, load_token_ids
+        """``(tensors, prompt_token_ids)``, loading files where paths were given
+        (token ids None when only a store holds them: it keeps its own)."""
+        from .store import load_captures, load_token_ids
 
         tensors = self.tensors if self.tensors is not None else load_captures(self.tensors_path)
         token_ids = self.prompt_token_ids
         if self.prompt_token_ids_path is not None:
             token_ids = load_token_ids(self.prompt_token_ids_path)
+        return tensors, token_ids
+
+    def reference_token_ids(self) -> Any:
+        """The reference prompts' token ids (None when the reference has none)."""
+        from .store import ReferenceStore
+
+        tensors, token_ids = self.resolve()
         if token_ids is None and isinstance(tensors, ReferenceStore):
             token_ids = tensors.prompt_token_ids
-        return tensors, token_ids
+        return token_ids
 
     def build_replacer(self, **kwargs):
         """A :class:`~fxreplace.TensorReplacer` over the reference (``on_unknown``

@@ -95,9 +95,10 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
             value = output if index is None else output[index]
             pair = isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value)
             if not isinstance(value, torch.Tensor) and not pair:
+                fallback = " (it cannot be traced alone, so 'auto' means its output)" if point.point == "auto" else ""
                 raise TargetError(
-                    f"{point.module_name!r}: point {point.point!r} is a {type(value).__name__}, not a tensor; "
-                    "use point='output[i]' or a callable point"
+                    f"{point.module_name!r}: point {point.point!r}{fallback} is a {type(value).__name__}, not a "
+                    "tensor; use point='output[i]' or a callable point"
                 )
             value = injection(value, slot.replacement, slot.mask, leading_rows=slot.leading_rows)
             if index is None:
@@ -116,18 +117,22 @@ class Instrumentation:
         self.injections = injections
         self.slots = slots
         self.max_tokens = max_tokens
-        self.feeding = False
+        self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # per target (values, mask) feed buffers, once fed
 
     def buffer_names(self, i: int) -> tuple[str, str]:
         return f"_fxreplace_feed_{i}", f"_fxreplace_feed_mask_{i}"
 
+    def remember_buffers(self, model: nn.Module) -> None:
+        """Keep the feed buffers at hand: forwards read them without attribute lookups."""
+        self.fed = [(getattr(model, v), getattr(model, m)) for v, m in map(self.buffer_names, range(len(self.targets)))]
+
     def arm(self, model: nn.Module, replacements) -> None:
         if replacements is None:
-            for i, slot in enumerate(self.slots):
-                if self.feeding:
-                    values, mask = self.buffer_names(i)
-                    slot.arm(getattr(model, values), getattr(model, mask), leading_rows=True)
-                else:
+            if self.fed:  # engines: every forward reads the feed buffers
+                for slot, (values, mask) in zip(self.slots, self.fed):
+                    slot.arm(values, mask, leading_rows=True)
+            else:
+                for slot in self.slots:
                     slot.arm(None, None)
             return
         if not isinstance(replacements, Mapping):
@@ -220,12 +225,12 @@ class InstrumentedModel:
                 values_name, mask_name = state.buffer_names(i)
                 self.register_buffer(values_name, value, persistent=False)
                 self.register_buffer(mask_name, mask, persistent=False)
-            state.feeding = True
+            state.remember_buffers(self)
             return
         for i, target in enumerate(state.targets):
             values_name, mask_name = state.buffer_names(i)
             value = tensors.get(target.capture_name)
-            if not state.feeding:
+            if not state.fed:
                 if value is None:
                     raise KeyError(f"the first feed() must hold every target; {target.capture_name!r} is missing")
                 self.register_buffer(values_name, value.new_zeros(state.max_tokens, *value.shape[1:]), persistent=False)
@@ -241,15 +246,13 @@ class InstrumentedModel:
                                  f"buffer {tuple(values_buf.shape)}")
             values_buf[:tokens].copy_(value)
             mask_buf[:tokens].copy_(mask if mask is not None else torch.ones(tokens, dtype=torch.bool, device=value.device))
-        state.feeding = True
+        state.remember_buffers(self)
 
     @torch.no_grad()
     def clear(self) -> None:
         """Turn fed replacement off (mask all False); the same graph keeps running."""
-        state = self._fxreplace
-        if state.feeding:
-            for i in range(len(state.targets)):
-                getattr(self, state.buffer_names(i)[1]).fill_(False)
+        for _, mask in self._fxreplace.fed:
+            mask.fill_(False)
 
 
 _instrumented_classes: dict[type, type] = {}
@@ -298,8 +301,8 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
     for target in resolved:
         module = model.get_submodule(target.module_name)
         point = locate_injection_point(module, target.module_name, target.point)
-        check_adapter_fits(module, point, target.adapter)
         injection = Injection(target.module_name, module, target.adapter, target.shard)
+        check_adapter_fits(module, point, target.adapter)
         slot = _Slot(target)
         points.append(point)
         injections.append(injection)

@@ -138,7 +138,8 @@ class InjectionPoint:
     ``graph_module`` is set when the point is a node inside the module: the
     module traced alone, and ``point`` selects the node in it. Otherwise the
     point is the module output (``output_index`` picks ``output[i]``), checked
-    to be a tensor at run time (an untraceable module with ``"auto"`` lands here).
+    to be a tensor at run time (an untraceable module with ``"auto"`` lands here,
+    keeping ``point="auto"`` so errors can say why).
     """
 
     module_name: str
@@ -183,7 +184,7 @@ def locate_injection_point(module: nn.Module, module_name: str, point: Point = "
         gm = trace_alone(module)
     except Exception as exc:
         if point == "auto":  # the output, checked to be a tensor when the module runs
-            return InjectionPoint(module_name, "output")
+            return InjectionPoint(module_name, "auto")
         raise TargetError(f"cannot trace {module_name!r} alone to apply point {point!r}: {exc}") from exc
     try:
         node = find_injection_node(gm, "", point)

@@ -34,6 +34,5 @@ def tiny_config(**overrides):
 register_family(Family(
     architecture="DeepseekV3ForCausalLM",
     targets=(Target("model.layers.*.mlp.gate"),),
-    fused_adapter="sigmoid_bias_grouped_topk",
     tiny_config=tiny_config,
 ))

@@ -22,6 +22,5 @@ register_family(Family(
     architecture="MixtralForCausalLM",
     targets=(Target("model.layers.*.mlp.gate"),),
     vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]", name="model.layers.{}.mlp.gate"),),
-    fused_adapter="softmax_topk_renorm",
     tiny_config=tiny_config,
 ))

@@ -52,7 +52,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     ckpt, ref_dir, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     llm = LLM(model=ckpt, dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4,
               enforce_eager=True, seed=0, distributed_executor_backend="uni", enable_prefix_caching=False,
-              additional_config={"fxreplace": {"tensors_path": ref_dir}})
+              additional_config={"fxreplace": {"tensors_path": ref_dir, "on_unknown": "passthrough"}})
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     sp = SamplingParams(temperature=0.0, max_tokens=%d, logprobs=5, prompt_logprobs=5, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
