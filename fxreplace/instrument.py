@@ -22,10 +22,9 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from .adapters import routing_adapter_name
 from .context import ReplacementContext
 from .passes import Injection, InjectionSpec, insert_replacements
-from .points import InjectionPoint, computes_linear_output, locate_injection_point
+from .points import InjectionPoint, check_adapter_fits, computes_linear_output, locate_injection_point
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
@@ -268,19 +267,6 @@ def _instrumented_class(cls: type) -> type:
     return _instrumented_classes[cls]
 
 
-def check_adapter_fits(module: nn.Module, point: InjectionPoint, adapter) -> None:
-    """A routing adapter at a point that computes the logits themselves would put routing
-    weights where the model expects logits, with the same [T, E] shape: refuse it."""
-    name = routing_adapter_name(adapter)
-    if name is not None and computes_linear_output(module, point):
-        raise TargetError(
-            f"{point.module_name!r}: adapter {name!r} turns router logits into routing weights, but point "
-            f"{point.point!r} is computed by a linear layer, i.e. it is the logits: the model would get routing "
-            "weights in their place. Replace the logits without an adapter (e.g. point='auto' on the router), or "
-            "keep the adapter and target what consumes routing weights (e.g. a fused router's output, point='output')"
-        )
-
-
 def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: int | None = None) -> nn.Module:
     """Rewrite ``model``'s targets (glob strings or :class:`~fxreplace.Target`)
     in place to take replacements, and return it.
@@ -302,7 +288,8 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
         module = model.get_submodule(target.module_name)
         point = locate_injection_point(module, target.module_name, target.point)
         injection = Injection(target.module_name, module, target.adapter, target.shard)
-        check_adapter_fits(module, point, target.adapter)
+        check_adapter_fits(target.module_name, target.point, target.adapter,
+                           lambda: computes_linear_output(module, point))
         slot = _Slot(target)
         points.append(point)
         injections.append(injection)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .adapters import routing_adapter_name
 from .targets import TargetError, closest_names
 
 #: ``"auto"``, ``"output"``, ``"output[i]"``, or ``fn(nodes) -> Node`` picking the
@@ -151,6 +152,20 @@ class InjectionPoint:
 def trace_alone(module: nn.Module) -> fx.GraphModule:
     """``torch.fx`` trace of one module; parameters are shared, not copied."""
     return fx.symbolic_trace(module)
+
+
+def check_adapter_fits(module_name: str, point: Point, adapter, computes_logits: Callable[[], bool]) -> None:
+    """A routing adapter at a point that computes the logits themselves would put routing
+    weights where the model expects logits, with the same [T, E] shape: refuse it.
+    ``computes_logits`` is only called for a routing adapter."""
+    name = routing_adapter_name(adapter)
+    if name is not None and computes_logits():
+        raise TargetError(
+            f"{module_name!r}: adapter {name!r} turns router logits into routing weights, but point "
+            f"{point!r} is computed by a linear layer, i.e. it is the logits: the model would get routing "
+            "weights in their place. Replace the logits without an adapter (e.g. point='auto' on the router), or "
+            "keep the adapter and target what consumes routing weights (e.g. a fused router's output, point='output')"
+        )
 
 
 def computes_linear_output(module: nn.Module, located: InjectionPoint) -> bool:

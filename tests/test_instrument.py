@@ -236,6 +236,11 @@ def test_routing_adapter_at_a_logits_point_is_refused(plain):
             instrument(copy.deepcopy(plain), [target])
     with pytest.raises(TargetError, match="'topk_softmax_scatter' turns router logits"):
         instrument(RankRouter("tokens"), [Target("gate", adapter=get_adapter("topk_softmax_scatter"))])
+    from fxreplace.export import export
+
+    with pytest.raises(TargetError, match=r"model\.layers\.0\.mlp\.gate.*'softmax_topk_renorm' turns router logits"):
+        export(copy.deepcopy(plain), {"input_ids": input_ids(), "use_cache": False},
+               [Target("model.layers.*.mlp.gate", adapter="softmax_topk_renorm")])
     # at a point that computes routing weights, the adapter is what makes the replacement fit
     model = torch.nn.Sequential(FusedRouter())
     instrument(model, [Target("0", point="output", adapter="softmax_topk_renorm")])
