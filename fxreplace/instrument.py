@@ -91,6 +91,9 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
             output = original(*args, **kwargs)
             if not slot.take():
                 return output
+            if index is not None and not isinstance(output, (tuple, list)):
+                raise TargetError(f"{point.module_name!r}: point {point.point!r} indexes the output, but the module "
+                                  f"returns a {type(output).__name__} (indexing would pick a row): use point='output'")
             value = output if index is None else output[index]
             pair = isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value)
             if not isinstance(value, torch.Tensor) and not pair:

@@ -268,6 +268,16 @@ def test_a_failed_forward_leaves_no_replacement_armed(plain):
     assert torch.equal(logits(fresh), logits(plain))
 
 
+def test_output_index_on_a_tensor_output_is_an_error():
+    """HF's attention returns (output, weights), vLLM's the tensor: output[0] there is a row."""
+    from fxreplace import Target
+
+    llama = instrument(families.tiny_model("LlamaForCausalLM"), [Target("model.layers.*.mlp", point="output[0]")])
+    with pytest.raises(TargetError, match=r"'model\.layers\.0\.mlp': point 'output\[0\]' indexes the output, but "
+                                          r"the module returns a Tensor"):
+        logits(llama)
+
+
 def test_misspelled_replacement_name_is_an_error(model):
     ctx = random_context(GATES, E)
     with pytest.raises(KeyError, match=r"\['model\.layers\.1\.mlp\.gat'\] match no target; close capture names: "
