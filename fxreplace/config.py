@@ -128,6 +128,8 @@ class ReplacementConfig:
             return self.prompt_token_ids
         if self.prompt_token_ids_path is not None:
             return load_token_ids(self.prompt_token_ids_path)
+        if self.tensors is None and self.tensors_path is None:  # no reference source: nothing to match
+            return None
         tensors = self.resolve()[0]  # a store (memory-mapped) carries its token ids
         return tensors.prompt_token_ids if isinstance(tensors, ReferenceStore) else None
 
