@@ -57,10 +57,14 @@ ENGINE_SCRIPT = textwrap.dedent("""
     sp = SamplingParams(temperature=0.0, max_tokens=%d, logprobs=5, prompt_logprobs=5, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     state = fxv.get_state(runner)
+    from fxreplace.models import architecture, get_family
+    from fxreplace.targets import resolve_targets
+    family = get_family(architecture(runner.model_config.hf_config, ""))
+    declared = [[t.module_name, t.capture_name] for t in resolve_targets(runner.model, family.vllm_targets)]
     def steps(logprobs):
         return [None if s is None else {str(t): v.logprob for t, v in s.items()} for s in logprobs]
     print("RESULT " + json.dumps({
-        "targets": [[t.pattern, t.name] for t in state.targets], "errors": state.errors,
+        "targets": [[t.pattern, t.name] for t in state.targets], "declared": declared, "errors": state.errors,
         "tokens_replaced": state.tokens_replaced,
         "outs": [[list(o.outputs[0].token_ids), steps(o.outputs[0].logprobs), steps(o.prompt_logprobs)]
                  for o in outs]}), flush=True)
@@ -124,9 +128,11 @@ def family(request, tmp_path_factory):
 
 
 def test_vllm_targets_cover_every_hf_capture(family):
-    """Every HF capture has a vLLM module that reads it, and nothing else is instrumented."""
+    """Every HF capture has a vLLM module that reads it, and every module the family's
+    vllm_targets name reads an HF capture (none is left unreplaced for want of one)."""
     captured = sorted(family.captures[0])
     assert sorted(name for _, name in family.result["targets"]) == captured
+    assert sorted(family.result["declared"]) == sorted(family.result["targets"])
     assert family.result["errors"] == 0 and family.result["tokens_replaced"] > 0
 
 
