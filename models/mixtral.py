@@ -1,7 +1,8 @@
-"""Mixtral: softmax -> top-k -> renormalised routing; router ``mlp.gate``
-(HF returns (logits, weights, indices); vLLM's gate is a ReplicatedLinear
-returning (logits, bias)). transformers 4.x names the MoE block ``block_sparse_moe``,
-hence the wildcard: the router is ``model.layers.N.mlp.gate`` on 5.x."""
+"""Mixtral: softmax -> top-k -> renormalised routing. HF's router is ``mlp.gate``
+(returns (logits, weights, indices)); vLLM names it ``block_sparse_moe.gate`` (a
+linear returning (logits, bias)) and reads the HF capture of the same layer.
+transformers 4.x names the HF block ``block_sparse_moe`` too; its gate's capture keeps
+the 5.x name, so references from either major read the same."""
 
 from transformers import MixtralConfig
 
@@ -21,8 +22,7 @@ def tiny_config(**overrides):
 
 register_family(Family(
     architecture="MixtralForCausalLM",
-    targets=(Target("model.layers.*.*.gate"),),
-    vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]"),),
-    fused_adapter="softmax_topk_renorm",
+    targets=(Target("model.layers.*.*.gate", name="model.layers.{0}.mlp.gate"),),  # 4.x: block_sparse_moe
+    vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]", name="model.layers.{}.mlp.gate"),),
     tiny_config=tiny_config,
 ))

@@ -12,6 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import fxreplace.models as families
 from fxreplace.instrument import instrument
 from fxreplace.models import llama
+from fxreplace.targets import resolve_targets
 from graph_helpers import OverrideLinear, input_ids, off_context, override_outputs, random_context
 
 ROUTED = ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM"]
@@ -51,11 +52,14 @@ def test_family_targets_are_the_router_logits(architecture):
     the family's targets replace exactly the router logits (eager: 4.x experts
     have data-dependent shapes and do not compile into one graph)."""
     plain = families.tiny_model(architecture)
-    model = instrument(copy.deepcopy(plain), families.get_family(architecture).targets)
-    names, experts = model.targets, num_experts(plain.config)
-    assert len(names) >= 1 and all(n.endswith(".gate") or n.endswith(".router") for n in names)
+    targets = families.get_family(architecture).targets
+    model = instrument(copy.deepcopy(plain), targets)
+    resolved, experts = resolve_targets(plain, targets), num_experts(plain.config)
+    names = [t.capture_name for t in resolved]
+    assert names and all(n.endswith(("mlp.gate", "mlp.router")) for n in names)  # the 5.x names on both
     ctx = random_context(names, experts, seed=1)
-    with OverrideLinear({plain.get_submodule(n).weight: ctx[n] for n in names}, ctx.mask):
+    weights = {plain.get_submodule(t.module_name).weight: ctx[t.capture_name] for t in resolved}
+    with OverrideLinear(weights, ctx.mask):
         expected = run(plain)
     assert not torch.allclose(expected, run(plain))
     torch.testing.assert_close(run(model, replacements=ctx), expected, rtol=1e-5, atol=1e-5)
