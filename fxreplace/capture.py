@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .reference import Reference
@@ -35,6 +34,8 @@ def capture_reference(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts = check_prompts(prompt_token_ids, model.config.vocab_size)
+    from tqdm.auto import tqdm  # the hf extra; fxreplace.models imports this module without it
+
     owned = not isinstance(model, InstrumentedModel)
     if owned:
         instrument(model, targets)

@@ -206,7 +206,6 @@ def fuse_routers(model: NeuronMoeForCausalLM) -> NeuronMoeForCausalLM:
 register_family(Family(
     architecture="NeuronMoeForCausalLM",
     targets=(Target("model.layers.*.mlp.router"),),
-    fused_adapter="softmax_topk_renorm",
     tiny_config=tiny_config,
     build=NeuronMoeForCausalLM,
 ))
@@ -214,7 +213,6 @@ register_family(Family(
 register_family(Family(
     architecture="NeuronMoeForCausalLM+fused_router",
     targets=(Target("model.layers.*.mlp.router", point="output", adapter="softmax_topk_renorm"),),
-    fused_adapter="softmax_topk_renorm",
     tiny_config=tiny_config,
     build=NeuronMoeForCausalLM,
     transform=fuse_routers,
