@@ -18,9 +18,10 @@ class ReplacementContext(Mapping):
     changing any shape, so a compiled graph serves "on" and "off" alike.
     """
 
-    __slots__ = ("_tensors", "mask", "storage")
+    __slots__ = ("_tensors", "mask", "storage", "module_masks")
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = ()):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = (),
+                 module_masks: Mapping[str, torch.Tensor] | None = None):
         if mask.dtype != torch.bool or mask.dim() != 1:
             raise ValueError(f"mask must be a 1-D bool tensor, got {mask.dtype} of shape {tuple(mask.shape)}")
         for name, t in tensors.items():
@@ -32,6 +33,23 @@ class ReplacementContext(Mapping):
         self._tensors = dict(tensors)
         self.mask = mask
         self.storage = storage  # the packed tensors the module tensors view, when built by a TensorReplacer
+        self.module_masks = dict(module_masks) if module_masks is not None else None
+
+    def mask_for(self, name: str) -> torch.Tensor:
+        """The rows replaced at module ``name``: ``mask``, unless :meth:`select` narrowed it."""
+        return self.mask if self.module_masks is None else self.module_masks[name]
+
+    def select(self, names) -> "ReplacementContext":
+        """The same rows, replaced only at the modules in ``names`` (the others get an
+        all-False mask). Every module gets a mask tensor of its own whatever the
+        selection, so a compiled graph sees the same inputs for every selection and
+        one graph serves them all (the search of :mod:`fxreplace.blame`)."""
+        names = set(names)
+        unknown = sorted(names - set(self._tensors))
+        if unknown:
+            raise KeyError(f"select(): no replacement tensors for {unknown}; the context holds {sorted(self._tensors)}")
+        masks = {m: self.mask.clone() if m in names else torch.zeros_like(self.mask) for m in self._tensors}
+        return ReplacementContext(self._tensors, self.mask, self.storage, module_masks=masks)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
@@ -49,7 +67,9 @@ class ReplacementContext(Mapping):
     def to(self, device: torch.device | str | None) -> "ReplacementContext":
         if device is None:
             return self
-        return ReplacementContext({k: v.to(device) for k, v in self._tensors.items()}, self.mask.to(device))
+        masks = None if self.module_masks is None else {k: v.to(device) for k, v in self.module_masks.items()}
+        return ReplacementContext({k: v.to(device) for k, v in self._tensors.items()}, self.mask.to(device),
+                                  module_masks=masks)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self._tensors.items())

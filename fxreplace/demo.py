@@ -20,7 +20,7 @@ from .instrument import instrument
 from .replacer import TensorReplacer
 from .report import fmt
 from .runner import Runner, RunnerConfig
-from .validation import ValidationResult, logit_validation
+from .validation import ValidationResult, logit_validation, verdict
 
 
 @dataclass
@@ -75,14 +75,14 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
           f"{'compiled (inductor)' if cfg.compile else 'eager'}, embedded runner")
     result = logit_validation(runner, reference, router_topk=getattr(config, "num_experts_per_tok", None), progress=progress)
     report = result.write_report(cfg.report_dir)
-    print_summary(result)
+    print_summary(result, "the router logits")
     if cfg.compile:
         print(f"graphs compiled: {runner.graphs_compiled} (one per bucket; replacement on and off share them)")
     print(f"report: {Path(report).resolve()}   ({time.perf_counter() - started:.0f} s)")
     return result
 
 
-def print_summary(result: ValidationResult) -> None:
+def print_summary(result: ValidationResult, what: str = "the targets") -> None:
     summary = result.summary()
     off, on = summary["off"], summary["on"]
     print()
@@ -93,20 +93,13 @@ def print_summary(result: ValidationResult) -> None:
         print(f"{p:>6} | {fmt(a['first_divergence']):>10} {fmt(b['first_divergence']):>10} | "
               f"{fmt(a['mean_top5_error']):>10} {fmt(b['mean_top5_error']):>10}")
     print()
-    print(f"{'':28}{'without':>10}{'with':>10}   (replacement of router logits)")
+    print(f"{'':28}{'without':>10}{'with':>10}   (replacement of {what})")
     for label, key in [("top-1 agreement", "top1_agreement"), ("prompts diverged", "prompts_diverged"),
                        ("mean top-5 error", "mean_top5_error"), ("mean KL", "mean_kl"),
                        ("router agreement (top-k)", "router_agreement_mean")]:
         print(f"{label:<28}{fmt(off[key]):>10}{fmt(on[key]):>10}")
-    better = (on["prompts_diverged"] < off["prompts_diverged"]) or (
-        on["prompts_diverged"] == off["prompts_diverged"] and (on["top1_agreement"] or 0) > (off["top1_agreement"] or 0))
     print()
-    if off["prompts_diverged"] == 0:
-        print("verdict: the target did not diverge even without replacement; nothing to isolate here.")
-    elif better:
-        print("verdict: replacing the router logits reduces the divergence: the routers are (part of) the cause.")
-    else:
-        print("verdict: replacing the router logits does NOT reduce the divergence: look elsewhere.")
+    print("verdict: " + verdict(off, on, what))
 
 
 def _experts(config) -> int:

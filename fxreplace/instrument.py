@@ -184,13 +184,13 @@ class Instrumentation:
         names = [t.capture_name for t in self.targets]
         if tensors and not any(name in tensors for name in names):
             raise KeyError(f"no replacement name {sorted(tensors)} matches a target capture name {names}")
-        context_mask = replacements.mask if isinstance(replacements, ReplacementContext) else None
+        is_context = isinstance(replacements, ReplacementContext)
         for slot, name in zip(self.slots, names):
             value = tensors.get(name)
             if value is None:
                 slot.arm(None, None)  # missing from the context: this target stays off
                 continue
-            mask = context_mask
+            mask = replacements.mask_for(name) if is_context else None
             if mask is None:
                 mask = torch.ones(value.shape[0], dtype=torch.bool, device=value.device)
             slot.arm(value, mask)

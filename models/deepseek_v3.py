@@ -7,7 +7,7 @@ from transformers import DeepseekV3Config
 
 from fxreplace.targets import Target
 
-from . import Family, register_family
+from . import Family, decoder_components, register_family
 
 
 def tiny_config(**overrides):
@@ -28,4 +28,5 @@ register_family(Family(
     vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
     fused_adapter="sigmoid_bias_grouped_topk",
     tiny_config=tiny_config,
+    components=decoder_components(router=Target("model.layers.*.mlp.gate")),  # block: MoE or dense MLP
 ))

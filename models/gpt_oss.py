@@ -6,7 +6,7 @@ from transformers import GptOssConfig
 
 from fxreplace.targets import Target
 
-from . import Family, register_family
+from . import Family, decoder_components, register_family
 
 
 def tiny_config(**overrides):
@@ -27,4 +27,5 @@ register_family(Family(
     fused_adapter="topk_softmax_scatter",
     tiny_config=tiny_config,
     model_kwargs={"attn_implementation": "eager"},
+    components=decoder_components(router=Target("model.layers.*.mlp.router"), block_point="output[0]"),
 ))

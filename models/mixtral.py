@@ -6,7 +6,7 @@ from transformers import MixtralConfig
 
 from fxreplace.targets import Target
 
-from . import Family, register_family
+from . import Family, decoder_components, register_family
 
 
 def tiny_config(**overrides):
@@ -24,4 +24,5 @@ register_family(Family(
     vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]"),),
     fused_adapter="softmax_topk_renorm",
     tiny_config=tiny_config,
+    components=decoder_components(router=Target("model.layers.*.mlp.gate")),
 ))

@@ -9,7 +9,7 @@ from transformers import Qwen3MoeConfig
 
 from fxreplace.targets import Target
 
-from . import Family, register_family
+from . import Family, decoder_components, register_family
 
 
 def tiny_config(**overrides):
@@ -27,4 +27,6 @@ register_family(Family(
     vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
     fused_adapter="softmax_topk_renorm",
     tiny_config=tiny_config,
+    components=decoder_components(router=Target("model.layers.*.mlp.gate")),
+    vllm_components=decoder_components(router=Target("model.layers.*.mlp.gate", point="output[0]"), vllm=True),
 ))
