@@ -182,8 +182,7 @@ def _plot_blame(result, path: Path) -> None:
         if b.layer in layers and b.share is not None:
             grid[kinds.index(b.kind), layers.index(b.layer)] = b.share
     fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(layers) + 2.5), 0.55 * len(kinds) + 1.6))
-    cmap = plt.get_cmap("Reds").copy()
-    cmap.set_bad("#eeeeee")
+    cmap = plt.get_cmap("Reds").with_extremes(bad="#eeeeee")
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
     for (i, j), v in np.ndenumerate(grid):
         if not np.isnan(v):
