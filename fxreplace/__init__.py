@@ -1,6 +1,7 @@
 """fxreplace: inject reference tensors into compiled LLM graphs to find which component drifts."""
 
 from .adapters import get_adapter, register_adapter
+from .blame import blame
 from .context import ReplacementContext, get_active_context, get_replacement_tensor, set_active_context
 from .instrument import TargetNotHitError, export, export_input_name, instrument, locate_injection_point
 from .matching import PromptIndex
@@ -11,6 +12,7 @@ from .store import CaptureError, ReferenceStore, load_captures, load_legacy, loa
 from .targets import Target, TargetError, resolve_targets
 
 __all__ = [
+    "blame",
     "CaptureError",
     "Injection",
     "InjectionSpec",
