@@ -40,6 +40,10 @@ def get_adapter(adapter: Union[str, Adapter, None]) -> Adapter:
         return identity
     if callable(adapter):
         return adapter
+    if adapter not in _REGISTRY:
+        from .extensions import load_extensions
+
+        load_extensions()  # an installed package may register it
     try:
         return _REGISTRY[adapter]
     except KeyError:

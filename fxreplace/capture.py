@@ -13,8 +13,6 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from fxreplace.models import architecture
-
 from .blame import resolve_components
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .reference import Reference
@@ -100,6 +98,11 @@ def capture_reference(
     if found:
         metadata["components"] = {c.capture_name: {"kind": c.kind, "layer": c.layer} for c in found}
     return Reference.from_parts(captures, prompts, tokens, logits, metadata)
+
+
+def architecture(config, default: str) -> str:
+    """The architecture a model config names first (the family registry key), else ``default``."""
+    return (getattr(config, "architectures", None) or [default])[0]
 
 
 def check_prompts(prompt_token_ids: Sequence, vocab_size: int) -> list[list[int]]:

@@ -78,8 +78,18 @@ def _longest_sequence(reference) -> int:
     return max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in range(reference.num_prompts))
 
 
+def _replacement_config(args, **source):
+    """The ReplacementConfig of a command line; a bad ``--target`` is a usage error naming it."""
+    from .config import ConfigError, ReplacementConfig
+
+    try:
+        return ReplacementConfig(targets=args.target, **source)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def _report(result, report_dir: str, extra: str = "") -> int:
-    from .demo import print_summary
+    from .report import print_summary
 
     result.write_report(report_dir)
     print_summary(result)
@@ -94,9 +104,9 @@ def _validate(args) -> int:
         return _validate_vllm(args)
     import torch
 
+    from .config import ReplacementConfig
     from .instrument import instrument
     from .reference import load_reference
-    from .replacer import TensorReplacer
     from .runner import Runner, RunnerConfig
     from .validation import logit_validation
 
@@ -104,7 +114,8 @@ def _validate(args) -> int:
     model = load_model(args.model)
     _check_vocab(reference, args.model, model.config.vocab_size)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    targets = args.target or default_targets(model)
+    replacement = _replacement_config(args, tensors=reference.store)
+    targets = list(replacement.targets or default_targets(model))
     target = instrument(copy.deepcopy(model).to(dtype), targets)
     missing = [t for t in (t.capture_name for t in target._fxreplace.targets) if t not in reference.store.columns]
     if missing:
@@ -113,7 +124,7 @@ def _validate(args) -> int:
     runner = Runner(
         target,
         model.config,
-        replacer=TensorReplacer(reference.store),
+        replacer=replacement,
         runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(8, reference.num_prompts),), max_len=2 * bucket),
         dtype=dtype,
         observed=target,
@@ -137,7 +148,8 @@ def _validate_vllm(args) -> int:
     from .vllm.engine import VllmEngine
 
     longest = _longest_sequence(reference)
-    engine = VllmEngine(args.model, args.reference, dtype=args.dtype, logprobs=args.logprobs, targets=args.target,
+    engine = VllmEngine(args.model, _replacement_config(args, tensors_path=args.reference), dtype=args.dtype,
+                        logprobs=args.logprobs,
                         enforce_eager=args.eager, max_model_len=max(longest + 8, 128),
                         max_num_seqs=min(8, reference.num_prompts))
     try:

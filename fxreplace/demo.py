@@ -21,9 +21,9 @@ from .blame import blame
 from .capture import capture_reference
 from .instrument import instrument
 from .replacer import TensorReplacer
-from .report import fmt
+from .report import print_summary
 from .runner import Runner, RunnerConfig
-from .validation import ValidationResult, logit_validation, verdict
+from .validation import ValidationResult, logit_validation
 
 
 @dataclass
@@ -94,26 +94,6 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
     print(f"report: {Path(report).resolve()}, {Path(cfg.report_dir).resolve() / 'blame.html'}   "
           f"({time.perf_counter() - started:.0f} s)")
     return result
-
-
-def print_summary(result: ValidationResult, what: str = "the targets") -> None:
-    summary = result.summary()
-    off, on = summary["off"], summary["on"]
-    print()
-    print(f"{'prompt':>6} | {'first divergence':^21} | {'mean top-5 error':^21}")
-    print(f"{'':>6} | {'without':>10} {'with':>10} | {'without':>10} {'with':>10}")
-    for p in off["prompts"]:
-        a, b = off["prompts"][p], on["prompts"][p]
-        print(f"{p:>6} | {fmt(a['first_divergence']):>10} {fmt(b['first_divergence']):>10} | "
-              f"{fmt(a['mean_top5_error']):>10} {fmt(b['mean_top5_error']):>10}")
-    print()
-    print(f"{'':28}{'without':>10}{'with':>10}   (replacement of {what})")
-    for label, key in [("top-1 agreement", "top1_agreement"), ("prompts diverged", "prompts_diverged"),
-                       ("mean top-5 error", "mean_top5_error"), ("mean KL", "mean_kl"),
-                       ("router agreement (top-k)", "router_agreement_mean")]:
-        print(f"{label:<28}{fmt(off[key]):>10}{fmt(on[key]):>10}")
-    print()
-    print("verdict: " + verdict(off, on, what))
 
 
 def _experts(config) -> int:

@@ -26,7 +26,6 @@ register_family(Family(
     architecture="DeepseekV3ForCausalLM",
     targets=(Target("model.layers.*.mlp.gate"),),
     vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
-    fused_adapter="sigmoid_bias_grouped_topk",
     tiny_config=tiny_config,
     components=decoder_components(router=Target("model.layers.*.mlp.gate")),  # block: MoE or dense MLP
 ))

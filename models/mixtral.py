@@ -22,7 +22,6 @@ register_family(Family(
     architecture="MixtralForCausalLM",
     targets=(Target("model.layers.*.mlp.gate"),),
     vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]"),),
-    fused_adapter="softmax_topk_renorm",
     tiny_config=tiny_config,
     components=decoder_components(router=Target("model.layers.*.mlp.gate")),
 ))

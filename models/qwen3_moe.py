@@ -25,7 +25,6 @@ register_family(Family(
     architecture="Qwen3MoeForCausalLM",
     targets=(Target("model.layers.*.mlp.gate"),),
     vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
-    fused_adapter="softmax_topk_renorm",
     tiny_config=tiny_config,
     components=decoder_components(router=Target("model.layers.*.mlp.gate")),
     vllm_components=decoder_components(router=Target("model.layers.*.mlp.gate", point="output[0]"), vllm=True),
