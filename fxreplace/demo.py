@@ -37,7 +37,7 @@ class DemoConfig:
     seed: int = 1
     compile: bool = True
     report_dir: str = "fxreplace-report"
-    blame_prompts: int = 4  # the blame search's prompts (each of its passes validates them all)
+    blame_prompts: int = 2  # the blame search's prompts (each of its passes validates them all)
 
 
 def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> ValidationResult:
