@@ -96,6 +96,7 @@ class VllmBlameEngine:
     def __init__(self, model: str, reference_dir: str, *, dtype: str = "float32", vllm_components=None, **llm_kwargs):
         from ..blame import Component, recorded_components
         from ..reference import load_reference
+        from ..targets import Target
 
         reference = load_reference(reference_dir)
         if vllm_components is None:
@@ -106,12 +107,11 @@ class VllmBlameEngine:
             if declared is None or info["layer"] is None:
                 continue
             module = declared.pattern.replace("*", str(info["layer"]), 1)
-            target = {"pattern": module, "point": declared.point, "adapter": declared.adapter, "name": name}
+            target = Target(module, point=declared.point, adapter=declared.adapter, name=name)
             self.components.append(Component(info["kind"], info["layer"], module, name, target))
         if not self.components:
             raise ValueError(f"no component of the reference maps to vLLM's modules (kinds {sorted(vllm_components)})")
         self.model, self.reference_dir, self.dtype, self.llm_kwargs = model, str(reference_dir), dtype, llm_kwargs
-        self.engines_started = 0
         self._engine: VllmEngine | None = None
         self._selection: frozenset | None = None
 
@@ -129,7 +129,6 @@ class VllmBlameEngine:
         replacement = ReplacementConfig(tensors_path=self.reference_dir, targets=targets)
         self._engine = VllmEngine(self.model, replacement, dtype=self.dtype, **self.llm_kwargs)
         self._selection = selection
-        self.engines_started += 1
 
     @property
     def vocab_size(self) -> int:
