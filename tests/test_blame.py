@@ -17,7 +17,7 @@ from fxreplace.blame import LAYER, blame, resolve_components
 from fxreplace.capture import capture_reference
 from fxreplace.cli import main as cli
 from fxreplace.context import ReplacementContext
-from fxreplace.models import families, get_family, tiny_model
+from fxreplace.models import get_family, tiny_model
 from fxreplace.validation import EXPLAINS, explained, verdict
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -89,8 +89,12 @@ def test_store_holds_every_kind_as_rows_per_layer(clean, reference):
     torch.testing.assert_close(logits[len(prompts()[0]) - 1:], reference.logits(0), atol=1e-4, rtol=0)
 
 
-def test_every_family_declares_components_that_resolve():
-    for arch in families():
+DECLARED = ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM",
+            "GptOssForCausalLM+fused_router", "GptOssForCausalLM+fused_topk", "LlamaForCausalLM"]
+
+
+def test_families_declare_components_that_resolve():
+    for arch in DECLARED:
         family = get_family(arch)
         assert list(family.components)[-1] == LAYER and "attention" in family.components, arch
         model = tiny_model(arch)
