@@ -18,10 +18,9 @@ class ReplacementContext(Mapping):
     changing any shape, so a compiled graph serves "on" and "off" alike.
     """
 
-    __slots__ = ("_tensors", "mask", "storage", "module_masks")
+    __slots__ = ("_tensors", "mask", "storage")
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = (),
-                 module_masks: Mapping[str, torch.Tensor] | None = None):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = ()):
         if mask.dtype != torch.bool or mask.dim() != 1:
             raise ValueError(f"mask must be a 1-D bool tensor, got {mask.dtype} of shape {tuple(mask.shape)}")
         for name, t in tensors.items():
@@ -33,23 +32,14 @@ class ReplacementContext(Mapping):
         self._tensors = dict(tensors)
         self.mask = mask
         self.storage = storage  # the packed tensors the module tensors view, when built by a TensorReplacer
-        self.module_masks = dict(module_masks) if module_masks is not None else None
 
     def mask_for(self, name: str) -> torch.Tensor:
-        """The rows replaced at module ``name``: ``mask``, unless :meth:`select` narrowed it."""
-        return self.mask if self.module_masks is None else self.module_masks[name]
+        """The rows replaced at module ``name`` (a :class:`SelectedContext` narrows them per module)."""
+        return self.mask
 
-    def select(self, names) -> "ReplacementContext":
-        """The same rows, replaced only at the modules in ``names`` (the others get an
-        all-False mask). Every module gets a mask tensor of its own whatever the
-        selection, so a compiled graph sees the same inputs for every selection and
-        one graph serves them all (the search of :mod:`fxreplace.blame`)."""
-        names = set(names)
-        unknown = sorted(names - set(self._tensors))
-        if unknown:
-            raise KeyError(f"select(): no replacement tensors for {unknown}; the context holds {sorted(self._tensors)}")
-        masks = {m: self.mask.clone() if m in names else torch.zeros_like(self.mask) for m in self._tensors}
-        return ReplacementContext(self._tensors, self.mask, self.storage, module_masks=masks)
+    def select(self, names) -> "SelectedContext":
+        """These rows, replaced only at the modules in ``names`` (see :class:`SelectedContext`)."""
+        return SelectedContext(self, names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
@@ -67,13 +57,39 @@ class ReplacementContext(Mapping):
     def to(self, device: torch.device | str | None) -> "ReplacementContext":
         if device is None:
             return self
-        masks = None if self.module_masks is None else {k: v.to(device) for k, v in self.module_masks.items()}
-        return ReplacementContext({k: v.to(device) for k, v in self._tensors.items()}, self.mask.to(device),
-                                  module_masks=masks)
+        return ReplacementContext({k: v.to(device) for k, v in self._tensors.items()}, self.mask.to(device))
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self._tensors.items())
         return f"ReplacementContext({{{shapes}}}, active={int(self.mask.sum())}/{self.num_tokens})"
+
+
+class SelectedContext(ReplacementContext):
+    """A context replaced only at the modules in ``selected``; the others get an all-False mask.
+
+    Every module gets a mask tensor of its own whatever the selection, so a compiled
+    graph sees the same inputs for every selection and one graph serves them all
+    (the search of :mod:`fxreplace.blame` replaces a different set each pass).
+    """
+
+    __slots__ = ("selected", "module_masks")
+
+    def __init__(self, context: ReplacementContext, names):
+        super().__init__(dict(context.items()), context.mask, context.storage)
+        self.selected = frozenset(names)
+        unknown = sorted(self.selected - set(context))
+        if unknown:
+            raise KeyError(f"select(): no replacement tensors for {unknown}; the context holds {sorted(context)}")
+        self.module_masks = {m: context.mask.clone() if m in self.selected else torch.zeros_like(context.mask)
+                             for m in context}
+
+    def mask_for(self, name: str) -> torch.Tensor:
+        return self.module_masks[name]
+
+    def to(self, device: torch.device | str | None) -> "SelectedContext":
+        if device is None:
+            return self
+        return SelectedContext(ReplacementContext(dict(self.items()), self.mask, self.storage).to(device), self.selected)
 
 
 _active: contextvars.ContextVar[ReplacementContext | None] = contextvars.ContextVar(
