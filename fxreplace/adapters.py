@@ -24,14 +24,27 @@ from torch import nn
 Adapter = Callable[[torch.Tensor, nn.Module], Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]
 
 _REGISTRY: dict[str, Adapter] = {}
+_ROUTING: set[str] = set()
 
 
-def register_adapter(name: str, fn: Adapter) -> Adapter:
-    """Make ``fn(logits, module)`` available to ``Target(adapter=name)``."""
+def register_adapter(name: str, fn: Adapter, *, routing: bool = False) -> Adapter:
+    """Make ``fn(logits, module)`` available to ``Target(adapter=name)``.
+    ``routing=True``: it turns logits into routing weights, so it must never be
+    applied at a point that computes the logits themselves (checked at instrument)."""
     if not callable(fn):
         raise TypeError(f"adapter {name!r} must be callable")
     _REGISTRY[name] = fn
+    if routing:
+        _ROUTING.add(name)
     return fn
+
+
+def routing_adapter_name(adapter: Union[str, Adapter, None]) -> str | None:
+    """The registered name of a routing adapter (given by name or as its function), else None."""
+    for name in _ROUTING:
+        if adapter == name or adapter is _REGISTRY[name]:
+            return name
+    return None
 
 
 def get_adapter(adapter: Union[str, Adapter, None]) -> Adapter:
@@ -148,9 +161,9 @@ def residual_stream_pair(stream: torch.Tensor, module: nn.Module) -> tuple[torch
 
 register_adapter("identity", identity)
 register_adapter("residual_stream_pair", residual_stream_pair)
-register_adapter("topk_softmax_scatter", topk_softmax_scatter())
-register_adapter("softmax_topk_renorm", softmax_topk_renorm())
-register_adapter("sigmoid_bias_grouped_topk", sigmoid_bias_grouped_topk())
-register_adapter("topk_softmax_pairs", topk_softmax_scatter(pairs=True))
-register_adapter("softmax_topk_renorm_pairs", softmax_topk_renorm(pairs=True))
-register_adapter("sigmoid_bias_grouped_topk_pairs", sigmoid_bias_grouped_topk(pairs=True))
+register_adapter("topk_softmax_scatter", topk_softmax_scatter(), routing=True)
+register_adapter("softmax_topk_renorm", softmax_topk_renorm(), routing=True)
+register_adapter("sigmoid_bias_grouped_topk", sigmoid_bias_grouped_topk(), routing=True)
+register_adapter("topk_softmax_pairs", topk_softmax_scatter(pairs=True), routing=True)
+register_adapter("softmax_topk_renorm_pairs", softmax_topk_renorm(pairs=True), routing=True)
+register_adapter("sigmoid_bias_grouped_topk_pairs", sigmoid_bias_grouped_topk(pairs=True), routing=True)
