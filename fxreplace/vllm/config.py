@@ -27,7 +27,7 @@ NEURON_KEYS = ("neuron_config", "tensor_replacement")
 
 FIELDS = (
     "tensors", "tensors_path", "prompt_token_ids", "prompt_token_ids_path",
-    "targets", "name_map", "on_unknown",
+    "targets", "name_map", "on_unknown", "capture",
 )
 
 
@@ -54,6 +54,15 @@ def _fields_of(spec: Any) -> dict:
     if unknown:
         raise ConfigError(f"unknown fxreplace config field(s) {unknown}; known fields: {list(FIELDS)}")
     out = {k: v for k, v in spec.items() if v is not None}
+    if "capture" in out:  # capture mode (fxreplace.vllm.capture): observes, replaces nothing
+        from .capture import check_capture_config
+
+        both = sorted(set(out) & {"tensors", "tensors_path", "prompt_token_ids", "prompt_token_ids_path"})
+        if both:
+            raise ConfigError(f"fxreplace config has 'capture' and a reference ({both}): capture and replacement "
+                              "run in separate engines")
+        out["capture"] = check_capture_config(out["capture"])
+        return out
     try:  # the reference source: TensorReplacementConfig's own checks
         TensorReplacementConfig(**{f.name: out.get(f.name) for f in dataclass_fields(TensorReplacementConfig)})
     except ValueError as exc:
