@@ -181,6 +181,8 @@ class VllmCapture:
         self.positions = None  # this step's positions, from the forward to the logits
         self.completed = 0
         self.dropped = 0
+        self.preemptions = 0  # of captured requests (their positions are recomputed in place)
+        self.drafts_accepted = 0  # speculative tokens accepted beyond one per step
         self._parts: tuple[list, list, list, list] = ([], [], [], [])  # captures, prompts, tokens, logits
         logger.info("fxreplace: capturing %d target(s) of %s (%s ...) into %s%s", len(self.names), arch,
                     self.names[0] if self.names else "-", self.out, "" if self.writes else " (written by TP rank 0)")
@@ -196,6 +198,7 @@ class VllmCapture:
                                "which only the front end sees): not captured (%d dropped so far)", req_id, self.dropped)
         if not self.writes:
             return
+        self.preemptions += sum(r in self.active for r in scheduler_output.preempted_req_ids or ())
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self.active:  # resumed after preemption: positions are recomputed in place
                 continue
@@ -262,6 +265,7 @@ class VllmCapture:
             record = self.active.get(req_id)
             if record is None:
                 continue
+            self.drafts_accepted += max(len(tokens) - 1, 0)
             for token in tokens:
                 record.stop.output_token_ids.append(int(token))
                 if check_stop(record.stop, self.max_model_len):
@@ -368,3 +372,39 @@ def attach(runner, capture: VllmCapture) -> None:
     runner.execute_model = execute_model
     runner._model_forward = _model_forward
     runner.sample_tokens = sample_tokens
+
+
+def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int, targets=None,
+                      dtype: str = "float32", **llm_kwargs) -> dict:
+    """Greedy-generate ``max_new_tokens`` per prompt with a vLLM engine in capture
+    mode and write the reference to ``out``; returns the writing worker's counts
+    (``completed``, ``dropped``, ``in_flight``, ``preemptions``, ``drafts_accepted``). ``llm_kwargs`` go to ``vllm.LLM``
+    (``enforce_eager``, ``tensor_parallel_size``, ``speculative_config``, ...)."""
+    from vllm import LLM, SamplingParams
+
+    capture: dict[str, Any] = {"out": os.fspath(out)}
+    if targets:
+        capture["targets"] = list(targets)
+    llm_kwargs.setdefault("seed", 0)
+    llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": {"capture": capture}}, **llm_kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        counts = [c for c in llm.collective_rpc(_worker_counts) if c is not None]
+    finally:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+    return counts[0] if counts else {}
+
+
+def _worker_counts(worker) -> dict | None:
+    """``collective_rpc`` target: the capture counts of the worker that writes."""
+    from .plugin import get_state
+
+    state = get_state(worker.model_runner)
+    if not isinstance(state, VllmCapture) or not state.writes:
+        return None
+    return {"completed": state.completed, "dropped": state.dropped, "in_flight": len(state.active),
+            "preemptions": state.preemptions, "drafts_accepted": state.drafts_accepted}
