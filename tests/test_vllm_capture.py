@@ -32,6 +32,7 @@ import vllm  # noqa: F401  (needs vLLM: no skip)
 from fxreplace.capture import capture_reference
 from fxreplace.models import get_family, tiny_model
 from fxreplace.reference import Reference, load_reference
+from fxreplace.vllm import ConfigError, FxReplaceConfig
 from fxreplace.vllm.testing import save_tiny_checkpoint
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -158,7 +159,8 @@ def test_eager_capture_equals_hf_under_chunking_speculation_preemption_and_abort
     assert errors["router"] < ATOL and errors["logits"] < ATOL, errors
 
 
-@pytest.mark.parametrize("mode,tp", [("compiled", 1), ("eager", 2), ("compiled", 2)])
+# Eager TP=2 adds nothing over these (test_vllm_tp.py covers its plumbing) and costs ~2 min.
+@pytest.mark.parametrize("mode,tp", [("compiled", 1), ("compiled", 2)])
 def test_cli_capture_equals_hf(setup, mode, tp):
     out = setup.dir / f"vllm_{mode}_tp{tp}"
     engine = dict(ENGINE, tensor_parallel_size=tp)
@@ -187,3 +189,35 @@ def test_vllm_capture_replayed_by_vllm_with_replacement_is_reproduced(setup, eag
     print(f"\nvLLM replay of the vLLM capture: worst top-5 log-prob error {worst:.1e}")
     assert worst < 1e-5
     assert result["summary"]["on"]["prompts_diverged"] == 0
+
+
+# --------------------------------------------------------------------------- refusals (no engine starts)
+
+
+def _engine_config(setup, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from fxreplace.vllm import register
+
+    register()
+    return EngineArgs(model=setup.ckpt, additional_config={"fxreplace": {"capture": {"out": str(setup.dir / "x")}}},
+                      **kwargs).create_engine_config()
+
+
+def test_capture_refuses_prefix_caching_and_async_scheduling_with_the_fix(setup):
+    with pytest.raises(ConfigError, match="enable_prefix_caching=False"):
+        _engine_config(setup, enable_prefix_caching=True)
+    with pytest.raises(ConfigError, match="async_scheduling=False"):
+        _engine_config(setup, async_scheduling=True)
+    config = _engine_config(setup)  # left unset: capture turns both off
+    assert not config.cache_config.enable_prefix_caching and not config.scheduler_config.async_scheduling
+
+
+def test_capture_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="separate engines"):
+        FxReplaceConfig(capture={"out": "/tmp/x"}, tensors_path="/tmp/ref")
+    with pytest.raises(ConfigError, match=r"unknown fxreplace capture field\(s\) \['outdir'\]"):
+        FxReplaceConfig(capture={"outdir": "/tmp/x"})
+    with pytest.raises(ConfigError, match="needs 'out'"):
+        FxReplaceConfig(capture={"targets": ["model.layers.*.mlp.gate"]})
+    assert FxReplaceConfig(capture={"out": "/tmp/x"}).fields["capture"] == {"out": "/tmp/x"}
