@@ -8,15 +8,13 @@ up their prompt), never over slots or positions.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
 import torch
 
 from .context import ReplacementContext
 from .matching import PromptIndex
-from .store import ReferenceStore, _align_token_ids, load_captures, load_token_ids
+from .store import ReferenceStore, _align_token_ids
 
 OnUnknown = Literal["error", "passthrough"]
 _UNMATCHED = -1  # a registered request whose prompt is not in the reference
@@ -231,45 +229,3 @@ class TensorReplacer:
             torch.index_select(src, 0, rows, out=dst)
         out.mask.copy_(mask)
         return out
-
-
-@dataclass
-class TensorReplacementConfig:
-    """Where the reference comes from: in memory or on disk.
-
-    Give ``tensors`` (captures or a ReferenceStore) or ``tensors_path`` (a reference
-    directory / .safetensors store, or a legacy torch.save file read with
-    ``weights_only=True``), and likewise ``prompt_token_ids`` or
-    ``prompt_token_ids_path`` (JSON or legacy file). A store on disk carries its own
-    token ids, so the second pair is optional then.
-    """
-
-    tensors: Any = None
-    prompt_token_ids: Any = None
-    tensors_path: str | os.PathLike | None = None
-    prompt_token_ids_path: str | os.PathLike | None = None
-
-    def __post_init__(self):
-        _exactly_one("tensors", self.tensors, "tensors_path", self.tensors_path, required=True)
-        _exactly_one("prompt_token_ids", self.prompt_token_ids, "prompt_token_ids_path", self.prompt_token_ids_path, required=False)
-
-    def resolve(self) -> tuple[Any, Any]:
-        """``(tensors, prompt_token_ids)``, loading files where paths were given."""
-        tensors = self.tensors if self.tensors is not None else load_captures(self.tensors_path)
-        token_ids = self.prompt_token_ids
-        if self.prompt_token_ids_path is not None:
-            token_ids = load_token_ids(self.prompt_token_ids_path)
-        if token_ids is None and isinstance(tensors, ReferenceStore):
-            token_ids = tensors.prompt_token_ids
-        return tensors, token_ids
-
-    def build(self, **kwargs) -> TensorReplacer:
-        tensors, token_ids = self.resolve()
-        return TensorReplacer(tensors, prompt_token_ids=token_ids, **kwargs)
-
-
-def _exactly_one(name_a: str, a: Any, name_b: str, b: Any, required: bool) -> None:
-    if a is not None and b is not None:
-        raise ValueError(f"give either {name_a} or {name_b}, not both")
-    if required and a is None and b is None:
-        raise ValueError(f"give {name_a} or {name_b}")

@@ -210,7 +210,23 @@ def test_entry_point_registered():
         "(a stale fxreplace.egg-info in the working directory shadows the installed metadata)")
 
 
-def test_config_carrier_hash_and_pickle():
+def test_vllm_internals_fxreplace_relies_on_are_present(monkeypatch):
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from fxreplace.vllm import internals
+
+    problems = internals.check()
+    assert not problems, ("this vLLM moved internals that fxreplace relies on (named in fxreplace/vllm/internals.py):\n"
+                          + "\n".join(problems))
+    # a move is reported by name
+    monkeypatch.delattr(GPUModelRunner, "_model_forward")
+    monkeypatch.delitem(SchedulerOutput.__dataclass_fields__, "finished_req_ids")
+    assert internals.check() == ["vllm.v1.worker.gpu_model_runner.GPUModelRunner has no '_model_forward'",
+                                 "vllm.v1.core.sched.output.SchedulerOutput has no 'finished_req_ids'"]
+
+
+def test_config_carrier_hash_and_pickle(tmp_path):
     import pickle
 
     tensors = {0: {"m": torch.randn(5, 4)}}
@@ -219,21 +235,25 @@ def test_config_carrier_hash_and_pickle():
     assert cfg.compute_hash() == str(cfg)
     back = pickle.loads(pickle.dumps(cfg))
     assert isinstance(back, fxv.FxReplaceConfig) and back == cfg
-    assert torch.equal(back.fields["tensors"][0]["m"], tensors[0]["m"])
+    assert torch.equal(back.config.tensors[0]["m"], tensors[0]["m"])
     other = fxv.FxReplaceConfig(tensors={0: {"m": tensors[0]["m"] + 1}}, prompt_token_ids=[[1, 2, 3]])
     assert other != cfg  # content digest
-    neuron = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(tensors_path="/x")}}
-    assert fxv.parse_config(neuron).fields == {"tensors_path": "/x"}
+    (tmp_path / "tensors.pt").write_bytes(b"")  # the path is checked to exist, not read, when configured
+    neuron = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(tensors_path=tmp_path / "tensors.pt")}}
+    assert fxv.parse_config(neuron).config.to_dict() == {"tensors_path": str(tmp_path / "tensors.pt")}
     assert fxv.parse_config({}) is None and fxv.parse_config({"other": 1}) is None
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"tensor": 1}, "unknown fxreplace config field"),
-    ({"prompt_token_ids": [[1]]}, r"fxreplace config: give tensors or tensors_path \(got fields \['prompt_token_ids'\]\)"),
-    ({"tensors_path": "/x", "prompt_token_ids": [[1]], "prompt_token_ids_path": "/y"},
-     "give either prompt_token_ids or prompt_token_ids_path, not both"),
-    ({"tensors_path": "/x", "on_unknown": "drop"}, "on_unknown"),
-    ({"tensors_path": "/x", "name_map": ["a"]}, "name_map"),
+    ({"tensor_path": "/x"}, r"fxreplace config: unknown fxreplace config field 'tensor_path' \(did you mean 'tensors_path'\?\)"),
+    ({"prompt_token_ids": [[1]]}, r"fxreplace config: give tensors or tensors_path"),
+    ({"tensors_path": "/no/such/ref"}, "tensors_path: '/no/such/ref' does not exist"),
+    ({"tensors": {}, "targets": 5}, "targets must be a list"),
+    ({"tensors": {}, "targets": "model.layers.*.mlp.gate"}, "wrap a single pattern in a list"),
+    ({"tensors": {}, "targets": [{"patern": "x"}]}, r"targets\[0\]: unknown target field 'patern' \(did you mean 'pattern'"),
+    ({"tensors": {}, "on_unknown": "drop"}, "on_unknown"),
+    ({"tensors": {}, "name_map": {"a": "b"}}, "name_map' is replaced by per-target capture names"),
+    ("{not json", "not JSON"),
 ])
 def test_config_errors(bad, match):
     with pytest.raises(fxv.ConfigError, match=match):
@@ -262,7 +282,7 @@ def test_unconfigured_engine_is_not_instrumented(ref):
 
 def test_reference_without_target_names_fails_clearly(ref):
     captures = {0: {"decoder.0.router": ref.captures[0]["model.layers.0.mlp.gate"]}}
-    with pytest.raises(Exception, match="reference holds no tensors .*name_map"):
+    with pytest.raises(Exception, match="reference holds no tensors .*capture name"):
         LLM(model=ref.ckpt, dtype="float32", max_model_len=128, enforce_eager=True,
             distributed_executor_backend="uni", max_num_batched_tokens=BUDGET,
             additional_config={"fxreplace": {"tensors": captures, "prompt_token_ids": ref.token_ids[:1]}})

@@ -216,8 +216,11 @@ def test_capture_refuses_prefix_caching_and_async_scheduling_with_the_fix(setup)
 def test_capture_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="separate engines"):
         FxReplaceConfig(capture={"out": "/tmp/x"}, tensors_path="/tmp/ref")
-    with pytest.raises(ConfigError, match=r"unknown fxreplace capture field\(s\) \['outdir'\]"):
+    with pytest.raises(ConfigError, match="unknown capture field 'outdir'"):
         FxReplaceConfig(capture={"outdir": "/tmp/x"})
     with pytest.raises(ConfigError, match="needs 'out'"):
         FxReplaceConfig(capture={"targets": ["model.layers.*.mlp.gate"]})
-    assert FxReplaceConfig(capture={"out": "/tmp/x"}).fields["capture"] == {"out": "/tmp/x"}
+    with pytest.raises(ConfigError, match=r"targets\[0\]"):
+        FxReplaceConfig(capture={"out": "/tmp/x", "targets": [{"patern": "model.layers.*.mlp.gate"}]})
+    config = FxReplaceConfig(capture={"out": "/tmp/x", "targets": ["model.layers.*.mlp.gate"]}).config
+    assert config.capture["out"] == "/tmp/x" and config.capture["targets"][0].pattern == "model.layers.*.mlp.gate"

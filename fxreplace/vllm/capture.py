@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,31 +39,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import ConfigError
 from ..instrument import instrument, observe
 from ..reference import Reference
-from ..targets import Target, TargetError, rename_captures, resolve_targets
-from .config import ConfigError
+from ..targets import Target, TargetError, resolve_targets
+from . import internals
 
 logger = logging.getLogger("fxreplace.vllm")
 
-CAPTURE_FIELDS = ("out", "targets")
 PREFIX_CACHE_HINT = ("capture needs every prompt token computed: turn prefix caching off with "
                      "enable_prefix_caching=False (LLM/EngineArgs) or --no-enable-prefix-caching (server)")
 ASYNC_HINT = "capture reads each step's sampled tokens: turn async scheduling off (async_scheduling=False / --no-async-scheduling)"
-
-
-def check_capture_config(spec: Any) -> dict:
-    """The ``capture`` section as a plain dict: ``out`` (a directory) and optional ``targets``."""
-    if not isinstance(spec, Mapping):
-        raise ConfigError(f"fxreplace capture config must be a dict with 'out', got {type(spec).__name__}")
-    unknown = sorted(set(spec) - set(CAPTURE_FIELDS))
-    if unknown:
-        raise ConfigError(f"unknown fxreplace capture field(s) {unknown}; known fields: {list(CAPTURE_FIELDS)}")
-    if not spec.get("out"):
-        raise ConfigError("fxreplace capture config needs 'out': the directory the reference is written to")
-    out = dict(spec)
-    out["out"] = os.fspath(out["out"])
-    return out
 
 
 def prepare_engine_args(engine_args) -> None:
@@ -129,7 +114,7 @@ class VllmCapture:
     """Capture state of one model runner: instrumented model, observation buffer,
     the requests in flight and the writer."""
 
-    def __init__(self, runner, capture: dict, name_map: Mapping | None):
+    def __init__(self, runner, capture: dict):
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         from fxreplace.models import architecture, get_family
@@ -152,16 +137,10 @@ class VllmCapture:
         self.vocab = runner.model_config.get_vocab_size()
         arch = architecture(runner.model_config.hf_config, type(self.model).__name__)
         self.arch = arch
-        explicit = capture.get("targets")
-        if explicit is not None:
-            from .plugin import _parse_target
-
-            targets = [_parse_target(t) for t in explicit]
-        else:
-            targets = list(get_family(arch).vllm_targets)
-            if not targets:
-                raise TargetError(f"fxreplace capture: the {arch} family has no vllm_targets; give capture 'targets'")
-        resolved = rename_captures(resolve_targets(self.model, targets), name_map or {})
+        targets = capture.get("targets") or get_family(arch).vllm_targets
+        if not targets:
+            raise TargetError(f"fxreplace capture: the {arch} family has no vllm_targets; give capture 'targets'")
+        resolved = resolve_targets(self.model, targets)
         instrument(self.model, [Target(r.module_name, point=r.point, name=r.capture_name) for r in resolved],
                    max_tokens=self.max_tokens)
         self.names = [r.capture_name for r in resolved]
@@ -217,8 +196,7 @@ class VllmCapture:
                                                    min(capacity, self.max_model_len + self.spec_tokens), self.dtype)
 
     def _batch(self, scheduler_output):
-        batch = self.runner.input_batch
-        req_ids = batch.req_ids[:batch.num_reqs]
+        req_ids = internals.batch_requests(self.runner)
         counts = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
         return req_ids, counts, np.concatenate([[0], np.cumsum(counts)])
 
@@ -237,7 +215,7 @@ class VllmCapture:
 
     def after_execute(self, scheduler_output) -> None:
         """Keep the raw logits of every sampled row (before the sampler may modify them in place)."""
-        state = getattr(self.runner, "execute_model_state", None)
+        state = getattr(self.runner, internals.EXECUTE_MODEL_STATE, None)
         positions, self.positions = self.positions, None
         if not self.writes or not self.active or state is None or state.logits is None or positions is None:
             return
@@ -259,8 +237,7 @@ class VllmCapture:
         """Append sampled tokens; write each request whose stop rule is met."""
         if not self.writes or not self.active or not getattr(output, "req_ids", None):
             return
-        from vllm.v1.core.sched.utils import check_stop
-
+        check_stop = internals.check_stop()
         for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
             record = self.active.get(req_id)
             if record is None:
@@ -339,9 +316,9 @@ def attach(runner, capture: VllmCapture) -> None:
     """Per-step wrappers on one capturing runner instance (its bound methods)."""
     import functools
 
-    execute = runner.execute_model
-    forward = runner._model_forward
-    sample = runner.sample_tokens
+    execute = getattr(runner, internals.EXECUTE_MODEL)
+    forward = getattr(runner, internals.MODEL_FORWARD)
+    sample = getattr(runner, internals.SAMPLE_TOKENS)
 
     @functools.wraps(execute)
     def execute_model(scheduler_output, *args, **kwargs):
@@ -360,7 +337,7 @@ def attach(runner, capture: VllmCapture) -> None:
     def _model_forward(*args, **kwargs):
         output = forward(*args, **kwargs)
         if capture.scheduler_output is not None:  # not a dummy/profile run
-            capture.after_forward(capture.scheduler_output, kwargs.get("positions", args[1] if len(args) > 1 else None))
+            capture.after_forward(capture.scheduler_output, internals.forward_positions(args, kwargs))
         return output
 
     @functools.wraps(sample)
@@ -369,9 +346,9 @@ def attach(runner, capture: VllmCapture) -> None:
         capture.after_sample(output)
         return output
 
-    runner.execute_model = execute_model
-    runner._model_forward = _model_forward
-    runner.sample_tokens = sample_tokens
+    setattr(runner, internals.EXECUTE_MODEL, execute_model)
+    setattr(runner, internals.MODEL_FORWARD, _model_forward)
+    setattr(runner, internals.SAMPLE_TOKENS, sample_tokens)
 
 
 def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int, targets=None,

@@ -39,11 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import ReplacementConfig
 from ..context import ReplacementContext
 from ..instrument import instrument
-from ..replacer import TensorReplacementConfig, TensorReplacer
-from ..targets import Target, TargetError, rename_captures, resolve_targets
-from .config import FxReplaceConfig, parse_config, wrap_in_place
+from ..replacer import TensorReplacer
+from ..targets import Target, TargetError, resolve_targets
+from . import internals
+from .config import parse_config, wrap_in_place
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -63,23 +65,16 @@ def register() -> None:
     if _registered:
         return
     try:
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        engine_args = internals.engine_args()
+        runners = internals.model_runner_classes()
     except Exception as exc:  # pragma: no cover - incompatible vLLM
         logger.warning("fxreplace: vLLM V1 model runner not importable (%s); plugin disabled", exc)
         _registered = True
         return
-    runners = [GPUModelRunner]
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
-        runners.append(CPUModelRunner)
-    except Exception:  # non-CPU builds
-        pass
-    _wrap(EngineArgs, "create_engine_config", _create_engine_config)
+    _wrap(engine_args, internals.CREATE_ENGINE_CONFIG, _create_engine_config)
     for cls in runners:  # CPUModelRunner overrides load_model: wrap each class's own
-        if "load_model" in cls.__dict__:
-            _wrap(cls, "load_model", _load_model)
+        if internals.LOAD_MODEL in cls.__dict__:
+            _wrap(cls, internals.LOAD_MODEL, _load_model)
     _registered = True
 
 
@@ -96,7 +91,7 @@ def _create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
         wrap_in_place(getattr(self, "additional_config", None))
         config = parse_config(getattr(self, "additional_config", None))
-        if config is not None and "capture" in config.fields:
+        if config is not None and config.config.capture is not None:
             from .capture import prepare_engine_args
 
             prepare_engine_args(self)
@@ -110,14 +105,14 @@ def _load_model(original):
         out = original(self, *args, **kwargs)
         if getattr(self, _STATE_ATTR, None) is None:
             config = parse_config(self.vllm_config.additional_config)
-            if config is not None and "capture" in config.fields:
+            if config is not None and config.config.capture is not None:
                 from .capture import VllmCapture, attach
 
-                state = VllmCapture(self, config.fields["capture"], config.fields.get("name_map"))
+                state = VllmCapture(self, config.config.capture)
                 setattr(self, _STATE_ATTR, state)
                 attach(self, state)
             elif config is not None:
-                state = VllmReplacement(self, config)
+                state = VllmReplacement(self, config.config)
                 setattr(self, _STATE_ATTR, state)
                 _wrap_steps(self, state)
         return out
@@ -127,8 +122,8 @@ def _load_model(original):
 
 def _wrap_steps(runner, state: "VllmReplacement") -> None:
     """Per-step wrappers on one configured runner instance (its bound methods)."""
-    execute = runner.execute_model
-    forward = runner._model_forward
+    execute = getattr(runner, internals.EXECUTE_MODEL)
+    forward = getattr(runner, internals.MODEL_FORWARD)
 
     @functools.wraps(execute)
     def execute_model(scheduler_output, *args, **kwargs):
@@ -144,43 +139,32 @@ def _wrap_steps(runner, state: "VllmReplacement") -> None:
         scheduler_output = state.scheduler_output
         if scheduler_output is None:  # dummy/profile run: replacement stays off
             return forward(*args, **kwargs)
-        state.prepare(runner, scheduler_output, kwargs.get("positions", args[1] if len(args) > 1 else None))
+        state.prepare(runner, scheduler_output, internals.forward_positions(args, kwargs))
         try:
             return forward(*args, **kwargs)
         finally:
             state.clear()  # dummy runs between steps see replacement off
 
-    runner.execute_model = execute_model
-    runner._model_forward = _model_forward
+    setattr(runner, internals.EXECUTE_MODEL, execute_model)
+    setattr(runner, internals.MODEL_FORWARD, _model_forward)
 
 
 # --------------------------------------------------------------------------- per worker
 
 
-def _parse_target(t: Any) -> Target:
-    if isinstance(t, Target):
-        return t
-    if isinstance(t, str):
-        return Target(t)
-    if isinstance(t, dict):
-        return Target(**t)
-    raise TargetError(f"a target must be a pattern string, a Target or a dict of Target fields; got {t!r}")
-
-
 class VllmReplacement:
     """fxreplace state of one model runner: the replacer and the instrumented model."""
 
-    def __init__(self, runner, config: FxReplaceConfig):
+    def __init__(self, runner, config: ReplacementConfig):
         from fxreplace.models import architecture  # configured engines only: unconfigured start-up stays light
 
-        fields = config.fields
         self.runner = runner
         self.model = runner.model
         arch = architecture(runner.model_config.hf_config, type(runner.model).__name__)
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         # the reference lives where the model runs: each step gathers into the model's buffers
-        self.replacer = self._build_replacer(fields, self.device)
-        self.targets = self._targets(arch, fields)
+        self.replacer = self._build_replacer(config, self.device)
+        self.targets = self._targets(arch, config)
         self.max_tokens = int(runner.max_num_tokens)
         instrument(self.model, self.targets, max_tokens=self.max_tokens)
         # Bind before warmup compiles: the graph reads these buffers from its first trace.
@@ -188,7 +172,7 @@ class VllmReplacement:
         self.feed = self.replacer.warmup_context(self.max_tokens)
         self.model.feed(self.feed, bind=True)
         self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
-        self.unknown_level = logging.ERROR if fields.get("on_unknown") == "error" else logging.INFO
+        self.unknown_level = logging.ERROR if config.on_unknown == "error" else logging.INFO
         self.steps = 0  # forwards that held at least one request matched to the reference
         self.tokens_replaced = 0
         self.errors = 0
@@ -203,23 +187,19 @@ class VllmReplacement:
     # ------------------------------------------------------------ setup
 
     @staticmethod
-    def _build_replacer(fields: dict, device) -> TensorReplacer:
-        source = TensorReplacementConfig(
-            tensors=fields.get("tensors"), tensors_path=fields.get("tensors_path"),
-            prompt_token_ids=fields.get("prompt_token_ids"), prompt_token_ids_path=fields.get("prompt_token_ids_path"),
-        )
+    def _build_replacer(config: ReplacementConfig, device) -> TensorReplacer:
         try:
             # Unknown prompts always pass through in the engine (a worker cannot fail one
             # request); on_unknown="error" makes each one an ERROR log line instead of INFO.
-            return source.build(on_unknown="passthrough", device=device)
+            return config.build_replacer(on_unknown="passthrough", device=device)
         except Exception as exc:
-            where = fields.get("tensors_path") or "the in-memory tensors"
+            where = config.tensors_path or "the in-memory tensors"
             raise type(exc)(f"fxreplace: cannot load the reference from {where}: {exc}") from exc
 
-    def _targets(self, arch: str, fields: dict) -> list[Target]:
-        explicit = fields.get("targets")
+    def _targets(self, arch: str, config: ReplacementConfig) -> list[Target]:
+        explicit = config.targets
         if explicit is not None:
-            targets = [_parse_target(t) for t in explicit]
+            targets = list(explicit)
         else:
             from fxreplace.models import get_family
 
@@ -229,7 +209,7 @@ class VllmReplacement:
                 raise TargetError(f"fxreplace: {exc.args[0]}; give 'targets' in the fxreplace config") from None
             if not targets:
                 raise TargetError(f"fxreplace: the {arch} family has no vllm_targets; give 'targets' in the config")
-        resolved = rename_captures(resolve_targets(self.model, targets), fields.get("name_map") or {})
+        resolved = resolve_targets(self.model, targets)
         stored = set(self.replacer.modules)
         out, missing = [], []
         for r in resolved:
@@ -242,7 +222,7 @@ class VllmReplacement:
             raise TargetError(
                 f"fxreplace: the reference holds no tensors for {len(missing)} target(s): {missing[:4]}; "
                 f"stored names: {sorted(stored)[:6]}{' ...' if len(stored) > 6 else ''}. "
-                "Map capture names with 'name_map' or choose 'targets'"
+                "Give each target its capture name ('targets': [{\"pattern\": ..., \"name\": ...}])"
             )
         if missing:
             logger.warning("fxreplace: %d default target(s) have no reference tensors and stay unreplaced: %s",
@@ -291,8 +271,8 @@ class VllmReplacement:
         """Fill the buffers for this forward from the batch vLLM actually runs."""
         try:
             batch = runner.input_batch
-            num_reqs = batch.num_reqs
-            req_ids = batch.req_ids[:num_reqs]
+            req_ids = internals.batch_requests(runner)
+            num_reqs = len(req_ids)
             if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers stay off
                 return
             counts = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in req_ids), np.int64, num_reqs)

@@ -1,0 +1,152 @@
+"""Every vLLM internal the plugin relies on, named in one place.
+
+vLLM has no public API for "run code before each forward with the scheduler's
+batch"; the plugin uses the V1 model runner's private structure. Each name below
+is read through this module only, and :func:`check` reports which of them a
+vLLM upgrade moved (``tests/test_vllm.py`` fails with its message), so an
+upgrade breaks loudly at one place instead of deep inside a worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+#: (module, class) -> the attributes of it that fxreplace reads or wraps.
+ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
+GPU_MODEL_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+CPU_MODEL_RUNNER = ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")
+INPUT_BATCH = ("vllm.v1.worker.gpu_input_batch", "InputBatch")
+SCHEDULER_OUTPUT = ("vllm.v1.core.sched.output", "SchedulerOutput")
+NEW_REQUEST_DATA = ("vllm.v1.core.sched.output", "NewRequestData")
+
+#: ``EngineArgs.create_engine_config``: the front end builds the engine config
+#: here (the plugin validates and wraps the fxreplace section before it).
+CREATE_ENGINE_CONFIG = "create_engine_config"
+#: model runner methods: ``load_model`` (instrument after loading), ``execute_model``
+#: (one scheduler step), ``_model_forward`` (private: the model call of one step).
+LOAD_MODEL = "load_model"
+EXECUTE_MODEL = "execute_model"
+MODEL_FORWARD = "_model_forward"
+#: ``_model_forward(input_ids, positions, ...)``: positions by keyword, else the
+#: second positional argument.
+POSITIONS_ARG = "positions"
+POSITIONS_INDEX = 1
+#: model runner attributes: ``vllm_config.additional_config``, ``model``,
+#: ``model_config.hf_config``, ``max_num_tokens`` (the largest batch: buffer rows),
+#: ``input_batch`` (the persistent batch, in the order the forward lays tokens out).
+RUNNER_ATTRS = ("vllm_config", "model", "model_config", "max_num_tokens", "input_batch")
+#: ``InputBatch``: ``req_ids`` (property), ``num_reqs`` (property),
+#: ``num_computed_tokens_cpu`` (numpy, for positions when they live on a device).
+INPUT_BATCH_ATTRS = ("req_ids", "num_reqs", "num_computed_tokens_cpu")
+#: ``SchedulerOutput``: new requests, finished ids, tokens scheduled per request.
+SCHEDULER_OUTPUT_FIELDS = ("scheduled_new_reqs", "finished_req_ids", "num_scheduled_tokens")
+#: ``NewRequestData``: what registration reads.
+NEW_REQUEST_FIELDS = ("req_id", "prompt_token_ids", "sampling_params")
+
+#: Capture mode (fxreplace.vllm.capture) reads besides: ``sample_tokens`` (returns
+#: the step's ``ModelRunnerOutput``: ``req_ids``, ``sampled_token_ids``),
+#: ``execute_model_state`` (set by ``execute_model``: ``logits`` of the sampled rows,
+#: ``spec_decode_metadata.logits_indices``), the runner's ``cache_config``,
+#: ``use_async_scheduling`` and ``num_spec_tokens``, the scheduler output's
+#: ``preempted_req_ids``, a new request's ``num_computed_tokens``, and the
+#: scheduler's stop rule ``check_stop(request, max_model_len)``.
+SAMPLE_TOKENS = "sample_tokens"
+EXECUTE_MODEL_STATE = "execute_model_state"
+CAPTURE_RUNNER_ATTRS = ("cache_config", "use_async_scheduling", "num_spec_tokens", EXECUTE_MODEL_STATE)
+EXECUTE_MODEL_STATE_CLASS = ("vllm.v1.worker.gpu_model_runner", "ExecuteModelState")
+EXECUTE_MODEL_STATE_FIELDS = ("logits", "spec_decode_metadata")
+MODEL_RUNNER_OUTPUT = ("vllm.v1.outputs", "ModelRunnerOutput")
+MODEL_RUNNER_OUTPUT_FIELDS = ("req_ids", "sampled_token_ids")
+CAPTURE_SCHEDULER_OUTPUT_FIELDS = ("preempted_req_ids",)
+CAPTURE_NEW_REQUEST_FIELDS = ("num_computed_tokens",)
+CHECK_STOP = ("vllm.v1.core.sched.utils", "check_stop")
+
+
+def _import(where: tuple[str, str]):
+    import importlib
+
+    return getattr(importlib.import_module(where[0]), where[1])
+
+
+def engine_args():
+    return _import(ENGINE_ARGS)
+
+
+def model_runner_classes() -> list[type]:
+    """The V1 model runner classes whose ``load_model`` the plugin wraps (the CPU
+    runner overrides it; GPU builds have no CPU runner)."""
+    classes = [_import(GPU_MODEL_RUNNER)]
+    try:
+        classes.append(_import(CPU_MODEL_RUNNER))
+    except (ImportError, AttributeError):
+        pass
+    return classes
+
+
+def forward_positions(args: tuple, kwargs: dict):
+    """The positions tensor of one ``_model_forward(*args, **kwargs)`` call."""
+    if POSITIONS_ARG in kwargs:
+        return kwargs[POSITIONS_ARG]
+    return args[POSITIONS_INDEX] if len(args) > POSITIONS_INDEX else None
+
+
+def batch_requests(runner) -> list[str]:
+    """Request ids of the step being run, in the order its tokens are laid out."""
+    batch = runner.input_batch
+    return batch.req_ids[: batch.num_reqs]
+
+
+def check_stop():
+    """vLLM's own stop rule (EOS, stop token ids, max_tokens, model length)."""
+    return _import(CHECK_STOP)
+
+
+def check() -> list[str]:
+    """What this vLLM no longer provides of the above, one line each (empty: all present)."""
+    problems = []
+
+    def need(where, attrs, how):
+        try:
+            cls = _import(where)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{where[0]}.{where[1]} is gone ({exc})")
+            return
+        for attr in attrs:
+            if not how(cls, attr):
+                problems.append(f"{where[0]}.{where[1]} has no {attr!r}")
+        return cls
+
+    def has_attr(cls, attr):
+        return hasattr(cls, attr)
+
+    def has_field(cls, attr):  # dataclasses (vLLM's scheduler output types are)
+        return attr in getattr(cls, "__dataclass_fields__", {})
+
+    def set_on_instances(cls, attr):
+        return hasattr(cls, attr) or re.search(rf"self\.{attr}\s*[:=]", inspect.getsource(cls)) is not None
+
+    need(ENGINE_ARGS, (CREATE_ENGINE_CONFIG,), has_attr)
+    runner = need(GPU_MODEL_RUNNER, (LOAD_MODEL, EXECUTE_MODEL, MODEL_FORWARD), has_attr)
+    if runner is not None:
+        need(GPU_MODEL_RUNNER, RUNNER_ATTRS, set_on_instances)
+    if runner is not None and hasattr(runner, MODEL_FORWARD):
+        params = list(inspect.signature(getattr(runner, MODEL_FORWARD)).parameters)
+        if params[POSITIONS_INDEX + 1: POSITIONS_INDEX + 2] != [POSITIONS_ARG]:  # +1: self
+            problems.append(f"{GPU_MODEL_RUNNER[1]}.{MODEL_FORWARD} no longer takes {POSITIONS_ARG!r} as "
+                            f"argument {POSITIONS_INDEX}: its parameters are {params}")
+    need(INPUT_BATCH, INPUT_BATCH_ATTRS, set_on_instances)
+    need(SCHEDULER_OUTPUT, SCHEDULER_OUTPUT_FIELDS, has_field)
+    need(NEW_REQUEST_DATA, NEW_REQUEST_FIELDS + CAPTURE_NEW_REQUEST_FIELDS, has_field)
+    # capture mode
+    if runner is not None:
+        need(GPU_MODEL_RUNNER, (SAMPLE_TOKENS,), has_attr)
+        need(GPU_MODEL_RUNNER, CAPTURE_RUNNER_ATTRS, set_on_instances)
+    need(EXECUTE_MODEL_STATE_CLASS, EXECUTE_MODEL_STATE_FIELDS, lambda cls, attr: attr in getattr(cls, "_fields", ()))
+    need(MODEL_RUNNER_OUTPUT, MODEL_RUNNER_OUTPUT_FIELDS, has_field)
+    need(SCHEDULER_OUTPUT, CAPTURE_SCHEDULER_OUTPUT_FIELDS, has_field)
+    try:
+        check_stop()
+    except (ImportError, AttributeError) as exc:
+        problems.append(f"{CHECK_STOP[0]}.{CHECK_STOP[1]} is gone ({exc})")
+    return problems
