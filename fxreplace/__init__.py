@@ -7,7 +7,7 @@ from .matching import PromptIndex
 from .passes import Injection, InjectionSpec, PassResult, insert_replacements
 from .replacer import TensorReplacementConfig, TensorReplacer
 from .sharding import ShapeError, ShardSpec
-from .store import CaptureError, ReferenceStore, load_captures, load_legacy, load_token_ids
+from .store import CaptureError, ReferenceStore, StoreError, StoreWriter, load_captures, load_legacy, load_token_ids, merge_stores
 from .targets import Target, TargetError, resolve_targets
 
 __all__ = [
@@ -17,6 +17,8 @@ __all__ = [
     "PassResult",
     "ShapeError",
     "ShardSpec",
+    "StoreError",
+    "StoreWriter",
     "Target",
     "TargetError",
     "TargetNotHitError",
@@ -38,5 +40,6 @@ __all__ = [
     "load_captures",
     "load_legacy",
     "load_token_ids",
+    "merge_stores",
     "set_active_context",
 ]

@@ -39,7 +39,11 @@ def test_register_resolves_longest_prefix_and_hint(replacer):
     assert replacer.register_request("a", [1, 2, 3, 4, 5]) == 1
     assert replacer.register_request("b", [1, 2, 3, 77]) == 0
     assert replacer.register_request("c", [1, 2, 3, 4, 5], prompt_idx=0) == 0, "hint removes the documented ambiguity"
-    assert replacer.register_request("a", [40, 50]) == 1, "re-registering is a no-op"
+    assert replacer.register_request("a", [1, 2, 3, 4, 5]) == 1, "re-registering with the same tokens is a no-op"
+    with pytest.raises(ValueError, match=r"request 'a' is already registered \(5 tokens\) .* \(2 tokens\); release_request\('a'\)"):
+        replacer.register_request("a", [40, 50])
+    with pytest.raises(ValueError, match="request 'c' is already registered"):
+        replacer.register_request("c", [1, 2, 3, 4, 5])
     with pytest.raises(KeyError, match="prompt 9 is not in the reference store"):
         replacer.register_request("d", [1], prompt_idx=9)
     with pytest.raises(KeyError, match=r"request 'e': its 2 tokens start with no stored prompt"):
@@ -238,3 +242,32 @@ def test_mixed_batch_matches_per_slot_oracle(sc, data):
     ctx = r.build_context_for_batch(req_ids, counts, positions)
     owners = slot_owners(len(positions), len(req_ids), num_scheduled_tokens=counts)
     _assert_same(ctx, *build_context_loop(caps, req_prompts, positions, owners))
+
+
+@settings(max_examples=60, deadline=None)
+@given(sc=scenario(), shard_bytes=st.sampled_from([1, 200]), data=st.data())
+def test_sharded_store_matches_per_slot_oracle(sc, shard_bytes, data):
+    """A store written prompt by prompt into several shard files gathers like one in memory."""
+    import tempfile
+
+    from fxreplace import ReferenceStore, StoreWriter
+
+    lengths, decode, kv_cache, req_prompts = sc
+    caps = captures_for(lengths, decode, seed=3, kv_cache=kv_cache)
+    with tempfile.TemporaryDirectory() as tmp:
+        with StoreWriter(f"{tmp}/ref", shard_bytes=shard_bytes) as writer:
+            for p in reversed(range(len(caps))):  # shards hold prompts in any order
+                writer.add(None, caps[p], prompt_idx=p)
+        r = TensorReplacer(ReferenceStore.load(f"{tmp}/ref"), on_unknown="passthrough")
+        req_ids = [f"req-{i}" for i in range(len(req_prompts))]
+        for rid, p in zip(req_ids, req_prompts):
+            if p is not None:
+                r.register_request(rid, None, prompt_idx=p)
+        counts = data.draw(st.lists(st.integers(0, 5), min_size=len(req_ids), max_size=len(req_ids)))
+        positions = [s + j for c in counts for s in [data.draw(st.integers(0, 10))] for j in range(c)]
+        positions += data.draw(st.lists(st.integers(0, 10), max_size=4))
+        owners = slot_owners(len(positions), len(req_ids), num_scheduled_tokens=counts)
+        expected = build_context_loop(caps, req_prompts, positions, owners)
+        _assert_same(r.build_context_for_batch(req_ids, counts, positions), *expected)
+        out = r.warmup_context(len(positions))
+        _assert_same(r.build_context_for_batch(req_ids, counts, positions, out=out), *expected)

@@ -41,10 +41,19 @@ def test_flat_dict_input_keeps_prompt_keys():
 def test_packs_modules_of_different_width_and_dtype():
     caps = [{"a": [torch.randn(1, 2, 4)], "b": [torch.randn(1, 2, 3)], "c": [torch.randn(1, 2, 5).bfloat16()]}]
     store = ReferenceStore.from_captures(caps)
-    assert len(store.packed) == 2
+    assert [(g.dtype, g.width, g.modules) for g in store.groups] == [
+        (torch.float32, 4, ("a",)), (torch.float32, 3, ("b",)), (torch.bfloat16, 5, ("c",))]
     assert store.dtype("c") == torch.bfloat16 and store.feature_dim("b") == 3
     assert torch.equal(store.rows(0, "b"), caps[0]["b"][0][0])
-    assert torch.equal(store.packed[0][-1], torch.zeros(7)), "last row is the zero row"
+    assert all(torch.count_nonzero(p[:, -1]) == 0 for p in store.packed), "the last row of every group is the zero row"
+
+
+def test_modules_of_one_dtype_and_width_share_a_module_major_group():
+    caps = [{f"m{i}": [torch.randn(1, 3, 4)] for i in range(3)}, {f"m{i}": [torch.randn(1, 2, 4)] for i in range(3)}]
+    store = ReferenceStore.from_captures(caps)
+    (packed,) = store.packed
+    assert packed.shape == (3, 6, 4), "[modules, rows + 1, width]"
+    assert torch.equal(packed[1, 3:5], caps[1]["m1"][0][0])
 
 
 @pytest.mark.parametrize(
@@ -97,12 +106,14 @@ def test_token_ids_are_validated():
 def test_save_load_round_trip_is_memory_mapped(tmp_path):
     caps = [{"a": stepwise(3, 2), "b": [s.bfloat16() for s in stepwise(3, 2, E=2, seed=4)]}, {"a": stepwise(5, 0), "b": [torch.randn(1, 5, 2).bfloat16()]}]
     store = ReferenceStore.from_captures(
-        caps, prompt_token_ids=[[1, 2, 3], [4, 5, 6, 7, 8]], metadata={"source_model": "tiny"}, extras={"logits": torch.randn(2, 3)}
+        caps, prompt_token_ids=[[1, 2, 3], [4, 5, 6, 7, 8]], metadata={"source_model": "tiny"},
+        extras={"logits": [torch.randn(2, 3), torch.randn(0, 3)]},
     )
     store.save(tmp_path / "ref")
     index = json.loads((tmp_path / "ref" / "index.json").read_text())
-    assert index["prompts"] == [0, 1] and index["metadata"] == {"source_model": "tiny"}
-    assert set(index["modules"]) == {"a", "b"}
+    assert index["shards"] == [{"file": "reference.safetensors", "prompts": [0, 1]}]
+    assert index["metadata"] == {"source_model": "tiny"}
+    assert index["modules"] == {"a": ["float32", 4], "b": ["bfloat16", 2]}
 
     loaded = ReferenceStore.load(tmp_path / "ref")
     assert loaded.prompt_token_ids == [[1, 2, 3], [4, 5, 6, 7, 8]]
@@ -110,7 +121,7 @@ def test_save_load_round_trip_is_memory_mapped(tmp_path):
     for p in (0, 1):
         for m in ("a", "b"):
             assert torch.equal(loaded.rows(p, m), store.rows(p, m))
-    assert torch.equal(loaded.extras["logits"], store.extras["logits"])
+    assert torch.equal(loaded.extra("logits", 0), store.extra("logits", 0)) and loaded.extra("logits", 1).shape == (0, 3)
     assert ReferenceStore.load(tmp_path / "ref" / "reference.safetensors").modules == ["a", "b"]
 
 
@@ -183,3 +194,91 @@ def test_loading_a_large_store_does_not_read_it_into_memory(tmp_path):
     store = ReferenceStore.load(tmp_path / "big")
     assert _rss_mib() - before < 64, "loading must memory-map, not read 256 MiB"
     assert float(store.rows(40, "m")[7, 3]) == 40.0
+
+
+# ---------------------------------------------------------------- streaming writer, shards, merge
+
+
+def _prompt_captures(n_prompts, seed=0, E=(4, 2)):
+    g = torch.Generator().manual_seed(seed)
+    caps, ids = [], []
+    for p in range(n_prompts):
+        L, D = 2 + p % 3, 1 + p % 2
+        caps.append({
+            "a": [torch.randn(1, L, E[0], generator=g)] + [torch.randn(1, 1, E[0], generator=g) for _ in range(D)],
+            "b": [torch.randn(1, L, E[1], generator=g).bfloat16()] + [torch.randn(1, 1, E[1], generator=g).bfloat16() for _ in range(D)],
+        })
+        ids.append([100 * seed + 10 * p + t for t in range(L)])
+    return caps, ids
+
+
+def test_writer_streams_prompts_into_shards_that_load_as_one_store(tmp_path):
+    from fxreplace import StoreWriter
+    from fxreplace.reference import Reference, load_reference
+
+    caps, ids = _prompt_captures(7)
+    tokens = [[p, p + 1] for p in range(7)]
+    logits = [torch.randn(2, 5) for _ in range(7)]
+    with StoreWriter(tmp_path / "ref", shard_bytes=100, metadata={"source_model": "tiny"}) as writer:
+        for p in range(7):
+            assert writer.add(ids[p], caps[p], extras=Reference.extras(tokens[p], logits[p])) == p
+            on_disk = len(list((tmp_path / "ref").glob("shard-*.safetensors")))
+            assert on_disk >= (p + 1) // 2, "rows go to disk as prompts arrive (>= 100 bytes each pair), not at close"
+    loaded = ReferenceStore.load(tmp_path / "ref")
+    assert len(loaded.shards) > 1 and loaded.prompt_token_ids == ids and loaded.metadata == {"source_model": "tiny"}
+    expected = ReferenceStore.from_captures(caps, prompt_token_ids=ids)
+    for p in range(7):
+        for m in ("a", "b"):
+            assert torch.equal(loaded.rows(p, m), expected.rows(p, m))
+    reference = load_reference(tmp_path / "ref")
+    assert reference.tokens(5) == tokens[5] and torch.equal(reference.logits(3), logits[3]) and reference.vocab_size == 5
+    assert loaded.verify()["shards"] == len(loaded.shards)
+
+
+def test_writer_checks_every_prompt_against_the_first(tmp_path):
+    from fxreplace import StoreWriter
+
+    caps, ids = _prompt_captures(2)
+    writer = StoreWriter(tmp_path / "ref", shard_bytes=1)
+    writer.add(ids[0], caps[0])
+    with pytest.raises(CaptureError, match=r"prompt 1: module 'a' has feature dim 3 .* prompt 0 has 4"):
+        writer.add(ids[1], {"a": [torch.randn(1, 5, 3)], "b": caps[1]["b"]})
+    with pytest.raises(CaptureError, match="prompt 1: token ids must be given for every prompt or for none"):
+        writer.add(None, caps[1])
+    with pytest.raises(CaptureError, match="prompt 0 was already added"):
+        writer.add(ids[1], caps[1], prompt_idx=0)
+    with pytest.raises(CaptureError, match=r"prompt 1: 1 token ids but the capture's prefill covers 3 positions"):
+        writer.add([5], caps[1])
+    assert writer.add(ids[1], caps[1]) == 1
+    writer.close()
+    assert ReferenceStore.load(tmp_path / "ref").num_prompts == 2
+    with pytest.raises(FileExistsError, match="is not empty"):
+        StoreWriter(tmp_path / "ref")
+
+
+def test_merge_keeps_disjoint_prompt_indices_and_renumbers_colliding_ones(tmp_path):
+    from fxreplace import StoreWriter, merge_stores
+
+    caps, ids = _prompt_captures(6)
+    for rank in range(2):  # data-parallel capture: each engine gets every other prompt
+        with StoreWriter(tmp_path / f"rank{rank}", shard_bytes=64) as w:
+            for p in range(rank, 6, 2):
+                w.add(ids[p], caps[p], prompt_idx=p)
+    merged = ReferenceStore.load(merge_stores([tmp_path / "rank0", tmp_path / "rank1"], tmp_path / "merged"))
+    assert sorted(merged.prompt_ids) == list(range(6))
+    expected = ReferenceStore.from_captures(caps, prompt_token_ids=ids)
+    for p in range(6):
+        assert torch.equal(merged.rows(p, "b"), expected.rows(p, "b"))
+        assert merged.prompt_token_ids[merged.internal_index(p)] == ids[p]
+
+    for name in ("x", "y"):  # two writers numbering from 0
+        with StoreWriter(tmp_path / name) as w:
+            for p in range(3):
+                w.add(ids[p], caps[p])
+    again = ReferenceStore.load(merge_stores([tmp_path / "x", tmp_path / "y"], tmp_path / "xy"))
+    assert again.prompt_ids == list(range(6))
+    assert torch.equal(again.rows(4, "a"), expected.rows(1, "a"))
+    other = ReferenceStore.from_captures([{"a": [torch.randn(1, 2, 4)]}])
+    other.save(tmp_path / "other")
+    with pytest.raises(CaptureError, match="other: modules/dtypes/widths differ"):
+        merge_stores([tmp_path / "x", tmp_path / "other"], tmp_path / "bad")
