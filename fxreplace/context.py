@@ -23,7 +23,7 @@ class ReplacementContext(Mapping):
     ``places[name]`` is ``(group, block)``.
     """
 
-    __slots__ = ("_tensors", "mask", "storage", "places")
+    __slots__ = ("_tensors", "mask", "storage", "places", "__weakref__")
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = (),
                  places: Mapping[str, tuple[int, int]] | None = None):

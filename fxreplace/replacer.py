@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
@@ -27,6 +28,8 @@ from .store import CaptureError, ReferenceStore, load_captures, load_token_ids
 
 OnUnknown = Literal["error", "passthrough"]
 _UNMATCHED = -1  # a registered request whose prompt is not in the reference
+_MISSING = -2  # a request that was never registered
+_SMALL_BATCH = 64  # slots up to which the row arithmetic runs in plain Python (decode steps)
 _SPARE_BUFFERS = 4  # context buffers kept for reuse once their context is dropped
 
 
@@ -70,7 +73,7 @@ class TensorReplacer:
             raise ValueError(f"on_unknown must be 'error' or 'passthrough', got {on_unknown!r}")
         if isinstance(reference_captures, ReferenceStore):
             store = reference_captures
-            if prompt_token_ids is not None:
+            if prompt_token_ids is not None and prompt_token_ids is not store.prompt_token_ids:
                 store = store.with_token_ids(prompt_token_ids)
             if not allow_nonfinite and not store.finite_checked:
                 raise CaptureError(
@@ -85,11 +88,14 @@ class TensorReplacer:
         self.on_unknown = on_unknown
         self._index = PromptIndex(store.prompt_token_ids) if store.prompt_token_ids is not None else None
         self._device = self.store.packed[0].device
+        self._on_host = self._device.type == "cpu"
         # host-side tables: the row arithmetic of every build runs in numpy
         self._offsets = store.offsets.cpu().numpy()
         self._lengths = store.lengths.cpu().numpy()
         self._shard_of = store.prompt_shard.cpu().numpy()
         self._zero_rows = np.array([s.zero_row for s in store.shards], dtype=np.int64)
+        self._offsets_list, self._lengths_list = self._offsets.tolist(), self._lengths.tolist()
+        self._zero_rows_list = self._zero_rows.tolist()
         self._sources = [tuple(s.packed) for s in self.store.shards]
         self._places = {m: (c.group, c.index) for m, c in store.columns.items()}
         self._shapes = [(len(g.modules), g.width, g.dtype) for g in store.groups]
@@ -97,6 +103,7 @@ class TensorReplacer:
         self._prompt_of: dict[str, int] = {}  # request id -> internal prompt (or _UNMATCHED)
         self._registered_as: dict[str, tuple] = {}  # request id -> (token ids, prompt_idx) it was registered with
         self._spare: list[tuple[torch.Tensor, ...]] = []
+        self._valid_outs: weakref.WeakValueDictionary[int, ReplacementContext] = weakref.WeakValueDictionary()
 
     @property
     def modules(self) -> list[str]:
@@ -207,7 +214,7 @@ class TensorReplacer:
             in_run = np.ones(n, dtype=bool)
             if n > 1:
                 np.logical_and.accumulate(positions[1:] == positions[:-1] + 1, out=in_run[1:])
-            slot_req = (~in_run).astype(np.int64)
+            owners = (~in_run).astype(np.int64)
         else:
             if isinstance(tokens_per_req, bool) or not isinstance(tokens_per_req, (int, np.integer)) or tokens_per_req < 1:
                 raise ValueError(f"tokens_per_req must be an int >= 1, got {tokens_per_req!r}")
@@ -217,8 +224,8 @@ class TensorReplacer:
                     f"a decode batch of {len(req_ids)} requests x {tokens_per_req} tokens needs {needed} slots but has "
                     f"{n} positions: requests {list(req_ids)[n // tokens_per_req:][:4]} would be dropped"
                 )
-            slot_req = np.minimum(np.arange(n) // tokens_per_req, len(req_ids))
-        return self._gather(req_ids, slot_req, positions, device, out)
+            owners = np.minimum(np.arange(n) // tokens_per_req, len(req_ids))
+        return self._gather(req_ids, owners, positions, device, out)
 
     def build_context_for_batch(
         self,
@@ -231,17 +238,19 @@ class TensorReplacer:
         """Mixed batches (vLLM-style): request ``i`` owns the next ``num_scheduled_tokens[i]``
         slots, in order; the rest of ``positions`` is padding. ``out`` as in :meth:`build_context`."""
         positions = _as_index_array(positions, "positions")
-        counts = _as_index_array(num_scheduled_tokens, "num_scheduled_tokens")
-        if counts.shape[0] != len(req_ids):
-            raise ValueError(f"got {counts.shape[0]} num_scheduled_tokens for {len(req_ids)} requests")
-        if counts.size and counts.min() < 0:
-            raise ValueError(f"num_scheduled_tokens must be >= 0, got {counts.tolist()}")
-        total = int(counts.sum())
-        n = positions.shape[0]
+        counts = _as_index_array(num_scheduled_tokens, "num_scheduled_tokens").tolist()
+        if len(counts) != len(req_ids):
+            raise ValueError(f"got {len(counts)} num_scheduled_tokens for {len(req_ids)} requests")
+        if counts and min(counts) < 0:
+            raise ValueError(f"num_scheduled_tokens must be >= 0, got {counts}")
+        total, n = sum(counts), positions.shape[0]
         if total > n:
             raise ValueError(f"requests schedule {total} tokens but the batch has only {n} positions")
-        slot_req = np.repeat(np.arange(len(req_ids) + 1), np.append(counts, n - total))
-        return self._gather(req_ids, slot_req, positions, device, out)
+        if n <= _SMALL_BATCH:
+            owners = [k for k, c in enumerate(counts) for _ in range(c)] + [len(req_ids)] * (n - total)
+        else:
+            owners = np.repeat(np.arange(len(req_ids) + 1), counts + [n - total])
+        return self._gather(req_ids, owners, positions, device, out)
 
     def warmup_context(self, num_tokens: int, device: torch.device | str | None = None) -> ReplacementContext:
         """Zeros with the real shapes and dtypes and an all-False mask: replacement off.
@@ -252,64 +261,82 @@ class TensorReplacer:
 
     # ------------------------------------------------------------------ internals
 
-    def _prompt_rows(self, req_ids: Sequence[str]) -> np.ndarray:
+    def _request_prompts(self, req_ids: Sequence[str]) -> list[int]:
         """Internal prompt per request (-1 where unmatched), plus a trailing -1 for padding slots."""
-        rows = np.empty(len(req_ids) + 1, dtype=np.int64)
         get = self._prompt_of.get
-        for k, r in enumerate(req_ids):
-            i = get(r)
-            if i is None:
-                if self.on_unknown == "error":
-                    raise KeyError(f"request {r!r} is not registered; call register_request first (or on_unknown='passthrough')")
-                i = _UNMATCHED
-            rows[k] = i
-        rows[-1] = _UNMATCHED
-        return rows
+        prompts = [get(r, _MISSING) for r in req_ids]
+        if _MISSING in prompts:
+            missing = req_ids[prompts.index(_MISSING)]
+            if self.on_unknown == "error":
+                raise KeyError(f"request {missing!r} is not registered; call register_request first (or on_unknown='passthrough')")
+            prompts = [_UNMATCHED if p == _MISSING else p for p in prompts]
+        prompts.append(_UNMATCHED)
+        return prompts
 
-    def _gather(self, req_ids, slot_req: np.ndarray, positions: np.ndarray, device, out) -> ReplacementContext:
-        """slot_req[s] in [0, len(req_ids)] (len = padding) -> context."""
-        prompt = self._prompt_rows(req_ids)[slot_req]
+    def _slot_rows(self, prompts: list[int], owners, positions: np.ndarray):
+        """Store row of every slot (the zero row where it holds none) and the mask, as a
+        plan: ``[(shard, rows, slots or None for all)]``.
+
+        Batches of up to ``_SMALL_BATCH`` slots in one shard (decode steps) run as a plain
+        Python loop, which costs a fraction of the dozen numpy calls of the general case."""
+        if len(self._sources) == 1 and len(owners) <= _SMALL_BATCH:
+            zero, offsets, lengths = self._zero_rows_list[0], self._offsets_list, self._lengths_list
+            rows, mask = [zero] * len(owners), [False] * len(owners)
+            for s, (o, q) in enumerate(zip(owners, positions.tolist())):
+                p = prompts[o]
+                if p >= 0 and 0 <= q < lengths[p]:
+                    rows[s], mask[s] = offsets[p] + q, True
+            return [(0, rows, None)], mask
+        prompt = np.array(prompts)[owners]
         known = prompt >= 0
         prompt = np.maximum(prompt, 0)
         mask = known & (positions >= 0) & (positions < self._lengths[prompt])
         local = self._offsets[prompt] + positions
         if len(self._sources) == 1:
-            plan = [(0, np.where(mask, local, self._zero_rows[0]), None)]
-        else:  # the first touched shard fills every slot (zeros elsewhere); the others copy their slots in
-            shard = self._shard_of[prompt]
-            touched = np.unique(shard[mask])
-            first = int(touched[0]) if touched.size else 0
-            plan = [(first, np.where(mask & (shard == first), local, self._zero_rows[first]), None)]
-            for s in touched[1:]:
-                slots = np.flatnonzero(mask & (shard == s))
-                plan.append((int(s), local[slots], slots))
+            return [(0, np.where(mask, local, self._zero_rows[0]), None)], mask
+        # the first touched shard fills every slot (zeros elsewhere); the others copy their slots in
+        shard = self._shard_of[prompt]
+        touched = np.unique(shard[mask])
+        first = int(touched[0]) if touched.size else 0
+        plan = [(first, np.where(mask & (shard == first), local, self._zero_rows[first]), None)]
+        for s in touched[1:]:
+            slots = np.flatnonzero(mask & (shard == s))
+            plan.append((int(s), local[slots], slots))
+        return plan, mask
+
+    def _gather(self, req_ids, owners, positions: np.ndarray, device, out) -> ReplacementContext:
+        """owners[s] in [0, len(req_ids)] (len = padding) -> context."""
+        plan, mask = self._slot_rows(self._request_prompts(req_ids), owners, positions)
         n = positions.shape[0]
+        mask = torch.from_numpy(np.asarray(mask, dtype=bool))
         if out is None:
             ctx = self._fresh_context(n)
             self._run(plan, ctx.storage)
-            ctx.mask.copy_(torch.from_numpy(mask))
+            ctx.mask.copy_(mask)
             return ctx.to(device)
-        self._check_out(out, n)
+        direct = self._checked_out(out, n)
         if device is not None and not same_device(out.mask.device, device):
             raise ValueError(f"out= is on {out.mask.device}; it cannot also move the context to {device}")
-        if same_device(out.mask.device, self._device):
+        if direct:
             self._run(plan, out.storage)
         else:  # gather where the reference lives, then one copy per group
             staged = self._fresh_context(n)
             self._run(plan, staged.storage)
             for src, dst in zip(staged.storage, out.storage):
                 dst.copy_(src, non_blocking=True)
-        out.mask.copy_(torch.from_numpy(mask))
+        out.mask.copy_(mask)
         return out
 
     def _run(self, plan, storage: tuple[torch.Tensor, ...]) -> None:
         for s, rows, slots in plan:
-            rows = torch.from_numpy(rows).to(self._device)
+            rows = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+            if self._on_host is False:
+                rows = rows.to(self._device)
             if slots is None:
                 for src, dst in zip(self._sources[s], storage):
                     torch.index_select(src, 1, rows, out=dst)
             else:
-                slots = torch.from_numpy(slots).to(self._device)
+                slots = torch.from_numpy(slots).to(self._device)  # multi-shard batches: not the decode hot path
                 for src, dst in zip(self._sources[s], storage):
                     dst.index_copy_(1, slots, src.index_select(1, rows))
 
@@ -328,14 +355,18 @@ class TensorReplacer:
             del self._spare[:-_SPARE_BUFFERS]
             return ReplacementContext.from_storage(bufs, mask, self._places)
 
-    def _check_out(self, out: ReplacementContext, n: int) -> None:
-        want = [(m, n, e, dt) for m, e, dt in self._shapes]
-        got = [(*s.shape, s.dtype) for s in out.storage]
-        if got != want or out.mask.shape[0] != n or out.places != self._places:
-            raise ValueError(
-                f"out must be a context built by this replacer (build_context, warmup_context or .prefix()) for {n} "
-                f"slots; got {out!r}"
-            )
+    def _checked_out(self, out: ReplacementContext, n: int) -> bool:
+        """Check ``out`` once (remembered while it lives); returns whether it is on the store's device."""
+        if self._valid_outs.get(id(out)) is not out:
+            want = [(m, n, e, dt) for m, e, dt in self._shapes]
+            got = [(*s.shape, s.dtype) for s in out.storage]
+            if got != want or out.mask.shape[0] != n or out.places != self._places:
+                raise ValueError(
+                    f"out must be a context built by this replacer (build_context, warmup_context or .prefix()) for {n} "
+                    f"slots; got {out!r}"
+                )
+            self._valid_outs[id(out)] = out
+        return out.mask.device == self._device  # both devices of real tensors: plain comparison
 
 
 def _as_index_array(values, what: str) -> np.ndarray:
@@ -343,7 +374,7 @@ def _as_index_array(values, what: str) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             raise ValueError(f"{what} must be integers, got a {values.dtype} tensor")
-        arr = values.detach().cpu().numpy()
+        arr = values.numpy() if values.device.type == "cpu" and not values.requires_grad else values.detach().cpu().numpy()
     else:
         arr = np.asarray(values)
         if arr.size == 0:

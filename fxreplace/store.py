@@ -40,6 +40,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .matching import TokenTable
+
 FORMAT_NAME = "fxreplace-reference"
 FORMAT_VERSION = 2
 TENSORS_FILE = "reference.safetensors"
@@ -112,13 +114,15 @@ class ReferenceStore:
     prompt_shard: torch.Tensor
     offsets: torch.Tensor
     lengths: torch.Tensor
-    prompt_token_ids: list[list[int]] | None = None
+    prompt_token_ids: TokenTable | None = None
     num_steps: list[int] | None = None
     prefill: list[int | None] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     finite_checked: bool = True
 
     def __post_init__(self):
+        if self.prompt_token_ids is not None:
+            self.prompt_token_ids = TokenTable.from_lists(self.prompt_token_ids)
         self._by_prompt_id = {p: i for i, p in enumerate(self.prompt_ids)}
         self.columns = {m: ModuleColumns(g, i) for g, grp in enumerate(self.groups) for i, m in enumerate(grp.modules)}
         shard_of = self.prompt_shard.tolist()
@@ -185,7 +189,7 @@ class ReferenceStore:
             if pre is not None and len(ids) < pre:
                 raise CaptureError(f"prompt {p}: {len(ids)} token ids but the capture's prefill covers {pre} positions")
             checked.append(ids)
-        return dataclasses.replace(self, prompt_token_ids=checked)
+        return dataclasses.replace(self, prompt_token_ids=TokenTable.from_lists(checked))
 
     def to(self, device: torch.device | str | None) -> "ReferenceStore":
         if device is None or all(t.device == torch.device(device) for t in self.packed):
@@ -277,9 +281,9 @@ class ReferenceStore:
         tensors["prompt.offsets"] = self.offsets[members].cpu()
         tensors["prompt.lengths"] = self.lengths[members].cpu()
         if self.prompt_token_ids is not None:
-            ids = [self.prompt_token_ids[i] for i in members]
-            tensors["tokens.values"] = torch.tensor([t for seq in ids for t in seq], dtype=torch.long)
-            tensors["tokens.offsets"] = _offsets([len(seq) for seq in ids])
+            ids = TokenTable.from_lists([self.prompt_token_ids.array(i) for i in members])
+            tensors["tokens.values"] = torch.from_numpy(ids.values)
+            tensors["tokens.offsets"] = torch.from_numpy(ids.offsets)
         for name, (values, offsets) in shard.extras.items():
             tensors[f"extra.{name}.values"] = values.contiguous().cpu()
             tensors[f"extra.{name}.offsets"] = offsets.cpu()
@@ -935,8 +939,7 @@ def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, 
             for p, c, pre in zip(prompts, counts.tolist(), prefill):
                 if pre is not None and c < pre:
                     need(False, "tokens.values", f"prompt {p} has {c} token ids but its capture's prefill covers {pre} positions")
-            flat, bounds = values.tolist(), toffs.tolist()
-            token_ids = [flat[bounds[j] : bounds[j + 1]] for j in range(num_prompts)]
+            token_ids = TokenTable(values.numpy(), toffs.numpy())
 
         extras = {}
         for name in index["extras"]:
@@ -1008,7 +1011,12 @@ def _assemble(loaded: list[tuple[dict, Shard, dict]]) -> ReferenceStore:
                 break
             seen.add(p)
         raise StoreError(f"{first_file.parent}: prompt {dup} appears in more than one shard")
-    token_ids = None if first["token_ids"] is None else [ids for t, _, _ in loaded for ids in t["token_ids"]]
+    token_ids = None
+    if first["token_ids"] is not None:
+        tables = [t["token_ids"] for t, _, _ in loaded]
+        starts = np.cumsum([0] + [tb.values.size for tb in tables[:-1]])
+        token_ids = TokenTable(np.concatenate([tb.values for tb in tables]),
+                               np.concatenate([tb.offsets[:-1] + s0 for tb, s0 in zip(tables, starts)] + [[sum(tb.values.size for tb in tables)]]))
     return ReferenceStore(
         groups=first["groups"],
         shards=[s for _, s, _ in loaded],

@@ -282,3 +282,199 @@ def test_merge_keeps_disjoint_prompt_indices_and_renumbers_colliding_ones(tmp_pa
     other.save(tmp_path / "other")
     with pytest.raises(CaptureError, match="other: modules/dtypes/widths differ"):
         merge_stores([tmp_path / "x", tmp_path / "other"], tmp_path / "bad")
+
+
+# ---------------------------------------------------------------- integrity: files that lie
+
+
+def _valid_store(tmp_path):
+    caps = [{"a": stepwise(3, 2), "b": [s.bfloat16() for s in stepwise(3, 2, E=2, seed=4)]},
+            {"a": stepwise(2, 1, seed=5), "b": [s.bfloat16() for s in stepwise(2, 1, E=2, seed=6)]}]
+    ReferenceStore.from_captures(caps, prompt_token_ids=[[1, 2, 3], [4, 5]], metadata={"vocab_size": 50}).save(tmp_path / "ref")
+    return tmp_path / "ref" / "reference.safetensors"
+
+
+def _read_raw(file):
+    data = file.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def _write_raw(file, header, body, header_len=None):
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes((len(text) if header_len is None else header_len).to_bytes(8, "little") + text + body)
+
+
+def _edit_header(file, edit):
+    header, body = _read_raw(file)
+    edit(header)
+    _write_raw(file, header, body)
+
+
+def _edit_index(file, edit):
+    def apply(header):
+        index = json.loads(header["__metadata__"]["fxreplace_index"])
+        edit(index)
+        header["__metadata__"]["fxreplace_index"] = json.dumps(index)
+
+    _edit_header(file, apply)
+
+
+def _edit_tensor(file, name, values):
+    """Overwrite a tensor's bytes in place (same dtype and size)."""
+    header, body = _read_raw(file)
+    begin, end = header[name]["data_offsets"]
+    raw = values.contiguous().view(torch.uint8).numpy().tobytes()
+    assert len(raw) == end - begin
+    _write_raw(file, header, body[:begin] + raw + body[end:])
+
+
+def _set_tensor(file, name, tensor):
+    """Replace a tensor by one of another dtype/size, rewriting the file (index kept)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    tensors[name] = tensor
+    save_file(tensors, str(file), metadata=meta)
+
+
+def _transpose(header):
+    header["group.0"]["shape"] = header["group.0"]["shape"][::-1]
+
+
+def _dtype_i32(header):
+    header["group.0"]["dtype"] = "I32"
+
+
+def _wider_index(index):
+    index["groups"][0]["width"] = 6
+
+
+def _more_modules(index):
+    index["groups"][0]["modules"].append("ghost")
+
+
+def _overlap(header):
+    a, b = header["prompt.lengths"]["data_offsets"]
+    header["prompt.offsets"]["data_offsets"] = [a + 8, b + 8]
+
+
+@pytest.mark.parametrize(
+    "break_it, field, message",
+    [
+        (lambda f: _edit_header(f, _dtype_i32), "group.0", "the tensor is torch.int32 but the index says torch.float32"),
+        (lambda f: _edit_header(f, _transpose), "group.0", r"shape \[4, 9, 1\] but the index needs \[modules=1, rows\+1=9, width=4\]"),
+        (lambda f: _edit_index(f, _wider_index), "group.0", r"shape \[1, 9, 4\] but the index needs \[modules=1, rows\+1=9, width=6\]"),
+        (lambda f: _edit_index(f, _more_modules), "group.0", r"index needs \[modules=2"),
+        (lambda f: _edit_tensor(f, "prompt.lengths", torch.tensor([5, 4])), "group.0", r"rows\+1=10, .* \(2 prompts of 9 rows in all\)"),
+        (lambda f: _edit_tensor(f, "prompt.offsets", torch.tensor([0, 1])), "prompt.offsets", "prompt 1 starts at row 1 .* must start at 5"),
+        (lambda f: _edit_tensor(f, "prompt.lengths", torch.tensor([6, 0])), "prompt.lengths", "prompt 1 has 0 rows"),
+        (lambda f: _set_tensor(f, "tokens.values", torch.tensor([1.5, 2, 3, 4, 5])), "tokens.values", "must be a 1-D integer tensor, got torch.float32"),
+        (lambda f: _set_tensor(f, "tokens.values", torch.tensor([1, 2, 3, 4, 99])), "tokens.values", "token id 99 is not below the vocab size 50"),
+        (lambda f: (_set_tensor(f, "tokens.values", torch.tensor([1, 2, 4, 5])), _set_tensor(f, "tokens.offsets", torch.tensor([0, 2, 4]))),
+         "tokens.values", "prompt 0 has 2 token ids but its capture's prefill covers 3 positions"),
+        (lambda f: _edit_index(f, lambda i: i["prefill"].__setitem__(0, 4)), "prefill", "prompt 0: a prefill of 4 positions plus 2 decode steps is not its 5 rows"),
+        (lambda f: _edit_header(f, lambda h: h["__metadata__"].__setitem__("fxreplace_index", "{not json")), "fxreplace_index", "the store index is not JSON"),
+    ],
+    ids=["dtype-i32-over-f32", "transposed-shape", "index-width-past-tensor", "index-modules-past-tensor",
+         "prompt-longer-than-rows", "offsets-overlap-rows", "empty-prompt", "float-token-ids", "token-id-past-vocab",
+         "token-ids-shorter-than-prefill", "prefill-disagrees-with-rows", "index-not-json"],
+)
+def test_a_header_that_lies_is_refused_naming_file_and_field(tmp_path, break_it, field, message):
+    file = _valid_store(tmp_path)
+    break_it(file)
+    for path in (file, file.parent):
+        with pytest.raises(CaptureError, match=message) as err:
+            ReferenceStore.load(path)
+        assert str(file) in str(err.value) and f"field {field!r}" in str(err.value)
+
+
+def test_damaged_files_are_refused_naming_the_file(tmp_path):
+    from fxreplace.store import StoreError
+
+    file = _valid_store(tmp_path)
+    header, body = _read_raw(file)
+    cases = {
+        "truncated": (lambda: file.write_bytes(file.read_bytes()[:-10]), "data_offsets .* run past the end .* truncated"),
+        "tiny": (lambda: file.write_bytes(b"\x01\x02"), "truncated: 2 bytes"),
+        "header-larger-than-file": (lambda: _write_raw(file, header, body, header_len=10**9), "header length field says 1000000000 bytes but the file has only"),
+        "header-not-json": (lambda: file.write_bytes(file.read_bytes()[:8] + b"\xff" * 16 + file.read_bytes()[24:]), "header is not JSON"),
+        "overlapping-offsets": (lambda: _edit_header(file, _overlap), "data_offsets overlap"),
+        "size-mismatch": (lambda: _edit_header(file, lambda h: h["group.0"].__setitem__("shape", [1, 9, 3])), "needs 108 bytes but data_offsets"),
+        "not-a-store": (lambda: file.write_text("hello, I am a text file " * 10), "header length field says"),
+    }
+    for name, (damage, message) in cases.items():
+        _write_raw(file, header, body)
+        damage()
+        with pytest.raises(StoreError, match=message) as err:
+            ReferenceStore.load(file)
+        assert str(file) in str(err.value), name
+
+
+def test_links_to_system_files_and_bad_directory_indexes_are_named(tmp_path):
+    from fxreplace.store import StoreError
+
+    (tmp_path / "passwd.safetensors").symlink_to("/etc/passwd")
+    with pytest.raises(StoreError, match=r"passwd.safetensors \(a link to /etc/passwd\)"):
+        ReferenceStore.load(tmp_path / "passwd.safetensors")
+    (tmp_path / "zero.safetensors").symlink_to("/dev/zero")
+    with pytest.raises(StoreError, match=r"zero.safetensors \(a link to /dev/zero\): not a regular file"):
+        ReferenceStore.load(tmp_path / "zero.safetensors")
+    file = _valid_store(tmp_path)
+    (file.parent / "index.json").write_text("{oops")
+    with pytest.raises(StoreError, match=r"index.json: not a JSON store index"):
+        ReferenceStore.load(file.parent)
+    (file.parent / "index.json").write_text(json.dumps({"format": "fxreplace-reference", "version": 2, "shards": [{"file": "../../etc/passwd", "prompts": [0]}]}))
+    with pytest.raises(StoreError, match=r"'shards\[0\].file': '../../etc/passwd' must be a file name inside the store directory"):
+        ReferenceStore.load(file.parent)
+
+
+def test_token_ids_are_refused_when_float_or_shorter_than_the_prefill():
+    caps = [{"m": [torch.randn(1, 3, 4), torch.randn(1, 1, 4)]}]
+    with pytest.raises(CaptureError, match=r"prompt 0: token ids must be non-negative integers, got \[1.5\]"):
+        ReferenceStore.from_captures(caps, prompt_token_ids=[[1.5, 2, 3]])
+    with pytest.raises(CaptureError, match="prompt 0: token ids must be integers, got dtype torch.float32"):
+        ReferenceStore.from_captures(caps, prompt_token_ids=torch.tensor([[1.0, 2.0, 3.0]]))
+    with pytest.raises(CaptureError, match="prompt 0: 2 token ids but the capture's prefill covers 3 positions"):
+        ReferenceStore.from_captures(caps, prompt_token_ids=[[1, 2]])
+    store = ReferenceStore.from_captures(caps, prompt_token_ids=[[1, 2, 3]])
+    with pytest.raises(CaptureError, match="prompt 0: 1 token ids but the capture's prefill covers 3 positions"):
+        TensorReplacementConfig(tensors=store, prompt_token_ids=[[7]]).build()
+    flat = ReferenceStore.from_captures({0: {"m": torch.randn(5, 4)}}, prompt_token_ids=[[1, 2]])
+    assert flat.prefill == [None], "flat rows may include generated positions: no prefill to compare with"
+
+
+def test_verify_detects_flipped_bytes_that_loading_does_not_read(tmp_path):
+    from fxreplace import TensorReplacer
+    from fxreplace.store import StoreError
+
+    file = _valid_store(tmp_path)
+    assert ReferenceStore.load(file.parent).verify() == {"shards": 1, "bytes": ReferenceStore.load(file).verify()["bytes"], "prompts": 2, "finite": True}
+    header, body = _read_raw(file)
+    begin = header["group.0"]["data_offsets"][0]
+    body = bytearray(body)
+    body[begin + 5] ^= 0x10
+    _write_raw(file, header, bytes(body))
+    store = ReferenceStore.load(file)  # O(index): the flipped row is not read
+    TensorReplacer(store)
+    with pytest.raises(StoreError, match=r"reference.safetensors: tensor 'group.0': content digest .* differs .* corrupted"):
+        store.verify()
+
+
+def test_stores_written_without_the_finite_check_say_so(tmp_path):
+    from fxreplace import TensorReplacer
+
+    caps = [{"m": [torch.tensor([[[1.0, float("nan")]]])]}]
+    ReferenceStore.from_captures(caps, allow_nonfinite=True).save(tmp_path / "ref")
+    store = ReferenceStore.load(tmp_path / "ref")
+    assert not store.finite_checked
+    with pytest.raises(CaptureError, match="written with allow_nonfinite=True"):
+        TensorReplacer(store)
+    assert TensorReplacer(store, allow_nonfinite=True).modules == ["m"]
+    assert store.verify()["finite"] is False
+    with pytest.raises(CaptureError, match="prompt 0, module 'm', position 0: capture holds NaN"):
+        store.check_finite()
