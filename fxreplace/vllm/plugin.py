@@ -297,10 +297,7 @@ class VllmReplacement:
         """The bound buffers' first ``n`` rows as an ``out=`` context (cached per n)."""
         view = self._views.get(n)
         if view is None:
-            feed = self.feed
-            view = ReplacementContext({m: t[:n] for m, t in feed.items()}, feed.mask[:n],
-                                      storage=tuple(s[:n] for s in feed.storage))
-            self._views[n] = view
+            view = self._views[n] = self.feed.prefix(n)
         return view
 
     def clear(self) -> None:
