@@ -30,6 +30,7 @@ missing: capture refuses it. Only tensor-parallel rank 0 records and writes
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -42,11 +43,14 @@ import torch
 from ..config import ConfigError
 from ..instrument import instrument, observe
 from ..reference import Reference
+from ..store import StoreWriter
 from ..targets import Target, TargetError, resolve_targets
 from . import internals
 
 logger = logging.getLogger("fxreplace.vllm")
 
+SHARD_BYTES = 64 << 20  # rows of finished requests held before they go to disk as one shard
+STATS_FILE = "capture.json"
 PREFIX_CACHE_HINT = ("capture needs every prompt token computed: turn prefix caching off with "
                      "enable_prefix_caching=False (LLM/EngineArgs) or --no-enable-prefix-caching (server)")
 ASYNC_HINT = "capture reads each step's sampled tokens: turn async scheduling off (async_scheduling=False / --no-async-scheduling)"
@@ -159,10 +163,16 @@ class VllmCapture:
         self.scheduler_output = None  # the step being executed
         self.positions = None  # this step's positions, from the forward to the logits
         self.completed = 0
+        self.closed = False  # finish_capture() closed the store
         self.dropped = 0
         self.preemptions = 0  # of captured requests (their positions are recomputed in place)
         self.drafts_accepted = 0  # speculative tokens accepted beyond one per step
-        self._parts: tuple[list, list, list, list] = ([], [], [], [])  # captures, prompts, tokens, logits
+        if self.writes:  # refuses a non-empty out at engine start, before any request runs
+            config = runner.model_config
+            self.writer = StoreWriter(self.out, shard_bytes=SHARD_BYTES, metadata={
+                "source_model": str(config.model), "architecture": arch, "engine": "vllm",
+                "model_type": getattr(config.hf_config, "model_type", ""), "vocab_size": self.vocab,
+                "dtype": str(dtype).removeprefix("torch."), "targets": self.names})
         logger.info("fxreplace: capturing %d target(s) of %s (%s ...) into %s%s", len(self.names), arch,
                     self.names[0] if self.names else "-", self.out, "" if self.writes else " (written by TP rank 0)")
 
@@ -248,40 +258,44 @@ class VllmCapture:
                 if check_stop(record.stop, self.max_model_len):
                     self._complete(req_id, record)
                     break
-        if not self.active and self._parts[0]:
-            self.flush()
+        if not self.active:
+            self.sync()
 
     # ------------------------------------------------------------ writing
 
     def _complete(self, req_id: str, record: _RequestRows) -> None:
+        """Stream one finished request to the store (its rows leave memory with the shard)."""
         del self.active[req_id]
+        if self.closed:
+            self.dropped += 1
+            logger.error("fxreplace: request %s completed after finish_capture() closed %s: not captured", req_id, self.out)
+            return
         tokens = record.stop.output_token_ids
         length = len(record.prompt) + len(tokens) - 1  # the last token is never fed back
         rows = record.rows[:length]
-        captures = {name: rows[:, columns].clone() for name, columns in self.columns.items()}
-        captures_list, prompts, generated, logits = self._parts
-        captures_list.append(captures)
-        prompts.append(record.prompt)
-        generated.append(list(tokens))
-        logits.append(record.logits[:len(tokens)].clone())
+        captures = {name: rows[:, columns] for name, columns in self.columns.items()}
+        self.writer.add(record.prompt, captures, extras=Reference.extras(tokens, record.logits[:len(tokens)]))
         self.completed += 1
 
-    def flush(self) -> None:
-        """Write every completed request to ``out`` (rewrites the store; runs when no request is in flight)."""
-        if not self.writes:
-            return
-        captures, prompts, tokens, logits = self._parts
-        config = self.runner.model_config
-        metadata = {
-            "source_model": str(config.model), "architecture": self.arch,
-            "model_type": getattr(config.hf_config, "model_type", ""), "vocab_size": self.vocab,
-            "dtype": str(self.dtype).removeprefix("torch."), "targets": self.names,
-            "max_new_tokens": max((len(t) for t in tokens), default=0),
-            "engine": "vllm", "dropped_requests": self.dropped,
-        }
-        reference = Reference.from_parts(captures, prompts, tokens, logits, metadata)
-        reference.save(self.out)
-        logger.info("fxreplace: wrote %d captured request(s) to %s (%d dropped)", len(prompts), self.out, self.dropped)
+    def sync(self) -> None:
+        """Make ``out`` a complete store of every request written so far (the engine
+        is idle: nothing in flight); the counts go to ``capture.json`` beside it."""
+        if self.completed:
+            self.writer.sync()
+        (self.out / STATS_FILE).write_text(json.dumps(self.counts()) + "\n")
+        logger.info("fxreplace: %d captured request(s) in %s (%d dropped)", self.completed, self.out, self.dropped)
+
+    def close(self) -> None:
+        """Write the last shard and the index (:func:`finish_capture`); no request may follow."""
+        if self.writes and not self.closed:
+            self.sync()
+            if self.completed:
+                self.writer.close()
+            self.closed = True
+
+    def counts(self) -> dict:
+        return {"completed": self.completed, "dropped": self.dropped, "in_flight": len(self.active),
+                "preemptions": self.preemptions, "drafts_accepted": self.drafts_accepted}
 
 
 class _Recorder:
@@ -367,7 +381,7 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
         llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
-        counts = [c for c in llm.collective_rpc(_worker_counts) if c is not None]
+        counts = [c for c in llm.collective_rpc(finish_capture) if c is not None]
     finally:
         try:
             llm.llm_engine.engine_core.shutdown()
@@ -376,12 +390,24 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
     return counts[0] if counts else {}
 
 
-def _worker_counts(worker) -> dict | None:
-    """``collective_rpc`` target: the capture counts of the worker that writes."""
+def _worker_state(worker):
     from .plugin import get_state
 
     state = get_state(worker.model_runner)
-    if not isinstance(state, VllmCapture) or not state.writes:
+    return state if isinstance(state, VllmCapture) and state.writes else None
+
+
+def _worker_counts(worker) -> dict | None:
+    """``collective_rpc`` target: the capture counts of the worker that writes (None on the others)."""
+    state = _worker_state(worker)
+    return None if state is None else state.counts()
+
+
+def finish_capture(worker) -> dict | None:
+    """``llm.collective_rpc(finish_capture)``: close the store (last shard, index) and
+    return the counts. Until then the store is complete whenever the engine idles."""
+    state = _worker_state(worker)
+    if state is None:
         return None
-    return {"completed": state.completed, "dropped": state.dropped, "in_flight": len(state.active),
-            "preemptions": state.preemptions, "drafts_accepted": state.drafts_accepted}
+    state.close()
+    return state.counts()
