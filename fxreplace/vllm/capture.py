@@ -49,7 +49,7 @@ from . import internals
 
 logger = logging.getLogger("fxreplace.vllm")
 
-SHARD_BYTES = 64 << 20  # rows of finished requests held before they go to disk as one shard
+SHARD_BYTES = 32 << 20  # rows of finished requests held before they go to disk as one shard
 STATS_FILE = "capture.json"
 PREFIX_CACHE_HINT = ("capture needs every prompt token computed: turn prefix caching off with "
                      "enable_prefix_caching=False (LLM/EngineArgs) or --no-enable-prefix-caching (server)")
@@ -91,26 +91,24 @@ class _StopView:
 
 class _RequestRows:
     """One request's captures, stored by position: ``rows[p]`` is every target's
-    row at position ``p``; ``logits[j]`` predicts generated token ``j``."""
+    row at position ``p``; ``logits[j]`` predicts generated token ``j`` (one row per
+    step, so a request holds only the logits it has generated so far)."""
 
-    def __init__(self, prompt: list[int], sampling_params, width: int, vocab: int, capacity: int, dtype):
+    def __init__(self, prompt: list[int], sampling_params, width: int, capacity: int, dtype):
         self.prompt = prompt
         self.stop = _StopView(sampling_params, len(prompt), int(sampling_params.max_tokens))
         self.rows = torch.zeros(capacity, width, dtype=dtype)
-        self.logits = torch.zeros(max(capacity - len(prompt) + 1, 1), vocab, dtype=torch.float32)
-
-    @staticmethod
-    def _fit(t: torch.Tensor, n: int) -> torch.Tensor:
-        return t if n <= t.shape[0] else torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])
+        self.logits: dict[int, torch.Tensor] = {}
 
     def put_rows(self, start: int, rows: torch.Tensor) -> None:
-        self.rows = self._fit(self.rows, start + rows.shape[0])
-        self.rows[start:start + rows.shape[0]] = rows
+        end = start + rows.shape[0]
+        if end > self.rows.shape[0]:
+            self.rows = torch.cat([self.rows, self.rows.new_zeros(end - self.rows.shape[0], self.rows.shape[1])])
+        self.rows[start:end] = rows
 
     def put_logits(self, position: int, row: torch.Tensor) -> None:
         j = position - (len(self.prompt) - 1)
         if j >= 0:  # earlier rows are prefill-chunk ends: their samples are discarded
-            self.logits = self._fit(self.logits, j + 1)
             self.logits[j] = row
 
 
@@ -202,7 +200,7 @@ class VllmCapture:
                 continue
             prompt = list(new.prompt_token_ids)
             capacity = len(prompt) + int(new.sampling_params.max_tokens) + self.spec_tokens
-            self.active[new.req_id] = _RequestRows(prompt, new.sampling_params, self.width, self.vocab,
+            self.active[new.req_id] = _RequestRows(prompt, new.sampling_params, self.width,
                                                    min(capacity, self.max_model_len + self.spec_tokens), self.dtype)
 
     def _batch(self, scheduler_output):
@@ -241,7 +239,7 @@ class VllmCapture:
         for k, (i, p) in enumerate(zip(owner.tolist(), pos.tolist())):
             record = self.active.get(req_ids[i])
             if record is not None:
-                record.put_logits(p, logits[k])
+                record.put_logits(p, logits[k].clone())  # a row, not a view holding the whole step
 
     def after_sample(self, output) -> None:
         """Append sampled tokens; write each request whose stop rule is met."""
@@ -274,7 +272,8 @@ class VllmCapture:
         length = len(record.prompt) + len(tokens) - 1  # the last token is never fed back
         rows = record.rows[:length]
         captures = {name: rows[:, columns] for name, columns in self.columns.items()}
-        self.writer.add(record.prompt, captures, extras=Reference.extras(tokens, record.logits[:len(tokens)]))
+        logits = torch.stack([record.logits[j] for j in range(len(tokens))])
+        self.writer.add(record.prompt, captures, extras=Reference.extras(tokens, logits))
         self.completed += 1
 
     def sync(self) -> None:
