@@ -109,7 +109,7 @@ class _RequestRows:
     def put_logits(self, position: int, row: torch.Tensor) -> None:
         j = position - (len(self.prompt) - 1)
         if j >= 0:  # earlier rows are prefill-chunk ends: their samples are discarded
-            self.logits[j] = row
+            self.logits[j] = row.clone()  # one row, not a view holding the whole step's logits
 
 
 class VllmCapture:
@@ -239,7 +239,7 @@ class VllmCapture:
         for k, (i, p) in enumerate(zip(owner.tolist(), pos.tolist())):
             record = self.active.get(req_ids[i])
             if record is not None:
-                record.put_logits(p, logits[k].clone())  # a row, not a view holding the whole step
+                record.put_logits(p, logits[k])
 
     def after_sample(self, output) -> None:
         """Append sampled tokens; write each request whose stop rule is met."""
