@@ -178,13 +178,15 @@ class VllmCapture:
 
     def begin_step(self, scheduler_output) -> None:
         """Drop requests the scheduler finished before they completed; register new ones."""
-        for req_id in scheduler_output.finished_req_ids:
-            if self.active.pop(req_id, None) is not None:
-                self.dropped += 1
-                logger.warning("fxreplace: request %s ended before its stop condition (aborted, or a stop string, "
-                               "which only the front end sees): not captured (%d dropped so far)", req_id, self.dropped)
         if not self.writes:
             return
+        dropped = [r for r in scheduler_output.finished_req_ids if self.active.pop(r, None) is not None]
+        for req_id in dropped:
+            self.dropped += 1
+            logger.warning("fxreplace: request %s ended before its stop condition (aborted, or a stop string, "
+                           "which only the front end sees): not captured (%d dropped so far)", req_id, self.dropped)
+        if dropped and not self.active:
+            self.sync()
         self.preemptions += sum(r in self.active for r in scheduler_output.preempted_req_ids or ())
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self.active:  # resumed after preemption: positions are recomputed in place
