@@ -154,6 +154,8 @@ def test_eager_capture_equals_hf_under_chunking_speculation_preemption_and_abort
     assert captured.num_prompts == len(setup.prompts)  # the aborted request is not in it
     assert captured.metadata["engine"] == "vllm"
     assert json.loads((out / "capture.json").read_text())["dropped"] == 1
+    # streamed: the engine idled twice (after each generate), each time writing a shard
+    assert len(json.loads((out / "index.json").read_text())["shards"]) == 2
     assert result["tokens"] == [setup.hf.tokens(p) for p in range(setup.hf.num_prompts)]  # what vLLM returned
     errors = compare(setup.hf, captured)
     print(f"\nvLLM eager TP=1 vs HF: {errors}")

@@ -159,7 +159,7 @@ class VllmCapture:
         self.spec_tokens = int(getattr(runner, "num_spec_tokens", 0) or 0)
         self.active: dict[str, _RequestRows] = {}
         self.scheduler_output = None  # the step being executed
-        self.positions = None  # this step's positions, from the forward to the logits
+        self.step = None  # this step's (request ids, token offsets, positions), from the forward to the logits
         self.completed = 0
         self.closed = False  # finish_capture() closed the store
         self.dropped = 0
@@ -205,40 +205,35 @@ class VllmCapture:
             self.active[new.req_id] = _RequestRows(prompt, new.sampling_params, self.width,
                                                    min(capacity, self.max_model_len + self.spec_tokens), self.dtype)
 
-    def _batch(self, scheduler_output):
-        req_ids = internals.batch_requests(self.runner)
-        counts = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
-        return req_ids, counts, np.concatenate([[0], np.cumsum(counts)])
-
     def after_forward(self, scheduler_output, positions: torch.Tensor) -> None:
         """Copy this forward's observed rows to their requests, by position."""
         if not self.writes or not self.active:
             return
-        req_ids, counts, starts = self._batch(scheduler_output)
-        total = int(starts[-1])
-        rows = self.buffer[:total]
-        pos = self.positions = positions[:total].cpu()
+        req_ids = internals.batch_requests(self.runner)
+        counts = scheduler_output.num_scheduled_tokens
+        starts = [0]
+        for r in req_ids:
+            starts.append(starts[-1] + counts[r])
+        rows = self.buffer[:starts[-1]]
+        pos = positions[:starts[-1]].cpu().numpy()
+        self.step = (req_ids, starts, pos)
         for i, req_id in enumerate(req_ids):
             record = self.active.get(req_id)
-            if record is not None and counts[i]:
+            if record is not None and starts[i + 1] > starts[i]:
                 record.put_rows(int(pos[starts[i]]), rows[starts[i]:starts[i + 1]])
 
-    def after_execute(self, scheduler_output) -> None:
+    def after_execute(self) -> None:
         """Keep the raw logits of every sampled row (before the sampler may modify them in place)."""
         state = getattr(self.runner, internals.EXECUTE_MODEL_STATE, None)
-        positions, self.positions = self.positions, None
-        if not self.writes or not self.active or state is None or state.logits is None or positions is None:
+        step, self.step = self.step, None
+        if not self.writes or not self.active or state is None or state.logits is None or step is None:
             return
-        req_ids, counts, starts = self._batch(scheduler_output)
+        req_ids, starts, pos = step
         spec = state.spec_decode_metadata
-        if spec is not None:
-            indices = spec.logits_indices.cpu().numpy()
-        else:
-            indices = starts[1:] - 1
-        owner = np.searchsorted(starts, indices, side="right") - 1
-        pos = positions.numpy()[indices]
+        indices = spec.logits_indices.cpu().numpy() if spec is not None else np.asarray(starts[1:]) - 1
+        owners = (np.searchsorted(starts, indices, side="right") - 1).tolist()
         logits = state.logits.float().cpu()
-        for k, (i, p) in enumerate(zip(owner.tolist(), pos.tolist())):
+        for k, (i, p) in enumerate(zip(owners, pos[indices].tolist())):
             record = self.active.get(req_ids[i])
             if record is not None:
                 record.put_logits(p, logits[k])
@@ -343,7 +338,7 @@ def attach(runner, capture: VllmCapture) -> None:
             output = execute(scheduler_output, *args, **kwargs)
         finally:
             capture.scheduler_output = None
-        capture.after_execute(scheduler_output)
+        capture.after_execute()
         if output is not None:  # a step that sampled nothing returns its output here
             capture.after_sample(output)
         return output
