@@ -31,6 +31,7 @@ import torch
 import vllm  # noqa: F401  (the vLLM tests need vLLM: no skip)
 from vllm import LLM, SamplingParams
 
+import fxreplace
 import fxreplace.vllm as fxv
 from fxreplace import TensorReplacementConfig
 from fxreplace.context import ReplacementContext
@@ -127,11 +128,13 @@ def _run_engine(ref: Ref, kind: str) -> dict:
     kwargs = dict(model=ref.ckpt, dtype="float32", seed=0, max_model_len=256, block_size=32,
                   max_num_batched_tokens=BUDGET, max_num_seqs=8, distributed_executor_backend="uni",
                   enforce_eager=not kind.endswith("compiled"), enable_prefix_caching=kind == "eager")
-    config = {"tensors": ref.captures, "prompt_token_ids": ref.token_ids}
+    # the workload sends a prompt that is not in the reference: served untouched
+    config = {"tensors": ref.captures, "prompt_token_ids": ref.token_ids, "on_unknown": "passthrough"}
     if kind in ("eager", "spec", "gptoss-eager"):
         kwargs["additional_config"] = {"fxreplace": config}             # plain dict, in-memory tensors
     elif kind in ("compiled", "gptoss-compiled"):                      # Neuron-style key, reference on disk
-        kwargs["additional_config"] = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(tensors_path=ref.ref_dir)}}
+        kwargs["additional_config"] = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(
+            tensors_path=ref.ref_dir, on_unknown="passthrough")}}
     if kind == "spec":
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
                                         "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -292,6 +295,53 @@ def test_reference_without_target_names_fails_clearly(ref):
     cleanup_dist_env_and_memory()
 
 
+def test_config_error_raised_in_front_end_before_engine_start(ref, monkeypatch):
+    """A typo in the section fails in the front end (create_engine_config), as a
+    ConfigError naming the field, before any engine process is started."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(fxv.ConfigError, match=r"unknown fxreplace config field 'tensor_path' \(did you mean "
+                                              r"'tensors_path'\?\)"):
+        LLM(model=ref.ckpt, dtype="float32", max_model_len=128, enforce_eager=True,
+            additional_config={"fxreplace": {"tensor_path": ref.ref_dir}})
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_wrong_point_fails_engine_start_not_a_request(ref, eager):
+    """A plain-string target on vLLM's gate: 'auto' falls back to the gate's output,
+    a (logits, bias) tuple. The check forward at model load fails the start-up."""
+    with pytest.raises(fxreplace.TargetError, match=r"'model.layers.0.mlp.gate': point 'auto' \(it cannot be traced "
+                                                    r"alone, so 'auto' means its output\) is a tuple"):
+        LLM(model=ref.ckpt, dtype="float32", max_model_len=128, enforce_eager=eager,
+            distributed_executor_backend="uni", max_num_batched_tokens=BUDGET,
+            additional_config={"fxreplace": {"tensors_path": ref.ref_dir, "targets": ["model.layers.*.mlp.gate"]}})
+    gc.collect()
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def test_unknown_prompt_refused_by_default_engine_keeps_serving(ref):
+    """on_unknown="error" (the default) means one thing everywhere: a request whose
+    prompt is not in the reference is refused, naming it; here in the front end,
+    before it reaches the engine, which keeps serving."""
+    llm = LLM(model=ref.ckpt, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
+              distributed_executor_backend="uni", max_num_batched_tokens=BUDGET,
+              additional_config={"fxreplace": {"tensors_path": ref.ref_dir}})
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        with pytest.raises(Exception, match=r"fxreplace: request .* starts with no reference prompt; .*"
+                                            r"on_unknown='error'"):
+            llm.generate([{"prompt_token_ids": ref.prompts["unknown"]}], sp, use_tqdm=False)
+        off = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, extra_args={"fxreplace": "off"})
+        outs = llm.generate([{"prompt_token_ids": ref.prompts["unknown"]}, {"prompt_token_ids": ref.prompts["short"]}],
+                            [off, sp], use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+        state = fxv.get_state(_runner(llm))
+        assert state.steps > 0 and state.errors == 0
+    finally:
+        _close(llm)
+
+
 def test_bound_feed_buffers_take_gathers_in_place():
     """instrument's feed(bind=True) (used by the plugin): the buffers are the context's
     own tensors, so gathering into their first rows with ``out=`` is the whole feed, and
@@ -440,7 +490,8 @@ MP_SCRIPT = textwrap.dedent("""
     ckpt, ref_path = sys.argv[1], sys.argv[2]
     data = torch.load(ref_path)
     if __name__ == "__main__":
-        config = FxReplaceConfig(tensors=data["captures"], prompt_token_ids=data["token_ids"])
+        config = FxReplaceConfig(tensors=data["captures"], prompt_token_ids=data["token_ids"],
+                                 on_unknown="passthrough")
         llm = LLM(model=ckpt, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
                   max_num_batched_tokens=64, enable_prefix_caching=False,
                   additional_config={"fxreplace": config})
@@ -454,7 +505,8 @@ MP_SCRIPT = textwrap.dedent("""
 
 def test_multiprocess_engine_in_memory_tensors(ref, engine, tmp_path):
     """Default multi-process engine: the config (with tensors) is pickled to the
-    engine process; results equal the in-process engine's."""
+    engine process; results equal the in-process engine's; fxreplace's own log
+    lines appear in the engine's output, formatted by vLLM's handler."""
     names = ["short", "unknown"]
     path = tmp_path / "ref.pt"
     torch.save({"captures": ref.captures, "token_ids": ref.token_ids,
@@ -466,6 +518,9 @@ def test_multiprocess_engine_in_memory_tensors(ref, engine, tmp_path):
                           text=True, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "fxreplace: instrumented 2 target(s) of Qwen3MoeForCausalLM" in output, output[-3000:]
+    assert "matches no reference prompt; served without replacement" in output, output[-3000:]
     got = json.loads(lines[-1][len("RESULT "):])
     base = engine("eager")["outs"]
     for name, (tokens, logprobs) in zip(names, got):

@@ -18,11 +18,19 @@ GPU_MODEL_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 CPU_MODEL_RUNNER = ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")
 INPUT_BATCH = ("vllm.v1.worker.gpu_input_batch", "InputBatch")
 SCHEDULER_OUTPUT = ("vllm.v1.core.sched.output", "SchedulerOutput")
+INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
+ENGINE_CORE_REQUEST = ("vllm.v1.engine", "EngineCoreRequest")
+VALIDATION_ERROR = ("vllm.exceptions", "VLLMValidationError")
 NEW_REQUEST_DATA = ("vllm.v1.core.sched.output", "NewRequestData")
 
 #: ``EngineArgs.create_engine_config``: the front end builds the engine config
 #: here (the plugin validates and wraps the fxreplace section before it).
 CREATE_ENGINE_CONFIG = "create_engine_config"
+#: ``InputProcessor.process_inputs`` (front end, once per request) returns an
+#: ``EngineCoreRequest``; a VLLMValidationError raised there refuses the request
+#: (HTTP 400 online) and the engine keeps serving.
+PROCESS_INPUTS = "process_inputs"
+ENGINE_CORE_REQUEST_FIELDS = ("request_id", "prompt_token_ids", "sampling_params")
 #: model runner methods: ``load_model`` (instrument after loading), ``execute_model``
 #: (one scheduler step), ``_model_forward`` (private: the model call of one step).
 LOAD_MODEL = "load_model"
@@ -32,6 +40,12 @@ MODEL_FORWARD = "_model_forward"
 #: second positional argument.
 POSITIONS_ARG = "positions"
 POSITIONS_INDEX = 1
+#: ``_dummy_run(num_tokens)``: a forward without requests (vLLM's own warm-up and
+#: profile runs use it); ``do_not_compile``: the attribute of vLLM's
+#: ``@support_torch_compile`` modules that makes their ``__call__`` run eagerly.
+DUMMY_RUN = "_dummy_run"
+DO_NOT_COMPILE = "do_not_compile"
+COMPILE_DECORATOR = ("vllm.compilation.decorators", "support_torch_compile")
 #: model runner attributes: ``vllm_config.additional_config``, ``model``,
 #: ``model_config.hf_config``, ``max_num_tokens`` (the largest batch: buffer rows),
 #: ``input_batch`` (the persistent batch, in the order the forward lays tokens out).
@@ -73,6 +87,15 @@ def engine_args():
     return _import(ENGINE_ARGS)
 
 
+def input_processor():
+    return _import(INPUT_PROCESSOR)
+
+
+def refuse(message: str, parameter: str) -> Exception:
+    """The error that refuses one request in the front end (400 online)."""
+    return _import(VALIDATION_ERROR)(message, parameter=parameter)
+
+
 def model_runner_classes() -> list[type]:
     """The V1 model runner classes whose ``load_model`` the plugin wraps (the CPU
     runner overrides it; GPU builds have no CPU runner)."""
@@ -102,6 +125,26 @@ def check_stop():
     return _import(CHECK_STOP)
 
 
+def eager_forward(runner, num_tokens: int) -> None:
+    """Run the model once on ``num_tokens`` dummy tokens, eagerly even in compiled
+    mode (before vLLM compiles it, and without triggering a compile); vLLM's CPU
+    runner runs no warm-up forward in eager mode, nor with ``VLLM_CPU_CI_ENV``."""
+    compiled = [m for m in runner.model.modules() if hasattr(m, DO_NOT_COMPILE)]
+    saved = [getattr(m, DO_NOT_COMPILE) for m in compiled]
+    try:
+        for m in compiled:
+            setattr(m, DO_NOT_COMPILE, True)
+        getattr(runner, DUMMY_RUN)(num_tokens)
+    finally:
+        for m, value in zip(compiled, saved):
+            setattr(m, DO_NOT_COMPILE, value)
+
+
+def computed_tokens(runner):
+    """Tokens each request of the batch has computed before this step (numpy, host)."""
+    return runner.input_batch.num_computed_tokens_cpu
+
+
 def check() -> list[str]:
     """What this vLLM no longer provides of the above, one line each (empty: all present)."""
     problems = []
@@ -127,7 +170,11 @@ def check() -> list[str]:
         return hasattr(cls, attr) or re.search(rf"self\.{attr}\s*[:=]", inspect.getsource(cls)) is not None
 
     need(ENGINE_ARGS, (CREATE_ENGINE_CONFIG,), has_attr)
-    runner = need(GPU_MODEL_RUNNER, (LOAD_MODEL, EXECUTE_MODEL, MODEL_FORWARD), has_attr)
+    runner = need(GPU_MODEL_RUNNER, (LOAD_MODEL, EXECUTE_MODEL, MODEL_FORWARD, DUMMY_RUN), has_attr)
+    decorators = need(COMPILE_DECORATOR, (), has_attr)
+    if decorators is not None and not re.search(rf"self\.{DO_NOT_COMPILE}\s*=", inspect.getsource(
+            inspect.getmodule(decorators))):
+        problems.append(f"{COMPILE_DECORATOR[0]} no longer sets {DO_NOT_COMPILE!r} on compiled modules")
     if runner is not None:
         need(GPU_MODEL_RUNNER, RUNNER_ATTRS, set_on_instances)
     if runner is not None and hasattr(runner, MODEL_FORWARD):
@@ -149,4 +196,7 @@ def check() -> list[str]:
         check_stop()
     except (ImportError, AttributeError) as exc:
         problems.append(f"{CHECK_STOP[0]}.{CHECK_STOP[1]} is gone ({exc})")
+    need(INPUT_PROCESSOR, (PROCESS_INPUTS,), has_attr)
+    need(ENGINE_CORE_REQUEST, ENGINE_CORE_REQUEST_FIELDS, lambda cls, attr: attr in cls.__struct_fields__)
+    need(VALIDATION_ERROR, (), has_attr)
     return problems

@@ -2,20 +2,26 @@
 forward the replacement built from the scheduler's actual batch.
 
 ``register()`` (entry point ``vllm.general_plugins``) runs in every vLLM process
-(front end, engine core, workers). It only patches classes, idempotently:
+(front end, engine core, workers). It sends fxreplace's log records to vLLM's
+logger handler and only patches classes, idempotently (every vLLM name it relies
+on is in :mod:`fxreplace.vllm.internals`):
 
-* ``EngineArgs.create_engine_config`` (front end): wraps the fxreplace section of
-  ``additional_config`` in an :class:`~fxreplace.vllm.config.FxReplaceConfig` so
-  vLLM can hash and pickle it;
+* ``EngineArgs.create_engine_config`` (front end): validates the fxreplace section
+  of ``additional_config`` (a :class:`~fxreplace.ReplacementConfig`; errors name
+  the field, before any engine process starts) and wraps it in an
+  :class:`~fxreplace.vllm.config.FxReplaceConfig` so vLLM can hash and pickle it;
+* ``InputProcessor.process_inputs`` (front end, per request): with
+  ``on_unknown="error"`` refuses a prompt that is not in the reference;
 * the model runners' ``load_model``: after loading, when configured, builds a
-  :class:`VllmReplacement` (instrument + static buffers) before warmup compiles;
+  :class:`VllmReplacement` (instrument + static buffers) before warmup compiles,
+  and runs one eager dummy forward so every injection point is checked at start-up;
 * when configured, that runner *instance* (not the class) gets two wrappers:
   ``execute_model`` registers new requests and releases finished ones;
   ``_model_forward`` builds the context for the batch and fills the buffers in
   place, then turns replacement off again after the forward.
 
 Unconfigured, nothing runs per step: the class-level wrappers only act at engine
-configuration and model load, and step methods are never wrapped.
+configuration, request submission and model load, and step methods are never wrapped.
 
 Per request, ``SamplingParams(extra_args={"fxreplace": "off"})`` (online:
 ``"vllm_xargs": {"fxreplace": "off"}``) serves a request without replacement even
@@ -42,6 +48,7 @@ import torch
 from ..config import ReplacementConfig
 from ..context import ReplacementContext
 from ..instrument import instrument
+from ..matching import PromptIndex
 from ..replacer import TensorReplacer
 from ..targets import Target, TargetError, resolve_targets
 from . import internals
@@ -53,6 +60,8 @@ _STATE_ATTR = "_fxreplace_state"
 DEBUG_STATE_ENV = "FXREPLACE_DEBUG_STATE"
 OFF_VALUES = ("off", "false", "0", False, 0)
 _MARK = "_fxreplace_wrapped"
+_PROMPTS_ATTR = "_fxreplace_prompts"
+_UNSET = object()
 _registered = False
 
 
@@ -64,6 +73,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    _log_through_vllm()
     try:
         engine_args = internals.engine_args()
         runners = internals.model_runner_classes()
@@ -72,10 +82,32 @@ def register() -> None:
         _registered = True
         return
     _wrap(engine_args, internals.CREATE_ENGINE_CONFIG, _create_engine_config)
+    _wrap(internals.input_processor(), internals.PROCESS_INPUTS, _process_inputs)
     for cls in runners:  # CPUModelRunner overrides load_model: wrap each class's own
         if internals.LOAD_MODEL in cls.__dict__:
             _wrap(cls, internals.LOAD_MODEL, _load_model)
     _registered = True
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hands fxreplace's records to vLLM's logger, whose handler vLLM configures
+    (format, level, stream) in every process, whenever it does so."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def _log_through_vllm() -> None:
+    """vLLM configures only its own logger: without this, fxreplace's INFO lines
+    ("instrumented N targets", unknown prompts) would never appear under vLLM.
+    Left alone when the user gave the ``fxreplace`` logger handlers of their own."""
+    root = logging.getLogger("fxreplace")
+    if root.handlers:
+        return
+    root.addHandler(_ToVllmLogger())
+    root.propagate = False  # no second copy through a root handler
+    if root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
 
 
 def _wrap(cls: type, name: str, make) -> None:
@@ -100,6 +132,47 @@ def _create_engine_config(original):
     return create_engine_config
 
 
+def _process_inputs(original):
+    """Front end, once per request: with ``on_unknown="error"`` a prompt that is not
+    in the reference is refused here (an error naming the request; HTTP 400
+    online) instead of being served without replacement."""
+
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        prompts = self.__dict__.get(_PROMPTS_ATTR, _UNSET)
+        if prompts is _UNSET:
+            prompts = _reference_prompts(self.vllm_config.additional_config)
+            setattr(self, _PROMPTS_ATTR, prompts)
+        tokens = request.prompt_token_ids
+        if prompts is None or tokens is None or _switched_off(request.sampling_params):
+            return request
+        if prompts.longest_prefix(tokens) is None:
+            raise internals.refuse(
+                f"fxreplace: request {request.request_id} ({len(tokens)} prompt tokens, first {list(tokens[:8])}) "
+                "starts with no reference prompt; fxreplace is configured with on_unknown='error' (the default). "
+                "Send it with extra_args {'fxreplace': 'off'} or configure on_unknown='passthrough'",
+                parameter="prompt_token_ids")
+        return request
+
+    return process_inputs
+
+
+def _reference_prompts(additional_config):
+    """The reference prompts' index when unknown prompts are refused (None: they are not)."""
+    config = parse_config(additional_config)
+    if config is None or config.config.on_unknown != "error":
+        return None
+    token_ids = config.config.reference_token_ids()
+    if token_ids is None:  # nothing to match against: the workers report each request
+        return None
+    return PromptIndex(list(token_ids.values()) if isinstance(token_ids, dict) else token_ids)
+
+
+def _switched_off(sampling_params) -> bool:
+    extra = getattr(sampling_params, "extra_args", None)
+    return bool(extra) and extra.get("fxreplace") in OFF_VALUES
+
+
 def _load_model(original):
     def load_model(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
@@ -115,6 +188,7 @@ def _load_model(original):
                 state = VllmReplacement(self, config.config)
                 setattr(self, _STATE_ATTR, state)
                 _wrap_steps(self, state)
+                state.check_points(self)
         return out
 
     return load_model
@@ -172,7 +246,6 @@ class VllmReplacement:
         self.feed = self.replacer.warmup_context(self.max_tokens)
         self.model.feed(self.feed, bind=True)
         self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
-        self.unknown_level = logging.ERROR if config.on_unknown == "error" else logging.INFO
         self.steps = 0  # forwards that held at least one request matched to the reference
         self.tokens_replaced = 0
         self.errors = 0
@@ -189,8 +262,8 @@ class VllmReplacement:
     @staticmethod
     def _build_replacer(config: ReplacementConfig, device) -> TensorReplacer:
         try:
-            # Unknown prompts always pass through in the engine (a worker cannot fail one
-            # request); on_unknown="error" makes each one an ERROR log line instead of INFO.
+            # Unknown prompts reaching a worker pass through: with on_unknown="error" the
+            # front end refused them already (a worker cannot fail one request).
             return config.build_replacer(on_unknown="passthrough", device=device)
         except Exception as exc:
             where = config.tensors_path or "the in-memory tensors"
@@ -229,6 +302,13 @@ class VllmReplacement:
                            len(missing), missing[:4])
         return out
 
+    def check_points(self, runner) -> None:
+        """Run every target's injection point once (an eager dummy forward, replacement
+        off) before the engine serves, so a wrong point (e.g. a tuple output) or a
+        reference whose feature width differs from the module fails the start-up
+        instead of the first request."""
+        internals.eager_forward(runner, min(8, self.max_tokens))
+
     # ------------------------------------------------------------ per step
 
     def update_requests(self, scheduler_output) -> None:
@@ -238,8 +318,7 @@ class VllmReplacement:
             tokens = new.prompt_token_ids
             if tokens is None:  # prompt embeddings: nothing to match
                 continue
-            extra = getattr(new.sampling_params, "extra_args", None)
-            if extra and extra.get("fxreplace") in OFF_VALUES:  # unregistered: served untouched
+            if _switched_off(new.sampling_params):  # unregistered: served untouched
                 continue
             try:
                 matched = self.replacer.register_request(new.req_id, list(tokens))
@@ -247,9 +326,9 @@ class VllmReplacement:
             except Exception as exc:  # one bad request must not stop the engine
                 logger.error("fxreplace: request %s is served without replacement: %s", new.req_id, exc)
                 continue
-            if matched is None:
-                logger.log(self.unknown_level, "fxreplace: request %s (%d prompt tokens, first %s) matches no "
-                           "reference prompt; served without replacement", new.req_id, len(tokens), list(tokens[:8]))
+            if matched is None:  # on_unknown="passthrough" (the front end refuses them otherwise)
+                logger.info("fxreplace: request %s (%d prompt tokens, first %s) matches no reference prompt; "
+                            "served without replacement", new.req_id, len(tokens), list(tokens[:8]))
         if self.debug_state_path is not None:
             self.write_debug_state()
 
@@ -268,26 +347,25 @@ class VllmReplacement:
             self.debug_state_path = None
 
     def prepare(self, runner, scheduler_output, positions) -> None:
-        """Fill the buffers for this forward from the batch vLLM actually runs."""
+        """Fill the buffers for this forward from the batch vLLM actually runs.
+
+        The hot path: per request only a dict lookup; no tensor is allocated here
+        (the gather writes into the bound buffers' leading rows)."""
         try:
-            batch = runner.input_batch
             req_ids = internals.batch_requests(runner)
-            num_reqs = len(req_ids)
             if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers stay off
                 return
-            counts = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in req_ids), np.int64, num_reqs)
-            total = int(counts.sum())
+            scheduled = scheduler_output.num_scheduled_tokens
+            counts = [scheduled[r] for r in req_ids]
+            total = sum(counts)
             if isinstance(positions, torch.Tensor) and positions.device.type == "cpu":
                 pos = positions[:total]
             else:  # device positions: recompute on the host
-                owner = np.repeat(np.arange(num_reqs), counts)
-                starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-                pos = torch.from_numpy(batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)[owner]
-                                       + np.arange(total) - starts[owner])
+                pos = _host_positions(runner, counts, total)
             self.armed = True
             ctx = self.replacer.build_context_for_batch(req_ids, counts, pos, out=self._rows(total))
             self.steps += 1
-            self.tokens_replaced += int(ctx.mask.sum())
+            self.tokens_replaced += _count(ctx.mask)
         except Exception as exc:
             self.errors += 1
             self.clear()
@@ -308,6 +386,23 @@ class VllmReplacement:
     @property
     def requests(self) -> dict:
         return self.replacer.requests
+
+
+def _host_positions(runner, counts: list[int], total: int) -> torch.Tensor:
+    """Each scheduled token's position from the batch's computed-token counts."""
+    num_reqs = len(counts)
+    counts = np.asarray(counts, dtype=np.int64)
+    owner = np.repeat(np.arange(num_reqs), counts)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    computed = internals.computed_tokens(runner)[:num_reqs].astype(np.int64)
+    return torch.from_numpy(computed[owner] + np.arange(total) - starts[owner])
+
+
+def _count(mask: torch.Tensor) -> int:
+    """True entries of a small mask; on the host through numpy (a third of a torch sum's cost)."""
+    if mask.device.type == "cpu":
+        return int(mask.numpy().sum())
+    return int(mask.sum())
 
 
 def get_state(runner):
