@@ -9,7 +9,8 @@ HF: interleaved repetitions in one process; final JSON line
 vLLM, two measurements, each engine in its own process (in-process engine core):
 
 * speed: a plain engine and a capturing engine (same arguments; prefix caching off
-  in both, as capture needs) stay alive side by side and take turns generating
+  in both, as capture needs; capture also turns async scheduling off, the plain
+  engine keeps vLLM's default) stay alive side by side and take turns generating
   the same prompts, the order rotated every turn; per round the ratio is the
   median of the turn-paired times, over rounds the geometric mean, and each
   engine is started first in half of the rounds (the first engine started runs
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -157,6 +159,25 @@ def vllm_main(args) -> None:
     summary: dict = {"speed": {}, "memory": {}}
     modes = ["eager"] if args.quick else ["eager", "compiled"]
     samples = 3 if args.quick else 6
+    rss_ckpt = str(save_tiny_checkpoint(ARCH, os.path.join(tmp, "rss_ckpt"), **RSS_MODEL))
+    workload = dict(RSS_WORKLOAD, vocab=RSS_MODEL["vocab_size"])
+    if args.quick:
+        workload["prompts"] = 32  # 512 MiB of reference
+    peaks = {}
+    for config in ("plain", "capture"):
+        out = os.path.join(tmp, "rss_reference")
+        engine = Child(config, "eager", "rss", rss_ckpt, workload, out, env)
+        got = json.loads(engine.expect("RESULT "))
+        engine.close()
+        peaks[config] = got["peak_rss_mib"]
+        if config == "capture":
+            summary["memory"]["reference_gib"] = round(got["reference_bytes"] / 2**30, 3)
+            summary["memory"]["counts"] = got["counts"]
+        print(f"memory {config:8s} peak RSS {got['peak_rss_mib']:8.0f} MiB"
+              + (f"  reference {got['reference_bytes'] / 2**30:.2f} GiB" if config == "capture" else ""), flush=True)
+    summary["memory"].update({k + "_peak_rss_mib": round(v) for k, v in peaks.items()})
+    summary["memory"]["workload"] = workload
+
     speed_ckpt = str(save_tiny_checkpoint(ARCH, os.path.join(tmp, "speed_ckpt"), **SPEED_MODEL))
     speed = dict(prompts=8, prompt_len=64, new=16 if args.quick else 32, in_flight=8, vocab=SPEED_MODEL["vocab_size"])
     ratios = []
@@ -185,25 +206,6 @@ def vllm_main(args) -> None:
                                   "capture_s": round(statistics.median(times["capture"]), 4),
                                   "round_ratios": [round(x, 4) for x in rounds], "ratio": round(ratio, 4)}
 
-    rss_ckpt = str(save_tiny_checkpoint(ARCH, os.path.join(tmp, "rss_ckpt"), **RSS_MODEL))
-    workload = dict(RSS_WORKLOAD, vocab=RSS_MODEL["vocab_size"])
-    if args.quick:
-        workload["prompts"] = 32  # 512 MiB of reference
-    peaks = {}
-    for config in ("plain", "capture"):
-        out = os.path.join(tmp, "rss_reference")
-        engine = Child(config, "eager", "rss", rss_ckpt, workload, out, env)
-        got = json.loads(engine.expect("RESULT "))
-        engine.close()
-        peaks[config] = got["peak_rss_mib"]
-        if config == "capture":
-            summary["memory"]["reference_gib"] = round(got["reference_bytes"] / 2**30, 3)
-            summary["memory"]["counts"] = got["counts"]
-        print(f"memory {config:8s} peak RSS {got['peak_rss_mib']:8.0f} MiB"
-              + (f"  reference {got['reference_bytes'] / 2**30:.2f} GiB" if config == "capture" else ""), flush=True)
-    summary["memory"].update({k + "_peak_rss_mib": round(v) for k, v in peaks.items()})
-    summary["memory"]["workload"] = workload
-
     print(f"\n{'mode':10s}{'plain s':>10s}{'capture s':>11s}{'ratio':>8s}")
     for mode, row in summary["speed"].items():
         print(f"{mode:10s}{row['plain_s']:10.3f}{row['capture_s']:11.3f}{row['ratio']:8.3f}")
@@ -211,6 +213,7 @@ def vllm_main(args) -> None:
           f"({summary['memory']['reference_gib']} GiB reference)")
     summary["capture_overhead"] = round(max(ratios), 4)
     summary["capture_rss_over_engine_mib"] = round(peaks["capture"] - peaks["plain"])
+    shutil.rmtree(tmp, ignore_errors=True)  # the >= 4 GiB reference
     print(json.dumps(summary))
 
 
