@@ -11,7 +11,7 @@ from .passes import Injection, InjectionSpec, PassResult, insert_replacements
 from .points import locate_injection_point
 from .replacer import TensorReplacer
 from .sharding import ShapeError, ShardSpec
-from .store import CaptureError, ReferenceStore, load_captures, load_legacy, load_token_ids
+from .store import CaptureError, ReferenceStore, StoreError, StoreWriter, load_captures, load_legacy, load_token_ids, merge_stores
 from .targets import Target, TargetError, resolve_targets
 
 __all__ = [
@@ -27,6 +27,8 @@ __all__ = [
     "ReplacementContext",
     "ShapeError",
     "ShardSpec",
+    "StoreError",
+    "StoreWriter",
     "Target",
     "TargetError",
     "TargetNotHitError",
@@ -43,6 +45,7 @@ __all__ = [
     "load_legacy",
     "load_token_ids",
     "locate_injection_point",
+    "merge_stores",
     "observe",
     "register_adapter",
     "resolve_targets",
