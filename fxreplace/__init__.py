@@ -1,6 +1,7 @@
 """fxreplace: inject reference tensors into compiled LLM graphs to find which component drifts."""
 
 from .adapters import get_adapter, register_adapter
+from .blame import blame
 from .config import ConfigError, ReplacementConfig, TensorReplacementConfig
 from .context import ReplacementContext, get_active_context, get_replacement_tensor, set_active_context
 from .export import export, export_input_name
@@ -10,10 +11,11 @@ from .passes import Injection, InjectionSpec, PassResult, insert_replacements
 from .points import locate_injection_point
 from .replacer import TensorReplacer
 from .sharding import ShapeError, ShardSpec
-from .store import CaptureError, ReferenceStore, load_captures, load_legacy, load_token_ids
+from .store import CaptureError, ReferenceStore, StoreError, StoreWriter, load_captures, load_legacy, load_token_ids, merge_stores
 from .targets import Target, TargetError, resolve_targets
 
 __all__ = [
+    "blame",
     "CaptureError",
     "ConfigError",
     "Injection",
@@ -25,6 +27,8 @@ __all__ = [
     "ReplacementContext",
     "ShapeError",
     "ShardSpec",
+    "StoreError",
+    "StoreWriter",
     "Target",
     "TargetError",
     "TargetNotHitError",
@@ -41,6 +45,7 @@ __all__ = [
     "load_legacy",
     "load_token_ids",
     "locate_injection_point",
+    "merge_stores",
     "observe",
     "register_adapter",
     "resolve_targets",

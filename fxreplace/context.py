@@ -16,11 +16,17 @@ class ReplacementContext(Mapping):
     ``mask[s]`` is True exactly where slot ``s`` holds a reference row; every other
     row is zero. A context whose mask is all False turns replacement off without
     changing any shape, so a compiled graph serves "on" and "off" alike.
+
+    Built by a :class:`~fxreplace.TensorReplacer`, the module tensors are blocks of
+    ``storage``: one ``[modules, num_tokens, E]`` tensor per group of the store, so
+    each module's tensor is contiguous and one gather per group fills them all.
+    ``places[name]`` is ``(group, block)``.
     """
 
-    __slots__ = ("_tensors", "mask", "storage")
+    __slots__ = ("_tensors", "mask", "storage", "places", "__weakref__")
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = ()):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = (),
+                 places: Mapping[str, tuple[int, int]] | None = None):
         if mask.dtype != torch.bool or mask.dim() != 1:
             raise ValueError(f"mask must be a 1-D bool tensor, got {mask.dtype} of shape {tuple(mask.shape)}")
         for name, t in tensors.items():
@@ -31,7 +37,30 @@ class ReplacementContext(Mapping):
                 )
         self._tensors = dict(tensors)
         self.mask = mask
-        self.storage = storage  # the packed tensors the module tensors view, when built by a TensorReplacer
+        self.storage = storage  # per group [modules, num_tokens, E], when built by a TensorReplacer
+        self.places = dict(places or {})
+
+    @classmethod
+    def from_storage(cls, storage: tuple[torch.Tensor, ...], mask: torch.Tensor,
+                     places: Mapping[str, tuple[int, int]]) -> "ReplacementContext":
+        """The context whose module tensors are the blocks ``storage[g][i]`` named by ``places``."""
+        return cls({m: storage[g][i] for m, (g, i) in places.items()}, mask, storage, places)
+
+    def prefix(self, num_tokens: int) -> "ReplacementContext":
+        """The first ``num_tokens`` slots, sharing this context's memory: an ``out=``
+        target for a smaller batch (engines keep one max-size context bound to the graph)."""
+        if not self.storage:
+            return ReplacementContext({m: t[:num_tokens] for m, t in self._tensors.items()}, self.mask[:num_tokens])
+        return ReplacementContext.from_storage(tuple(s[:, :num_tokens] for s in self.storage), self.mask[:num_tokens],
+                                               self.places)
+
+    def mask_for(self, name: str) -> torch.Tensor:
+        """The rows replaced at module ``name`` (a :class:`SelectedContext` narrows them per module)."""
+        return self.mask
+
+    def select(self, names) -> "SelectedContext":
+        """These rows, replaced only at the modules in ``names`` (see :class:`SelectedContext`)."""
+        return SelectedContext(self, names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
@@ -47,13 +76,53 @@ class ReplacementContext(Mapping):
         return self.mask.shape[0]
 
     def to(self, device: torch.device | str | None) -> "ReplacementContext":
-        if device is None:
+        """This context on ``device``: itself when it is already there (its buffers stay
+        usable as ``out=``), else a copy that keeps the one-buffer-per-group layout."""
+        if device is None or same_device(self.mask.device, device):
             return self
+        if self.storage:
+            return ReplacementContext.from_storage(tuple(s.to(device) for s in self.storage), self.mask.to(device),
+                                                   self.places)
         return ReplacementContext({k: v.to(device) for k, v in self._tensors.items()}, self.mask.to(device))
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self._tensors.items())
         return f"ReplacementContext({{{shapes}}}, active={int(self.mask.sum())}/{self.num_tokens})"
+
+
+def same_device(have: torch.device, want: torch.device | str) -> bool:
+    """Whether ``have`` is ``want`` (``"cuda"`` without an index matches any CUDA device)."""
+    want = torch.device(want)
+    return have.type == want.type and (want.index is None or have.index == want.index)
+
+
+class SelectedContext(ReplacementContext):
+    """A context replaced only at the modules in ``selected``; the others get an all-False mask.
+
+    Every module gets a mask tensor of its own whatever the selection, so a compiled
+    graph sees the same inputs for every selection and one graph serves them all
+    (the search of :mod:`fxreplace.blame` replaces a different set each pass).
+    """
+
+    __slots__ = ("selected", "module_masks")
+
+    def __init__(self, context: ReplacementContext, names):
+        super().__init__(dict(context.items()), context.mask, context.storage, context.places)
+        self.selected = frozenset(names)
+        unknown = sorted(self.selected - set(context))
+        if unknown:
+            raise KeyError(f"select(): no replacement tensors for {unknown}; the context holds {sorted(context)}")
+        self.module_masks = {m: context.mask.clone() if m in self.selected else torch.zeros_like(context.mask)
+                             for m in context}
+
+    def mask_for(self, name: str) -> torch.Tensor:
+        return self.module_masks[name]
+
+    def to(self, device: torch.device | str | None) -> "SelectedContext":
+        if device is None or same_device(self.mask.device, device):
+            return self
+        plain = ReplacementContext(dict(self.items()), self.mask, self.storage, self.places)
+        return SelectedContext(plain.to(device), self.selected)
 
 
 _active: contextvars.ContextVar[ReplacementContext | None] = contextvars.ContextVar(

@@ -1,23 +1,44 @@
 """TensorReplacer: from scheduler metadata to the replacement tensors of one forward pass.
 
-Every builder reduces the batch to two per-slot tensors, the owning request of
-each slot and its position, then does one vectorised gather from the
-:class:`~fxreplace.store.ReferenceStore`. Python only loops over requests (to look
-up their prompt), never over slots or positions.
+Every builder reduces the batch to two per-slot arrays, the owning request of each
+slot and its position, computes the store row of every slot on the host (numpy: the
+scheduler's metadata lives there), then does one ``index_select`` per group of the
+:class:`~fxreplace.store.ReferenceStore` (per touched shard) on the store's device.
+Python only loops over requests (to look up their prompt), never over slots.
+
+Thread safety: registration, release, ``requests`` and building may be called from
+several threads; building into the same ``out=`` context from two threads at once
+is the caller's race.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Literal, Mapping, Sequence
 
+import numpy as np
 import torch
 
-from .context import ReplacementContext
+from .context import ReplacementContext, same_device
 from .matching import PromptIndex
-from .store import ReferenceStore, _align_token_ids
+from .store import CaptureError, ReferenceStore
 
 OnUnknown = Literal["error", "passthrough"]
 _UNMATCHED = -1  # a registered request whose prompt is not in the reference
+_MISSING = -2  # a request that was never registered
+_SMALL_BATCH = 64  # slots up to which the row arithmetic runs in plain Python (decode steps)
+_SPARE_BUFFERS = 4  # context buffers kept for reuse once their context is dropped
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+try:  # a buffer nobody but the replacer holds has the use count of a lone tensor
+    _UNSHARED = _use_count(torch.empty(1))
+except AttributeError:  # no use counts in this torch: never recycle
+    _UNSHARED = None
 
 
 class TensorReplacer:
@@ -28,10 +49,13 @@ class TensorReplacer:
             captures (``{prompt_idx: {module: Tensor[P, E]}}``) or a ReferenceStore.
         prompt_token_ids: token ids of each captured prompt (needed to match
             requests by content; without them every request needs a ``prompt_idx``).
-        device: where the reference lives and gathers run (default: CPU).
+        device: where the reference lives and gathers run (default: where the store is).
         on_unknown: ``"error"`` raises KeyError for requests that are not registered
             or match no prompt; ``"passthrough"`` leaves their slots unreplaced.
-        allow_nonfinite: accept NaN/Inf in the captures.
+        allow_nonfinite: accept NaN/Inf in the captures (a store records whether its
+            writer checked; the rows are never read here).
+
+    Construction costs O(index): a store stays memory-mapped and is not read.
     """
 
     def __init__(
@@ -47,10 +71,13 @@ class TensorReplacer:
             raise ValueError(f"on_unknown must be 'error' or 'passthrough', got {on_unknown!r}")
         if isinstance(reference_captures, ReferenceStore):
             store = reference_captures
-            if prompt_token_ids is not None:
-                store.prompt_token_ids = _align_token_ids(prompt_token_ids, store.prompt_ids)
-            if not allow_nonfinite:
-                store.check_finite()
+            if prompt_token_ids is not None and prompt_token_ids is not store.prompt_token_ids:
+                store = store.with_token_ids(prompt_token_ids)
+            if not allow_nonfinite and not store.finite_checked:
+                raise CaptureError(
+                    "the reference store was written with allow_nonfinite=True, so its rows were not checked for "
+                    "NaN/Inf; pass allow_nonfinite=True (or check it: `fxreplace inspect --verify`, ReferenceStore.check_finite())"
+                )
         else:
             store = ReferenceStore.from_captures(
                 reference_captures, prompt_token_ids=prompt_token_ids, allow_nonfinite=allow_nonfinite
@@ -58,8 +85,23 @@ class TensorReplacer:
         self.store = store.to(device)
         self.on_unknown = on_unknown
         self._index = PromptIndex(store.prompt_token_ids) if store.prompt_token_ids is not None else None
-        self._requests: dict[str, int] = {}
-        self._device = self.store.offsets.device
+        self._device = self.store.packed[0].device
+        self._on_host = self._device.type == "cpu"
+        # host-side tables: the row arithmetic of every build runs in numpy
+        self._offsets = store.offsets.cpu().numpy()
+        self._lengths = store.lengths.cpu().numpy()
+        self._shard_of = store.prompt_shard.cpu().numpy()
+        self._zero_rows = np.array([s.zero_row for s in store.shards], dtype=np.int64)
+        self._offsets_list, self._lengths_list = self._offsets.tolist(), self._lengths.tolist()
+        self._zero_rows_list = self._zero_rows.tolist()
+        self._sources = [tuple(s.packed) for s in self.store.shards]
+        self._places = {m: (c.group, c.index) for m, c in store.columns.items()}
+        self._shapes = [(len(g.modules), g.width, g.dtype) for g in store.groups]
+        self._lock = threading.Lock()
+        self._prompt_of: dict[str, int] = {}  # request id -> internal prompt (or _UNMATCHED)
+        self._registered_as: dict[str, tuple] = {}  # request id -> (token ids, prompt_idx) it was registered with
+        self._spare: list[tuple[torch.Tensor, ...]] = []
+        self._valid_outs: weakref.WeakValueDictionary[int, ReplacementContext] = weakref.WeakValueDictionary()
 
     @property
     def modules(self) -> list[str]:
@@ -67,8 +109,10 @@ class TensorReplacer:
 
     @property
     def requests(self) -> dict[str, int | None]:
-        """Registered request ids and the prompt (user's index) each resolved to."""
-        return {r: (None if i == _UNMATCHED else self.store.prompt_ids[i]) for r, i in self._requests.items()}
+        """Registered request ids and the prompt (user's index) each resolved to (a snapshot)."""
+        with self._lock:
+            items = list(self._prompt_of.items())
+        return {r: (None if i == _UNMATCHED else self.store.prompt_ids[i]) for r, i in items}
 
     # ------------------------------------------------------------------ requests
 
@@ -76,11 +120,18 @@ class TensorReplacer:
         """Map ``req_id`` to a stored prompt; returns the prompt index (None if unmatched).
 
         ``prompt_idx`` wins over matching; otherwise the longest stored prompt that
-        is a verified prefix of ``token_ids``. Registering a known id again is a no-op.
+        is a verified prefix of ``token_ids``. Registering a known id again with the
+        same arguments is a no-op; with other tokens or another prompt it is an error.
         """
-        if req_id in self._requests:
-            i = self._requests[req_id]
-            return None if i == _UNMATCHED else self.store.prompt_ids[i]
+        if token_ids is not None:
+            ids = np.asarray(token_ids.detach().cpu() if isinstance(token_ids, torch.Tensor) else token_ids).reshape(-1)
+            if ids.size and ids.dtype.kind not in "iu":
+                raise ValueError(f"request {req_id!r}: token ids must be integers, got {ids.dtype} ({ids[:4].tolist()} ...)")
+            token_ids = ids.astype(np.int64, copy=False)
+        key = (None if token_ids is None else token_ids.tobytes(), prompt_idx)
+        with self._lock:
+            if req_id in self._prompt_of:
+                return self._same_registration(req_id, key)
         if prompt_idx is not None:
             i = self.store.internal_index(prompt_idx)
         else:
@@ -91,28 +142,45 @@ class TensorReplacer:
                 )
             if token_ids is None:
                 raise ValueError(f"request {req_id!r}: give token_ids or prompt_idx")
-            if isinstance(token_ids, torch.Tensor):
-                token_ids = token_ids.flatten().tolist()
-            found = self._index.longest_prefix(token_ids)
-            if found is None:
+            i = self._index.longest_prefix(token_ids)
+            if i is None:
                 if self.on_unknown == "error":
                     raise KeyError(
                         f"request {req_id!r}: its {len(token_ids)} tokens start with no stored prompt "
-                        f"(first tokens {list(token_ids[:8])}); pass prompt_idx or on_unknown='passthrough'"
+                        f"(first tokens {token_ids[:8].tolist()}); pass prompt_idx or on_unknown='passthrough'"
                     )
-                found = _UNMATCHED
-            i = found
-        self._requests[req_id] = i
+                i = _UNMATCHED
+        with self._lock:
+            if req_id in self._prompt_of:  # registered by another thread meanwhile
+                return self._same_registration(req_id, key)
+            self._prompt_of[req_id] = i
+            self._registered_as[req_id] = key
+        return None if i == _UNMATCHED else self.store.prompt_ids[i]
+
+    def _same_registration(self, req_id: str, key: tuple) -> int | None:
+        old_tokens, old_hint = self._registered_as[req_id]
+        if key != (old_tokens, old_hint):
+            def describe(tokens, hint):
+                n = "no tokens" if tokens is None else f"{len(tokens) // 8} tokens"
+                return n if hint is None else f"{n}, prompt_idx {hint}"
+            raise ValueError(
+                f"request {req_id!r} is already registered ({describe(old_tokens, old_hint)}) and is now registered again "
+                f"with other arguments ({describe(*key)}); release_request({req_id!r}) first or use a new id"
+            )
+        i = self._prompt_of[req_id]
         return None if i == _UNMATCHED else self.store.prompt_ids[i]
 
     def release_request(self, req_id: str) -> bool:
         """Forget a finished or aborted request; returns whether it was registered."""
-        return self._requests.pop(req_id, None) is not None
+        with self._lock:
+            self._registered_as.pop(req_id, None)
+            return self._prompt_of.pop(req_id, None) is not None
 
     def any_matched(self, req_ids: Sequence[str]) -> bool:
         """Whether any of these requests resolved to a stored prompt (a batch
         without one needs no context: replacement stays off)."""
-        return any(self._requests.get(r, _UNMATCHED) != _UNMATCHED for r in req_ids)
+        get = self._prompt_of.get
+        return any(get(r, _UNMATCHED) != _UNMATCHED for r in req_ids)
 
     # ------------------------------------------------------------------ contexts
 
@@ -130,25 +198,32 @@ class TensorReplacer:
         Prefill: one request; its tokens are the consecutive run of positions that
         starts at slot 0, and the first slot that is not previous + 1 starts padding
         (a chunk may start at any position). Decode: slot ``s`` belongs to request
-        ``s // tokens_per_req``; slots past ``len(req_ids) * tokens_per_req`` are padding.
+        ``s // tokens_per_req``; slots past ``len(req_ids) * tokens_per_req`` are padding,
+        and a batch with fewer slots than that is an error.
 
-        ``out``: a context this replacer built earlier with the same number of slots,
-        overwritten in place instead of allocating (engines reusing one per bucket).
+        ``out``: a context this replacer built earlier with the same number of slots
+        (on any device), overwritten in place instead of allocating.
         """
-        positions = self._as_positions(positions)
+        positions = _as_index_array(positions, "positions")
         n = positions.shape[0]
         if is_prefill:
             if len(req_ids) != 1:
                 raise ValueError(f"a prefill batch holds exactly one request, got {len(req_ids)}: {list(req_ids)[:4]}")
-            in_run = torch.ones(n, dtype=torch.bool, device=self._device)
+            in_run = np.ones(n, dtype=bool)
             if n > 1:
-                in_run[1:] = torch.cumprod(positions[1:] == positions[:-1] + 1, 0).bool()
-            slot_req = torch.where(in_run, 0, 1)
+                np.logical_and.accumulate(positions[1:] == positions[:-1] + 1, out=in_run[1:])
+            owners = (~in_run).astype(np.int64)
         else:
-            if tokens_per_req < 1:
-                raise ValueError(f"tokens_per_req must be >= 1, got {tokens_per_req}")
-            slot_req = torch.arange(n, device=self._device) // tokens_per_req
-        return self._gather(req_ids, slot_req, positions, device, out)
+            if isinstance(tokens_per_req, bool) or not isinstance(tokens_per_req, (int, np.integer)) or tokens_per_req < 1:
+                raise ValueError(f"tokens_per_req must be an int >= 1, got {tokens_per_req!r}")
+            needed = len(req_ids) * tokens_per_req
+            if n < needed:
+                raise ValueError(
+                    f"a decode batch of {len(req_ids)} requests x {tokens_per_req} tokens needs {needed} slots but has "
+                    f"{n} positions: requests {list(req_ids)[n // tokens_per_req:][:4]} would be dropped"
+                )
+            owners = np.minimum(np.arange(n) // tokens_per_req, len(req_ids))
+        return self._gather(req_ids, owners, positions, device, out)
 
     def build_context_for_batch(
         self,
@@ -160,72 +235,150 @@ class TensorReplacer:
     ) -> ReplacementContext:
         """Mixed batches (vLLM-style): request ``i`` owns the next ``num_scheduled_tokens[i]``
         slots, in order; the rest of ``positions`` is padding. ``out`` as in :meth:`build_context`."""
-        positions = self._as_positions(positions)
-        counts = torch.as_tensor(num_scheduled_tokens, dtype=torch.long, device=self._device).flatten()
-        if counts.shape[0] != len(req_ids):
-            raise ValueError(f"got {counts.shape[0]} num_scheduled_tokens for {len(req_ids)} requests")
-        if bool((counts < 0).any()):
-            raise ValueError(f"num_scheduled_tokens must be >= 0, got {counts.tolist()}")
-        total = int(counts.sum())
-        if total > positions.shape[0]:
-            raise ValueError(f"requests schedule {total} tokens but the batch has only {positions.shape[0]} positions")
-        slot_req = torch.full((positions.shape[0],), len(req_ids), dtype=torch.long, device=self._device)
-        slot_req[:total] = torch.repeat_interleave(torch.arange(len(req_ids), device=self._device), counts)
-        return self._gather(req_ids, slot_req, positions, device, out)
+        positions = _as_index_array(positions, "positions")
+        counts = _as_index_array(num_scheduled_tokens, "num_scheduled_tokens").tolist()
+        if len(counts) != len(req_ids):
+            raise ValueError(f"got {len(counts)} num_scheduled_tokens for {len(req_ids)} requests")
+        if counts and min(counts) < 0:
+            raise ValueError(f"num_scheduled_tokens must be >= 0, got {counts}")
+        total, n = sum(counts), positions.shape[0]
+        if total > n:
+            raise ValueError(f"requests schedule {total} tokens but the batch has only {n} positions")
+        if n <= _SMALL_BATCH:
+            owners = [k for k, c in enumerate(counts) for _ in range(c)] + [len(req_ids)] * (n - total)
+        else:
+            owners = np.repeat(np.arange(len(req_ids) + 1), counts + [n - total])
+        return self._gather(req_ids, owners, positions, device, out)
 
     def warmup_context(self, num_tokens: int, device: torch.device | str | None = None) -> ReplacementContext:
-        """Zeros with the real shapes and dtypes and an all-False mask: replacement off."""
+        """Zeros with the real shapes and dtypes and an all-False mask: replacement off.
+        Its buffers are its own (never recycled): engines bind them to the graph."""
+        storage = tuple(torch.zeros(m, num_tokens, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
         mask = torch.zeros(num_tokens, dtype=torch.bool, device=self._device)
-        rows = torch.full((num_tokens,), self.store.zero_row, dtype=torch.long, device=self._device)
-        return self._context(rows, mask).to(device)
+        return ReplacementContext.from_storage(storage, mask, self._places).to(device)
 
     # ------------------------------------------------------------------ internals
 
-    def _as_positions(self, positions) -> torch.Tensor:
-        positions = torch.as_tensor(positions, dtype=torch.long, device=self._device)
-        if positions.dim() != 1:
-            raise ValueError(f"positions must be 1-D [num_slots], got shape {tuple(positions.shape)}")
-        return positions
-
-    def _prompt_rows(self, req_ids: Sequence[str]) -> torch.Tensor:
+    def _request_prompts(self, req_ids: Sequence[str]) -> list[int]:
         """Internal prompt per request (-1 where unmatched), plus a trailing -1 for padding slots."""
-        rows = []
-        for r in req_ids:
-            i = self._requests.get(r)
-            if i is None:
-                if self.on_unknown == "error":
-                    raise KeyError(f"request {r!r} is not registered; call register_request first (or on_unknown='passthrough')")
-                i = _UNMATCHED
-            rows.append(i)
-        rows.append(_UNMATCHED)
-        return torch.tensor(rows, dtype=torch.long, device=self._device)
+        get = self._prompt_of.get
+        prompts = [get(r, _MISSING) for r in req_ids]
+        if _MISSING in prompts:
+            missing = req_ids[prompts.index(_MISSING)]
+            if self.on_unknown == "error":
+                raise KeyError(f"request {missing!r} is not registered; call register_request first (or on_unknown='passthrough')")
+            prompts = [_UNMATCHED if p == _MISSING else p for p in prompts]
+        prompts.append(_UNMATCHED)
+        return prompts
 
-    def _gather(self, req_ids, slot_req: torch.Tensor, positions: torch.Tensor, device, out=None) -> ReplacementContext:
-        """slot_req[s] in [0, len(req_ids)] (len = padding) → context."""
-        prompt = self._prompt_rows(req_ids)[slot_req.clamp(max=len(req_ids))]
+    def _slot_rows(self, prompts: list[int], owners, positions: np.ndarray):
+        """Store row of every slot (the zero row where it holds none) and the mask, as a
+        plan: ``[(shard, rows, slots or None for all)]``.
+
+        Batches of up to ``_SMALL_BATCH`` slots in one shard (decode steps) run as a plain
+        Python loop, which costs a fraction of the dozen numpy calls of the general case."""
+        if len(self._sources) == 1 and len(owners) <= _SMALL_BATCH:
+            zero, offsets, lengths = self._zero_rows_list[0], self._offsets_list, self._lengths_list
+            rows, mask = [zero] * len(owners), [False] * len(owners)
+            for s, (o, q) in enumerate(zip(owners, positions.tolist())):
+                p = prompts[o]
+                if p >= 0 and 0 <= q < lengths[p]:
+                    rows[s], mask[s] = offsets[p] + q, True
+            return [(0, rows, None)], mask
+        prompt = np.array(prompts)[owners]
         known = prompt >= 0
-        prompt = prompt.clamp(min=0)
-        mask = known & (positions >= 0) & (positions < self.store.lengths[prompt])
-        rows = torch.where(mask, self.store.offsets[prompt] + positions, self.store.zero_row)
-        if out is not None:
-            return self._gather_into(out, rows, mask, device)
-        return self._context(rows, mask).to(device)
+        prompt = np.maximum(prompt, 0)
+        mask = known & (positions >= 0) & (positions < self._lengths[prompt])
+        local = self._offsets[prompt] + positions
+        if len(self._sources) == 1:
+            return [(0, np.where(mask, local, self._zero_rows[0]), None)], mask
+        # the first touched shard fills every slot (zeros elsewhere); the others copy their slots in
+        shard = self._shard_of[prompt]
+        touched = np.unique(shard[mask])
+        first = int(touched[0]) if touched.size else 0
+        plan = [(first, np.where(mask & (shard == first), local, self._zero_rows[first]), None)]
+        for s in touched[1:]:
+            slots = np.flatnonzero(mask & (shard == s))
+            plan.append((int(s), local[slots], slots))
+        return plan, mask
 
-    def _context(self, rows: torch.Tensor, mask: torch.Tensor) -> ReplacementContext:
-        gathered = tuple(p.index_select(0, rows) for p in self.store.packed)
-        tensors = {m: gathered[c.group][:, c.start : c.stop] for m, c in self.store.columns.items()}
-        return ReplacementContext(tensors, mask, storage=gathered)
-
-    def _gather_into(self, out: ReplacementContext, rows: torch.Tensor, mask: torch.Tensor, device) -> ReplacementContext:
-        shapes = [(rows.shape[0], p.shape[1], p.dtype, p.device) for p in self.store.packed]
-        if [(s.shape[0], s.shape[1], s.dtype, s.device) for s in out.storage] != shapes:
-            raise ValueError(
-                f"out must be a context built by this replacer for {rows.shape[0]} slots on {self._device}; "
-                f"got {out!r}"
-            )
-        if device is not None and torch.device(device) != self._device:
-            raise ValueError(f"out= reuses memory on {self._device}; it cannot also move the context to {device}")
-        for src, dst in zip(self.store.packed, out.storage):
-            torch.index_select(src, 0, rows, out=dst)
+    def _gather(self, req_ids, owners, positions: np.ndarray, device, out) -> ReplacementContext:
+        """owners[s] in [0, len(req_ids)] (len = padding) -> context."""
+        plan, mask = self._slot_rows(self._request_prompts(req_ids), owners, positions)
+        n = positions.shape[0]
+        mask = torch.from_numpy(np.asarray(mask, dtype=bool))
+        if out is None:
+            ctx = self._fresh_context(n)
+            self._run(plan, ctx.storage)
+            ctx.mask.copy_(mask)
+            return ctx.to(device)
+        direct = self._checked_out(out, n)
+        if device is not None and not same_device(out.mask.device, device):
+            raise ValueError(f"out= is on {out.mask.device}; it cannot also move the context to {device}")
+        if direct:
+            self._run(plan, out.storage)
+        else:  # gather where the reference lives, then one copy per group
+            staged = self._fresh_context(n)
+            self._run(plan, staged.storage)
+            for src, dst in zip(staged.storage, out.storage):
+                dst.copy_(src, non_blocking=True)
         out.mask.copy_(mask)
         return out
+
+    def _run(self, plan, storage: tuple[torch.Tensor, ...]) -> None:
+        for s, rows, slots in plan:
+            rows = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+            if self._on_host is False:
+                rows = rows.to(self._device)
+            if slots is None:
+                for src, dst in zip(self._sources[s], storage):
+                    torch.index_select(src, 1, rows, out=dst)
+            else:
+                slots = torch.from_numpy(slots).to(self._device)  # multi-shard batches: not the decode hot path
+                for src, dst in zip(self._sources[s], storage):
+                    dst.index_copy_(1, slots, src.index_select(1, rows))
+
+    def _fresh_context(self, n: int) -> ReplacementContext:
+        """A context of ``n`` slots on the store's device, reusing the buffers of a dropped
+        context of the same size when there is one (a fresh allocation of a large context
+        costs more in page faults than the gather itself)."""
+        mask = torch.empty(n, dtype=torch.bool, device=self._device)
+        with self._lock:  # views are made under the lock, so no two builds take the same buffers
+            for k, bufs in enumerate(self._spare):
+                if bufs[0].shape[1] == n and _UNSHARED is not None and all(_use_count(b) == _UNSHARED for b in bufs):
+                    self._spare.append(self._spare.pop(k))
+                    return ReplacementContext.from_storage(bufs, mask, self._places)
+            bufs = tuple(torch.empty(m, n, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
+            self._spare.append(bufs)
+            del self._spare[:-_SPARE_BUFFERS]
+            return ReplacementContext.from_storage(bufs, mask, self._places)
+
+    def _checked_out(self, out: ReplacementContext, n: int) -> bool:
+        """Check ``out`` once (remembered while it lives); returns whether it is on the store's device."""
+        if self._valid_outs.get(id(out)) is not out:
+            want = [(m, n, e, dt) for m, e, dt in self._shapes]
+            got = [(*s.shape, s.dtype) for s in out.storage]
+            if got != want or out.mask.shape[0] != n or out.places != self._places:
+                raise ValueError(
+                    f"out must be a context built by this replacer (build_context, warmup_context or .prefix()) for {n} "
+                    f"slots; got {out!r}"
+                )
+            self._valid_outs[id(out)] = out
+        return out.mask.device == self._device  # both devices of real tensors: plain comparison
+
+
+def _as_index_array(values, what: str) -> np.ndarray:
+    """A 1-D int64 array; floats and bools are refused (a fractional position has no row)."""
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise ValueError(f"{what} must be integers, got a {values.dtype} tensor")
+        arr = values.numpy() if values.device.type == "cpu" and not values.requires_grad else values.detach().cpu().numpy()
+    else:
+        arr = np.asarray(values)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        elif arr.dtype.kind not in "iu":
+            raise ValueError(f"{what} must be integers, got {arr.dtype} values such as {arr.reshape(-1)[:4].tolist()}")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D [num_slots], got shape {tuple(arr.shape)}")
+    return arr.astype(np.int64, copy=False)

@@ -1,8 +1,10 @@
 import threading
 
+import numpy as np
+
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxreplace import (
@@ -39,7 +41,11 @@ def test_register_resolves_longest_prefix_and_hint(replacer):
     assert replacer.register_request("a", [1, 2, 3, 4, 5]) == 1
     assert replacer.register_request("b", [1, 2, 3, 77]) == 0
     assert replacer.register_request("c", [1, 2, 3, 4, 5], prompt_idx=0) == 0, "hint removes the documented ambiguity"
-    assert replacer.register_request("a", [40, 50]) == 1, "re-registering is a no-op"
+    assert replacer.register_request("a", [1, 2, 3, 4, 5]) == 1, "re-registering with the same tokens is a no-op"
+    with pytest.raises(ValueError, match=r"request 'a' is already registered \(5 tokens\) .* \(2 tokens\); release_request\('a'\)"):
+        replacer.register_request("a", [40, 50])
+    with pytest.raises(ValueError, match="request 'c' is already registered"):
+        replacer.register_request("c", [1, 2, 3, 4, 5])
     with pytest.raises(KeyError, match="prompt 9 is not in the reference store"):
         replacer.register_request("d", [1], prompt_idx=9)
     with pytest.raises(KeyError, match=r"request 'e': its 2 tokens start with no stored prompt"):
@@ -199,9 +205,20 @@ def _assert_same(ctx, expected, mask):
         assert torch.equal(ctx[m], t), m
 
 
-@settings(max_examples=150, deadline=None)
+@pytest.fixture(params=["python", "numpy"])
+def row_path(request):
+    """Run a test on both row-arithmetic paths: small batches in Python, large ones in numpy."""
+    import fxreplace.replacer as replacer_module
+
+    saved = replacer_module._SMALL_BATCH
+    replacer_module._SMALL_BATCH = saved if request.param == "python" else -1
+    yield request.param
+    replacer_module._SMALL_BATCH = saved
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sc=scenario(), tokens_per_req=st.integers(1, 4), extra_pad=st.integers(0, 5), data=st.data())
-def test_decode_matches_per_slot_oracle(sc, tokens_per_req, extra_pad, data):
+def test_decode_matches_per_slot_oracle(row_path, sc, tokens_per_req, extra_pad, data):
     lengths, decode, kv_cache, req_prompts = sc
     caps, r, req_ids = _setup(lengths, decode, kv_cache, req_prompts, seed=len(req_prompts))
     slots = len(req_ids) * tokens_per_req + extra_pad
@@ -211,9 +228,9 @@ def test_decode_matches_per_slot_oracle(sc, tokens_per_req, extra_pad, data):
     _assert_same(ctx, *build_context_loop(caps, req_prompts, positions, owners))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sc=scenario(), start=st.integers(0, 8), run=st.integers(1, 8), pad=st.lists(st.integers(0, 12), max_size=6))
-def test_prefill_matches_per_slot_oracle(sc, start, run, pad):
+def test_prefill_matches_per_slot_oracle(row_path, sc, start, run, pad):
     lengths, decode, kv_cache, req_prompts = sc
     req_prompts = (req_prompts or [0])[:1]
     caps, r, req_ids = _setup(lengths, decode, kv_cache, req_prompts, seed=start)
@@ -223,9 +240,9 @@ def test_prefill_matches_per_slot_oracle(sc, start, run, pad):
     _assert_same(ctx, *build_context_loop(caps, req_prompts, positions, owners))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sc=scenario(), data=st.data())
-def test_mixed_batch_matches_per_slot_oracle(sc, data):
+def test_mixed_batch_matches_per_slot_oracle(row_path, sc, data):
     lengths, decode, kv_cache, req_prompts = sc
     caps, r, req_ids = _setup(lengths, decode, kv_cache, req_prompts, seed=7)
     counts = data.draw(st.lists(st.integers(0, 5), min_size=len(req_ids), max_size=len(req_ids)))
@@ -238,3 +255,130 @@ def test_mixed_batch_matches_per_slot_oracle(sc, data):
     ctx = r.build_context_for_batch(req_ids, counts, positions)
     owners = slot_owners(len(positions), len(req_ids), num_scheduled_tokens=counts)
     _assert_same(ctx, *build_context_loop(caps, req_prompts, positions, owners))
+
+
+@settings(max_examples=60, deadline=None)
+@given(sc=scenario(), shard_bytes=st.sampled_from([1, 200]), data=st.data())
+def test_sharded_store_matches_per_slot_oracle(sc, shard_bytes, data):
+    """A store written prompt by prompt into several shard files gathers like one in memory."""
+    import tempfile
+
+    from fxreplace import ReferenceStore, StoreWriter
+
+    lengths, decode, kv_cache, req_prompts = sc
+    caps = captures_for(lengths, decode, seed=3, kv_cache=kv_cache)
+    with tempfile.TemporaryDirectory() as tmp:
+        with StoreWriter(f"{tmp}/ref", shard_bytes=shard_bytes) as writer:
+            for p in reversed(range(len(caps))):  # shards hold prompts in any order
+                writer.add(None, caps[p], prompt_idx=p)
+        r = TensorReplacer(ReferenceStore.load(f"{tmp}/ref"), on_unknown="passthrough")
+        req_ids = [f"req-{i}" for i in range(len(req_prompts))]
+        for rid, p in zip(req_ids, req_prompts):
+            if p is not None:
+                r.register_request(rid, None, prompt_idx=p)
+        counts = data.draw(st.lists(st.integers(0, 5), min_size=len(req_ids), max_size=len(req_ids)))
+        positions = [s + j for c in counts for s in [data.draw(st.integers(0, 10))] for j in range(c)]
+        positions += data.draw(st.lists(st.integers(0, 10), max_size=4))
+        owners = slot_owners(len(positions), len(req_ids), num_scheduled_tokens=counts)
+        expected = build_context_loop(caps, req_prompts, positions, owners)
+        _assert_same(r.build_context_for_batch(req_ids, counts, positions), *expected)
+        out = r.warmup_context(len(positions))
+        _assert_same(r.build_context_for_batch(req_ids, counts, positions, out=out), *expected)
+
+
+# ---------------------------------------------------------------- bad batches, devices, buffers, threads
+
+
+def test_batches_that_would_drop_or_truncate_are_errors(replacer):
+    replacer.register_request("a", [1, 2, 3])
+    replacer.register_request("b", [40, 50])
+    with pytest.raises(ValueError, match=r"decode batch of 2 requests x 2 tokens needs 4 slots but has 3 positions: requests \['b'\]"):
+        replacer.build_context(["a", "b"], [3, 4, 2], is_prefill=False, tokens_per_req=2)
+    for bad in ([0, 1.5], torch.tensor([0.0, 1.0]), np.array([0.5, 1.0]), [True, False]):
+        with pytest.raises(ValueError, match="positions must be integers"):
+            replacer.build_context(["a"], bad, is_prefill=True)
+    with pytest.raises(ValueError, match="num_scheduled_tokens must be integers"):
+        replacer.build_context_for_batch(["a", "b"], [1.0, 1.0], [0, 1])
+    with pytest.raises(ValueError, match="tokens_per_req must be an int >= 1, got 1.5"):
+        replacer.build_context(["a"], [0, 1], is_prefill=False, tokens_per_req=1.5)
+    with pytest.raises(ValueError, match=r"request 'c': token ids must be integers, got float64"):
+        replacer.register_request("c", [1.0, 2.5, 3.0])
+    ctx = replacer.build_context(["a", "b"], np.array([3, 4], dtype=np.int32), is_prefill=False)
+    assert ctx.mask.tolist() == [True, True]
+
+
+def test_each_module_is_a_contiguous_block_of_one_buffer_per_group(replacer):
+    replacer.register_request("a", [1, 2, 3])
+    ctx = replacer.build_context(["a"], [0, 1, 2, 0], is_prefill=True)
+    assert all(t.is_contiguous() for t in ctx.values())
+    assert torch.equal(ctx["m1"].view(-1), torch.cat([replacer.store.rows(0, "m1")[:3], torch.zeros(1, 3)]).view(-1))
+    assert ctx.storage[ctx.places["m0"][0]].shape == (1, 4, 4), "[modules, slots, width]"
+    small = replacer.warmup_context(8).prefix(4)
+    assert replacer.build_context(["a"], [0, 1, 2, 0], True, out=small) is small
+    assert all(t.is_contiguous() for t in small.values()) and torch.equal(small["m0"], ctx["m0"])
+
+
+def test_to_the_same_device_keeps_the_buffers_for_out(replacer):
+    replacer.register_request("a", [1, 2, 3])
+    ctx = replacer.build_context(["a"], [0, 1, 2], True, device="cpu")
+    assert ctx.to("cpu") is ctx and ctx.to(torch.device("cpu")) is ctx
+    again = replacer.build_context(["a"], [3, 4, 5], True, device="cpu", out=ctx)
+    assert again is ctx and ctx.mask.tolist() == [True, True, False]
+    moved = replacer.warmup_context(3).to("meta")
+    assert moved.storage and moved.storage[0].device.type == "meta" and moved["m0"].device.type == "meta"
+
+
+def test_fresh_contexts_recycle_only_buffers_nobody_holds(replacer):
+    replacer.register_request("a", [1, 2, 3, 4, 5])
+    first = replacer.build_context(["a"], [0, 1, 2], True)
+    kept = first["m0"]  # the user keeps one module tensor: its buffer must never be reused
+    kept_values = kept.clone()
+    ptr = first.storage[0].data_ptr()
+    del first
+    second = replacer.build_context(["a"], [2, 3, 4], True)
+    assert second.storage[0].data_ptr() != ptr and torch.equal(kept, kept_values)
+    ptr2 = second.storage[0].data_ptr()
+    del second
+    third = replacer.build_context(["a"], [0, 1, 2], True)
+    assert third.storage[0].data_ptr() == ptr2, "a dropped context's buffers serve the next build"
+    assert torch.equal(third["m0"], kept_values)
+
+
+def test_public_methods_are_safe_from_eight_threads():
+    caps = captures_for([3, 5, 2, 4], [2, 1, 3, 2])
+    token_ids = [[1, 2, 3], [7, 2, 3, 4, 5], [40, 50], [9, 9, 9, 9]]
+    r = TensorReplacer(caps, prompt_token_ids=token_ids)
+    errors, barrier = [], threading.Barrier(8)
+
+    def worker(w):
+        try:
+            rng = np.random.default_rng(w)
+            barrier.wait()
+            for it in range(60):
+                ids = [f"w{w}-{it}-{k}" for k in range(3)]
+                prompts = rng.integers(0, 4, 3).tolist()
+                for rid, p in zip(ids, prompts):
+                    assert r.register_request(rid, token_ids[p] + [1]) == p
+                    assert r.register_request(rid, token_ids[p] + [1]) == p
+                snapshot = r.requests  # others register and release meanwhile
+                assert all(snapshot[rid] == p for rid, p in zip(ids, prompts))
+                counts = rng.integers(0, 4, 3).tolist()
+                positions = [int(s) + j for c in counts for s in [rng.integers(0, 6)] for j in range(c)] + [0, 0]
+                out = r.warmup_context(len(positions)) if it % 2 else None
+                ctx = r.build_context_for_batch(ids, counts, positions, out=out)
+                owners = slot_owners(len(positions), 3, num_scheduled_tokens=counts)
+                expected, mask = build_context_loop(caps, prompts, positions, owners)
+                assert ctx.mask.tolist() == mask.tolist()
+                assert all(torch.equal(ctx[m], expected[m]) for m in expected)
+                for rid in ids:
+                    assert r.release_request(rid)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert r.requests == {}

@@ -41,10 +41,19 @@ def test_flat_dict_input_keeps_prompt_keys():
 def test_packs_modules_of_different_width_and_dtype():
     caps = [{"a": [torch.randn(1, 2, 4)], "b": [torch.randn(1, 2, 3)], "c": [torch.randn(1, 2, 5).bfloat16()]}]
     store = ReferenceStore.from_captures(caps)
-    assert len(store.packed) == 2
+    assert [(g.dtype, g.width, g.modules) for g in store.groups] == [
+        (torch.float32, 4, ("a",)), (torch.float32, 3, ("b",)), (torch.bfloat16, 5, ("c",))]
     assert store.dtype("c") == torch.bfloat16 and store.feature_dim("b") == 3
     assert torch.equal(store.rows(0, "b"), caps[0]["b"][0][0])
-    assert torch.equal(store.packed[0][-1], torch.zeros(7)), "last row is the zero row"
+    assert all(torch.count_nonzero(p[:, -1]) == 0 for p in store.packed), "the last row of every group is the zero row"
+
+
+def test_modules_of_one_dtype_and_width_share_a_module_major_group():
+    caps = [{f"m{i}": [torch.randn(1, 3, 4)] for i in range(3)}, {f"m{i}": [torch.randn(1, 2, 4)] for i in range(3)}]
+    store = ReferenceStore.from_captures(caps)
+    (packed,) = store.packed
+    assert packed.shape == (3, 6, 4), "[modules, rows + 1, width]"
+    assert torch.equal(packed[1, 3:5], caps[1]["m1"][0][0])
 
 
 @pytest.mark.parametrize(
@@ -97,12 +106,14 @@ def test_token_ids_are_validated():
 def test_save_load_round_trip_is_memory_mapped(tmp_path):
     caps = [{"a": stepwise(3, 2), "b": [s.bfloat16() for s in stepwise(3, 2, E=2, seed=4)]}, {"a": stepwise(5, 0), "b": [torch.randn(1, 5, 2).bfloat16()]}]
     store = ReferenceStore.from_captures(
-        caps, prompt_token_ids=[[1, 2, 3], [4, 5, 6, 7, 8]], metadata={"source_model": "tiny"}, extras={"logits": torch.randn(2, 3)}
+        caps, prompt_token_ids=[[1, 2, 3], [4, 5, 6, 7, 8]], metadata={"source_model": "tiny"},
+        extras={"logits": [torch.randn(2, 3), torch.randn(0, 3)]},
     )
     store.save(tmp_path / "ref")
     index = json.loads((tmp_path / "ref" / "index.json").read_text())
-    assert index["prompts"] == [0, 1] and index["metadata"] == {"source_model": "tiny"}
-    assert set(index["modules"]) == {"a", "b"}
+    assert index["shards"] == [{"file": "reference.safetensors", "prompts": [0, 1]}]
+    assert index["metadata"] == {"source_model": "tiny"}
+    assert index["modules"] == {"a": ["float32", 4], "b": ["bfloat16", 2]}
 
     loaded = ReferenceStore.load(tmp_path / "ref")
     assert loaded.prompt_token_ids == [[1, 2, 3], [4, 5, 6, 7, 8]]
@@ -110,7 +121,7 @@ def test_save_load_round_trip_is_memory_mapped(tmp_path):
     for p in (0, 1):
         for m in ("a", "b"):
             assert torch.equal(loaded.rows(p, m), store.rows(p, m))
-    assert torch.equal(loaded.extras["logits"], store.extras["logits"])
+    assert torch.equal(loaded.extra("logits", 0), store.extra("logits", 0)) and loaded.extra("logits", 1).shape == (0, 3)
     assert ReferenceStore.load(tmp_path / "ref" / "reference.safetensors").modules == ["a", "b"]
 
 
@@ -166,3 +177,287 @@ def test_loading_a_large_store_does_not_read_it_into_memory(tmp_path):
     store = ReferenceStore.load(tmp_path / "big")
     assert _rss_mib() - before < 64, "loading must memory-map, not read 256 MiB"
     assert float(store.rows(40, "m")[7, 3]) == 40.0
+
+
+# ---------------------------------------------------------------- streaming writer, shards, merge
+
+
+def _prompt_captures(n_prompts, seed=0, E=(4, 2)):
+    g = torch.Generator().manual_seed(seed)
+    caps, ids = [], []
+    for p in range(n_prompts):
+        L, D = 2 + p % 3, 1 + p % 2
+        caps.append({
+            "a": [torch.randn(1, L, E[0], generator=g)] + [torch.randn(1, 1, E[0], generator=g) for _ in range(D)],
+            "b": [torch.randn(1, L, E[1], generator=g).bfloat16()] + [torch.randn(1, 1, E[1], generator=g).bfloat16() for _ in range(D)],
+        })
+        ids.append([100 * seed + 10 * p + t for t in range(L)])
+    return caps, ids
+
+
+def test_writer_streams_prompts_into_shards_that_load_as_one_store(tmp_path):
+    from fxreplace import StoreWriter
+    from fxreplace.reference import Reference, load_reference
+
+    caps, ids = _prompt_captures(7)
+    tokens = [[p, p + 1] for p in range(7)]
+    logits = [torch.randn(2, 5) for _ in range(7)]
+    with StoreWriter(tmp_path / "ref", shard_bytes=100, metadata={"source_model": "tiny"}) as writer:
+        for p in range(7):
+            assert writer.add(ids[p], caps[p], extras=Reference.extras(tokens[p], logits[p])) == p
+            on_disk = len(list((tmp_path / "ref").glob("shard-*.safetensors")))
+            assert on_disk >= (p + 1) // 2, "rows go to disk as prompts arrive (>= 100 bytes each pair), not at close"
+    loaded = ReferenceStore.load(tmp_path / "ref")
+    assert len(loaded.shards) > 1 and loaded.prompt_token_ids == ids and loaded.metadata == {"source_model": "tiny"}
+    expected = ReferenceStore.from_captures(caps, prompt_token_ids=ids)
+    for p in range(7):
+        for m in ("a", "b"):
+            assert torch.equal(loaded.rows(p, m), expected.rows(p, m))
+    reference = load_reference(tmp_path / "ref")
+    assert reference.tokens(5) == tokens[5] and torch.equal(reference.logits(3), logits[3]) and reference.vocab_size == 5
+    assert loaded.verify()["shards"] == len(loaded.shards)
+
+
+def test_writer_checks_every_prompt_against_the_first(tmp_path):
+    from fxreplace import StoreWriter
+
+    caps, ids = _prompt_captures(2)
+    writer = StoreWriter(tmp_path / "ref", shard_bytes=1)
+    writer.add(ids[0], caps[0])
+    with pytest.raises(CaptureError, match=r"prompt 1: module 'a' has feature dim 3 .* prompt 0 has 4"):
+        writer.add(ids[1], {"a": [torch.randn(1, 5, 3)], "b": caps[1]["b"]})
+    with pytest.raises(CaptureError, match="prompt 1: token ids must be given for every prompt or for none"):
+        writer.add(None, caps[1])
+    with pytest.raises(CaptureError, match="prompt 0 was already added"):
+        writer.add(ids[1], caps[1], prompt_idx=0)
+    with pytest.raises(CaptureError, match=r"prompt 1: 1 token ids but the capture's prefill covers 3 positions"):
+        writer.add([5], caps[1])
+    assert writer.add(ids[1], caps[1]) == 1
+    writer.close()
+    assert ReferenceStore.load(tmp_path / "ref").num_prompts == 2
+    with pytest.raises(FileExistsError, match="is not empty"):
+        StoreWriter(tmp_path / "ref")
+
+
+def test_merge_keeps_disjoint_prompt_indices_and_renumbers_colliding_ones(tmp_path):
+    from fxreplace import StoreWriter, merge_stores
+
+    caps, ids = _prompt_captures(6)
+    for rank in range(2):  # data-parallel capture: each engine gets every other prompt
+        with StoreWriter(tmp_path / f"rank{rank}", shard_bytes=64) as w:
+            for p in range(rank, 6, 2):
+                w.add(ids[p], caps[p], prompt_idx=p)
+    merged = ReferenceStore.load(merge_stores([tmp_path / "rank0", tmp_path / "rank1"], tmp_path / "merged"))
+    assert sorted(merged.prompt_ids) == list(range(6))
+    expected = ReferenceStore.from_captures(caps, prompt_token_ids=ids)
+    for p in range(6):
+        assert torch.equal(merged.rows(p, "b"), expected.rows(p, "b"))
+        assert merged.prompt_token_ids[merged.internal_index(p)] == ids[p]
+
+    for name in ("x", "y"):  # two writers numbering from 0
+        with StoreWriter(tmp_path / name) as w:
+            for p in range(3):
+                w.add(ids[p], caps[p])
+    again = ReferenceStore.load(merge_stores([tmp_path / "x", tmp_path / "y"], tmp_path / "xy"))
+    assert again.prompt_ids == list(range(6))
+    assert torch.equal(again.rows(4, "a"), expected.rows(1, "a"))
+    other = ReferenceStore.from_captures([{"a": [torch.randn(1, 2, 4)]}])
+    other.save(tmp_path / "other")
+    with pytest.raises(CaptureError, match="other: modules/dtypes/widths differ"):
+        merge_stores([tmp_path / "x", tmp_path / "other"], tmp_path / "bad")
+
+
+# ---------------------------------------------------------------- integrity: files that lie
+
+
+def _valid_store(tmp_path):
+    caps = [{"a": stepwise(3, 2), "b": [s.bfloat16() for s in stepwise(3, 2, E=2, seed=4)]},
+            {"a": stepwise(2, 1, seed=5), "b": [s.bfloat16() for s in stepwise(2, 1, E=2, seed=6)]}]
+    ReferenceStore.from_captures(caps, prompt_token_ids=[[1, 2, 3], [4, 5]], metadata={"vocab_size": 50}).save(tmp_path / "ref")
+    return tmp_path / "ref" / "reference.safetensors"
+
+
+def _read_raw(file):
+    data = file.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def _write_raw(file, header, body, header_len=None):
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes((len(text) if header_len is None else header_len).to_bytes(8, "little") + text + body)
+
+
+def _edit_header(file, edit):
+    header, body = _read_raw(file)
+    edit(header)
+    _write_raw(file, header, body)
+
+
+def _edit_index(file, edit):
+    def apply(header):
+        index = json.loads(header["__metadata__"]["fxreplace_index"])
+        edit(index)
+        header["__metadata__"]["fxreplace_index"] = json.dumps(index)
+
+    _edit_header(file, apply)
+
+
+def _edit_tensor(file, name, values):
+    """Overwrite a tensor's bytes in place (same dtype and size)."""
+    header, body = _read_raw(file)
+    begin, end = header[name]["data_offsets"]
+    raw = values.contiguous().view(torch.uint8).numpy().tobytes()
+    assert len(raw) == end - begin
+    _write_raw(file, header, body[:begin] + raw + body[end:])
+
+
+def _set_tensor(file, name, tensor):
+    """Replace a tensor by one of another dtype/size, rewriting the file (index kept)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    tensors[name] = tensor
+    save_file(tensors, str(file), metadata=meta)
+
+
+def _transpose(header):
+    header["group.0"]["shape"] = header["group.0"]["shape"][::-1]
+
+
+def _dtype_i32(header):
+    header["group.0"]["dtype"] = "I32"
+
+
+def _wider_index(index):
+    index["groups"][0]["width"] = 6
+
+
+def _more_modules(index):
+    index["groups"][0]["modules"].append("ghost")
+
+
+def _overlap(header):
+    a, b = header["prompt.lengths"]["data_offsets"]
+    header["prompt.offsets"]["data_offsets"] = [a + 8, b + 8]
+
+
+@pytest.mark.parametrize(
+    "break_it, field, message",
+    [
+        (lambda f: _edit_header(f, _dtype_i32), "group.0", "the tensor is torch.int32 but the index says torch.float32"),
+        (lambda f: _edit_header(f, _transpose), "group.0", r"shape \[4, 9, 1\] but the index needs \[modules=1, rows\+1=9, width=4\]"),
+        (lambda f: _edit_index(f, _wider_index), "group.0", r"shape \[1, 9, 4\] but the index needs \[modules=1, rows\+1=9, width=6\]"),
+        (lambda f: _edit_index(f, _more_modules), "group.0", r"index needs \[modules=2"),
+        (lambda f: _edit_tensor(f, "prompt.lengths", torch.tensor([5, 4])), "group.0", r"rows\+1=10, .* \(2 prompts of 9 rows in all\)"),
+        (lambda f: _edit_tensor(f, "prompt.offsets", torch.tensor([0, 1])), "prompt.offsets", "prompt 1 starts at row 1 .* must start at 5"),
+        (lambda f: _edit_tensor(f, "prompt.lengths", torch.tensor([6, 0])), "prompt.lengths", "prompt 1 has 0 rows"),
+        (lambda f: _set_tensor(f, "tokens.values", torch.tensor([1.5, 2, 3, 4, 5])), "tokens.values", "must be a 1-D integer tensor, got torch.float32"),
+        (lambda f: _set_tensor(f, "tokens.values", torch.tensor([1, 2, 3, 4, 99])), "tokens.values", "token id 99 is not below the vocab size 50"),
+        (lambda f: (_set_tensor(f, "tokens.values", torch.tensor([1, 2, 4, 5])), _set_tensor(f, "tokens.offsets", torch.tensor([0, 2, 4]))),
+         "tokens.values", "prompt 0 has 2 token ids but its capture's prefill covers 3 positions"),
+        (lambda f: _edit_index(f, lambda i: i["prefill"].__setitem__(0, 4)), "prefill", "prompt 0: a prefill of 4 positions plus 2 decode steps is not its 5 rows"),
+        (lambda f: _edit_header(f, lambda h: h["__metadata__"].__setitem__("fxreplace_index", "{not json")), "fxreplace_index", "the store index is not JSON"),
+    ],
+    ids=["dtype-i32-over-f32", "transposed-shape", "index-width-past-tensor", "index-modules-past-tensor",
+         "prompt-longer-than-rows", "offsets-overlap-rows", "empty-prompt", "float-token-ids", "token-id-past-vocab",
+         "token-ids-shorter-than-prefill", "prefill-disagrees-with-rows", "index-not-json"],
+)
+def test_a_header_that_lies_is_refused_naming_file_and_field(tmp_path, break_it, field, message):
+    file = _valid_store(tmp_path)
+    break_it(file)
+    for path in (file, file.parent):
+        with pytest.raises(CaptureError, match=message) as err:
+            ReferenceStore.load(path)
+        assert str(file) in str(err.value) and f"field {field!r}" in str(err.value)
+
+
+def test_damaged_files_are_refused_naming_the_file(tmp_path):
+    from fxreplace.store import StoreError
+
+    file = _valid_store(tmp_path)
+    header, body = _read_raw(file)
+    cases = {
+        "truncated": (lambda: file.write_bytes(file.read_bytes()[:-10]), "data_offsets .* run past the end .* truncated"),
+        "tiny": (lambda: file.write_bytes(b"\x01\x02"), "truncated: 2 bytes"),
+        "header-larger-than-file": (lambda: _write_raw(file, header, body, header_len=10**9), "header length field says 1000000000 bytes but the file has only"),
+        "header-not-json": (lambda: file.write_bytes(file.read_bytes()[:8] + b"\xff" * 16 + file.read_bytes()[24:]), "header is not JSON"),
+        "overlapping-offsets": (lambda: _edit_header(file, _overlap), "data_offsets overlap"),
+        "size-mismatch": (lambda: _edit_header(file, lambda h: h["group.0"].__setitem__("shape", [1, 9, 3])), "needs 108 bytes but data_offsets"),
+        "not-a-store": (lambda: file.write_text("hello, I am a text file " * 10), "header length field says"),
+    }
+    for name, (damage, message) in cases.items():
+        _write_raw(file, header, body)
+        damage()
+        with pytest.raises(StoreError, match=message) as err:
+            ReferenceStore.load(file)
+        assert str(file) in str(err.value), name
+
+
+def test_links_to_system_files_and_bad_directory_indexes_are_named(tmp_path):
+    from fxreplace.store import StoreError
+
+    (tmp_path / "passwd.safetensors").symlink_to("/etc/passwd")
+    with pytest.raises(StoreError, match=r"passwd.safetensors \(a link to /etc/passwd\)"):
+        ReferenceStore.load(tmp_path / "passwd.safetensors")
+    (tmp_path / "zero.safetensors").symlink_to("/dev/zero")
+    with pytest.raises(StoreError, match=r"zero.safetensors \(a link to /dev/zero\): not a regular file"):
+        ReferenceStore.load(tmp_path / "zero.safetensors")
+    file = _valid_store(tmp_path)
+    (file.parent / "index.json").write_text("{oops")
+    with pytest.raises(StoreError, match=r"index.json: not a JSON store index"):
+        ReferenceStore.load(file.parent)
+    (file.parent / "index.json").write_text(json.dumps({"format": "fxreplace-reference", "version": 2, "shards": [{"file": "../../etc/passwd", "prompts": [0]}]}))
+    with pytest.raises(StoreError, match=r"'shards\[0\].file': '../../etc/passwd' must be a file name inside the store directory"):
+        ReferenceStore.load(file.parent)
+
+
+def test_token_ids_are_refused_when_float_or_shorter_than_the_prefill():
+    caps = [{"m": [torch.randn(1, 3, 4), torch.randn(1, 1, 4)]}]
+    with pytest.raises(CaptureError, match=r"prompt 0: token ids must be non-negative integers, got \[1.5\]"):
+        ReferenceStore.from_captures(caps, prompt_token_ids=[[1.5, 2, 3]])
+    with pytest.raises(CaptureError, match="prompt 0: token ids must be integers, got dtype torch.float32"):
+        ReferenceStore.from_captures(caps, prompt_token_ids=torch.tensor([[1.0, 2.0, 3.0]]))
+    with pytest.raises(CaptureError, match="prompt 0: 2 token ids but the capture's prefill covers 3 positions"):
+        ReferenceStore.from_captures(caps, prompt_token_ids=[[1, 2]])
+    store = ReferenceStore.from_captures(caps, prompt_token_ids=[[1, 2, 3]])
+    with pytest.raises(CaptureError, match="prompt 0: 1 token ids but the capture's prefill covers 3 positions"):
+        TensorReplacementConfig(tensors=store, prompt_token_ids=[[7]]).build_replacer()
+    flat = ReferenceStore.from_captures({0: {"m": torch.randn(5, 4)}}, prompt_token_ids=[[1, 2]])
+    assert flat.prefill == [None], "flat rows may include generated positions: no prefill to compare with"
+
+
+def test_verify_detects_flipped_bytes_that_loading_does_not_read(tmp_path):
+    from fxreplace import TensorReplacer
+    from fxreplace.store import StoreError
+
+    file = _valid_store(tmp_path)
+    assert ReferenceStore.load(file.parent).verify() == {"shards": 1, "bytes": ReferenceStore.load(file).verify()["bytes"], "prompts": 2, "finite": True}
+    header, body = _read_raw(file)
+    begin = header["group.0"]["data_offsets"][0]
+    body = bytearray(body)
+    body[begin + 5] ^= 0x10
+    _write_raw(file, header, bytes(body))
+    store = ReferenceStore.load(file)  # O(index): the flipped row is not read
+    TensorReplacer(store)
+    with pytest.raises(StoreError, match=r"reference.safetensors: tensor 'group.0': content digest .* differs .* corrupted"):
+        store.verify()
+
+
+def test_stores_written_without_the_finite_check_say_so(tmp_path):
+    from fxreplace import TensorReplacer
+
+    caps = [{"m": [torch.tensor([[[1.0, float("nan")]]])]}]
+    ReferenceStore.from_captures(caps, allow_nonfinite=True).save(tmp_path / "ref")
+    store = ReferenceStore.load(tmp_path / "ref")
+    assert not store.finite_checked
+    with pytest.raises(CaptureError, match="written with allow_nonfinite=True"):
+        TensorReplacer(store)
+    assert TensorReplacer(store, allow_nonfinite=True).modules == ["m"]
+    assert store.verify()["finite"] is False
+    with pytest.raises(CaptureError, match="prompt 0, module 'm', position 0: capture holds NaN"):
+        store.check_finite()
