@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Collection, Protocol, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from .metrics import DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, compare_logits, topk_agreement
 from .reference import Reference
@@ -127,6 +126,8 @@ def logit_validation(
             raise ValueError(f"modes must be 'off' and/or 'on', got {mode!r}")
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
     result = ValidationResult(tolerances=tolerances, num_prompts=len(indices))
+    from tqdm.auto import tqdm  # the hf extra; `import fxreplace` (blame) imports this module without it
+
     for mode in modes:
         router = result.router.setdefault(mode, {})
         # per prompt: how many reference steps are covered, and whether we stopped on NaN
