@@ -15,72 +15,23 @@ torch.compile builds one graph for on, off and new values.
 from __future__ import annotations
 
 import functools
-import inspect
-import math
-import re
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 import torch
-from torch import fx, nn
-from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+from torch import nn
 
 from .context import ReplacementContext
-from .passes import Injection, InjectionSpec, find_injection_node, insert_replacements, parse_output_point
+from .passes import Injection, InjectionSpec, insert_replacements
+from .points import InjectionPoint, locate_injection_point
 from .sharding import ShapeError
-from .targets import Point, ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
+from .targets import ResolvedTarget, TargetError, TargetLike, resolve_targets
 
 
 class TargetNotHitError(RuntimeError):
     """A target's injection point ran zero or several times in one forward,
     e.g. because a kernel-replaced forward skips the router."""
-
-
-@dataclass
-class InjectionPoint:
-    """Where one module's replacement goes.
-
-    ``graph_module`` is set when the point is a node inside the module: the
-    module traced alone, and ``point`` selects the node in it. Otherwise the
-    point is the module output (``output_index`` picks ``output[i]``), checked
-    to be a tensor at run time (an untraceable module with ``"auto"`` lands here).
-    """
-
-    module_name: str
-    point: Point
-    graph_module: fx.GraphModule | None = None
-    output_index: int | None = None
-
-
-def trace_alone(module: nn.Module) -> fx.GraphModule:
-    """``torch.fx`` trace of one module; parameters are shared, not copied."""
-    return fx.symbolic_trace(module)
-
-
-def locate_injection_point(module: nn.Module, module_name: str, point: Point = "auto") -> InjectionPoint:
-    """Resolve ``point`` for ``module`` (see :class:`~fxreplace.Target`) without
-    changing anything. Shared by :func:`instrument` and reference capture."""
-    is_output, index = parse_output_point(point)
-    if is_output:
-        return InjectionPoint(module_name, point, output_index=index)
-    try:
-        gm = trace_alone(module)
-    except Exception as exc:
-        if point == "auto":
-            return InjectionPoint(module_name, "output")
-        raise TargetError(f"cannot trace {module_name!r} alone to apply point {point!r}: {exc}") from exc
-    try:
-        node = find_injection_node(gm, "", point)
-    except TargetError as exc:
-        children = [f"{module_name}.{name}" for name, _ in module.named_modules() if name]
-        raise TargetError(f"{module_name!r}: {exc}; closest qualified names: "
-                          f"{closest_names(module_name, children) or children[:5]}") from None
-    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    if node is output:
-        return InjectionPoint(module_name, "output")
-    return InjectionPoint(module_name, point, graph_module=gm)
 
 
 class _Slot:
@@ -96,13 +47,13 @@ class _Slot:
         self.state = "idle"
         self.replacement = None
         self.mask = None
-        self.prefix = False
+        self.leading_rows = False
 
-    def arm(self, replacement, mask, prefix=False):
+    def arm(self, replacement, mask, leading_rows=False):
         self.state = "armed"
         self.replacement = replacement
         self.mask = mask
-        self.prefix = prefix
+        self.leading_rows = leading_rows
 
     def take(self) -> bool:
         """True when called inside an instrumented forward."""
@@ -121,7 +72,7 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
         insert_replacements(
             point.graph_module,
             [InjectionSpec("", point.point, injection, "fxreplace_replacement")],
-            prefix_input="fxreplace_prefix",
+            leading_rows_input="fxreplace_leading_rows",
         )
         graph_forward = type(point.graph_module).forward
 
@@ -131,7 +82,7 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
             return graph_forward(
                 module, *args, **kwargs,
                 fxreplace_replacement=slot.replacement, fxreplace_mask=slot.mask,
-                fxreplace_prefix=slot.prefix,
+                fxreplace_leading_rows=slot.leading_rows,
             )
     else:
         index = point.output_index
@@ -143,11 +94,12 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
             value = output if index is None else output[index]
             pair = isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value)
             if not isinstance(value, torch.Tensor) and not pair:
+                fallback = " (it cannot be traced alone, so 'auto' means its output)" if point.point == "auto" else ""
                 raise TargetError(
-                    f"{point.module_name!r}: point {point.point!r} is a {type(value).__name__}, not a tensor; "
-                    "use point='output[i]' or a callable point"
+                    f"{point.module_name!r}: point {point.point!r}{fallback} is a {type(value).__name__}, not a "
+                    "tensor; use point='output[i]' or a callable point"
                 )
-            value = injection(value, slot.replacement, slot.mask, prefix=slot.prefix)
+            value = injection(value, slot.replacement, slot.mask, leading_rows=slot.leading_rows)
             if index is None:
                 return value
             return type(output)((*output[:index], value, *output[index + 1:]))
@@ -174,7 +126,7 @@ class Instrumentation:
             for i, slot in enumerate(self.slots):
                 if self.feeding:
                     values, mask = self.buffer_names(i)
-                    slot.arm(getattr(model, values), getattr(model, mask), prefix=True)
+                    slot.arm(getattr(model, values), getattr(model, mask), leading_rows=True)
                 else:
                     slot.arm(None, None)
             return
@@ -359,92 +311,3 @@ def observe(model: nn.Module, callback: Callable[[str, torch.Tensor], None]):
     finally:
         for injection, observer in added:
             injection.observers.remove(observer)
-
-
-def export_input_name(capture_name: str) -> str:
-    """The exported program's input name for one target's replacement."""
-    return "fxreplace_" + re.sub(r"\W", "_", capture_name)
-
-
-def export(
-    model: nn.Module,
-    example_inputs: Mapping | Sequence,
-    targets: Iterable[TargetLike],
-    *,
-    dynamic_shapes=None,
-    strict: bool = False,
-) -> torch.export.ExportedProgram:
-    """``torch.export`` the plain model, apply :func:`~fxreplace.passes.insert_replacements`
-    to the whole-model graph (nodes found through ``nn_module_stack``), and
-    export the result again so it is ATen IR ready for AOTInductor.
-
-    The program takes the model's inputs (``example_inputs``: a dict of keyword
-    arguments or a tuple of positional ones, flattened to keywords named as in
-    the model's signature), then one ``[T, E]`` replacement per target named
-    :func:`export_input_name` (capture name), then ``fxreplace_mask`` (bool
-    ``[T]``) and, when a target's shard rank is a tensor, ``fxreplace_rank``.
-    Mask all False turns replacement off in the same program.
-
-    ``dynamic_shapes`` is :func:`torch.export.export`'s, for the model's inputs
-    (a dict by argument name, or a tuple matching positional ``example_inputs``);
-    the token dimension of the replacement and mask inputs then follows them
-    (``Dim.AUTO``: export derives ``T`` from the model's shapes and checks it at
-    run time).
-    """
-    kwargs = dict(example_inputs) if isinstance(example_inputs, Mapping) else {}
-    args = () if isinstance(example_inputs, Mapping) else tuple(example_inputs)
-    resolved = resolve_targets(model, targets)
-    program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
-    gm = program.module()
-    specs = [
-        InjectionSpec(
-            t.module_name, t.point,
-            Injection(t.module_name, model.get_submodule(t.module_name), t.adapter, t.shard),
-            export_input_name(t.capture_name),
-        )
-        for t in resolved
-    ]
-    tensor_rank = any(t.shard is not None and isinstance(t.shard.rank, torch.Tensor) for t in resolved)
-    located = [find_injection_node(gm, s.module_name, s.point).meta["val"] for s in specs]
-    # The graph must take the old and new inputs as flat keywords.
-    old_inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    new_inputs = [s.input_name for s in specs] + ["fxreplace_mask"] + (["fxreplace_rank"] if tensor_rank else [])
-    names = old_inputs + new_inputs
-    info = gm.graph._codegen.pytree_info
-    gm.graph._codegen.pytree_info = info._replace(
-        orig_args=names, in_spec=torch.utils._pytree.tree_structure(((), {n: 0 for n in names}))
-    )
-    gm._forward_pre_hooks.clear()  # they check inputs against the old signature
-    for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
-        gm.graph.erase_node(node)  # re-export derives its own guards
-    insert_replacements(gm, specs, rank_input="fxreplace_rank" if tensor_rank else None, optional_inputs=False)
-
-    # Example values for the new inputs, shaped like what each target computes.
-    examples = {}
-    for target, spec, value in zip(resolved, specs, located):
-        shard = target.shard
-        shape = [guarding_hint_or_throw(size) for size in value.shape]  # the example's sizes when shapes are dynamic
-        rows = math.prod(shape) // shape[-1]
-        columns = shape[-1]
-        if shard is not None and shard.mode == "sequence":
-            rows *= shard.world_size
-        if shard is not None and shard.mode == "expert":
-            columns *= shard.world_size
-        examples[spec.input_name] = torch.zeros(rows, columns, dtype=value.dtype, device=value.device)
-    tokens = {v.shape[0] for v in examples.values()}
-    if len(tokens) != 1:
-        raise ShapeError(f"targets see different token counts {tokens}; export them separately")
-    examples["fxreplace_mask"] = torch.zeros(tokens.pop(), dtype=torch.bool, device=next(iter(examples.values())).device)
-    if tensor_rank:
-        examples["fxreplace_rank"] = next(t.shard.rank for t in resolved if t.shard and isinstance(t.shard.rank, torch.Tensor))
-
-    signature = inspect.signature(model.forward)
-    given = signature.bind_partial(*args, **kwargs).arguments
-    inputs = {name: given[name] for name in old_inputs} | examples
-    if dynamic_shapes is None:
-        return torch.export.export(gm, (), inputs, strict=False)
-    if not isinstance(dynamic_shapes, Mapping):
-        dynamic_shapes = signature.bind_partial(*dynamic_shapes).arguments
-    follows = {name: ({0: torch.export.Dim.AUTO} if name != "fxreplace_rank" else None) for name in examples}
-    shapes = {name: dynamic_shapes.get(name) for name in old_inputs} | follows
-    return torch.export.export(gm, (), inputs, dynamic_shapes=shapes, strict=False)

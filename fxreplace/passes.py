@@ -12,26 +12,16 @@ arrive as new graph inputs, so one compiled graph serves replacement on, off
 
 from __future__ import annotations
 
-import operator
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 from .adapters import Adapter, get_adapter
+from .points import Point, find_injection_node
 from .sharding import ShapeError, ShardSpec, layout_hint, require, rows_before_sharding, shard_columns, shard_rows
-from .targets import Point, TargetError
-
-_aten = torch.ops.aten
-LINEAR_FUNCTIONS = {
-    F.linear, torch._C._nn.linear, torch.matmul, torch.mm, torch.addmm, operator.matmul,
-    _aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.matmul.default,
-}
-LINEAR_METHODS = {"matmul", "mm", "addmm", "__matmul__"}
-_CALL_OPS = ("call_function", "call_method", "call_module")
+from .targets import TargetError
 
 
 class Injection:
@@ -40,8 +30,8 @@ class Injection:
     The callable that the pass inserts into graphs (as a ``call_function``
     target) and that output-point wrappers call directly, so both paths share one
     implementation. ``replacement=None`` passes ``computed`` through unchanged.
-    With ``prefix=True`` the replacement and mask are max-size buffers and only
-    their first rows (the tokens of this call) are read. ``observers`` see the
+    With ``leading_rows=True`` the replacement and mask are max-size buffers and
+    only their leading rows (as many as the tokens of this call) are read. ``observers`` see the
     computed value first (reference capture, router agreement).
     """
 
@@ -53,7 +43,7 @@ class Injection:
         self.observers: list[Callable[[torch.Tensor], None]] = []
         self.__name__ = "fxreplace_inject"  # name hint for FX code generation
 
-    def __call__(self, computed, replacement=None, mask=None, rank=None, prefix=False):
+    def __call__(self, computed, replacement=None, mask=None, rank=None, leading_rows=False):
         for observe in self.observers:
             observe(computed)
         if replacement is None:
@@ -62,7 +52,7 @@ class Injection:
         parts = tuple(computed) if isinstance(computed, (tuple, list)) else (computed,)
         flats = [part.reshape(-1, part.shape[-1]) for part in parts]
         tokens = rows_before_sharding(flats[0].shape[0], self.shard)
-        if prefix:
+        if leading_rows:
             replacement, mask = replacement[:tokens], mask[:tokens]
         require(
             replacement.dim() == 2 and replacement.shape[0] == tokens,
@@ -127,89 +117,6 @@ class PassResult:
     inputs: list[str] = field(default_factory=list)
 
 
-def _normalise_module_path(path: str) -> str:
-    """Dynamo spells ``L['self'].model.layers[0]`` or ``L['self']._modules['model']``;
-    export spells ``model.layers.0``. Map both to the qualified name."""
-    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return path.lstrip(".")
-
-
-def module_paths(node: fx.Node) -> set[str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    return {_normalise_module_path(path) for path, _ in stack.values()}
-
-
-def nodes_in_module(gm: fx.GraphModule, module_name: str) -> list[fx.Node]:
-    """The operations computed inside ``module_name``, in graph order."""
-    calls = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
-    if not module_name:
-        return calls
-    return [n for n in calls if module_name in module_paths(n)]
-
-
-def is_linear(node: fx.Node, gm: fx.GraphModule | None = None) -> bool:
-    if node.op == "call_function":
-        return node.target in LINEAR_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in LINEAR_METHODS
-    if node.op == "call_module" and gm is not None:
-        return isinstance(gm.get_submodule(node.target), nn.Linear)
-    return False
-
-
-def parse_output_point(point) -> tuple[bool, int | None]:
-    """``"output"`` -> (True, None), ``"output[2]"`` -> (True, 2), else (False, None)."""
-    if not isinstance(point, str):
-        return False, None
-    m = re.fullmatch(r"output(?:\[(\d+)\])?", point)
-    if not m:
-        return False, None
-    return True, int(m.group(1)) if m.group(1) is not None else None
-
-
-def _module_outputs(gm: fx.GraphModule, module_name: str, nodes: list[fx.Node]) -> list:
-    """The values a module hands back: the graph output for a single-module
-    graph, else its nodes that are used outside the module."""
-    if not module_name:
-        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        return list(out) if isinstance(out, (tuple, list)) else [out]
-    inside = set(nodes)
-    return [n for n in nodes if any(u not in inside for u in n.users)]
-
-
-def find_injection_node(gm: fx.GraphModule, module_name: str, point: Point) -> fx.Node:
-    """The node whose value the replacement stands for (see :class:`~fxreplace.Target`)."""
-    where = f"module {module_name!r}" if module_name else "the traced module"
-    nodes = nodes_in_module(gm, module_name)
-    if not nodes:
-        raise TargetError(f"no graph node belongs to {where}; it is not called in this graph")
-    if callable(point):
-        node = point(nodes)
-        if node not in nodes:
-            raise TargetError(f"point callable for {where} returned {node!r}, which is not one of its nodes")
-        return node
-    is_output, index = parse_output_point(point)
-    outputs = _module_outputs(gm, module_name, nodes)
-    if point == "auto":
-        linear = [n for n in nodes if is_linear(n, gm)]
-        if len(outputs) == 1 and isinstance(outputs[0], fx.Node) or not linear:
-            is_output = True
-        else:
-            return linear[0]
-    if not is_output:
-        raise TargetError(f"unknown point {point!r}; use 'auto', 'output', 'output[i]' or a callable")
-    if index is None and len(outputs) == 1 or index is not None and module_name == "" and index < len(outputs):
-        node = outputs[index or 0]
-        if isinstance(node, fx.Node):
-            return node
-    raise TargetError(
-        f"{where} has no single node for point {point!r}: its outputs are {outputs}; "
-        "pass point='output[i]' or a callable that picks the node"
-    )
-
-
 def _add_inputs(graph: fx.Graph, names: list[str], optional: bool) -> dict[str, fx.Node]:
     """Append placeholders after the existing ones but before ``*args``/``**kwargs``,
     so the generated signature stays valid."""
@@ -235,11 +142,11 @@ def insert_replacements(
     *,
     mask_input: str = "fxreplace_mask",
     rank_input: str | None = None,
-    prefix_input: str | None = None,
+    leading_rows_input: str | None = None,
     optional_inputs: bool = True,
 ) -> PassResult:
     """Rewrite ``gm`` in place so each spec's injection node is replaced by
-    ``spec.injection(node, <input_name>, <mask_input>, rank=<rank_input>, prefix=<prefix_input>)``.
+    ``spec.injection(node, <input_name>, <mask_input>, rank=<rank_input>, leading_rows=<leading_rows_input>)``.
 
     With ``optional_inputs`` new inputs default to None (replacement off), so
     existing callers keep working. Raises :class:`TargetError` if a point cannot be found or a node
@@ -253,7 +160,7 @@ def insert_replacements(
 
     result = PassResult()
     new_inputs = [spec.input_name for spec in specs] + [mask_input]
-    new_inputs += [n for n in (rank_input, prefix_input) if n is not None]
+    new_inputs += [n for n in (rank_input, leading_rows_input) if n is not None]
     placeholders = _add_inputs(graph, new_inputs, optional_inputs)
     result.inputs.extend(new_inputs)
 
@@ -264,7 +171,7 @@ def insert_replacements(
                 (node, placeholders[spec.input_name], placeholders[mask_input]),
                 {
                     "rank": placeholders.get(rank_input),
-                    "prefix": placeholders.get(prefix_input, False),
+                    "leading_rows": placeholders.get(leading_rows_input, False),
                 },
             )
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):

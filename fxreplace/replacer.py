@@ -4,7 +4,8 @@ Every builder reduces the batch to two per-slot arrays, the owning request of ea
 slot and its position, computes the store row of every slot on the host (numpy: the
 scheduler's metadata lives there), then does one ``index_select`` per group of the
 :class:`~fxreplace.store.ReferenceStore` (per touched shard) on the store's device.
-Python only loops over requests (to look up their prompt), never over slots.
+Python loops over requests (to look up their prompt); over slots only in batches of
+at most ``_SMALL_BATCH`` slots (decode steps), where that costs less than numpy calls.
 
 Thread safety: registration, release, ``requests`` and building may be called from
 several threads; building into the same ``out=`` context from two threads at once
@@ -13,10 +14,8 @@ is the caller's race.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
@@ -24,7 +23,7 @@ import torch
 
 from .context import ReplacementContext, same_device
 from .matching import PromptIndex
-from .store import CaptureError, ReferenceStore, load_captures, load_token_ids
+from .store import CaptureError, ReferenceStore
 
 OnUnknown = Literal["error", "passthrough"]
 _UNMATCHED = -1  # a registered request whose prompt is not in the reference
@@ -384,45 +383,3 @@ def _as_index_array(values, what: str) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D [num_slots], got shape {tuple(arr.shape)}")
     return arr.astype(np.int64, copy=False)
-
-
-@dataclass
-class TensorReplacementConfig:
-    """Where the reference comes from: in memory or on disk.
-
-    Give ``tensors`` (captures or a ReferenceStore) or ``tensors_path`` (a reference
-    directory / .safetensors store, or a legacy torch.save file read with
-    ``weights_only=True``), and likewise ``prompt_token_ids`` or
-    ``prompt_token_ids_path`` (JSON or legacy file). A store on disk carries its own
-    token ids, so the second pair is optional then.
-    """
-
-    tensors: Any = None
-    prompt_token_ids: Any = None
-    tensors_path: str | os.PathLike | None = None
-    prompt_token_ids_path: str | os.PathLike | None = None
-
-    def __post_init__(self):
-        _exactly_one("tensors", self.tensors, "tensors_path", self.tensors_path, required=True)
-        _exactly_one("prompt_token_ids", self.prompt_token_ids, "prompt_token_ids_path", self.prompt_token_ids_path, required=False)
-
-    def resolve(self) -> tuple[Any, Any]:
-        """``(tensors, prompt_token_ids)``, loading files where paths were given."""
-        tensors = self.tensors if self.tensors is not None else load_captures(self.tensors_path)
-        token_ids = self.prompt_token_ids
-        if self.prompt_token_ids_path is not None:
-            token_ids = load_token_ids(self.prompt_token_ids_path)
-        if token_ids is None and isinstance(tensors, ReferenceStore):
-            token_ids = tensors.prompt_token_ids
-        return tensors, token_ids
-
-    def build(self, **kwargs) -> TensorReplacer:
-        tensors, token_ids = self.resolve()
-        return TensorReplacer(tensors, prompt_token_ids=token_ids, **kwargs)
-
-
-def _exactly_one(name_a: str, a: Any, name_b: str, b: Any, required: bool) -> None:
-    if a is not None and b is not None:
-        raise ValueError(f"give either {name_a} or {name_b}, not both")
-    if required and a is None and b is None:
-        raise ValueError(f"give {name_a} or {name_b}")

@@ -3,19 +3,17 @@ qualified module names, with errors that show the closest existing names."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Union
 
 from torch import nn
 
 from .sharding import ShardSpec
 
-#: ``"auto"``, ``"output"``, ``"output[i]"``, or ``fn(nodes) -> Node`` picking the
-#: injection node among the FX nodes computed inside the module.
-Point = Union[str, Callable]
+if TYPE_CHECKING:
+    from .points import Point
 
 
 class TargetError(ValueError):
@@ -108,27 +106,3 @@ def resolve_targets(model: nn.Module, targets: Iterable[TargetLike]) -> list[Res
         raise TargetError(f"two targets share a capture name: {capture_names}")
     order = {name: i for i, name in enumerate(names)}
     return sorted(resolved.values(), key=lambda r: order[r.module_name])
-
-
-def rename_captures(resolved: list[ResolvedTarget], name_map: Mapping[str, str]) -> list[ResolvedTarget]:
-    """Apply ``{capture_name: module_pattern}`` to resolved targets: a module that a
-    pattern matches reads the capture of that name, its wildcards filled in order
-    as in :class:`Target` ``name`` templates (``{"model.layers.*.mlp.gate":
-    "model.layers.*.mlp.router"}``). For engines whose module names differ from the
-    reference model's. Unmatched targets keep their capture names."""
-    rules = []
-    for capture, module in name_map.items():
-        regex = _glob_regex(module)
-        template, holes = re.subn(r"\*\*|\*", "{}", capture)
-        if holes != regex.groups:
-            raise TargetError(f"name_map {capture!r} -> {module!r}: both sides need the same wildcards")
-        rules.append((regex, template))
-    renamed = []
-    for target in resolved:
-        for regex, template in rules:
-            m = regex.match(target.module_name)
-            if m:
-                target = dataclasses.replace(target, capture_name=template.format(*m.groups()))
-                break
-        renamed.append(target)
-    return renamed

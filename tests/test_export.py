@@ -9,7 +9,8 @@ import torch
 from torch.export import Dim
 
 import fxreplace.models as families
-from fxreplace.instrument import export, export_input_name, instrument
+from fxreplace.export import export, export_input_name
+from fxreplace.instrument import instrument
 from graph_helpers import input_ids, off_context, random_context
 
 GATES = ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]

@@ -163,23 +163,6 @@ def test_legacy_pickle_needing_code_is_refused_never_executed(tmp_path):
     assert not marker.exists()
 
 
-def test_config_requires_exactly_one_source(tmp_path):
-    with pytest.raises(ValueError, match="give either tensors or tensors_path, not both"):
-        TensorReplacementConfig(tensors=[], tensors_path="x")
-    with pytest.raises(ValueError, match="give tensors or tensors_path"):
-        TensorReplacementConfig()
-    with pytest.raises(ValueError, match="give either prompt_token_ids or prompt_token_ids_path"):
-        TensorReplacementConfig(tensors=[], prompt_token_ids=[[1]], prompt_token_ids_path="y")
-
-
-def test_config_reads_store_directory_with_its_token_ids(tmp_path):
-    ReferenceStore.from_captures([{"m": stepwise(2, 1)}], prompt_token_ids=[[9, 8]]).save(tmp_path / "ref")
-    replacer = TensorReplacementConfig(tensors_path=tmp_path / "ref").build()
-    assert replacer.register_request("r", [9, 8, 1]) == 0
-    (tmp_path / "ids.json").write_text("[[9, 8]]")
-    assert load_token_ids(tmp_path / "ids.json") == [[9, 8]]
-
-
 def _rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
@@ -443,7 +426,7 @@ def test_token_ids_are_refused_when_float_or_shorter_than_the_prefill():
         ReferenceStore.from_captures(caps, prompt_token_ids=[[1, 2]])
     store = ReferenceStore.from_captures(caps, prompt_token_ids=[[1, 2, 3]])
     with pytest.raises(CaptureError, match="prompt 0: 1 token ids but the capture's prefill covers 3 positions"):
-        TensorReplacementConfig(tensors=store, prompt_token_ids=[[7]]).build()
+        TensorReplacementConfig(tensors=store, prompt_token_ids=[[7]]).build_replacer()
     flat = ReferenceStore.from_captures({0: {"m": torch.randn(5, 4)}}, prompt_token_ids=[[1, 2]])
     assert flat.prefill == [None], "flat rows may include generated positions: no prefill to compare with"
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from fxreplace.instrument import instrument, locate_injection_point
-from fxreplace.targets import Target, TargetError, rename_captures, resolve_targets
+from fxreplace.instrument import instrument
+from fxreplace.points import locate_injection_point
+from fxreplace.targets import Target, TargetError, resolve_targets
 
 
 class Block(nn.Module):
@@ -45,16 +46,6 @@ def test_glob_star_matches_one_component_in_model_order():
 def test_capture_name_template():
     resolved = resolve_targets(Toy(), [Target("layers.*.router", name="model.layers.{}.mlp.gate")])
     assert [r.capture_name for r in resolved] == [f"model.layers.{i}.mlp.gate" for i in range(3)]
-
-
-def test_name_map_renames_captures_with_wildcards():
-    resolved = resolve_targets(Toy(), ["layers.*.router", "pair"])
-    renamed = rename_captures(resolved, {"model.layers.*.mlp.gate": "layers.*.router", "final": "pair"})
-    assert [r.capture_name for r in renamed] == [f"model.layers.{i}.mlp.gate" for i in range(3)] + ["final"]
-    assert [r.module_name for r in renamed] == [r.module_name for r in resolved]
-    assert rename_captures(resolved, {"other": "layers.9.router"}) == resolved  # unmatched: unchanged
-    with pytest.raises(TargetError, match="same wildcards"):
-        rename_captures(resolved, {"model.layers.*.mlp.gate": "layers.0.router"})
 
 
 def test_unknown_pattern_lists_closest_names():

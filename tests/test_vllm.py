@@ -31,6 +31,7 @@ import torch
 import vllm  # noqa: F401  (the vLLM tests need vLLM: no skip)
 from vllm import LLM, SamplingParams
 
+import fxreplace
 import fxreplace.vllm as fxv
 from fxreplace import TensorReplacementConfig
 from fxreplace.context import ReplacementContext
@@ -127,11 +128,13 @@ def _run_engine(ref: Ref, kind: str) -> dict:
     kwargs = dict(model=ref.ckpt, dtype="float32", seed=0, max_model_len=256, block_size=32,
                   max_num_batched_tokens=BUDGET, max_num_seqs=8, distributed_executor_backend="uni",
                   enforce_eager=not kind.endswith("compiled"), enable_prefix_caching=kind == "eager")
-    config = {"tensors": ref.captures, "prompt_token_ids": ref.token_ids}
+    # the workload sends a prompt that is not in the reference: served untouched
+    config = {"tensors": ref.captures, "prompt_token_ids": ref.token_ids, "on_unknown": "passthrough"}
     if kind in ("eager", "spec", "gptoss-eager"):
         kwargs["additional_config"] = {"fxreplace": config}             # plain dict, in-memory tensors
     elif kind in ("compiled", "gptoss-compiled"):                      # Neuron-style key, reference on disk
-        kwargs["additional_config"] = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(tensors_path=ref.ref_dir)}}
+        kwargs["additional_config"] = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(
+            tensors_path=ref.ref_dir, on_unknown="passthrough")}}
     if kind == "spec":
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
                                         "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -210,7 +213,23 @@ def test_entry_point_registered():
         "(a stale fxreplace.egg-info in the working directory shadows the installed metadata)")
 
 
-def test_config_carrier_hash_and_pickle():
+def test_vllm_internals_fxreplace_relies_on_are_present(monkeypatch):
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from fxreplace.vllm import internals
+
+    problems = internals.check()
+    assert not problems, ("this vLLM moved internals that fxreplace relies on (named in fxreplace/vllm/internals.py):\n"
+                          + "\n".join(problems))
+    # a move is reported by name
+    monkeypatch.delattr(GPUModelRunner, "_model_forward")
+    monkeypatch.delitem(SchedulerOutput.__dataclass_fields__, "finished_req_ids")
+    assert internals.check() == ["vllm.v1.worker.gpu_model_runner.GPUModelRunner has no '_model_forward'",
+                                 "vllm.v1.core.sched.output.SchedulerOutput has no 'finished_req_ids'"]
+
+
+def test_config_carrier_hash_and_pickle(tmp_path):
     import pickle
 
     tensors = {0: {"m": torch.randn(5, 4)}}
@@ -219,21 +238,25 @@ def test_config_carrier_hash_and_pickle():
     assert cfg.compute_hash() == str(cfg)
     back = pickle.loads(pickle.dumps(cfg))
     assert isinstance(back, fxv.FxReplaceConfig) and back == cfg
-    assert torch.equal(back.fields["tensors"][0]["m"], tensors[0]["m"])
+    assert torch.equal(back.config.tensors[0]["m"], tensors[0]["m"])
     other = fxv.FxReplaceConfig(tensors={0: {"m": tensors[0]["m"] + 1}}, prompt_token_ids=[[1, 2, 3]])
     assert other != cfg  # content digest
-    neuron = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(tensors_path="/x")}}
-    assert fxv.parse_config(neuron).fields == {"tensors_path": "/x"}
+    (tmp_path / "tensors.pt").write_bytes(b"")  # the path is checked to exist, not read, when configured
+    neuron = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(tensors_path=tmp_path / "tensors.pt")}}
+    assert fxv.parse_config(neuron).config.to_dict() == {"tensors_path": str(tmp_path / "tensors.pt")}
     assert fxv.parse_config({}) is None and fxv.parse_config({"other": 1}) is None
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"tensor": 1}, "unknown fxreplace config field"),
-    ({"prompt_token_ids": [[1]]}, r"fxreplace config: give tensors or tensors_path \(got fields \['prompt_token_ids'\]\)"),
-    ({"tensors_path": "/x", "prompt_token_ids": [[1]], "prompt_token_ids_path": "/y"},
-     "give either prompt_token_ids or prompt_token_ids_path, not both"),
-    ({"tensors_path": "/x", "on_unknown": "drop"}, "on_unknown"),
-    ({"tensors_path": "/x", "name_map": ["a"]}, "name_map"),
+    ({"tensor_path": "/x"}, r"fxreplace config: unknown fxreplace config field 'tensor_path' \(did you mean 'tensors_path'\?\)"),
+    ({"prompt_token_ids": [[1]]}, r"fxreplace config: give tensors or tensors_path"),
+    ({"tensors_path": "/no/such/ref"}, "tensors_path: '/no/such/ref' does not exist"),
+    ({"tensors": {}, "targets": 5}, "targets must be a list"),
+    ({"tensors": {}, "targets": "model.layers.*.mlp.gate"}, "wrap a single pattern in a list"),
+    ({"tensors": {}, "targets": [{"patern": "x"}]}, r"targets\[0\]: unknown target field 'patern' \(did you mean 'pattern'"),
+    ({"tensors": {}, "on_unknown": "drop"}, "on_unknown"),
+    ({"tensors": {}, "name_map": {"a": "b"}}, "name_map' is replaced by per-target capture names"),
+    ("{not json", "not JSON"),
 ])
 def test_config_errors(bad, match):
     with pytest.raises(fxv.ConfigError, match=match):
@@ -262,7 +285,7 @@ def test_unconfigured_engine_is_not_instrumented(ref):
 
 def test_reference_without_target_names_fails_clearly(ref):
     captures = {0: {"decoder.0.router": ref.captures[0]["model.layers.0.mlp.gate"]}}
-    with pytest.raises(Exception, match="reference holds no tensors .*name_map"):
+    with pytest.raises(Exception, match="reference holds no tensors .*capture name"):
         LLM(model=ref.ckpt, dtype="float32", max_model_len=128, enforce_eager=True,
             distributed_executor_backend="uni", max_num_batched_tokens=BUDGET,
             additional_config={"fxreplace": {"tensors": captures, "prompt_token_ids": ref.token_ids[:1]}})
@@ -270,6 +293,43 @@ def test_reference_without_target_names_fails_clearly(ref):
     from vllm.distributed import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_wrong_point_fails_engine_start_not_a_request(ref, eager):
+    """A plain-string target on vLLM's gate: 'auto' falls back to the gate's output,
+    a (logits, bias) tuple. The check forward at model load fails the start-up."""
+    with pytest.raises(fxreplace.TargetError, match=r"'model.layers.0.mlp.gate': point 'auto' \(it cannot be traced "
+                                                    r"alone, so 'auto' means its output\) is a tuple"):
+        LLM(model=ref.ckpt, dtype="float32", max_model_len=128, enforce_eager=eager,
+            distributed_executor_backend="uni", max_num_batched_tokens=BUDGET,
+            additional_config={"fxreplace": {"tensors_path": ref.ref_dir, "targets": ["model.layers.*.mlp.gate"]}})
+    gc.collect()
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def test_unknown_prompt_refused_by_default_engine_keeps_serving(ref):
+    """on_unknown="error" (the default) means one thing everywhere: a request whose
+    prompt is not in the reference is refused, naming it; here in the front end,
+    before it reaches the engine, which keeps serving."""
+    llm = LLM(model=ref.ckpt, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
+              distributed_executor_backend="uni", max_num_batched_tokens=BUDGET,
+              additional_config={"fxreplace": {"tensors_path": ref.ref_dir}})
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        with pytest.raises(Exception, match=r"fxreplace: request .* starts with no reference prompt; .*"
+                                            r"on_unknown='error'"):
+            llm.generate([{"prompt_token_ids": ref.prompts["unknown"]}], sp, use_tqdm=False)
+        off = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, extra_args={"fxreplace": "off"})
+        outs = llm.generate([{"prompt_token_ids": ref.prompts["unknown"]}, {"prompt_token_ids": ref.prompts["short"]}],
+                            [off, sp], use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+        state = fxv.get_state(_runner(llm))
+        assert state.steps > 0 and state.errors == 0
+    finally:
+        _close(llm)
 
 
 def test_bound_feed_buffers_take_gathers_in_place():
@@ -420,7 +480,8 @@ MP_SCRIPT = textwrap.dedent("""
     ckpt, ref_path = sys.argv[1], sys.argv[2]
     data = torch.load(ref_path)
     if __name__ == "__main__":
-        config = FxReplaceConfig(tensors=data["captures"], prompt_token_ids=data["token_ids"])
+        config = FxReplaceConfig(tensors=data["captures"], prompt_token_ids=data["token_ids"],
+                                 on_unknown="passthrough")
         llm = LLM(model=ckpt, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
                   max_num_batched_tokens=64, enable_prefix_caching=False,
                   additional_config={"fxreplace": config})
@@ -434,7 +495,8 @@ MP_SCRIPT = textwrap.dedent("""
 
 def test_multiprocess_engine_in_memory_tensors(ref, engine, tmp_path):
     """Default multi-process engine: the config (with tensors) is pickled to the
-    engine process; results equal the in-process engine's."""
+    engine process; results equal the in-process engine's; fxreplace's own log
+    lines appear in the engine's output, formatted by vLLM's handler."""
     names = ["short", "unknown"]
     path = tmp_path / "ref.pt"
     torch.save({"captures": ref.captures, "token_ids": ref.token_ids,
@@ -446,6 +508,9 @@ def test_multiprocess_engine_in_memory_tensors(ref, engine, tmp_path):
                           text=True, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "fxreplace: instrumented 2 target(s) of Qwen3MoeForCausalLM" in output, output[-3000:]
+    assert "matches no reference prompt; served without replacement" in output, output[-3000:]
     got = json.loads(lines[-1][len("RESULT "):])
     base = engine("eager")["outs"]
     for name, (tokens, logprobs) in zip(names, got):

@@ -55,7 +55,8 @@ class Server:
                # engine core in its own process (the multi-process path), its worker inside it:
                # one vLLM import less to start than the default multiproc executor
                "--distributed-executor-backend", "uni",
-               "--additional-config", json.dumps({"fxreplace": {"tensors_path": ref.ref_dir}})]
+               "--additional-config", json.dumps({"fxreplace": {"tensors_path": ref.ref_dir,
+                                                                        "on_unknown": "passthrough"}})]
         self.log = open(self.log_path, "w")
         # own session: teardown signals this server and its engine process, nothing else
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -156,6 +157,10 @@ def test_server_known_prompts_exact(ref, server):
     r = httpx.post(server.url + "/v1/completions", json=body(ref, ref.prompts["unknown"]), timeout=60)
     tokens, tops = parse(r.json()["choices"][0])
     assert http_diff(ref, ref.prompts["unknown"], tokens, tops, None) < ATOL
+    # fxreplace's own log lines reach the server's output through vLLM's handler
+    log = server.log_tail(10**7)
+    assert "fxreplace: instrumented 2 target(s) of Qwen3MoeForCausalLM" in log
+    assert "matches no reference prompt; served without replacement" in log
 
 
 def test_server_100_concurrent_requests(ref, server):

@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent("""
                   max_num_batched_tokens=64, max_num_seqs=8, tensor_parallel_size=2,
                   distributed_executor_backend="mp", enforce_eager=mode == "eager",
                   enable_prefix_caching=False,
-                  additional_config={"fxreplace": {"tensors_path": ref_dir}})
+                  additional_config={"fxreplace": {"tensors_path": ref_dir, "on_unknown": "passthrough"}})
         sp = SamplingParams(temperature=0.0, max_tokens=%d, logprobs=5, prompt_logprobs=5, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         # Finished ids reach the workers with the next scheduled step; an idle multi-process

@@ -1,12 +1,14 @@
-"""The plugin's configuration: where it lives in ``additional_config``, its
-fields, and a carrier object that survives vLLM's config hashing and pickling.
+"""The plugin's configuration: where it lives in ``additional_config``, and a
+carrier object that survives vLLM's config hashing and pickling.
 
+The fields are :class:`~fxreplace.ReplacementConfig`'s (validated when the
+carrier is made: in the front end, before any engine process starts).
 vLLM hashes ``additional_config`` with ``json.dumps`` (compile cache key) and
 pickles it to start engine processes. Tensors fail the first; a plain object
 fails both unless it implements vLLM's hash protocol. :class:`FxReplaceConfig`
 is a ``str`` whose value is a digest of the configuration (what ``json.dumps``
-and ``compute_hash`` see) and which carries the fields, tensors included, as
-an attribute that pickles with it.
+and ``compute_hash`` see) and which carries the :class:`ReplacementConfig`,
+tensors included, as an attribute that pickles with it.
 """
 
 from __future__ import annotations
@@ -15,58 +17,33 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import fields as dataclass_fields, is_dataclass
 from typing import Any
 
 import torch
 
-from ..replacer import TensorReplacementConfig
+from ..config import ConfigError, ReplacementConfig
 
 CONFIG_KEY = "fxreplace"
 NEURON_KEYS = ("neuron_config", "tensor_replacement")
 
-FIELDS = (
-    "tensors", "tensors_path", "prompt_token_ids", "prompt_token_ids_path",
-    "targets", "name_map", "on_unknown",
-)
 
-
-class ConfigError(ValueError):
-    """The fxreplace section of ``additional_config`` is malformed."""
-
-
-def _fields_of(spec: Any) -> dict:
-    """Normalise a dict, a TensorReplacementConfig or an FxReplaceConfig to a field dict."""
+def as_config(spec: Any) -> ReplacementConfig:
+    """A dict (or its JSON string), a ReplacementConfig or an FxReplaceConfig -> ReplacementConfig."""
     if isinstance(spec, FxReplaceConfig):
-        return dict(spec.fields)
-    if is_dataclass(spec) and not isinstance(spec, type):
-        spec = {f.name: getattr(spec, f.name) for f in dataclass_fields(spec)}
+        return spec.config
+    if isinstance(spec, ReplacementConfig):
+        return spec
     if isinstance(spec, str):  # a JSON string, e.g. from a CLI that did not parse it
         try:
             spec = json.loads(spec)
         except json.JSONDecodeError:
             raise ConfigError(f"fxreplace config is a string that is not JSON: {spec[:80]!r}") from None
     if not isinstance(spec, Mapping):
-        raise ConfigError(
-            f"fxreplace config must be a dict or TensorReplacementConfig, got {type(spec).__name__}"
-        )
-    unknown = sorted(set(spec) - set(FIELDS))
-    if unknown:
-        raise ConfigError(f"unknown fxreplace config field(s) {unknown}; known fields: {list(FIELDS)}")
-    out = {k: v for k, v in spec.items() if v is not None}
-    try:  # the reference source: TensorReplacementConfig's own checks
-        TensorReplacementConfig(**{f.name: out.get(f.name) for f in dataclass_fields(TensorReplacementConfig)})
-    except ValueError as exc:
-        raise ConfigError(f"fxreplace config: {exc} (got fields {sorted(out)})") from None
-    on_unknown = out.get("on_unknown", "passthrough")
-    if on_unknown not in ("passthrough", "error"):
-        raise ConfigError(f"on_unknown must be 'passthrough' or 'error', got {on_unknown!r}")
-    for key in ("tensors_path", "prompt_token_ids_path"):
-        if key in out:
-            out[key] = os.fspath(out[key])
-    if "name_map" in out and not isinstance(out["name_map"], Mapping):
-        raise ConfigError(f"name_map must map capture names to vLLM module names, got {type(out['name_map']).__name__}")
-    return out
+        raise ConfigError(f"fxreplace config must be a dict or ReplacementConfig, got {type(spec).__name__}")
+    try:
+        return ReplacementConfig.from_dict(spec)
+    except ConfigError as exc:
+        raise ConfigError(f"fxreplace config: {exc}") from None
 
 
 def _digest_value(h, value: Any) -> None:
@@ -96,9 +73,10 @@ def _digest_value(h, value: Any) -> None:
         h.update(repr(value).encode())
 
 
-def _digest(fields: Mapping) -> str:
+def _digest(config: ReplacementConfig) -> str:
+    fields = config.to_dict()
     h = hashlib.sha256()
-    _digest_value(h, dict(fields))
+    _digest_value(h, fields)
     for key in ("tensors_path", "prompt_token_ids_path"):  # a rewritten file must not reuse a stale cache
         path = fields.get(key)
         if path is not None and os.path.exists(path):
@@ -110,38 +88,38 @@ def _digest(fields: Mapping) -> str:
 class FxReplaceConfig(str):
     """fxreplace's configuration as it travels inside ``additional_config``.
 
-    ``FxReplaceConfig(tensors=..., prompt_token_ids=...)`` or
-    ``FxReplaceConfig({...})`` / ``FxReplaceConfig(TensorReplacementConfig(...))``.
-    Its string value is ``"fxreplace:<digest>"``; ``.fields`` holds the fields.
-    The plugin wraps plain dicts and TensorReplacementConfig objects found under
-    the config keys automatically, so passing this class is optional.
+    ``FxReplaceConfig(tensors=..., prompt_token_ids=...)`` (ReplacementConfig's
+    fields) or ``FxReplaceConfig({...})`` / ``FxReplaceConfig(ReplacementConfig(...))``.
+    Its string value is ``"fxreplace:<digest>"``; ``.config`` is the
+    :class:`ReplacementConfig`. The plugin wraps plain dicts and ReplacementConfig
+    objects found under the config keys automatically, so passing this class is optional.
     """
 
-    fields: dict
+    config: ReplacementConfig
 
     def __new__(cls, spec: Any = None, **fields):
         if spec is not None and fields:
             raise ConfigError("give a config object or keyword fields, not both")
-        normalised = _fields_of(spec if spec is not None else fields)
-        obj = super().__new__(cls, f"fxreplace:{_digest(normalised)}")
-        obj.fields = normalised
+        config = as_config(spec if spec is not None else fields)
+        obj = super().__new__(cls, f"fxreplace:{_digest(config)}")
+        obj.config = config
         return obj
 
     def __reduce__(self):
-        return (_restore, (dict(self.fields), str(self)))
+        return (_restore, (self.config, str(self)))
 
     def compute_hash(self) -> str:  # vLLM's SupportsHash protocol
         return str(self)
 
     def __repr__(self) -> str:
         shown = {k: (f"<{type(v).__name__}>" if k == "tensors" or k == "prompt_token_ids" else v)
-                 for k, v in self.fields.items()}
+                 for k, v in self.config.to_dict().items()}
         return f"FxReplaceConfig({shown})"
 
 
-def _restore(fields: dict, value: str) -> FxReplaceConfig:
+def _restore(config: ReplacementConfig, value: str) -> FxReplaceConfig:
     obj = str.__new__(FxReplaceConfig, value)
-    obj.fields = fields
+    obj.config = config
     return obj
 
 

@@ -39,11 +39,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import ReplacementConfig
 from ..context import ReplacementContext
 from ..instrument import instrument
-from ..replacer import TensorReplacementConfig, TensorReplacer
-from ..targets import Target, TargetError, rename_captures, resolve_targets
-from .config import FxReplaceConfig, parse_config, wrap_in_place
+from ..matching import PromptIndex
+from ..replacer import TensorReplacer
+from ..targets import Target, TargetError, resolve_targets
+from . import internals
+from .config import parse_config, wrap_in_place
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -51,6 +54,8 @@ _STATE_ATTR = "_fxreplace_state"
 DEBUG_STATE_ENV = "FXREPLACE_DEBUG_STATE"
 OFF_VALUES = ("off", "false", "0", False, 0)
 _MARK = "_fxreplace_wrapped"
+_PROMPTS_ATTR = "_fxreplace_prompts"
+_UNSET = object()
 _registered = False
 
 
@@ -62,25 +67,41 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    _log_through_vllm()
     try:
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        engine_args = internals.engine_args()
+        runners = internals.model_runner_classes()
     except Exception as exc:  # pragma: no cover - incompatible vLLM
         logger.warning("fxreplace: vLLM V1 model runner not importable (%s); plugin disabled", exc)
         _registered = True
         return
-    runners = [GPUModelRunner]
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
-        runners.append(CPUModelRunner)
-    except Exception:  # non-CPU builds
-        pass
-    _wrap(EngineArgs, "create_engine_config", _create_engine_config)
+    _wrap(engine_args, internals.CREATE_ENGINE_CONFIG, _create_engine_config)
+    _wrap(internals.input_processor(), internals.PROCESS_INPUTS, _process_inputs)
     for cls in runners:  # CPUModelRunner overrides load_model: wrap each class's own
-        if "load_model" in cls.__dict__:
-            _wrap(cls, "load_model", _load_model)
+        if internals.LOAD_MODEL in cls.__dict__:
+            _wrap(cls, internals.LOAD_MODEL, _load_model)
     _registered = True
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hands fxreplace's records to vLLM's logger, whose handler vLLM configures
+    (format, level, stream) in every process, whenever it does so."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def _log_through_vllm() -> None:
+    """vLLM configures only its own logger: without this, fxreplace's INFO lines
+    ("instrumented N targets", unknown prompts) would never appear under vLLM.
+    Left alone when the user gave the ``fxreplace`` logger handlers of their own."""
+    root = logging.getLogger("fxreplace")
+    if root.handlers:
+        return
+    root.addHandler(_ToVllmLogger())
+    root.propagate = False  # no second copy through a root handler
+    if root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
 
 
 def _wrap(cls: type, name: str, make) -> None:
@@ -100,15 +121,57 @@ def _create_engine_config(original):
     return create_engine_config
 
 
+def _process_inputs(original):
+    """Front end, once per request: with ``on_unknown="error"`` a prompt that is not
+    in the reference is refused here (an error naming the request; HTTP 400
+    online) instead of being served without replacement."""
+
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        prompts = self.__dict__.get(_PROMPTS_ATTR, _UNSET)
+        if prompts is _UNSET:
+            prompts = _reference_prompts(self.vllm_config.additional_config)
+            setattr(self, _PROMPTS_ATTR, prompts)
+        tokens = request.prompt_token_ids
+        if prompts is None or tokens is None or _switched_off(request.sampling_params):
+            return request
+        if prompts.longest_prefix(tokens) is None:
+            raise internals.refuse(
+                f"fxreplace: request {request.request_id} ({len(tokens)} prompt tokens, first {list(tokens[:8])}) "
+                "starts with no reference prompt; fxreplace is configured with on_unknown='error' (the default). "
+                "Send it with extra_args {'fxreplace': 'off'} or configure on_unknown='passthrough'",
+                parameter="prompt_token_ids")
+        return request
+
+    return process_inputs
+
+
+def _reference_prompts(additional_config):
+    """The reference prompts' index when unknown prompts are refused (None: they are not)."""
+    config = parse_config(additional_config)
+    if config is None or config.config.on_unknown != "error":
+        return None
+    token_ids = config.config.reference_token_ids()
+    if token_ids is None:  # nothing to match against: the workers report each request
+        return None
+    return PromptIndex(list(token_ids.values()) if isinstance(token_ids, dict) else token_ids)
+
+
+def _switched_off(sampling_params) -> bool:
+    extra = getattr(sampling_params, "extra_args", None)
+    return bool(extra) and extra.get("fxreplace") in OFF_VALUES
+
+
 def _load_model(original):
     def load_model(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         if getattr(self, _STATE_ATTR, None) is None:
             config = parse_config(self.vllm_config.additional_config)
             if config is not None:
-                state = VllmReplacement(self, config)
+                state = VllmReplacement(self, config.config)
                 setattr(self, _STATE_ATTR, state)
                 _wrap_steps(self, state)
+                state.check_points(self)
         return out
 
     return load_model
@@ -116,8 +179,8 @@ def _load_model(original):
 
 def _wrap_steps(runner, state: "VllmReplacement") -> None:
     """Per-step wrappers on one configured runner instance (its bound methods)."""
-    execute = runner.execute_model
-    forward = runner._model_forward
+    execute = getattr(runner, internals.EXECUTE_MODEL)
+    forward = getattr(runner, internals.MODEL_FORWARD)
 
     @functools.wraps(execute)
     def execute_model(scheduler_output, *args, **kwargs):
@@ -133,43 +196,32 @@ def _wrap_steps(runner, state: "VllmReplacement") -> None:
         scheduler_output = state.scheduler_output
         if scheduler_output is None:  # dummy/profile run: replacement stays off
             return forward(*args, **kwargs)
-        state.prepare(runner, scheduler_output, kwargs.get("positions", args[1] if len(args) > 1 else None))
+        state.prepare(runner, scheduler_output, internals.forward_positions(args, kwargs))
         try:
             return forward(*args, **kwargs)
         finally:
             state.clear()  # dummy runs between steps see replacement off
 
-    runner.execute_model = execute_model
-    runner._model_forward = _model_forward
+    setattr(runner, internals.EXECUTE_MODEL, execute_model)
+    setattr(runner, internals.MODEL_FORWARD, _model_forward)
 
 
 # --------------------------------------------------------------------------- per worker
 
 
-def _parse_target(t: Any) -> Target:
-    if isinstance(t, Target):
-        return t
-    if isinstance(t, str):
-        return Target(t)
-    if isinstance(t, dict):
-        return Target(**t)
-    raise TargetError(f"a target must be a pattern string, a Target or a dict of Target fields; got {t!r}")
-
-
 class VllmReplacement:
     """fxreplace state of one model runner: the replacer and the instrumented model."""
 
-    def __init__(self, runner, config: FxReplaceConfig):
+    def __init__(self, runner, config: ReplacementConfig):
         from fxreplace.models import architecture  # configured engines only: unconfigured start-up stays light
 
-        fields = config.fields
         self.runner = runner
         self.model = runner.model
         arch = architecture(runner.model_config.hf_config, type(runner.model).__name__)
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         # the reference lives where the model runs: each step gathers into the model's buffers
-        self.replacer = self._build_replacer(fields, self.device)
-        self.targets = self._targets(arch, fields)
+        self.replacer = self._build_replacer(config, self.device)
+        self.targets = self._targets(arch, config)
         self.max_tokens = int(runner.max_num_tokens)
         instrument(self.model, self.targets, max_tokens=self.max_tokens)
         # Bind before warmup compiles: the graph reads these buffers from its first trace.
@@ -177,7 +229,6 @@ class VllmReplacement:
         self.feed = self.replacer.warmup_context(self.max_tokens)
         self.model.feed(self.feed, bind=True)
         self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
-        self.unknown_level = logging.ERROR if fields.get("on_unknown") == "error" else logging.INFO
         self.steps = 0  # forwards that held at least one request matched to the reference
         self.tokens_replaced = 0
         self.errors = 0
@@ -192,23 +243,19 @@ class VllmReplacement:
     # ------------------------------------------------------------ setup
 
     @staticmethod
-    def _build_replacer(fields: dict, device) -> TensorReplacer:
-        source = TensorReplacementConfig(
-            tensors=fields.get("tensors"), tensors_path=fields.get("tensors_path"),
-            prompt_token_ids=fields.get("prompt_token_ids"), prompt_token_ids_path=fields.get("prompt_token_ids_path"),
-        )
+    def _build_replacer(config: ReplacementConfig, device) -> TensorReplacer:
         try:
-            # Unknown prompts always pass through in the engine (a worker cannot fail one
-            # request); on_unknown="error" makes each one an ERROR log line instead of INFO.
-            return source.build(on_unknown="passthrough", device=device)
+            # Unknown prompts reaching a worker pass through: with on_unknown="error" the
+            # front end refused them already (a worker cannot fail one request).
+            return config.build_replacer(on_unknown="passthrough", device=device)
         except Exception as exc:
-            where = fields.get("tensors_path") or "the in-memory tensors"
+            where = config.tensors_path or "the in-memory tensors"
             raise type(exc)(f"fxreplace: cannot load the reference from {where}: {exc}") from exc
 
-    def _targets(self, arch: str, fields: dict) -> list[Target]:
-        explicit = fields.get("targets")
+    def _targets(self, arch: str, config: ReplacementConfig) -> list[Target]:
+        explicit = config.targets
         if explicit is not None:
-            targets = [_parse_target(t) for t in explicit]
+            targets = list(explicit)
         else:
             from fxreplace.models import get_family
 
@@ -218,7 +265,7 @@ class VllmReplacement:
                 raise TargetError(f"fxreplace: {exc.args[0]}; give 'targets' in the fxreplace config") from None
             if not targets:
                 raise TargetError(f"fxreplace: the {arch} family has no vllm_targets; give 'targets' in the config")
-        resolved = rename_captures(resolve_targets(self.model, targets), fields.get("name_map") or {})
+        resolved = resolve_targets(self.model, targets)
         stored = set(self.replacer.modules)
         out, missing = [], []
         for r in resolved:
@@ -231,12 +278,19 @@ class VllmReplacement:
             raise TargetError(
                 f"fxreplace: the reference holds no tensors for {len(missing)} target(s): {missing[:4]}; "
                 f"stored names: {sorted(stored)[:6]}{' ...' if len(stored) > 6 else ''}. "
-                "Map capture names with 'name_map' or choose 'targets'"
+                "Give each target its capture name ('targets': [{\"pattern\": ..., \"name\": ...}])"
             )
         if missing:
             logger.warning("fxreplace: %d default target(s) have no reference tensors and stay unreplaced: %s",
                            len(missing), missing[:4])
         return out
+
+    def check_points(self, runner) -> None:
+        """Run every target's injection point once (an eager dummy forward, replacement
+        off) before the engine serves, so a wrong point (e.g. a tuple output) or a
+        reference whose feature width differs from the module fails the start-up
+        instead of the first request."""
+        internals.eager_forward(runner, min(8, self.max_tokens))
 
     # ------------------------------------------------------------ per step
 
@@ -247,8 +301,7 @@ class VllmReplacement:
             tokens = new.prompt_token_ids
             if tokens is None:  # prompt embeddings: nothing to match
                 continue
-            extra = getattr(new.sampling_params, "extra_args", None)
-            if extra and extra.get("fxreplace") in OFF_VALUES:  # unregistered: served untouched
+            if _switched_off(new.sampling_params):  # unregistered: served untouched
                 continue
             try:
                 matched = self.replacer.register_request(new.req_id, list(tokens))
@@ -256,9 +309,9 @@ class VllmReplacement:
             except Exception as exc:  # one bad request must not stop the engine
                 logger.error("fxreplace: request %s is served without replacement: %s", new.req_id, exc)
                 continue
-            if matched is None:
-                logger.log(self.unknown_level, "fxreplace: request %s (%d prompt tokens, first %s) matches no "
-                           "reference prompt; served without replacement", new.req_id, len(tokens), list(tokens[:8]))
+            if matched is None:  # on_unknown="passthrough" (the front end refuses them otherwise)
+                logger.info("fxreplace: request %s (%d prompt tokens, first %s) matches no reference prompt; "
+                            "served without replacement", new.req_id, len(tokens), list(tokens[:8]))
         if self.debug_state_path is not None:
             self.write_debug_state()
 
@@ -277,26 +330,25 @@ class VllmReplacement:
             self.debug_state_path = None
 
     def prepare(self, runner, scheduler_output, positions) -> None:
-        """Fill the buffers for this forward from the batch vLLM actually runs."""
+        """Fill the buffers for this forward from the batch vLLM actually runs.
+
+        The hot path: per request only a dict lookup; no tensor is allocated here
+        (the gather writes into the bound buffers' leading rows)."""
         try:
-            batch = runner.input_batch
-            num_reqs = batch.num_reqs
-            req_ids = batch.req_ids[:num_reqs]
+            req_ids = internals.batch_requests(runner)
             if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers stay off
                 return
-            counts = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in req_ids), np.int64, num_reqs)
-            total = int(counts.sum())
+            scheduled = scheduler_output.num_scheduled_tokens
+            counts = [scheduled[r] for r in req_ids]
+            total = sum(counts)
             if isinstance(positions, torch.Tensor) and positions.device.type == "cpu":
                 pos = positions[:total]
             else:  # device positions: recompute on the host
-                owner = np.repeat(np.arange(num_reqs), counts)
-                starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-                pos = torch.from_numpy(batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)[owner]
-                                       + np.arange(total) - starts[owner])
+                pos = _host_positions(runner, counts, total)
             self.armed = True
             ctx = self.replacer.build_context_for_batch(req_ids, counts, pos, out=self._rows(total))
             self.steps += 1
-            self.tokens_replaced += int(ctx.mask.sum())
+            self.tokens_replaced += _count(ctx.mask)
         except Exception as exc:
             self.errors += 1
             self.clear()
@@ -317,6 +369,23 @@ class VllmReplacement:
     @property
     def requests(self) -> dict:
         return self.replacer.requests
+
+
+def _host_positions(runner, counts: list[int], total: int) -> torch.Tensor:
+    """Each scheduled token's position from the batch's computed-token counts."""
+    num_reqs = len(counts)
+    counts = np.asarray(counts, dtype=np.int64)
+    owner = np.repeat(np.arange(num_reqs), counts)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    computed = internals.computed_tokens(runner)[:num_reqs].astype(np.int64)
+    return torch.from_numpy(computed[owner] + np.arange(total) - starts[owner])
+
+
+def _count(mask: torch.Tensor) -> int:
+    """True entries of a small mask; on the host through numpy (a third of a torch sum's cost)."""
+    if mask.device.type == "cpu":
+        return int(mask.numpy().sum())
+    return int(mask.sum())
 
 
 def get_state(runner) -> VllmReplacement | None:

@@ -1,0 +1,235 @@
+"""``ReplacementConfig``: where the reference comes from and what to replace, in one place.
+
+The vLLM plugin's ``additional_config`` section, the CLI and the embedded runner
+all build this one dataclass, so a field has one name, one default and one
+meaning everywhere, and a bad value fails when the config is made (for vLLM: in
+the front end, before any engine process starts), naming the field.
+
+The Neuron tool's ``TensorReplacementConfig(tensors_path=..., prompt_token_ids_path=...)``
+is the same class under its old name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from .targets import Target, TargetError
+
+OnUnknown = Literal["error", "passthrough"]
+ON_UNKNOWN = ("error", "passthrough")
+TARGET_FIELDS = ("pattern", "point", "adapter", "name", "shard")
+
+
+class ConfigError(ValueError):
+    """A replacement configuration that cannot be used; the message names the field."""
+
+
+@dataclass
+class ReplacementConfig:
+    """Where the reference comes from and how requests are served.
+
+    Source (exactly one of each pair; a reference directory or ``.safetensors``
+    store carries its own token ids, so the second pair is optional then):
+
+    - ``tensors``: captures (step-wise list or flat dict) or a ReferenceStore;
+      ``tensors_path``: a reference directory, a ``.safetensors`` store or the
+      Neuron tool's ``torch.save`` file (read with ``weights_only=True``);
+    - ``prompt_token_ids`` / ``prompt_token_ids_path`` (JSON or legacy file).
+
+    ``targets``: what to replace, as glob strings, :class:`~fxreplace.Target`
+    objects or dicts of Target fields (``{"pattern", "point", "adapter", "name"}``;
+    ``name`` is the reference's capture name when it differs, ``{}`` taking the
+    wildcard match). None: the model family's default targets.
+
+    ``on_unknown``: a request whose prompt is not in the reference is
+    ``"error"`` (the default): refused with an error naming the request
+    (:class:`~fxreplace.TensorReplacer` raises KeyError; vLLM rejects it when it
+    is submitted and keeps serving); ``"passthrough"``: served without replacement.
+    """
+
+    tensors: Any = None
+    prompt_token_ids: Any = None
+    tensors_path: str | os.PathLike | None = None
+    prompt_token_ids_path: str | os.PathLike | None = None
+    targets: Any = None
+    on_unknown: OnUnknown = "error"
+
+    def __post_init__(self):
+        _exactly_one("tensors", self.tensors, "tensors_path", self.tensors_path, required=True)
+        _exactly_one("prompt_token_ids", self.prompt_token_ids, "prompt_token_ids_path", self.prompt_token_ids_path,
+                     required=False)
+        for key in ("tensors_path", "prompt_token_ids_path"):
+            path = getattr(self, key)
+            if path is None:
+                continue
+            if not isinstance(path, (str, os.PathLike)):
+                raise ConfigError(f"{key} must be a path, got {type(path).__name__} {path!r}")
+            path = os.fspath(path)
+            if not os.path.exists(path):
+                raise ConfigError(f"{key}: {path!r} does not exist")
+            setattr(self, key, path)
+        if self.targets is not None:
+            self.targets = parse_targets(self.targets)
+        if self.on_unknown not in ON_UNKNOWN:
+            raise ConfigError(f"on_unknown must be 'error' or 'passthrough', got {self.on_unknown!r}")
+
+    # ------------------------------------------------------------ dict form
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "ReplacementConfig":
+        """From a dict such as vLLM's ``additional_config["fxreplace"]`` (JSON-compatible);
+        an unknown key is an error that suggests the closest field."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"the fxreplace config must be a dict of fields, got {type(data).__name__}")
+        known = [f.name for f in fields(cls)]
+        for key in data:
+            if key == "name_map":
+                raise ConfigError(_name_map_moved(data[key]))
+            if key not in known:
+                raise ConfigError(f"unknown fxreplace config field {key!r}{_did_you_mean(key, known)}; "
+                                  f"fields: {known}")
+        return cls(**{k: v for k, v in data.items() if v is not None})
+
+    def to_dict(self) -> dict:
+        """The fields that are set (targets as dicts of their set fields); ``from_dict`` inverts it."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name == "on_unknown" and value == f.default:
+                continue
+            if f.name == "targets":
+                value = [_target_dict(t) for t in value]
+            out[f.name] = value
+        return out
+
+    # ------------------------------------------------------------ use
+
+    def resolve(self) -> tuple[Any, Any]:
+        """``(tensors, prompt_token_ids)``, loading files where paths were given."""
+        from .store import ReferenceStore, load_captures, load_token_ids
+
+        tensors = self.tensors if self.tensors is not None else load_captures(self.tensors_path)
+        token_ids = self.prompt_token_ids
+        if self.prompt_token_ids_path is not None:
+            token_ids = load_token_ids(self.prompt_token_ids_path)
+        if token_ids is None and isinstance(tensors, ReferenceStore):
+            token_ids = tensors.prompt_token_ids
+        return tensors, token_ids
+
+    def reference_token_ids(self) -> Any:
+        """The reference prompts' token ids (None when the reference has none),
+        reading only what holds them."""
+        if self.prompt_token_ids is not None:
+            return self.prompt_token_ids
+        if self.prompt_token_ids_path is not None:
+            from .store import load_token_ids
+
+            return load_token_ids(self.prompt_token_ids_path)
+        return self.resolve()[1]
+
+    def build_replacer(self, **kwargs):
+        """A :class:`~fxreplace.TensorReplacer` over the reference (``on_unknown``
+        this config's unless given: an engine that refuses unknown prompts before
+        they reach the replacer passes ``"passthrough"``)."""
+        from .replacer import TensorReplacer
+
+        tensors, token_ids = self.resolve()
+        kwargs.setdefault("on_unknown", self.on_unknown)
+        return TensorReplacer(tensors, prompt_token_ids=token_ids, **kwargs)
+
+
+#: The Neuron tool's name for the same configuration.
+TensorReplacementConfig = ReplacementConfig
+
+
+def parse_targets(targets: Any) -> tuple[Target, ...]:
+    """Glob strings, Targets or dicts of Target fields -> Targets; errors name the entry."""
+    if isinstance(targets, (str, bytes, Mapping)) or not hasattr(targets, "__iter__"):
+        raise ConfigError(f"targets must be a list of patterns, Targets or dicts of Target fields, got "
+                          f"{type(targets).__name__} {targets!r}"
+                          + ("; wrap a single pattern in a list" if isinstance(targets, str) else ""))
+    parsed = []
+    for i, t in enumerate(targets):
+        try:
+            parsed.append(_parse_target(t))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"targets[{i}]: {exc}") from None
+    if not parsed:
+        raise ConfigError("targets is empty; leave it out for the model family's default targets")
+    return tuple(parsed)
+
+
+def _parse_target(t: Any) -> Target:
+    if isinstance(t, Target):
+        target = t
+    elif isinstance(t, str):
+        target = Target(t)
+    elif isinstance(t, Mapping):
+        for key in t:
+            if key not in TARGET_FIELDS:
+                raise ConfigError(f"unknown target field {key!r}{_did_you_mean(key, TARGET_FIELDS)}; "
+                                  f"fields: {list(TARGET_FIELDS)}")
+        if "pattern" not in t:
+            raise ConfigError(f"a target dict needs 'pattern', got {dict(t)!r}")
+        fields_ = dict(t)
+        if isinstance(fields_.get("shard"), Mapping):  # JSON: {"mode", "world_size", "rank"}
+            from .sharding import ShardSpec
+
+            fields_["shard"] = ShardSpec(**fields_["shard"])
+        target = Target(**fields_)
+    else:
+        raise ConfigError(f"a target is a pattern string, a Target or a dict of Target fields; got {t!r}")
+    if not isinstance(target.pattern, str) or not target.pattern:
+        raise ConfigError(f"pattern must be a non-empty string, got {target.pattern!r}")
+    if target.name is not None and not isinstance(target.name, str):
+        raise ConfigError(f"name must be a string, got {target.name!r}")
+    from .points import check_point
+
+    try:
+        check_point(target.point)
+    except TargetError as exc:
+        raise ConfigError(str(exc)) from None
+    if isinstance(target.adapter, str):
+        from .adapters import get_adapter
+
+        try:
+            get_adapter(target.adapter)
+        except KeyError as exc:
+            raise ConfigError(exc.args[0]) from None
+    return target
+
+
+def _target_dict(target: Target) -> dict:
+    out = {"pattern": target.pattern}
+    for key, default in (("point", "auto"), ("adapter", None), ("shard", None), ("name", None)):
+        value = getattr(target, key)
+        if value != default:
+            out[key] = value
+    return out
+
+
+def _did_you_mean(key: str, known) -> str:
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _name_map_moved(name_map: Any) -> str:
+    example = ""
+    if isinstance(name_map, Mapping) and name_map:
+        capture, module = next(iter(name_map.items()))
+        if isinstance(capture, str) and isinstance(module, str):
+            template = capture.replace("**", "{}").replace("*", "{}")
+            example = f': {{"targets": [{{"pattern": "{module}", "name": "{template}"}}]}}'
+    return ("'name_map' is replaced by per-target capture names (one syntax for capture names): give the target "
+            f"its reference capture name, with {{}} for the wildcard match{example}")
+
+
+def _exactly_one(name_a: str, a: Any, name_b: str, b: Any, required: bool) -> None:
+    if a is not None and b is not None:
+        raise ConfigError(f"give either {name_a} or {name_b}, not both")
+    if required and a is None and b is None:
+        raise ConfigError(f"give {name_a} or {name_b}")

@@ -1,0 +1,113 @@
+"""``export()``: ahead-of-time export of a model that takes replacements as inputs.
+
+The only code of fxreplace that reaches into torch internals: it rewrites the
+exported graph's calling convention (``_codegen.pytree_info``), drops the
+exported module's input-checking pre-hooks and its ``_guards_fn`` call, then
+exports again so torch derives fresh guards for the new inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Mapping
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
+from .passes import Injection, InjectionSpec, insert_replacements
+from .points import find_injection_node
+from .sharding import ShapeError
+from .targets import TargetLike, resolve_targets
+
+
+def export_input_name(capture_name: str) -> str:
+    """The exported program's input name for one target's replacement."""
+    return "fxreplace_" + re.sub(r"\W", "_", capture_name)
+
+
+def export(
+    model: nn.Module,
+    example_inputs: Mapping | Sequence,
+    targets: Iterable[TargetLike],
+    *,
+    dynamic_shapes=None,
+    strict: bool = False,
+) -> torch.export.ExportedProgram:
+    """``torch.export`` the plain model, apply :func:`~fxreplace.passes.insert_replacements`
+    to the whole-model graph (nodes found through ``nn_module_stack``), and
+    export the result again so it is ATen IR ready for AOTInductor.
+
+    The program takes the model's inputs (``example_inputs``: a dict of keyword
+    arguments or a tuple of positional ones, flattened to keywords named as in
+    the model's signature), then one ``[T, E]`` replacement per target named
+    :func:`export_input_name` (capture name), then ``fxreplace_mask`` (bool
+    ``[T]``) and, when a target's shard rank is a tensor, ``fxreplace_rank``.
+    Mask all False turns replacement off in the same program.
+
+    ``dynamic_shapes`` is :func:`torch.export.export`'s, for the model's inputs
+    (a dict by argument name, or a tuple matching positional ``example_inputs``);
+    the token dimension of the replacement and mask inputs then follows them
+    (``Dim.AUTO``: export derives ``T`` from the model's shapes and checks it at
+    run time).
+    """
+    kwargs = dict(example_inputs) if isinstance(example_inputs, Mapping) else {}
+    args = () if isinstance(example_inputs, Mapping) else tuple(example_inputs)
+    resolved = resolve_targets(model, targets)
+    program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+    gm = program.module()
+    specs = [
+        InjectionSpec(
+            t.module_name, t.point,
+            Injection(t.module_name, model.get_submodule(t.module_name), t.adapter, t.shard),
+            export_input_name(t.capture_name),
+        )
+        for t in resolved
+    ]
+    tensor_rank = any(t.shard is not None and isinstance(t.shard.rank, torch.Tensor) for t in resolved)
+    located = [find_injection_node(gm, s.module_name, s.point).meta["val"] for s in specs]
+    # The graph must take the old and new inputs as flat keywords.
+    old_inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    new_inputs = [s.input_name for s in specs] + ["fxreplace_mask"] + (["fxreplace_rank"] if tensor_rank else [])
+    names = old_inputs + new_inputs
+    info = gm.graph._codegen.pytree_info
+    gm.graph._codegen.pytree_info = info._replace(
+        orig_args=names, in_spec=torch.utils._pytree.tree_structure(((), {n: 0 for n in names}))
+    )
+    gm._forward_pre_hooks.clear()  # they check inputs against the old signature
+    for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+        gm.graph.erase_node(node)  # re-export derives its own guards
+    insert_replacements(gm, specs, rank_input="fxreplace_rank" if tensor_rank else None, optional_inputs=False)
+
+    # Example values for the new inputs, shaped like what each target computes.
+    examples = {}
+    for target, spec, value in zip(resolved, specs, located):
+        shard = target.shard
+        shape = [guarding_hint_or_throw(size) for size in value.shape]  # the example's sizes when shapes are dynamic
+        rows = math.prod(shape) // shape[-1]
+        columns = shape[-1]
+        if shard is not None and shard.mode == "sequence":
+            rows *= shard.world_size
+        if shard is not None and shard.mode == "expert":
+            columns *= shard.world_size
+        examples[spec.input_name] = torch.zeros(rows, columns, dtype=value.dtype, device=value.device)
+    tokens = {v.shape[0] for v in examples.values()}
+    if len(tokens) != 1:
+        raise ShapeError(f"targets see different token counts {tokens}; export them separately")
+    examples["fxreplace_mask"] = torch.zeros(tokens.pop(), dtype=torch.bool, device=next(iter(examples.values())).device)
+    if tensor_rank:
+        examples["fxreplace_rank"] = next(t.shard.rank for t in resolved if t.shard and isinstance(t.shard.rank, torch.Tensor))
+
+    signature = inspect.signature(model.forward)
+    given = signature.bind_partial(*args, **kwargs).arguments
+    inputs = {name: given[name] for name in old_inputs} | examples
+    if dynamic_shapes is None:
+        return torch.export.export(gm, (), inputs, strict=False)
+    if not isinstance(dynamic_shapes, Mapping):
+        dynamic_shapes = signature.bind_partial(*dynamic_shapes).arguments
+    follows = {name: ({0: torch.export.Dim.AUTO} if name != "fxreplace_rank" else None) for name in examples}
+    shapes = {name: dynamic_shapes.get(name) for name in old_inputs} | follows
+    return torch.export.export(gm, (), inputs, dynamic_shapes=shapes, strict=False)

@@ -1,0 +1,177 @@
+"""Injection points: where inside a target module the replacement goes.
+
+Every rule about points lives here, and :func:`~fxreplace.instrument`, reference
+capture, :func:`~fxreplace.export.export` and the vLLM plugin all use it:
+
+- ``"output"`` / ``"output[i]"``: the module's output (or its i-th element);
+- ``"auto"``: the output when the module returns one tensor, else the *logits*:
+  the first linear-family op computed inside the module (HF MoE routers return a
+  tuple whose logits their MoE block ignores, so only the inner node matters).
+  A module that cannot be traced alone falls back to ``"output"``, which is then
+  checked to be a tensor when the module first runs;
+- a callable ``fn(nodes) -> Node`` picking the node among the module's FX nodes.
+
+Nodes are attributed to modules either because the graph was traced from the
+module alone (``module_name == ""``) or through ``meta["nn_module_stack"]`` of a
+whole-model graph (torch.export, Dynamo).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .targets import TargetError, closest_names
+
+#: ``"auto"``, ``"output"``, ``"output[i]"``, or ``fn(nodes) -> Node`` picking the
+#: injection node among the FX nodes computed inside the module.
+Point = Union[str, Callable]
+
+_aten = torch.ops.aten
+LINEAR_FUNCTIONS = {
+    F.linear, torch._C._nn.linear, torch.matmul, torch.mm, torch.addmm, operator.matmul,
+    _aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.matmul.default,
+}
+LINEAR_METHODS = {"matmul", "mm", "addmm", "__matmul__"}
+_CALL_OPS = ("call_function", "call_method", "call_module")
+
+
+def check_point(point) -> None:
+    """Reject a point that is neither a known string nor a callable (before any model is seen)."""
+    if callable(point) or point == "auto" or parse_output_point(point)[0]:
+        return
+    raise TargetError(f"unknown point {point!r}; use 'auto', 'output', 'output[i]' or a callable")
+
+
+def parse_output_point(point) -> tuple[bool, int | None]:
+    """``"output"`` -> (True, None), ``"output[2]"`` -> (True, 2), else (False, None)."""
+    if not isinstance(point, str):
+        return False, None
+    m = re.fullmatch(r"output(?:\[(\d+)\])?", point)
+    if not m:
+        return False, None
+    return True, int(m.group(1)) if m.group(1) is not None else None
+
+
+def _normalise_module_path(path: str) -> str:
+    """Dynamo spells ``L['self'].model.layers[0]`` or ``L['self']._modules['model']``;
+    export spells ``model.layers.0``. Map both to the qualified name."""
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return path.lstrip(".")
+
+
+def module_paths(node: fx.Node) -> set[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return {_normalise_module_path(path) for path, _ in stack.values()}
+
+
+def nodes_in_module(gm: fx.GraphModule, module_name: str) -> list[fx.Node]:
+    """The operations computed inside ``module_name``, in graph order."""
+    calls = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
+    if not module_name:
+        return calls
+    return [n for n in calls if module_name in module_paths(n)]
+
+
+def is_linear(node: fx.Node, gm: fx.GraphModule | None = None) -> bool:
+    if node.op == "call_function":
+        return node.target in LINEAR_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in LINEAR_METHODS
+    if node.op == "call_module" and gm is not None:
+        return isinstance(gm.get_submodule(node.target), nn.Linear)
+    return False
+
+
+def _module_outputs(gm: fx.GraphModule, module_name: str, nodes: list[fx.Node]) -> list:
+    """The values a module hands back: the graph output for a single-module
+    graph, else its nodes that are used outside the module."""
+    if not module_name:
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+    inside = set(nodes)
+    return [n for n in nodes if any(u not in inside for u in n.users)]
+
+
+def find_injection_node(gm: fx.GraphModule, module_name: str, point: Point) -> fx.Node:
+    """The node whose value the replacement stands for (see the module docstring)."""
+    where = f"module {module_name!r}" if module_name else "the traced module"
+    nodes = nodes_in_module(gm, module_name)
+    if not nodes:
+        raise TargetError(f"no graph node belongs to {where}; it is not called in this graph")
+    if callable(point):
+        node = point(nodes)
+        if node not in nodes:
+            raise TargetError(f"point callable for {where} returned {node!r}, which is not one of its nodes")
+        return node
+    check_point(point)
+    is_output, index = parse_output_point(point)
+    outputs = _module_outputs(gm, module_name, nodes)
+    if point == "auto":
+        linear = [n for n in nodes if is_linear(n, gm)]
+        if len(outputs) == 1 and isinstance(outputs[0], fx.Node) or not linear:
+            is_output = True
+        else:
+            return linear[0]
+    if index is None and len(outputs) == 1 or index is not None and module_name == "" and index < len(outputs):
+        node = outputs[index or 0]
+        if isinstance(node, fx.Node):
+            return node
+    raise TargetError(
+        f"{where} has no single node for point {point!r}: its outputs are {outputs}; "
+        "pass point='output[i]' or a callable that picks the node"
+    )
+
+
+@dataclass
+class InjectionPoint:
+    """Where one module's replacement goes.
+
+    ``graph_module`` is set when the point is a node inside the module: the
+    module traced alone, and ``point`` selects the node in it. Otherwise the
+    point is the module output (``output_index`` picks ``output[i]``), checked
+    to be a tensor at run time (an untraceable module with ``"auto"`` lands here,
+    keeping ``point="auto"`` so errors can say why).
+    """
+
+    module_name: str
+    point: Point
+    graph_module: fx.GraphModule | None = None
+    output_index: int | None = None
+
+
+def trace_alone(module: nn.Module) -> fx.GraphModule:
+    """``torch.fx`` trace of one module; parameters are shared, not copied."""
+    return fx.symbolic_trace(module)
+
+
+def locate_injection_point(module: nn.Module, module_name: str, point: Point = "auto") -> InjectionPoint:
+    """Resolve ``point`` for ``module`` without changing anything."""
+    check_point(point)
+    is_output, index = parse_output_point(point)
+    if is_output:
+        return InjectionPoint(module_name, point, output_index=index)
+    try:
+        gm = trace_alone(module)
+    except Exception as exc:
+        if point == "auto":  # the output, checked to be a tensor when the module runs
+            return InjectionPoint(module_name, "auto")
+        raise TargetError(f"cannot trace {module_name!r} alone to apply point {point!r}: {exc}") from exc
+    try:
+        node = find_injection_node(gm, "", point)
+    except TargetError as exc:
+        children = [f"{module_name}.{name}" for name, _ in module.named_modules() if name]
+        raise TargetError(f"{module_name!r}: {exc}; closest qualified names: "
+                          f"{closest_names(module_name, children) or children[:5]}") from None
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if node is output:
+        return InjectionPoint(module_name, "output")
+    return InjectionPoint(module_name, point, graph_module=gm)

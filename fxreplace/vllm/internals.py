@@ -1,0 +1,168 @@
+"""Every vLLM internal the plugin relies on, named in one place.
+
+vLLM has no public API for "run code before each forward with the scheduler's
+batch"; the plugin uses the V1 model runner's private structure. Each name below
+is read through this module only, and :func:`check` reports which of them a
+vLLM upgrade moved (``tests/test_vllm.py`` fails with its message), so an
+upgrade breaks loudly at one place instead of deep inside a worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+#: (module, class) -> the attributes of it that fxreplace reads or wraps.
+ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
+GPU_MODEL_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+CPU_MODEL_RUNNER = ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")
+INPUT_BATCH = ("vllm.v1.worker.gpu_input_batch", "InputBatch")
+SCHEDULER_OUTPUT = ("vllm.v1.core.sched.output", "SchedulerOutput")
+INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
+ENGINE_CORE_REQUEST = ("vllm.v1.engine", "EngineCoreRequest")
+VALIDATION_ERROR = ("vllm.exceptions", "VLLMValidationError")
+NEW_REQUEST_DATA = ("vllm.v1.core.sched.output", "NewRequestData")
+
+#: ``EngineArgs.create_engine_config``: the front end builds the engine config
+#: here (the plugin validates and wraps the fxreplace section before it).
+CREATE_ENGINE_CONFIG = "create_engine_config"
+#: ``InputProcessor.process_inputs`` (front end, once per request) returns an
+#: ``EngineCoreRequest``; a VLLMValidationError raised there refuses the request
+#: (HTTP 400 online) and the engine keeps serving.
+PROCESS_INPUTS = "process_inputs"
+ENGINE_CORE_REQUEST_FIELDS = ("request_id", "prompt_token_ids", "sampling_params")
+#: model runner methods: ``load_model`` (instrument after loading), ``execute_model``
+#: (one scheduler step), ``_model_forward`` (private: the model call of one step).
+LOAD_MODEL = "load_model"
+EXECUTE_MODEL = "execute_model"
+MODEL_FORWARD = "_model_forward"
+#: ``_model_forward(input_ids, positions, ...)``: positions by keyword, else the
+#: second positional argument.
+POSITIONS_ARG = "positions"
+POSITIONS_INDEX = 1
+#: ``_dummy_run(num_tokens)``: a forward without requests (vLLM's own warm-up and
+#: profile runs use it); ``do_not_compile``: the attribute of vLLM's
+#: ``@support_torch_compile`` modules that makes their ``__call__`` run eagerly.
+DUMMY_RUN = "_dummy_run"
+DO_NOT_COMPILE = "do_not_compile"
+COMPILE_DECORATOR = ("vllm.compilation.decorators", "support_torch_compile")
+#: model runner attributes: ``vllm_config.additional_config``, ``model``,
+#: ``model_config.hf_config``, ``max_num_tokens`` (the largest batch: buffer rows),
+#: ``input_batch`` (the persistent batch, in the order the forward lays tokens out).
+RUNNER_ATTRS = ("vllm_config", "model", "model_config", "max_num_tokens", "input_batch")
+#: ``InputBatch``: ``req_ids`` (property), ``num_reqs`` (property),
+#: ``num_computed_tokens_cpu`` (numpy, for positions when they live on a device).
+INPUT_BATCH_ATTRS = ("req_ids", "num_reqs", "num_computed_tokens_cpu")
+#: ``SchedulerOutput``: new requests, finished ids, tokens scheduled per request.
+SCHEDULER_OUTPUT_FIELDS = ("scheduled_new_reqs", "finished_req_ids", "num_scheduled_tokens")
+#: ``NewRequestData``: what registration reads.
+NEW_REQUEST_FIELDS = ("req_id", "prompt_token_ids", "sampling_params")
+
+
+def _import(where: tuple[str, str]):
+    import importlib
+
+    return getattr(importlib.import_module(where[0]), where[1])
+
+
+def engine_args():
+    return _import(ENGINE_ARGS)
+
+
+def input_processor():
+    return _import(INPUT_PROCESSOR)
+
+
+def refuse(message: str, parameter: str) -> Exception:
+    """The error that refuses one request in the front end (400 online)."""
+    return _import(VALIDATION_ERROR)(message, parameter=parameter)
+
+
+def model_runner_classes() -> list[type]:
+    """The V1 model runner classes whose ``load_model`` the plugin wraps (the CPU
+    runner overrides it; GPU builds have no CPU runner)."""
+    classes = [_import(GPU_MODEL_RUNNER)]
+    try:
+        classes.append(_import(CPU_MODEL_RUNNER))
+    except (ImportError, AttributeError):
+        pass
+    return classes
+
+
+def forward_positions(args: tuple, kwargs: dict):
+    """The positions tensor of one ``_model_forward(*args, **kwargs)`` call."""
+    if POSITIONS_ARG in kwargs:
+        return kwargs[POSITIONS_ARG]
+    return args[POSITIONS_INDEX] if len(args) > POSITIONS_INDEX else None
+
+
+def batch_requests(runner) -> list[str]:
+    """Request ids of the step being run, in the order its tokens are laid out."""
+    batch = runner.input_batch
+    return batch.req_ids[: batch.num_reqs]
+
+
+def eager_forward(runner, num_tokens: int) -> None:
+    """Run the model once on ``num_tokens`` dummy tokens, eagerly even in compiled
+    mode (before vLLM compiles it, and without triggering a compile); vLLM's CPU
+    runner runs no warm-up forward in eager mode, nor with ``VLLM_CPU_CI_ENV``."""
+    compiled = [m for m in runner.model.modules() if hasattr(m, DO_NOT_COMPILE)]
+    saved = [getattr(m, DO_NOT_COMPILE) for m in compiled]
+    try:
+        for m in compiled:
+            setattr(m, DO_NOT_COMPILE, True)
+        getattr(runner, DUMMY_RUN)(num_tokens)
+    finally:
+        for m, value in zip(compiled, saved):
+            setattr(m, DO_NOT_COMPILE, value)
+
+
+def computed_tokens(runner):
+    """Tokens each request of the batch has computed before this step (numpy, host)."""
+    return runner.input_batch.num_computed_tokens_cpu
+
+
+def check() -> list[str]:
+    """What this vLLM no longer provides of the above, one line each (empty: all present)."""
+    problems = []
+
+    def need(where, attrs, how):
+        try:
+            cls = _import(where)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{where[0]}.{where[1]} is gone ({exc})")
+            return
+        for attr in attrs:
+            if not how(cls, attr):
+                problems.append(f"{where[0]}.{where[1]} has no {attr!r}")
+        return cls
+
+    def has_attr(cls, attr):
+        return hasattr(cls, attr)
+
+    def has_field(cls, attr):  # dataclasses (vLLM's scheduler output types are)
+        return attr in getattr(cls, "__dataclass_fields__", {})
+
+    def set_on_instances(cls, attr):
+        return hasattr(cls, attr) or re.search(rf"self\.{attr}\s*[:=]", inspect.getsource(cls)) is not None
+
+    need(ENGINE_ARGS, (CREATE_ENGINE_CONFIG,), has_attr)
+    runner = need(GPU_MODEL_RUNNER, (LOAD_MODEL, EXECUTE_MODEL, MODEL_FORWARD, DUMMY_RUN), has_attr)
+    decorators = need(COMPILE_DECORATOR, (), has_attr)
+    if decorators is not None and not re.search(rf"self\.{DO_NOT_COMPILE}\s*=", inspect.getsource(
+            inspect.getmodule(decorators))):
+        problems.append(f"{COMPILE_DECORATOR[0]} no longer sets {DO_NOT_COMPILE!r} on compiled modules")
+    if runner is not None:
+        need(GPU_MODEL_RUNNER, RUNNER_ATTRS, set_on_instances)
+    if runner is not None and hasattr(runner, MODEL_FORWARD):
+        params = list(inspect.signature(getattr(runner, MODEL_FORWARD)).parameters)
+        if params[POSITIONS_INDEX + 1: POSITIONS_INDEX + 2] != [POSITIONS_ARG]:  # +1: self
+            problems.append(f"{GPU_MODEL_RUNNER[1]}.{MODEL_FORWARD} no longer takes {POSITIONS_ARG!r} as "
+                            f"argument {POSITIONS_INDEX}: its parameters are {params}")
+    need(INPUT_BATCH, INPUT_BATCH_ATTRS, set_on_instances)
+    need(SCHEDULER_OUTPUT, SCHEDULER_OUTPUT_FIELDS, has_field)
+    need(NEW_REQUEST_DATA, NEW_REQUEST_FIELDS, has_field)
+    need(INPUT_PROCESSOR, (PROCESS_INPUTS,), has_attr)
+    need(ENGINE_CORE_REQUEST, ENGINE_CORE_REQUEST_FIELDS, lambda cls, attr: attr in cls.__struct_fields__)
+    need(VALIDATION_ERROR, (), has_attr)
+    return problems
