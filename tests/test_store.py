@@ -168,7 +168,9 @@ def _rss_mib():
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
-def test_loading_a_large_store_does_not_read_it_into_memory(tmp_path):
+def test_loading_a_large_store_and_its_replacer_do_not_read_it_into_memory(tmp_path):
+    from fxreplace import TensorReplacer
+
     prompts = 64
     caps = {p: {"m": torch.full((2048, 512), float(p))} for p in range(prompts)}  # 256 MiB of fp32
     ReferenceStore.from_captures(caps).save(tmp_path / "big")
@@ -176,7 +178,10 @@ def test_loading_a_large_store_does_not_read_it_into_memory(tmp_path):
     before = _rss_mib()
     store = ReferenceStore.load(tmp_path / "big")
     assert _rss_mib() - before < 64, "loading must memory-map, not read 256 MiB"
-    assert float(store.rows(40, "m")[7, 3]) == 40.0
+    replacer = TensorReplacer(store)
+    assert _rss_mib() - before < 64, "a replacer over a store costs O(index): no finite check reads the rows"
+    replacer.register_request("r", None, prompt_idx=40)
+    assert float(replacer.build_context(["r"], [7], is_prefill=True)["m"][0, 3]) == 40.0
 
 
 # ---------------------------------------------------------------- streaming writer, shards, merge
@@ -461,3 +466,19 @@ def test_stores_written_without_the_finite_check_say_so(tmp_path):
     assert store.verify()["finite"] is False
     with pytest.raises(CaptureError, match="prompt 0, module 'm', position 0: capture holds NaN"):
         store.check_finite()
+
+
+def test_cli_inspect_verify_reports_a_sound_store_and_names_a_flipped_tensor(tmp_path, capsys):
+    from fxreplace.cli import main
+
+    file = _valid_store(tmp_path)
+    assert main(["inspect", "--verify", str(file.parent)]) == 0
+    assert "OK: 2 prompts in 1 shard(s)" in capsys.readouterr().out
+    header, body = _read_raw(file)
+    begin = header["tokens.values"]["data_offsets"][0]
+    body = bytearray(body)
+    body[begin] ^= 0x01  # token 1 becomes 0: still a valid id, only the digest can tell
+    _write_raw(file, header, bytes(body))
+    assert ReferenceStore.load(file).prompt_token_ids[0] == [0, 2, 3]
+    with pytest.raises(SystemExit, match=r"error: .*reference.safetensors: tensor 'tokens.values': content digest"):
+        main(["inspect", "--verify", str(file.parent)])
