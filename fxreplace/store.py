@@ -553,28 +553,33 @@ def _align(values: Any, prompt_ids: list[int], what: str) -> list | None:
     return values
 
 
-def _check_token_ids(prompt: int, ids: Any) -> list[int]:
-    """A prompt's token ids as a list of non-negative ints; floats are refused, never truncated."""
+def _check_token_ids(prompt: int, ids: Any) -> np.ndarray:
+    """A prompt's token ids as a 1-D int64 array of non-negative ids; floats are refused, never truncated."""
     if isinstance(ids, torch.Tensor):
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise CaptureError(f"prompt {prompt}: token ids must be integers, got dtype {ids.dtype}")
-        ids = ids.tolist()
+        ids = ids.detach().cpu().numpy()
     elif isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
             raise CaptureError(f"prompt {prompt}: token ids must be integers, got dtype {ids.dtype}")
-        ids = ids.tolist()
     else:
         ids = list(ids)
-    if ids and isinstance(ids[0], list):  # [1, L] batch of one
-        if len(ids) != 1:
-            raise CaptureError(f"prompt {prompt}: token ids have batch size {len(ids)}, expected 1")
+        arr = np.asarray(ids) if ids else np.zeros(0, np.int64)
+        if arr.dtype.kind not in "iu":  # floats, bools, strings, mixed or huge values
+            bad = [t for t in (x for row in ids for x in (row if isinstance(row, list) else [row]))
+                   if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            raise CaptureError(f"prompt {prompt}: token ids must be non-negative integers, got {bad[:5]}")
+        ids = arr
+    if ids.ndim == 2:  # [1, L] batch of one
+        if ids.shape[0] != 1:
+            raise CaptureError(f"prompt {prompt}: token ids have batch size {ids.shape[0]}, expected 1")
         ids = ids[0]
-    if not ids:
-        raise CaptureError(f"prompt {prompt}: token ids are empty")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
-    if bad:
-        raise CaptureError(f"prompt {prompt}: token ids must be non-negative integers, got {bad[:5]}")
-    return ids
+    if ids.ndim != 1 or ids.size == 0:
+        raise CaptureError(f"prompt {prompt}: token ids are empty" if ids.size == 0 else
+                           f"prompt {prompt}: token ids must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.min() < 0:
+        raise CaptureError(f"prompt {prompt}: token ids must be non-negative integers, got {ids[ids < 0][:5].tolist()}")
+    return ids.astype(np.int64, copy=False)
 
 
 def _preview(items: Sequence, n: int = 8) -> str:
