@@ -482,3 +482,22 @@ def test_cli_inspect_verify_reports_a_sound_store_and_names_a_flipped_tensor(tmp
     assert ReferenceStore.load(file).prompt_token_ids[0] == [0, 2, 3]
     with pytest.raises(SystemExit, match=r"error: .*reference.safetensors: tensor 'tokens.values': content digest"):
         main(["inspect", "--verify", str(file.parent)])
+
+
+def test_writer_memory_is_bounded_by_one_shard_not_by_the_store(tmp_path):
+    from fxreplace import StoreWriter
+
+    before = _rss_mib()
+    with StoreWriter(tmp_path / "ref", shard_bytes=16 << 20) as writer:
+        for p in range(48):  # 4 MiB of rows per prompt, 192 MiB in all
+            writer.add([p + 1] * 2048, {"m": [torch.full((1, 2048, 512), float(p))]})
+            assert _rss_mib() - before < 96, f"after prompt {p}: the writer holds more than a shard or two"
+    store = ReferenceStore.load(tmp_path / "ref")
+    assert len(store.shards) == 12 and float(store.rows(47, "m")[5, 7]) == 47.0
+
+
+def test_stores_of_format_version_1_ask_for_a_new_capture(tmp_path):
+    file = _valid_store(tmp_path)
+    _edit_index(file, lambda index: index.__setitem__("version", 1))
+    with pytest.raises(CaptureError, match=r"unsupported format 'fxreplace-reference' version 1 .* capture the reference again"):
+        ReferenceStore.load(file)
