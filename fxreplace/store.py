@@ -183,12 +183,8 @@ class ReferenceStore:
     def with_token_ids(self, token_ids: Sequence[Sequence[int]] | Mapping[int, Sequence[int]]) -> "ReferenceStore":
         """The same rows matched by other token ids (checked like captured ones)."""
         seqs = _align(token_ids, self.prompt_ids, "prompt_token_ids")
-        checked = []
-        for p, ids, pre in zip(self.prompt_ids, seqs, self.prefill or [None] * self.num_prompts):
-            ids = _check_token_ids(p, ids)
-            if pre is not None and len(ids) < pre:
-                raise CaptureError(f"prompt {p}: {len(ids)} token ids but the capture's prefill covers {pre} positions")
-            checked.append(ids)
+        prefill = self.prefill or [None] * self.num_prompts
+        checked = [_check_token_ids(p, ids, pre) for p, ids, pre in zip(self.prompt_ids, seqs, prefill)]
         return dataclasses.replace(self, prompt_token_ids=TokenTable.from_lists(checked))
 
     def to(self, device: torch.device | str | None) -> "ReferenceStore":
@@ -407,9 +403,7 @@ class _ShardBuilder:
             raise CaptureError(f"prompt {prompt}: token ids must be given for every prompt or for none")
         ids = None
         if token_ids is not None:
-            ids = _check_token_ids(prompt, token_ids)
-            if prefill is not None and len(ids) < prefill:
-                raise CaptureError(f"prompt {prompt}: {len(ids)} token ids but the capture's prefill covers {prefill} positions")
+            ids = _check_token_ids(prompt, token_ids, prefill)
         extras = dict(extras)
         if self.extra_names is not None and set(extras) != self.extra_names:
             raise CaptureError(f"prompt {prompt}: extras {sorted(extras)} differ from the first prompt's {sorted(self.extra_names)}")
@@ -553,8 +547,10 @@ def _align(values: Any, prompt_ids: list[int], what: str) -> list | None:
     return values
 
 
-def _check_token_ids(prompt: int, ids: Any) -> np.ndarray:
-    """A prompt's token ids as a 1-D int64 array of non-negative ids; floats are refused, never truncated."""
+def _check_token_ids(prompt: int, ids: Any, prefill: int | None) -> np.ndarray:
+    """A prompt's token ids as a 1-D int64 array of non-negative ids; floats are refused, never
+    truncated, and so are fewer ids than the captured prefill (a request differing at a later
+    position would get this prompt's rows)."""
     if isinstance(ids, torch.Tensor):
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise CaptureError(f"prompt {prompt}: token ids must be integers, got dtype {ids.dtype}")
@@ -579,6 +575,8 @@ def _check_token_ids(prompt: int, ids: Any) -> np.ndarray:
                            f"prompt {prompt}: token ids must be 1-D, got shape {tuple(ids.shape)}")
     if ids.min() < 0:
         raise CaptureError(f"prompt {prompt}: token ids must be non-negative integers, got {ids[ids < 0][:5].tolist()}")
+    if prefill is not None and ids.size < prefill:
+        raise CaptureError(f"prompt {prompt}: {ids.size} token ids but the capture's prefill covers {prefill} positions")
     return ids.astype(np.int64, copy=False)
 
 
