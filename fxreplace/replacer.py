@@ -29,6 +29,7 @@ OnUnknown = Literal["error", "passthrough"]
 _UNMATCHED = -1  # a registered request whose prompt is not in the reference
 _MISSING = -2  # a request that was never registered
 _SMALL_BATCH = 64  # slots up to which the row arithmetic runs in plain Python (decode steps)
+_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 _SPARE_BUFFERS = 4  # context buffers kept for reuse once their context is dropped
 
 
@@ -373,9 +374,12 @@ class TensorReplacer:
 def _as_index_array(values, what: str) -> np.ndarray:
     """A 1-D int64 array; floats and bools are refused (a fractional position has no row)."""
     if isinstance(values, torch.Tensor):
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        if values.dtype not in _INT_DTYPES:
             raise ValueError(f"{what} must be integers, got a {values.dtype} tensor")
-        arr = values.numpy() if values.device.type == "cpu" and not values.requires_grad else values.detach().cpu().numpy()
+        try:
+            arr = values.numpy()
+        except (RuntimeError, TypeError):  # on an accelerator, or part of an autograd graph
+            arr = values.detach().cpu().numpy()
     else:
         arr = np.asarray(values)
         if arr.size == 0:
