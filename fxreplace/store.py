@@ -253,17 +253,13 @@ class ReferenceStore:
     # ------------------------------------------------------------------ disk
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write one shard, ``reference.safetensors``, and ``index.json`` listing it."""
+        """Write the shards (one: ``reference.safetensors``) and ``index.json`` listing them."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if len(self.shards) == 1:
-            tensors, index = self._shard_content(0)
-            _write_shard(directory / TENSORS_FILE, tensors, index)
-            _write_index(directory, [(TENSORS_FILE, index)], self.groups, self.metadata)
-            return directory
+        single = len(self.shards) == 1
         files = []
         for s in range(len(self.shards)):
-            name = SHARD_PATTERN.format(s)
+            name = TENSORS_FILE if single else SHARD_PATTERN.format(s)
             tensors, index = self._shard_content(s)
             _write_shard(directory / name, tensors, index)
             files.append((name, index))
@@ -271,7 +267,7 @@ class ReferenceStore:
         return directory
 
     def _shard_content(self, s: int) -> tuple[dict[str, torch.Tensor], dict]:
-        members = [i for i in range(self.num_prompts) if int(self.prompt_shard[i]) == s]
+        members = [i for i, k in enumerate(self.prompt_shard.tolist()) if k == s]
         shard = self.shards[s]
         tensors = {f"group.{g}": t.contiguous().cpu() for g, t in enumerate(shard.packed)}
         tensors["prompt.offsets"] = self.offsets[members].cpu()

@@ -221,6 +221,9 @@ def test_writer_streams_prompts_into_shards_that_load_as_one_store(tmp_path):
     reference = load_reference(tmp_path / "ref")
     assert reference.tokens(5) == tokens[5] and torch.equal(reference.logits(3), logits[3]) and reference.vocab_size == 5
     assert loaded.verify()["shards"] == len(loaded.shards)
+    copy = ReferenceStore.load(loaded.save(tmp_path / "copy"))
+    assert len(copy.shards) == len(loaded.shards) and copy.prompt_token_ids == ids
+    assert torch.equal(copy.rows(6, "b"), expected.rows(6, "b")) and torch.equal(copy.extra("generated.logits", 2), logits[2])
 
 
 def test_writer_checks_every_prompt_against_the_first(tmp_path):
