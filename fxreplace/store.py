@@ -690,6 +690,16 @@ class StoreWriter:
         self._shards.append((name, index))
         self._builder = b.successor()
 
+    def sync(self) -> None:
+        """Write the prompts added so far as a shard and rewrite ``index.json``: the
+        directory then loads as a complete store, and adding continues (for writers
+        with no natural end, such as a serving engine in capture mode when it idles)."""
+        if self._closed:
+            raise ValueError(f"the store writer for {self.directory} is closed")
+        self._flush()
+        if self._shards:
+            _write_index(self.directory, self._shards, self._builder.groups, self.metadata)
+
     def close(self) -> Path:
         """Write the last shard and ``index.json``; returns the store directory."""
         if not self._closed:

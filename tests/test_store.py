@@ -240,6 +240,8 @@ def test_writer_checks_every_prompt_against_the_first(tmp_path):
         writer.add(ids[1], caps[1], prompt_idx=0)
     with pytest.raises(CaptureError, match=r"prompt 1: 1 token ids but the capture's prefill covers 3 positions"):
         writer.add([5], caps[1])
+    writer.sync()  # a complete store already (e.g. an idle capturing engine); adding continues
+    assert ReferenceStore.load(tmp_path / "ref").prompt_ids == [0]
     assert writer.add(ids[1], caps[1]) == 1
     writer.close()
     assert ReferenceStore.load(tmp_path / "ref").num_prompts == 2
