@@ -506,3 +506,16 @@ def test_stores_of_format_version_1_ask_for_a_new_capture(tmp_path):
     _edit_index(file, lambda index: index.__setitem__("version", 1))
     with pytest.raises(CaptureError, match=r"unsupported format 'fxreplace-reference' version 1 .* capture the reference again"):
         ReferenceStore.load(file)
+
+
+def test_the_vllm_config_digest_of_an_in_memory_store_covers_its_token_ids():
+    import hashlib
+
+    from fxreplace.vllm.config import _digest_value
+
+    def digest(ids):
+        h = hashlib.sha256()
+        _digest_value(h, ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=ids))
+        return h.hexdigest()
+
+    assert digest([[1, 2]]) == digest([[1, 2]]) != digest([[1, 3]])
