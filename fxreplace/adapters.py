@@ -24,14 +24,27 @@ from torch import nn
 Adapter = Callable[[torch.Tensor, nn.Module], Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]
 
 _REGISTRY: dict[str, Adapter] = {}
+_ROUTING: set[str] = set()
 
 
-def register_adapter(name: str, fn: Adapter) -> Adapter:
-    """Make ``fn(logits, module)`` available to ``Target(adapter=name)``."""
+def register_adapter(name: str, fn: Adapter, *, routing: bool = False) -> Adapter:
+    """Make ``fn(logits, module)`` available to ``Target(adapter=name)``.
+    ``routing=True``: it turns logits into routing weights, so it must never be
+    applied at a point that computes the logits themselves (checked at instrument)."""
     if not callable(fn):
         raise TypeError(f"adapter {name!r} must be callable")
     _REGISTRY[name] = fn
+    if routing:
+        _ROUTING.add(name)
     return fn
+
+
+def routing_adapter_name(adapter: Union[str, Adapter, None]) -> str | None:
+    """The registered name of a routing adapter (given by name or as its function), else None."""
+    for name in _ROUTING:
+        if adapter == name or adapter is _REGISTRY[name]:
+            return name
+    return None
 
 
 def get_adapter(adapter: Union[str, Adapter, None]) -> Adapter:
@@ -40,6 +53,10 @@ def get_adapter(adapter: Union[str, Adapter, None]) -> Adapter:
         return identity
     if callable(adapter):
         return adapter
+    if adapter not in _REGISTRY:
+        from .extensions import load_extensions
+
+        load_extensions()  # an installed package may register it
     try:
         return _REGISTRY[adapter]
     except KeyError:
@@ -136,9 +153,9 @@ def sigmoid_bias_grouped_topk(
 
 
 register_adapter("identity", identity)
-register_adapter("topk_softmax_scatter", topk_softmax_scatter())
-register_adapter("softmax_topk_renorm", softmax_topk_renorm())
-register_adapter("sigmoid_bias_grouped_topk", sigmoid_bias_grouped_topk())
-register_adapter("topk_softmax_pairs", topk_softmax_scatter(pairs=True))
-register_adapter("softmax_topk_renorm_pairs", softmax_topk_renorm(pairs=True))
-register_adapter("sigmoid_bias_grouped_topk_pairs", sigmoid_bias_grouped_topk(pairs=True))
+register_adapter("topk_softmax_scatter", topk_softmax_scatter(), routing=True)
+register_adapter("softmax_topk_renorm", softmax_topk_renorm(), routing=True)
+register_adapter("sigmoid_bias_grouped_topk", sigmoid_bias_grouped_topk(), routing=True)
+register_adapter("topk_softmax_pairs", topk_softmax_scatter(pairs=True), routing=True)
+register_adapter("softmax_topk_renorm_pairs", softmax_topk_renorm(pairs=True), routing=True)
+register_adapter("sigmoid_bias_grouped_topk_pairs", sigmoid_bias_grouped_topk(pairs=True), routing=True)

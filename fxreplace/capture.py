@@ -13,8 +13,6 @@ from typing import Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from fxreplace.models import architecture
-
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .reference import Reference
 from .targets import TargetError, TargetLike
@@ -84,6 +82,11 @@ def capture_reference(
         "max_new_tokens": max_new_tokens,
     }
     return Reference.from_parts(captures, prompts, tokens, logits, metadata)
+
+
+def architecture(config, default: str) -> str:
+    """The architecture a model config names first (the family registry key), else ``default``."""
+    return (getattr(config, "architectures", None) or [default])[0]
 
 
 def check_prompts(prompt_token_ids: Sequence, vocab_size: int) -> list[list[int]]:

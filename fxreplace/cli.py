@@ -18,9 +18,51 @@ def load_model(spec: str):
         from fxreplace.models import tiny_model
 
         return tiny_model(spec.removeprefix("builtin:"))
+    check_model_dir(spec)
+    try:
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: cannot load the model in {spec}: {e}") from None
+
+
+def check_model_dir(spec: str) -> None:
+    """A local model directory must at least hold a Hugging Face ``config.json``."""
     if not Path(spec).is_dir():
         raise SystemExit(f"error: model {spec!r} is neither builtin:ARCH nor a local directory")
-    return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+    if not (Path(spec) / "config.json").is_file():
+        raise SystemExit(f"error: {spec} holds no config.json: not a Hugging Face model directory")
+
+
+def model_architecture(spec: str) -> str:
+    """The architecture a ``builtin:ARCH`` spec or a model directory's config.json names."""
+    if spec.startswith("builtin:"):
+        return spec.removeprefix("builtin:")
+    try:
+        config = json.loads((Path(spec) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: cannot read {Path(spec) / 'config.json'}: {e}") from None
+    return (config.get("architectures") or ["unknown"])[0]
+
+
+def check_writable_dir(path: str, option: str) -> None:
+    """Create ``path`` now and check it takes files, so a long run cannot fail at its end."""
+    directory = Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".fxreplace-write-check"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise SystemExit(f"error: {option} {path} is not a writable directory: {e}") from None
+
+
+def check_reference_matches(reference, reference_path: str, model_name: str, arch: str) -> None:
+    """A reference captured from another architecture would be replayed into the wrong
+    modules (or the same names with another meaning) without any shape error."""
+    recorded = reference.metadata.get("architecture")
+    if recorded and recorded != arch:
+        raise SystemExit(f"error: the reference {reference_path} was captured from {recorded} "
+                         f"(captures {reference.store.modules[:2]} ...) but {model_name} is {arch}")
 
 
 def default_targets(model) -> list:
@@ -55,6 +97,7 @@ def _demo(args) -> int:
 def _capture(args) -> int:
     from .capture import capture_reference
 
+    check_writable_dir(args.out, "--out")
     model = load_model(args.model)
     prompts = read_prompts(args.prompts, model.config.vocab_size)
     targets = args.target or default_targets(model)
@@ -76,8 +119,18 @@ def _longest_sequence(reference) -> int:
     return max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in range(reference.num_prompts))
 
 
+def _replacement_config(args, **source):
+    """The ReplacementConfig of a command line; a bad ``--target`` is a usage error naming it."""
+    from .config import ConfigError, ReplacementConfig
+
+    try:
+        return ReplacementConfig(targets=args.target, **source)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def _report(result, report_dir: str, extra: str = "") -> int:
-    from .demo import print_summary
+    from .report import print_summary
 
     result.write_report(report_dir)
     print_summary(result)
@@ -92,17 +145,21 @@ def _validate(args) -> int:
         return _validate_vllm(args)
     import torch
 
+    from .config import ReplacementConfig
     from .instrument import instrument
+    from .models import architecture
     from .reference import load_reference
-    from .replacer import TensorReplacer
     from .runner import Runner, RunnerConfig
     from .validation import logit_validation
 
     reference = load_reference(args.reference)
+    check_writable_dir(args.report_dir, "--report-dir")
     model = load_model(args.model)
+    check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
     _check_vocab(reference, args.model, model.config.vocab_size)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    targets = args.target or default_targets(model)
+    replacement = _replacement_config(args, tensors=reference.store)
+    targets = list(replacement.targets or default_targets(model))
     target = instrument(copy.deepcopy(model).to(dtype), targets)
     missing = [t for t in (t.capture_name for t in target._fxreplace.targets) if t not in reference.store.columns]
     if missing:
@@ -111,7 +168,7 @@ def _validate(args) -> int:
     runner = Runner(
         target,
         model.config,
-        replacer=TensorReplacer(reference.store),
+        replacer=replacement,
         runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(8, reference.num_prompts),), max_len=2 * bucket),
         dtype=dtype,
         observed=target,
@@ -127,15 +184,21 @@ def _validate_vllm(args) -> int:
     from .reference import load_reference
     from .validation import logit_validation
 
-    if not Path(args.model).is_dir():
+    if args.model.startswith("builtin:"):
         raise SystemExit(f"error: --engine vllm needs a local checkpoint directory, got {args.model!r}")
+    check_model_dir(args.model)
     if args.compile:
         raise SystemExit("error: --compile is for --engine runner; vLLM compiles by default (--eager to disable)")
+    if args.logprobs == 0 or args.logprobs < -1:
+        raise SystemExit(f"error: --logprobs must be -1 (whole vocabulary) or a positive count, got {args.logprobs}")
     reference = load_reference(args.reference)
+    check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
+    check_writable_dir(args.report_dir, "--report-dir")
     from .vllm.engine import VllmEngine
 
     longest = _longest_sequence(reference)
-    engine = VllmEngine(args.model, args.reference, dtype=args.dtype, logprobs=args.logprobs, targets=args.target,
+    engine = VllmEngine(args.model, _replacement_config(args, tensors_path=args.reference), dtype=args.dtype,
+                        logprobs=args.logprobs,
                         enforce_eager=args.eager, max_model_len=max(longest + 8, 128),
                         max_num_seqs=min(8, reference.num_prompts))
     try:
@@ -192,13 +255,20 @@ def _verify_store(path: str) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fxreplace", description="Tensor replacement for accuracy debugging of compiled LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="capture, run compiled bf16 with and without router replacement, validate, report")
-    demo.add_argument("--prompts", type=int, default=8)
-    demo.add_argument("--new-tokens", type=int, default=32)
+    demo.add_argument("--prompts", type=positive_int, default=8)
+    demo.add_argument("--new-tokens", type=positive_int, default=32)
     demo.add_argument("--eager", action="store_true", help="do not torch.compile the target")
     demo.add_argument("--report-dir", default="fxreplace-report")
     demo.set_defaults(func=_demo)
@@ -207,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     capture.add_argument("model", help="builtin:ARCH or a local HF directory")
     capture.add_argument("--prompts", required=True, help="JSON file: a list of token id lists")
     capture.add_argument("--target", action="append", help="target pattern (default: the family's routers); repeatable")
-    capture.add_argument("--max-new-tokens", type=int, default=32)
+    capture.add_argument("--max-new-tokens", type=positive_int, default=32)
     capture.add_argument("--out", required=True, help="reference directory to write")
     capture.set_defaults(func=_capture)
 
@@ -229,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     inspect = sub.add_parser("inspect", help="list candidate injection points with their shapes, or --verify a reference")
     inspect.add_argument("model", nargs="?", help="builtin:ARCH or a local HF directory")
     inspect.add_argument("--verify", metavar="REF", help="check a reference store byte by byte against its recorded digests")
-    inspect.add_argument("--tokens", type=int, default=4)
+    inspect.add_argument("--tokens", type=positive_int, default=4)
     inspect.set_defaults(func=_inspect)
 
     args = parser.parse_args(argv)

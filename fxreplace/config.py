@@ -109,27 +109,29 @@ class ReplacementConfig:
     # ------------------------------------------------------------ use
 
     def resolve(self) -> tuple[Any, Any]:
-        """``(tensors, prompt_token_ids)``, loading files where paths were given."""
-        from .store import ReferenceStore, load_captures, load_token_ids
+        """``(tensors, prompt_token_ids)``, loading files where paths were given
+        (token ids None when only a store holds them: it keeps its own)."""
+        from .store import load_captures, load_token_ids
 
         tensors = self.tensors if self.tensors is not None else load_captures(self.tensors_path)
         token_ids = self.prompt_token_ids
         if self.prompt_token_ids_path is not None:
             token_ids = load_token_ids(self.prompt_token_ids_path)
-        if token_ids is None and isinstance(tensors, ReferenceStore):
-            token_ids = tensors.prompt_token_ids
         return tensors, token_ids
 
     def reference_token_ids(self) -> Any:
         """The reference prompts' token ids (None when the reference has none),
-        reading only what holds them."""
+        without reading the tensors when the token ids are given on their own."""
+        from .store import ReferenceStore, load_token_ids
+
         if self.prompt_token_ids is not None:
             return self.prompt_token_ids
         if self.prompt_token_ids_path is not None:
-            from .store import load_token_ids
-
             return load_token_ids(self.prompt_token_ids_path)
-        return self.resolve()[1]
+        if self.tensors is None and self.tensors_path is None:  # no reference source: nothing to match
+            return None
+        tensors = self.resolve()[0]  # a store (memory-mapped) carries its token ids
+        return tensors.prompt_token_ids if isinstance(tensors, ReferenceStore) else None
 
     def build_replacer(self, **kwargs):
         """A :class:`~fxreplace.TensorReplacer` over the reference (``on_unknown``

@@ -18,7 +18,7 @@ import torch
 from .capture import capture_reference
 from .instrument import instrument
 from .replacer import TensorReplacer
-from .report import fmt
+from .report import print_summary
 from .runner import Runner, RunnerConfig
 from .validation import ValidationResult, logit_validation
 
@@ -80,33 +80,6 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
         print(f"graphs compiled: {runner.graphs_compiled} (one per bucket; replacement on and off share them)")
     print(f"report: {Path(report).resolve()}   ({time.perf_counter() - started:.0f} s)")
     return result
-
-
-def print_summary(result: ValidationResult) -> None:
-    summary = result.summary()
-    off, on = summary["off"], summary["on"]
-    print()
-    print(f"{'prompt':>6} | {'first divergence':^21} | {'mean top-5 error':^21}")
-    print(f"{'':>6} | {'without':>10} {'with':>10} | {'without':>10} {'with':>10}")
-    for p in off["prompts"]:
-        a, b = off["prompts"][p], on["prompts"][p]
-        print(f"{p:>6} | {fmt(a['first_divergence']):>10} {fmt(b['first_divergence']):>10} | "
-              f"{fmt(a['mean_top5_error']):>10} {fmt(b['mean_top5_error']):>10}")
-    print()
-    print(f"{'':28}{'without':>10}{'with':>10}   (replacement of router logits)")
-    for label, key in [("top-1 agreement", "top1_agreement"), ("prompts diverged", "prompts_diverged"),
-                       ("mean top-5 error", "mean_top5_error"), ("mean KL", "mean_kl"),
-                       ("router agreement (top-k)", "router_agreement_mean")]:
-        print(f"{label:<28}{fmt(off[key]):>10}{fmt(on[key]):>10}")
-    better = (on["prompts_diverged"] < off["prompts_diverged"]) or (
-        on["prompts_diverged"] == off["prompts_diverged"] and (on["top1_agreement"] or 0) > (off["top1_agreement"] or 0))
-    print()
-    if off["prompts_diverged"] == 0:
-        print("verdict: the target did not diverge even without replacement; nothing to isolate here.")
-    elif better:
-        print("verdict: replacing the router logits reduces the divergence: the routers are (part of) the cause.")
-    else:
-        print("verdict: replacing the router logits does NOT reduce the divergence: look elsewhere.")
 
 
 def _experts(config) -> int:

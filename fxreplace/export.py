@@ -19,7 +19,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
 from .passes import Injection, InjectionSpec, insert_replacements
-from .points import find_injection_node
+from .points import check_adapter_fits, find_injection_node, is_linear
 from .sharding import ShapeError
 from .targets import TargetLike, resolve_targets
 
@@ -68,7 +68,10 @@ def export(
         for t in resolved
     ]
     tensor_rank = any(t.shard is not None and isinstance(t.shard.rank, torch.Tensor) for t in resolved)
-    located = [find_injection_node(gm, s.module_name, s.point).meta["val"] for s in specs]
+    nodes = [find_injection_node(gm, s.module_name, s.point) for s in specs]
+    for t, node in zip(resolved, nodes):
+        check_adapter_fits(t.module_name, t.point, t.adapter, lambda node=node: is_linear(node, gm))
+    located = [node.meta["val"] for node in nodes]
     # The graph must take the old and new inputs as flat keywords.
     old_inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     new_inputs = [s.input_name for s in specs] + ["fxreplace_mask"] + (["fxreplace_rank"] if tensor_rank else [])

@@ -24,9 +24,9 @@ from torch import nn
 
 from .context import ReplacementContext
 from .passes import Injection, InjectionSpec, insert_replacements
-from .points import InjectionPoint, locate_injection_point
+from .points import InjectionPoint, check_adapter_fits, computes_linear_output, locate_injection_point
 from .sharding import ShapeError
-from .targets import ResolvedTarget, TargetError, TargetLike, resolve_targets
+from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
 
 class TargetNotHitError(RuntimeError):
@@ -91,6 +91,9 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
             output = original(*args, **kwargs)
             if not slot.take():
                 return output
+            if index is not None and not isinstance(output, (tuple, list)):
+                raise TargetError(f"{point.module_name!r}: point {point.point!r} indexes the output, but the module "
+                                  f"returns a {type(output).__name__} (indexing would pick a row): use point='output'")
             value = output if index is None else output[index]
             pair = isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value)
             if not isinstance(value, torch.Tensor) and not pair:
@@ -116,18 +119,22 @@ class Instrumentation:
         self.injections = injections
         self.slots = slots
         self.max_tokens = max_tokens
-        self.feeding = False
+        self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # per target (values, mask) feed buffers, once fed
 
     def buffer_names(self, i: int) -> tuple[str, str]:
         return f"_fxreplace_feed_{i}", f"_fxreplace_feed_mask_{i}"
 
+    def remember_buffers(self, model: nn.Module) -> None:
+        """Keep the feed buffers at hand: forwards read them without attribute lookups."""
+        self.fed = [(getattr(model, v), getattr(model, m)) for v, m in map(self.buffer_names, range(len(self.targets)))]
+
     def arm(self, model: nn.Module, replacements) -> None:
         if replacements is None:
-            for i, slot in enumerate(self.slots):
-                if self.feeding:
-                    values, mask = self.buffer_names(i)
-                    slot.arm(getattr(model, values), getattr(model, mask), leading_rows=True)
-                else:
+            if self.fed:  # engines: every forward reads the feed buffers
+                for slot, (values, mask) in zip(self.slots, self.fed):
+                    slot.arm(values, mask, leading_rows=True)
+            else:
+                for slot in self.slots:
                     slot.arm(None, None)
             return
         if not isinstance(replacements, Mapping):
@@ -136,6 +143,13 @@ class Instrumentation:
         names = [t.capture_name for t in self.targets]
         if tensors and not any(name in tensors for name in names):
             raise KeyError(f"no replacement name {sorted(tensors)} matches a target capture name {names}")
+        # A context may carry more modules than this model instruments (e.g. one layer
+        # of a full reference); names typed into a dict must each name a target.
+        unknown = [] if isinstance(replacements, ReplacementContext) else [n for n in tensors if n not in names]
+        if unknown:
+            close = {n: closest_names(n, names, n=2) for n in unknown}
+            raise KeyError(f"replacement name(s) {unknown} match no target; close capture names: {close}; "
+                           f"all capture names: {names}")
         context_mask = replacements.mask if isinstance(replacements, ReplacementContext) else None
         for slot, name in zip(self.slots, names):
             value = tensors.get(name)
@@ -147,10 +161,13 @@ class Instrumentation:
                 mask = torch.ones(value.shape[0], dtype=torch.bool, device=value.device)
             slot.arm(value, mask)
 
-    def finish(self) -> None:
-        missed = [slot.target.module_name for slot in self.slots if slot.state != "taken"]
+    def reset(self) -> None:
         for slot in self.slots:
             slot.reset()
+
+    def finish(self) -> None:
+        missed = [slot.target.module_name for slot in self.slots if slot.state != "taken"]
+        self.reset()
         if missed:
             raise TargetNotHitError(
                 f"targets not reached in this forward (a replaced or fused forward may skip them): {missed}"
@@ -166,9 +183,14 @@ class InstrumentedModel:
         """The model's forward; ``replacements`` is a ReplacementContext (its mask
         selects rows), a dict ``{name: Tensor[T, E]}`` (all rows replaced), or
         None (plain model, or the fed buffers after :meth:`feed`)."""
-        self._fxreplace.arm(self, replacements)
-        output = super().forward(*args, **kwargs)
-        self._fxreplace.finish()
+        state = self._fxreplace
+        try:
+            state.arm(self, replacements)
+            output = super().forward(*args, **kwargs)
+        except BaseException:
+            state.reset()  # a failed forward must leave no replacement armed for later calls
+            raise
+        state.finish()
         return output
 
     @property
@@ -205,12 +227,12 @@ class InstrumentedModel:
                 values_name, mask_name = state.buffer_names(i)
                 self.register_buffer(values_name, value, persistent=False)
                 self.register_buffer(mask_name, mask, persistent=False)
-            state.feeding = True
+            state.remember_buffers(self)
             return
         for i, target in enumerate(state.targets):
             values_name, mask_name = state.buffer_names(i)
             value = tensors.get(target.capture_name)
-            if not state.feeding:
+            if not state.fed:
                 if value is None:
                     raise KeyError(f"the first feed() must hold every target; {target.capture_name!r} is missing")
                 self.register_buffer(values_name, value.new_zeros(state.max_tokens, *value.shape[1:]), persistent=False)
@@ -226,15 +248,13 @@ class InstrumentedModel:
                                  f"buffer {tuple(values_buf.shape)}")
             values_buf[:tokens].copy_(value)
             mask_buf[:tokens].copy_(mask if mask is not None else torch.ones(tokens, dtype=torch.bool, device=value.device))
-        state.feeding = True
+        state.remember_buffers(self)
 
     @torch.no_grad()
     def clear(self) -> None:
         """Turn fed replacement off (mask all False); the same graph keeps running."""
-        state = self._fxreplace
-        if state.feeding:
-            for i in range(len(state.targets)):
-                getattr(self, state.buffer_names(i)[1]).fill_(False)
+        for _, mask in self._fxreplace.fed:
+            mask.fill_(False)
 
 
 _instrumented_classes: dict[type, type] = {}
@@ -263,11 +283,16 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
     if isinstance(model, InstrumentedModel):
         raise ValueError("model is already instrumented")
     resolved = resolve_targets(model, targets)
+    hook = model.__dict__.pop(_REFUSE_HOOK, None)
+    if hook is not None:
+        hook.remove()
     points, injections, slots = [], [], []
     for target in resolved:
         module = model.get_submodule(target.module_name)
         point = locate_injection_point(module, target.module_name, target.point)
         injection = Injection(target.module_name, module, target.adapter, target.shard)
+        check_adapter_fits(target.module_name, target.point, target.adapter,
+                           lambda: computes_linear_output(module, point))
         slot = _Slot(target)
         points.append(point)
         injections.append(injection)
@@ -291,7 +316,18 @@ def uninstrument(model: nn.Module) -> nn.Module:
             model._buffers.pop(name, None)
     del model._fxreplace
     model.__class__ = type(model).__bases__[1]
+    model.__dict__[_REFUSE_HOOK] = model.register_forward_pre_hook(_refuse_replacements, with_kwargs=True)
     return model
+
+
+_REFUSE_HOOK = "_fxreplace_refuse_replacements"
+
+
+def _refuse_replacements(model: nn.Module, args, kwargs):
+    """After :func:`uninstrument`: an HF forward's ``**kwargs`` would swallow ``replacements=``."""
+    if "replacements" in kwargs:
+        raise TypeError(f"{type(model).__name__} is no longer instrumented (uninstrument() was called): it would "
+                        "ignore replacements=; instrument() it again to replace")
 
 
 @contextmanager

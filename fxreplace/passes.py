@@ -52,6 +52,7 @@ class Injection:
         parts = tuple(computed) if isinstance(computed, (tuple, list)) else (computed,)
         flats = [part.reshape(-1, part.shape[-1]) for part in parts]
         tokens = rows_before_sharding(flats[0].shape[0], self.shard)
+        _check_dtype_and_device(name, replacement, mask, flats[0])
         if leading_rows:
             replacement, mask = replacement[:tokens], mask[:tokens]
         require(
@@ -90,6 +91,18 @@ class Injection:
         if not isinstance(computed, (tuple, list)):
             return out[0]
         return type(computed)(*out) if hasattr(computed, "_fields") else type(computed)(out)  # namedtuple or not
+
+
+def _check_dtype_and_device(name: str, replacement: torch.Tensor, mask: torch.Tensor, computed: torch.Tensor) -> None:
+    """Float replacements are cast to the computed dtype; anything else would be a
+    silent change of meaning (token ids, a truncated int). Devices must agree."""
+    if computed.dtype.is_floating_point and not replacement.dtype.is_floating_point:
+        raise TypeError(f"replacement for {name} is {replacement.dtype}, but the module computes {computed.dtype}: "
+                        "give floating-point values (the captured tensor), not a cast of them")
+    for what, tensor in (("replacement", replacement), ("mask", mask)):
+        if tensor.device != computed.device:
+            raise ValueError(f"{what} for {name} is on {tensor.device}, but the module computes on "
+                             f"{computed.device}: build the context with device={str(computed.device)!r}")
 
 
 def _shapes(tensors) -> str:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .adapters import routing_adapter_name
 from .targets import TargetError, closest_names
 
 #: ``"auto"``, ``"output"``, ``"output[i]"``, or ``fn(nodes) -> Node`` picking the
@@ -151,6 +152,41 @@ class InjectionPoint:
 def trace_alone(module: nn.Module) -> fx.GraphModule:
     """``torch.fx`` trace of one module; parameters are shared, not copied."""
     return fx.symbolic_trace(module)
+
+
+def check_adapter_fits(module_name: str, point: Point, adapter, computes_logits: Callable[[], bool]) -> None:
+    """A routing adapter at a point that computes the logits themselves would put routing
+    weights where the model expects logits, with the same [T, E] shape: refuse it.
+    ``computes_logits`` is only called for a routing adapter."""
+    name = routing_adapter_name(adapter)
+    if name is not None and computes_logits():
+        raise TargetError(
+            f"{module_name!r}: adapter {name!r} turns router logits into routing weights, but point "
+            f"{point!r} is computed by a linear layer, i.e. it is the logits: the model would get routing "
+            "weights in their place. Replace the logits without an adapter (e.g. point='auto' on the router), or "
+            "keep the adapter and target what consumes routing weights (e.g. a fused router's output, point='output')"
+        )
+
+
+def computes_linear_output(module: nn.Module, located: InjectionPoint) -> bool:
+    """Whether the point's value comes straight out of a linear layer: for a router,
+    the logits. Linear-family modules (``nn.Linear``, vLLM's ``*Linear`` layers, whose
+    ``output[0]`` is the result) are recognised by type; other output points by
+    tracing the module alone, when it can be traced."""
+    if located.graph_module is not None:
+        gm = located.graph_module
+        return is_linear(find_injection_node(gm, "", located.point), gm)
+    if located.output_index in (None, 0) and type(module).__name__.endswith("Linear"):
+        return True
+    try:
+        gm = trace_alone(module)
+    except Exception:
+        return False
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    index = located.output_index
+    if index is not None:
+        output = output[index] if isinstance(output, (tuple, list)) and index < len(output) else None
+    return isinstance(output, fx.Node) and is_linear(output, gm)
 
 
 def locate_injection_point(module: nn.Module, module_name: str, point: Point = "auto") -> InjectionPoint:

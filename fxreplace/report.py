@@ -116,6 +116,34 @@ def _html(result, has_router: bool) -> str:
     return "\n".join(parts)
 
 
+def print_summary(result) -> None:
+    """The terminal summary of a validation: per prompt and overall, without vs with replacement."""
+    summary = result.summary()
+    off, on = summary["off"], summary["on"]
+    print()
+    print(f"{'prompt':>6} | {'first divergence':^21} | {'mean top-5 error':^21}")
+    print(f"{'':>6} | {'without':>10} {'with':>10} | {'without':>10} {'with':>10}")
+    for p in off["prompts"]:
+        a, b = off["prompts"][p], on["prompts"][p]
+        print(f"{p:>6} | {fmt(a['first_divergence']):>10} {fmt(b['first_divergence']):>10} | "
+              f"{fmt(a['mean_top5_error']):>10} {fmt(b['mean_top5_error']):>10}")
+    print()
+    print(f"{'':28}{'without':>10}{'with':>10}   (replacement of router logits)")
+    for label, key in [("top-1 agreement", "top1_agreement"), ("prompts diverged", "prompts_diverged"),
+                       ("mean top-5 error", "mean_top5_error"), ("mean KL", "mean_kl"),
+                       ("router agreement (top-k)", "router_agreement_mean")]:
+        print(f"{label:<28}{fmt(off[key]):>10}{fmt(on[key]):>10}")
+    better = (on["prompts_diverged"] < off["prompts_diverged"]) or (
+        on["prompts_diverged"] == off["prompts_diverged"] and (on["top1_agreement"] or 0) > (off["top1_agreement"] or 0))
+    print()
+    if off["prompts_diverged"] == 0:
+        print("verdict: the target did not diverge even without replacement; nothing to isolate here.")
+    elif better:
+        print("verdict: replacing the router logits reduces the divergence: the routers are (part of) the cause.")
+    else:
+        print("verdict: replacing the router logits does NOT reduce the divergence: look elsewhere.")
+
+
 def fmt(v) -> str:
     """Compact number for tables: 3 significant digits, '-' for missing."""
     if v is None:

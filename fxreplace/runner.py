@@ -31,6 +31,7 @@ import torch
 from transformers import StaticCache
 
 from .instrument import observe
+from .config import ReplacementConfig
 from .replacer import TensorReplacer
 
 
@@ -87,13 +88,15 @@ class Runner:
     ``model`` is called as ``model(input_ids=, position_ids=, attention_mask=4-D,
     past_key_values=StaticCache, use_cache=True[, replacements=ctx])``; pass the
     instrumented (and compiled) model, and its plain HF config as ``config``.
-    ``observed``: the instrumented model whose targets' computed values are
+    ``replacer``: a TensorReplacer, or the :class:`~fxreplace.ReplacementConfig`
+    to build one from. ``observed``: the instrumented model whose targets' computed values are
     recorded per request and position (for router agreement). ``compile``: a
     torch.compile backend (e.g. "inductor") to compile ``model`` with, counting
     the graphs it builds in ``graphs_compiled`` (one per bucket is expected).
     """
 
-    def __init__(self, model: Callable, config, replacer: TensorReplacer | None = None, runner_config: RunnerConfig | None = None,
+    def __init__(self, model: Callable, config, replacer: TensorReplacer | ReplacementConfig | None = None,
+                 runner_config: RunnerConfig | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", observed: torch.nn.Module | None = None,
                  compile: str | None = None):
         self.graphs_compiled = 0
@@ -108,7 +111,7 @@ class Runner:
         self.model = model
         self.observed = observed
         self.config = config
-        self.replacer = replacer
+        self.replacer = replacer.build_replacer() if isinstance(replacer, ReplacementConfig) else replacer
         self.cfg = runner_config or RunnerConfig()
         self.dtype = dtype
         self.device = torch.device(device)

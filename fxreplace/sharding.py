@@ -113,7 +113,9 @@ def shard_columns(x: torch.Tensor, spec: ShardSpec | None, rank, what: str) -> t
 def layout_hint(spec: ShardSpec | None, replacement_shape, computed_shape) -> str:
     """Why a replacement does not fit a sharded module: appended to shape errors.
     Called only when formatting an error, so sizes are concrete."""
-    if spec is None or spec.mode == "data" or spec.world_size == 1:
+    if spec is None:
+        return _missing_spec_hint(replacement_shape, computed_shape)
+    if spec.mode == "data" or spec.world_size == 1:
         return ""
     world = spec.world_size
     if spec.mode == "sequence":
@@ -136,6 +138,26 @@ def layout_hint(spec: ShardSpec | None, replacement_shape, computed_shape) -> st
         return hint + (f"; the module computes all {full} experts, so its output is not expert-sharded: drop the "
                        "shard spec, or put the target where the experts are split")
     return hint
+
+
+def _missing_spec_hint(replacement_shape, computed_shape) -> str:
+    """A target without a spec whose module computes a whole fraction of the
+    replacement's rows or columns: name the spec that makes the shapes agree."""
+    if len(replacement_shape) != 2 or not len(computed_shape):
+        return ""
+    local_rows = 1
+    for size in computed_shape[:-1]:
+        local_rows *= int(size)
+    full_rows, full_columns, local_columns = int(replacement_shape[0]), int(replacement_shape[1]), int(computed_shape[-1])
+    if local_rows and full_rows != local_rows and full_rows % local_rows == 0:
+        world = full_rows // local_rows
+        return (f"; the module computes 1/{world} of the replacement's {full_rows} tokens: if its tokens are split "
+                f"over {world} ranks, give the target shard=ShardSpec(\"sequence\", {world}, rank)")
+    if local_columns and full_columns != local_columns and full_columns % local_columns == 0:
+        world = full_columns // local_columns
+        return (f"; the module computes {local_columns} of the replacement's {full_columns} experts: if its experts "
+                f"are split over {world} ranks, give the target shard=ShardSpec(\"expert\", {world}, rank)")
+    return ""
 
 
 def rows_before_sharding(local_rows, spec: ShardSpec | None):

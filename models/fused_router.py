@@ -98,7 +98,6 @@ for architecture, router, adapter in (
     register_family(Family(
         architecture=architecture,
         targets=(Target("model.layers.*.mlp.router", point="output", adapter=adapter),),
-        fused_adapter=adapter,
         tiny_config=gpt_oss.tiny_config,
         model_kwargs={"attn_implementation": "eager"},
         transform=functools.partial(fuse_routers, router=router),

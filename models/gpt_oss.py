@@ -24,7 +24,6 @@ register_family(Family(
     architecture="GptOssForCausalLM",
     targets=(Target("model.layers.*.mlp.router"),),
     vllm_targets=(Target("model.layers.*.mlp.router", point="output"),),
-    fused_adapter="topk_softmax_scatter",
     tiny_config=tiny_config,
     model_kwargs={"attn_implementation": "eager"},
 ))

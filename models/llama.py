@@ -1,6 +1,7 @@
 """Dense Llama: no router; useful targets are block outputs. ``mlp`` returns a
-tensor; ``self_attn`` returns (output, weights), so its point is ``output[0]``;
-the decoder layer's output is the residual stream after that layer."""
+tensor; HF's ``self_attn`` returns (output, weights), so its point is ``output[0]``
+(vLLM's returns the tensor: point ``output``); the decoder layer's output is the
+residual stream after that layer (vLLM's returns (hidden, residual) unsummed)."""
 
 from transformers import LlamaConfig
 
@@ -24,6 +25,6 @@ def tiny_config(**overrides):
 register_family(Family(
     architecture="LlamaForCausalLM",
     targets=(MLP_OUTPUT,),
-    vllm_targets=(MLP_OUTPUT, ATTENTION_OUTPUT),
+    vllm_targets=(MLP_OUTPUT,),
     tiny_config=tiny_config,
 ))

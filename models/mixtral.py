@@ -1,6 +1,6 @@
-"""Mixtral: softmax -> top-k -> renormalised routing; router ``mlp.gate``
-(HF returns (logits, weights, indices); vLLM's gate is a ReplicatedLinear
-returning (logits, bias))."""
+"""Mixtral: softmax -> top-k -> renormalised routing. HF's router is ``mlp.gate``
+(returns (logits, weights, indices)); vLLM names it ``block_sparse_moe.gate`` (a
+linear returning (logits, bias)) and reads the HF capture of the same layer."""
 
 from transformers import MixtralConfig
 
@@ -21,7 +21,6 @@ def tiny_config(**overrides):
 register_family(Family(
     architecture="MixtralForCausalLM",
     targets=(Target("model.layers.*.mlp.gate"),),
-    vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]"),),
-    fused_adapter="softmax_topk_renorm",
+    vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]", name="model.layers.{}.mlp.gate"),),
     tiny_config=tiny_config,
 ))

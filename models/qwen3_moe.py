@@ -25,6 +25,5 @@ register_family(Family(
     architecture="Qwen3MoeForCausalLM",
     targets=(Target("model.layers.*.mlp.gate"),),
     vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
-    fused_adapter="softmax_topk_renorm",
     tiny_config=tiny_config,
 ))

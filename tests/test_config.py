@@ -82,3 +82,13 @@ def test_dict_round_trip_and_target_forms(ref_dir):
                                             "name": "c.{}.gate"}],
                                "on_unknown": "passthrough"})
     assert repr(ReplacementConfig.from_dict(data)) == repr(cfg)
+
+
+def test_reference_token_ids_from_each_source(ref_dir, tmp_path):
+    assert ReplacementConfig(tensors_path=ref_dir).reference_token_ids() == [[9, 8]]  # the store's own
+    assert ReplacementConfig(tensors=[{"m": stepwise(2, 1)}], prompt_token_ids=[[1, 2]]).reference_token_ids() == [[1, 2]]
+    (tmp_path / "ids.json").write_text("[[4, 5]]")
+    (tmp_path / "broken.pt").write_bytes(b"not read")  # given token ids: the tensors file is not opened
+    cfg = ReplacementConfig(tensors_path=tmp_path / "broken.pt", prompt_token_ids_path=tmp_path / "ids.json")
+    assert cfg.reference_token_ids() == [[4, 5]]
+    assert ReplacementConfig(tensors=[{"m": stepwise(2, 1)}]).reference_token_ids() is None

@@ -2,6 +2,7 @@
 one compiled graph for on/off/new values, static feed buffers."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import fxreplace.models as families
 from fxreplace.context import ReplacementContext
 from fxreplace.instrument import TargetNotHitError, instrument
 from fxreplace.sharding import ShapeError
+from fxreplace.targets import TargetError
 from graph_helpers import TOKENS, OverrideLinear, input_ids, off_context, random_context
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -173,3 +175,143 @@ def test_feed_needs_max_tokens(plain):
     fresh = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"])
     with pytest.raises(ValueError, match="max_tokens"):
         fresh.feed(off_context(GATES, E))
+
+
+# --------------------------------------------------------------------------- layouts and adapters
+
+
+class RankRouter(torch.nn.Module):
+    """One rank's router of a model split over 2 ranks: the logits of its 4 of 8
+    experts for all 16 tokens (``experts``), or of all 8 experts for its 8 of 16
+    tokens (``tokens``), as an engine that shards the router computes them."""
+
+    def __init__(self, split: str):
+        super().__init__()
+        self.split = split
+        self.gate = torch.nn.Linear(16, 4 if split == "experts" else 8, bias=False)
+
+    def forward(self, x):
+        return self.gate(x[8:] if self.split == "tokens" else x)
+
+
+@pytest.mark.parametrize("split, spec", [("experts", 'ShardSpec("expert", 2, rank)'),
+                                         ("tokens", 'ShardSpec("sequence", 2, rank)')])
+def test_forgotten_shard_spec_names_the_spec_that_fits(split, spec):
+    from fxreplace import ShardSpec, Target
+
+    x, full = torch.randn(16, 16), torch.randn(16, 8)
+    model = instrument(RankRouter(split), ["gate"])
+    with pytest.raises(ShapeError, match=r"gate.*give the target shard=" + re.escape(spec)):
+        model(x, replacements={"gate": full})
+    mode = "expert" if split == "experts" else "sequence"
+    fixed = instrument(RankRouter(split), [Target("gate", shard=ShardSpec(mode, 2, 1))])
+    with torch.no_grad():
+        out = fixed(x, replacements={"gate": full})
+    torch.testing.assert_close(out, full[:, 4:] if split == "experts" else full[8:])
+
+
+class FusedRouter(torch.nn.Module):
+    """A router whose output is dense routing weights (softmax -> top-2 -> renorm, scattered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 8, bias=False)
+        self.top_k, self.norm_topk_prob = 2, True
+
+    def forward(self, x):
+        values, indices = torch.topk(torch.softmax(self.proj(x), dim=-1), self.top_k, dim=-1)
+        return torch.zeros(x.shape[0], 8).scatter(1, indices, values / values.sum(-1, keepdim=True))
+
+
+def test_routing_adapter_at_a_logits_point_is_refused(plain):
+    """A routing adapter converts logits to routing weights of the same [T, E] shape: at a
+    point that computes the logits it would silently feed weights to the model."""
+    from fxreplace import Target
+    from fxreplace.adapters import get_adapter
+
+    for target in (Target("model.layers.*.mlp.gate", adapter="softmax_topk_renorm"),  # auto: the gate's linear
+                   Target("model.layers.*.mlp.gate", point="output[0]", adapter="softmax_topk_renorm")):
+        with pytest.raises(TargetError, match=r"model\.layers\.0\.mlp\.gate.*'softmax_topk_renorm' turns router "
+                                              r"logits into routing weights.*computed by a linear layer"):
+            instrument(copy.deepcopy(plain), [target])
+    with pytest.raises(TargetError, match="'topk_softmax_scatter' turns router logits"):
+        instrument(RankRouter("tokens"), [Target("gate", adapter=get_adapter("topk_softmax_scatter"))])
+    from fxreplace.export import export
+
+    with pytest.raises(TargetError, match=r"model\.layers\.0\.mlp\.gate.*'softmax_topk_renorm' turns router logits"):
+        export(copy.deepcopy(plain), {"input_ids": input_ids(), "use_cache": False},
+               [Target("model.layers.*.mlp.gate", adapter="softmax_topk_renorm")])
+    # at a point that computes routing weights, the adapter is what makes the replacement fit
+    model = torch.nn.Sequential(FusedRouter())
+    instrument(model, [Target("0", point="output", adapter="softmax_topk_renorm")])
+    logits = torch.randn(16, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.randn(16, 16), replacements={"0": logits}),
+                                   get_adapter("softmax_topk_renorm")(logits, model[0]))
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_a_failed_forward_leaves_no_replacement_armed(plain):
+    fresh = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"])
+    ctx = random_context(GATES, E, mask=torch.ones(TOKENS, dtype=torch.bool))
+    bad = {GATES[0]: ctx[GATES[0]], GATES[1]: torch.zeros(TOKENS + 1, E)}  # layer 0 replaced, then layer 1 fails
+    with pytest.raises(ShapeError, match=r"model\.layers\.1\.mlp\.gate"):
+        logits(fresh, replacements=bad)
+    gate, hidden = fresh.get_submodule(GATES[1]), torch.randn(TOKENS, 64)
+    with torch.no_grad():  # a direct call of a target is the plain module again
+        assert torch.equal(gate(hidden)[0], torch.nn.functional.linear(hidden, gate.weight))
+    assert torch.equal(logits(fresh), logits(plain))  # no stale "hit twice", no stale replacement
+    with pytest.raises(KeyError):
+        logits(fresh, replacements={"nope": ctx[GATES[0]]})
+    assert torch.equal(logits(fresh), logits(plain))
+
+
+def test_output_index_on_a_tensor_output_is_an_error():
+    """HF's attention returns (output, weights), vLLM's the tensor: output[0] there is a row."""
+    from fxreplace import Target
+
+    llama = instrument(families.tiny_model("LlamaForCausalLM"), [Target("model.layers.*.mlp", point="output[0]")])
+    with pytest.raises(TargetError, match=r"'model\.layers\.0\.mlp': point 'output\[0\]' indexes the output, but "
+                                          r"the module returns a Tensor"):
+        logits(llama)
+
+
+def test_misspelled_replacement_name_is_an_error(model):
+    ctx = random_context(GATES, E)
+    with pytest.raises(KeyError, match=r"\['model\.layers\.1\.mlp\.gat'\] match no target; close capture names: "
+                                       r"\{'model\.layers\.1\.mlp\.gat': \['model\.layers\.1\.mlp\.gate'"):
+        logits(model, replacements={GATES[0]: ctx[GATES[0]], "model.layers.1.mlp.gat": ctx[GATES[1]]})
+
+
+def test_targets_as_one_string_are_one_pattern(plain):
+    assert instrument(copy.deepcopy(plain), "model.layers.*.mlp.gate").targets == GATES
+    with pytest.raises(TargetError, match=r"target 'model.layers.9.mlp.gate' matches no module"):
+        instrument(copy.deepcopy(plain), "model.layers.9.mlp.gate")
+
+
+def test_replacement_dtype_and_device_are_checked(model):
+    ints = {n: torch.ones(TOKENS, E, dtype=torch.int64) for n in GATES}
+    with pytest.raises(TypeError, match=r"replacement for model\.layers\.0\.mlp\.gate is torch\.int64, but the "
+                                        r"module computes torch\.float32"):
+        logits(model, replacements=ints)
+    meta = {n: torch.zeros(TOKENS, E, device="meta") for n in GATES}
+    with pytest.raises(ValueError, match=r"replacement for model\.layers\.0\.mlp\.gate is on meta, but the module "
+                                         r"computes on cpu"):
+        logits(model, replacements=meta)
+    halves = {n: t.to(torch.bfloat16) for n, t in random_context(GATES, E).items()}
+    logits(model, replacements=halves)  # another float dtype is cast, as before
+
+
+def test_uninstrumented_model_refuses_replacements(plain):
+    from fxreplace.instrument import uninstrument
+
+    fresh = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"])
+    uninstrument(fresh)
+    with pytest.raises(TypeError, match=r"Qwen3MoeForCausalLM is no longer instrumented .*replacements="):
+        logits(fresh, replacements=random_context(GATES, E))
+    assert torch.equal(logits(fresh), logits(plain))
+    again = instrument(fresh, ["model.layers.*.mlp.gate"])  # and instrumenting again works
+    ctx = random_context(GATES, E)
+    torch.testing.assert_close(logits(again, replacements=ctx), reference(plain, ctx), rtol=1e-5, atol=1e-5)

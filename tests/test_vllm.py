@@ -295,6 +295,16 @@ def test_reference_without_target_names_fails_clearly(ref):
     cleanup_dist_env_and_memory()
 
 
+def test_config_error_raised_in_front_end_before_engine_start(ref, monkeypatch):
+    """A typo in the section fails in the front end (create_engine_config), as a
+    ConfigError naming the field, before any engine process is started."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(fxv.ConfigError, match=r"unknown fxreplace config field 'tensor_path' \(did you mean "
+                                              r"'tensors_path'\?\)"):
+        LLM(model=ref.ckpt, dtype="float32", max_model_len=128, enforce_eager=True,
+            additional_config={"fxreplace": {"tensor_path": ref.ref_dir}})
+
+
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 def test_wrong_point_fails_engine_start_not_a_request(ref, eager):
     """A plain-string target on vLLM's gate: 'auto' falls back to the gate's output,

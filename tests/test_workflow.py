@@ -131,7 +131,9 @@ def test_nan_logits_are_validated_flagged_and_stop_the_prompt(reference):
 def test_runner_validation_with_a_perturbed_model_resolves_retries_to_their_prompt(model, reference):
     import copy
 
-    target = copy.deepcopy(model)
+    from fxreplace.instrument import instrument
+
+    target = instrument(copy.deepcopy(model), ["model.layers.*.mlp.gate"])  # the runner passes replacements=
     banned = reference.tokens(0)[2]  # the target can never pick it: prompt 0 diverges by step 2 at the latest
 
     def ban(module, args, out):
@@ -167,7 +169,7 @@ def test_cli_capture_validate_inspect(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"prompt 0 has token ids outside \[0, 128\)"):
         cli(["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match=r"reference holds no captures for targets \['model.layers.0.mlp'"):
-        cli(["validate", "builtin:LlamaForCausalLM", "--reference", str(tmp_path / "ref")])
+        cli(["validate", f"builtin:{ARCH}", "--reference", str(tmp_path / "ref"), "--target", "model.layers.*.mlp"])
     tiny_model(ARCH, vocab_size=256).save_pretrained(tmp_path / "other")
     with pytest.raises(SystemExit, match="reference has vocab size 128 but .*other has 256: it was captured from another model"):
         cli(["validate", str(tmp_path / "other"), "--reference", str(tmp_path / "ref")])
@@ -184,3 +186,40 @@ def test_demo_end_to_end_compiled(tmp_path, capsys):
     summary = json.loads((tmp_path / "report" / "result.json").read_text())["summary"]
     assert set(summary) == {"off", "on"}
     assert summary["on"]["mean_kl"] < summary["off"]["mean_kl"], "reference routing brings the bf16 target closer"
+
+
+def test_cli_bad_model_directory_and_arguments(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"empty holds no config.json: not a Hugging Face model directory"):
+        cli(["inspect", str(tmp_path / "empty")])
+    (tmp_path / "noweights").mkdir()
+    tiny_model(ARCH).config.save_pretrained(tmp_path / "noweights")
+    with pytest.raises(SystemExit, match=r"cannot load the model in .*noweights"):
+        cli(["inspect", str(tmp_path / "noweights")])
+    for argv in (["inspect", f"builtin:{ARCH}", "--tokens", "0"], ["demo", "--new-tokens", "-1"]):
+        with pytest.raises(SystemExit):
+            cli(argv)
+        assert "must be a positive integer, got" in capsys.readouterr().err
+
+
+def test_cli_unwritable_out_fails_before_capture(tmp_path, monkeypatch):
+    import fxreplace.capture
+
+    (tmp_path / "prompts.json").write_text(json.dumps(PROMPTS[:1]))
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setattr(fxreplace.capture, "capture_reference", lambda *a, **k: pytest.fail("capture ran"))
+    with pytest.raises(SystemExit, match=r"--out .*file/ref is not a writable directory"):
+        cli(["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "prompts.json"), "--out", str(tmp_path / "file" / "ref")])
+
+
+def test_cli_validate_refuses_a_reference_of_another_architecture(tmp_path, reference):
+    """Mixtral's and Qwen3-MoE's routers share capture names, expert count and vocabulary:
+    only the recorded architecture tells the reference is not this model's."""
+    reference.save(tmp_path / "ref")
+    with pytest.raises(SystemExit, match=r"captured from Qwen3MoeForCausalLM .*model.layers.0.mlp.gate.* but "
+                                         r"builtin:MixtralForCausalLM is MixtralForCausalLM"):
+        cli(["validate", "builtin:MixtralForCausalLM", "--reference", str(tmp_path / "ref"),
+             "--report-dir", str(tmp_path / "rep")])
+    tiny_model("MixtralForCausalLM").save_pretrained(tmp_path / "mixtral")
+    with pytest.raises(SystemExit, match=r"captured from Qwen3MoeForCausalLM .* is MixtralForCausalLM"):
+        cli(["validate", str(tmp_path / "mixtral"), "--reference", str(tmp_path / "ref"), "--engine", "vllm"])

@@ -21,32 +21,32 @@ reference's top-50 lies inside the target's top-k; KL is then approximate.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
+from ..config import ReplacementConfig
 from ..runner import Generation
 
 OFF = {"fxreplace": "off"}
 
 
 class VllmEngine:
-    """``VllmEngine(model_dir, reference_dir, dtype="float32", logprobs=-1, targets=None, **llm_kwargs)``.
+    """``VllmEngine(model_dir, replacement, dtype="float32", logprobs=-1, **llm_kwargs)``.
 
-    ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``enforce_eager``, ``max_model_len``).
+    ``replacement``: the plugin's :class:`~fxreplace.ReplacementConfig` (e.g.
+    ``ReplacementConfig(tensors_path=reference_dir)``). ``llm_kwargs`` go to
+    ``vllm.LLM`` (e.g. ``enforce_eager``, ``max_model_len``).
     """
 
-    def __init__(self, model: str, reference: str, *, dtype: str = "float32", logprobs: int = -1,
-                 targets: Sequence[Any] | None = None, **llm_kwargs):
+    def __init__(self, model: str, replacement: ReplacementConfig, *, dtype: str = "float32", logprobs: int = -1,
+                 **llm_kwargs):
         from vllm import LLM
 
-        config: dict[str, Any] = {"tensors_path": str(reference)}
-        if targets:
-            config["targets"] = list(targets)
         self.logprobs = logprobs
         llm_kwargs.setdefault("max_logprobs", logprobs)
         llm_kwargs.setdefault("seed", 0)
-        self.llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": config}, **llm_kwargs)
+        self.llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": replacement}, **llm_kwargs)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._ids = itertools.count()
 

@@ -2,20 +2,26 @@
 forward the replacement built from the scheduler's actual batch.
 
 ``register()`` (entry point ``vllm.general_plugins``) runs in every vLLM process
-(front end, engine core, workers). It only patches classes, idempotently:
+(front end, engine core, workers). It sends fxreplace's log records to vLLM's
+logger handler and only patches classes, idempotently (every vLLM name it relies
+on is in :mod:`fxreplace.vllm.internals`):
 
-* ``EngineArgs.create_engine_config`` (front end): wraps the fxreplace section of
-  ``additional_config`` in an :class:`~fxreplace.vllm.config.FxReplaceConfig` so
-  vLLM can hash and pickle it;
+* ``EngineArgs.create_engine_config`` (front end): validates the fxreplace section
+  of ``additional_config`` (a :class:`~fxreplace.ReplacementConfig`; errors name
+  the field, before any engine process starts) and wraps it in an
+  :class:`~fxreplace.vllm.config.FxReplaceConfig` so vLLM can hash and pickle it;
+* ``InputProcessor.process_inputs`` (front end, per request): with
+  ``on_unknown="error"`` refuses a prompt that is not in the reference;
 * the model runners' ``load_model``: after loading, when configured, builds a
-  :class:`VllmReplacement` (instrument + static buffers) before warmup compiles;
+  :class:`VllmReplacement` (instrument + static buffers) before warmup compiles,
+  and runs one eager dummy forward so every injection point is checked at start-up;
 * when configured, that runner *instance* (not the class) gets two wrappers:
   ``execute_model`` registers new requests and releases finished ones;
   ``_model_forward`` builds the context for the batch and fills the buffers in
   place, then turns replacement off again after the forward.
 
 Unconfigured, nothing runs per step: the class-level wrappers only act at engine
-configuration and model load, and step methods are never wrapped.
+configuration, request submission and model load, and step methods are never wrapped.
 
 Per request, ``SamplingParams(extra_args={"fxreplace": "off"})`` (online:
 ``"vllm_xargs": {"fxreplace": "off"}``) serves a request without replacement even
