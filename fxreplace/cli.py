@@ -95,6 +95,8 @@ def _demo(args) -> int:
 
 
 def _capture(args) -> int:
+    if args.engine == "vllm":
+        return _capture_vllm(args)
     from .capture import capture_reference
 
     check_writable_dir(args.out, "--out")
@@ -106,6 +108,30 @@ def _capture(args) -> int:
     reference.save(args.out)
     print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.modules)} targets -> {args.out}")
     return 0
+
+
+def _capture_vllm(args) -> int:
+    """Capture through a vLLM engine in capture mode (see :mod:`fxreplace.vllm.capture`)."""
+    if not Path(args.model).is_dir():
+        raise SystemExit(f"error: --engine vllm needs a local checkpoint directory, got {args.model!r}")
+    try:
+        engine_args = json.loads(args.engine_args)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --engine-args is not JSON: {e}") from None
+    if not isinstance(engine_args, dict):
+        raise SystemExit("error: --engine-args must be a JSON object of vllm.LLM keyword arguments")
+    with open(Path(args.model) / "config.json") as f:
+        vocab_size = json.load(f)["vocab_size"]
+    prompts = read_prompts(args.prompts, vocab_size)
+    from .vllm.capture import capture_with_vllm
+
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    engine_args.setdefault("max_model_len", max(longest, 128))
+    counts = capture_with_vllm(args.model, prompts, args.out, max_new_tokens=args.max_new_tokens, targets=args.target,
+                               dtype=args.dtype, enforce_eager=args.eager, **engine_args)
+    print(f"captured {counts.get('completed', 0)} prompts x {args.max_new_tokens} tokens with vLLM "
+          f"({counts.get('dropped', 0)} dropped) -> {args.out}")
+    return 0 if counts.get("completed") == len(prompts) else 1
 
 
 def _check_vocab(reference, model_name: str, vocab_size: int) -> None:
@@ -279,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     capture.add_argument("--target", action="append", help="target pattern (default: the family's routers); repeatable")
     capture.add_argument("--max-new-tokens", type=positive_int, default=32)
     capture.add_argument("--out", required=True, help="reference directory to write")
+    capture.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                         help="hf: the HF model in this process; vllm: a vLLM engine in capture mode (MODEL: a checkpoint directory)")
+    capture.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="--engine vllm")
+    capture.add_argument("--eager", action="store_true", help="--engine vllm: enforce eager mode (no vLLM compile)")
+    capture.add_argument("--engine-args", default="{}",
+                         help='--engine vllm: JSON of vllm.LLM arguments, e.g. \'{"tensor_parallel_size": 2}\'')
     capture.set_defaults(func=_capture)
 
     validate = sub.add_parser("validate", help="teacher-forced logit validation of a target against a reference")

@@ -49,6 +49,9 @@ class ReplacementConfig:
     ``"error"`` (the default): refused with an error naming the request
     (:class:`~fxreplace.TensorReplacer` raises KeyError; vLLM rejects it when it
     is submitted and keeps serving); ``"passthrough"``: served without replacement.
+
+    ``capture``: ``{"out": DIR, "targets": [...]}`` makes a vLLM engine capture a
+    reference instead of replacing (:mod:`fxreplace.vllm.capture`); no source then.
     """
 
     tensors: Any = None
@@ -57,8 +60,12 @@ class ReplacementConfig:
     prompt_token_ids_path: str | os.PathLike | None = None
     targets: Any = None
     on_unknown: OnUnknown = "error"
+    capture: Any = None
 
     def __post_init__(self):
+        if self.capture is not None:
+            self.capture = _capture_section(self.capture, self)
+            return
         _exactly_one("tensors", self.tensors, "tensors_path", self.tensors_path, required=True)
         _exactly_one("prompt_token_ids", self.prompt_token_ids, "prompt_token_ids_path", self.prompt_token_ids_path,
                      required=False)
@@ -103,6 +110,8 @@ class ReplacementConfig:
                 continue
             if f.name == "targets":
                 value = [_target_dict(t) for t in value]
+            if f.name == "capture" and "targets" in value:
+                value = {**value, "targets": [_target_dict(t) for t in value["targets"]]}
             out[f.name] = value
         return out
 
@@ -228,6 +237,32 @@ def _name_map_moved(name_map: Any) -> str:
             example = f': {{"targets": [{{"pattern": "{module}", "name": "{template}"}}]}}'
     return ("'name_map' is replaced by per-target capture names (one syntax for capture names): give the target "
             f"its reference capture name, with {{}} for the wildcard match{example}")
+
+
+CAPTURE_FIELDS = ("out", "targets")
+
+
+def _capture_section(capture: Any, config: ReplacementConfig) -> dict:
+    """``capture`` as ``{"out": str, "targets": tuple[Target] (optional)}``; capture and
+    replacement are separate engines, so no reference source may be given with it."""
+    given = [f for f in ("tensors", "tensors_path", "prompt_token_ids", "prompt_token_ids_path", "targets")
+             if getattr(config, f) is not None]
+    if given:
+        raise ConfigError(f"'capture' comes alone (capture and replacement run in separate engines; capture "
+                          f"targets go inside it), but {given} are set too")
+    if not isinstance(capture, Mapping):
+        raise ConfigError(f"capture must be a dict with 'out', got {type(capture).__name__} {capture!r}")
+    for key in capture:
+        if key not in CAPTURE_FIELDS:
+            raise ConfigError(f"unknown capture field {key!r}{_did_you_mean(key, CAPTURE_FIELDS)}; "
+                              f"fields: {list(CAPTURE_FIELDS)}")
+    out = capture.get("out")
+    if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
+        raise ConfigError(f"capture needs 'out': the directory the reference is written to, got {out!r}")
+    section = {"out": os.fspath(out)}
+    if capture.get("targets") is not None:
+        section["targets"] = parse_targets(capture["targets"])
+    return section
 
 
 def _exactly_one(name_a: str, a: Any, name_b: str, b: Any, required: bool) -> None:

@@ -58,6 +58,24 @@ SCHEDULER_OUTPUT_FIELDS = ("scheduled_new_reqs", "finished_req_ids", "num_schedu
 #: ``NewRequestData``: what registration reads.
 NEW_REQUEST_FIELDS = ("req_id", "prompt_token_ids", "sampling_params")
 
+#: Capture mode (fxreplace.vllm.capture) reads besides: ``sample_tokens`` (returns
+#: the step's ``ModelRunnerOutput``: ``req_ids``, ``sampled_token_ids``),
+#: ``execute_model_state`` (set by ``execute_model``: ``logits`` of the sampled rows,
+#: ``spec_decode_metadata.logits_indices``), the runner's ``cache_config``,
+#: ``use_async_scheduling`` and ``num_spec_tokens``, the scheduler output's
+#: ``preempted_req_ids``, a new request's ``num_computed_tokens``, and the
+#: scheduler's stop rule ``check_stop(request, max_model_len)``.
+SAMPLE_TOKENS = "sample_tokens"
+EXECUTE_MODEL_STATE = "execute_model_state"
+CAPTURE_RUNNER_ATTRS = ("cache_config", "use_async_scheduling", "num_spec_tokens", EXECUTE_MODEL_STATE)
+EXECUTE_MODEL_STATE_CLASS = ("vllm.v1.worker.gpu_model_runner", "ExecuteModelState")
+EXECUTE_MODEL_STATE_FIELDS = ("logits", "spec_decode_metadata")
+MODEL_RUNNER_OUTPUT = ("vllm.v1.outputs", "ModelRunnerOutput")
+MODEL_RUNNER_OUTPUT_FIELDS = ("req_ids", "sampled_token_ids")
+CAPTURE_SCHEDULER_OUTPUT_FIELDS = ("preempted_req_ids",)
+CAPTURE_NEW_REQUEST_FIELDS = ("num_computed_tokens",)
+CHECK_STOP = ("vllm.v1.core.sched.utils", "check_stop")
+
 
 def _import(where: tuple[str, str]):
     import importlib
@@ -100,6 +118,11 @@ def batch_requests(runner) -> list[str]:
     """Request ids of the step being run, in the order its tokens are laid out."""
     batch = runner.input_batch
     return batch.req_ids[: batch.num_reqs]
+
+
+def check_stop():
+    """vLLM's own stop rule (EOS, stop token ids, max_tokens, model length)."""
+    return _import(CHECK_STOP)
 
 
 def eager_forward(runner, num_tokens: int) -> None:
@@ -161,7 +184,18 @@ def check() -> list[str]:
                             f"argument {POSITIONS_INDEX}: its parameters are {params}")
     need(INPUT_BATCH, INPUT_BATCH_ATTRS, set_on_instances)
     need(SCHEDULER_OUTPUT, SCHEDULER_OUTPUT_FIELDS, has_field)
-    need(NEW_REQUEST_DATA, NEW_REQUEST_FIELDS, has_field)
+    need(NEW_REQUEST_DATA, NEW_REQUEST_FIELDS + CAPTURE_NEW_REQUEST_FIELDS, has_field)
+    # capture mode
+    if runner is not None:
+        need(GPU_MODEL_RUNNER, (SAMPLE_TOKENS,), has_attr)
+        need(GPU_MODEL_RUNNER, CAPTURE_RUNNER_ATTRS, set_on_instances)
+    need(EXECUTE_MODEL_STATE_CLASS, EXECUTE_MODEL_STATE_FIELDS, lambda cls, attr: attr in getattr(cls, "_fields", ()))
+    need(MODEL_RUNNER_OUTPUT, MODEL_RUNNER_OUTPUT_FIELDS, has_field)
+    need(SCHEDULER_OUTPUT, CAPTURE_SCHEDULER_OUTPUT_FIELDS, has_field)
+    try:
+        check_stop()
+    except (ImportError, AttributeError) as exc:
+        problems.append(f"{CHECK_STOP[0]}.{CHECK_STOP[1]} is gone ({exc})")
     need(INPUT_PROCESSOR, (PROCESS_INPUTS,), has_attr)
     need(ENGINE_CORE_REQUEST, ENGINE_CORE_REQUEST_FIELDS, lambda cls, attr: attr in cls.__struct_fields__)
     need(VALIDATION_ERROR, (), has_attr)

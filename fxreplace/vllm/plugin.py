@@ -122,6 +122,11 @@ def _wrap(cls: type, name: str, make) -> None:
 def _create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
         wrap_in_place(getattr(self, "additional_config", None))
+        config = parse_config(getattr(self, "additional_config", None))
+        if config is not None and config.config.capture is not None:
+            from .capture import prepare_engine_args
+
+            prepare_engine_args(self)
         return original(self, *args, **kwargs)
 
     return create_engine_config
@@ -173,7 +178,13 @@ def _load_model(original):
         out = original(self, *args, **kwargs)
         if getattr(self, _STATE_ATTR, None) is None:
             config = parse_config(self.vllm_config.additional_config)
-            if config is not None:
+            if config is not None and config.config.capture is not None:
+                from .capture import VllmCapture, attach
+
+                state = VllmCapture(self, config.config.capture)
+                setattr(self, _STATE_ATTR, state)
+                attach(self, state)
+            elif config is not None:
                 state = VllmReplacement(self, config.config)
                 setattr(self, _STATE_ATTR, state)
                 _wrap_steps(self, state)
@@ -394,6 +405,7 @@ def _count(mask: torch.Tensor) -> int:
     return int(mask.sum())
 
 
-def get_state(runner) -> VllmReplacement | None:
-    """The fxreplace state of a model runner (None when not configured)."""
+def get_state(runner):
+    """The fxreplace state of a model runner: a VllmReplacement, a
+    :class:`~fxreplace.vllm.capture.VllmCapture`, or None when not configured."""
     return getattr(runner, _STATE_ATTR, None)

@@ -1,0 +1,409 @@
+"""Reference capture from a running vLLM engine.
+
+``additional_config={"fxreplace": {"capture": {"out": DIR, "targets": [...]}}}``
+instruments vLLM's model at the same injection points replacement uses and
+*observes* them (:func:`fxreplace.instrument.observe`): each target writes what it
+computed into one static buffer (filled in place, so compiled graphs keep working).
+After every forward the rows are mapped back to (request, position) from the
+scheduler's batch, the inverse of ``TensorReplacer.build_context_for_batch``, and
+stored per request *by position*. Storing by position makes the awkward cases
+simple:
+
+* chunked prefill: chunks land at their positions, in order;
+* preemption and recomputation: recomputed rows overwrite the old ones;
+* speculative decoding: rows of rejected drafts sit past the accepted tokens and
+  are overwritten by the next step or cut off when the request completes.
+
+A request is complete when its sampled tokens meet vLLM's own stop rule
+(``check_stop``: EOS, stop token ids, ``max_tokens``, model length); its prompt
+ids, generated tokens, raw logits (``generated.logits``, as HF capture stores
+them) and the rows of positions ``0 .. prompt + generated - 2`` are then written in
+the reference format (:class:`fxreplace.reference.Reference`). A request the
+scheduler finishes before that (an abort, or a stop string, which only the front
+end sees) is dropped and counted.
+
+Prefix caching would skip the cached tokens' forwards, so their rows would be
+missing: capture refuses it. Only tensor-parallel rank 0 records and writes
+(every rank computes the same replicated router logits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import ConfigError
+from ..instrument import instrument, observe
+from ..reference import Reference
+from ..store import StoreWriter
+from ..targets import Target, TargetError, resolve_targets
+from . import internals
+
+logger = logging.getLogger("fxreplace.vllm")
+
+SHARD_BYTES = 32 << 20  # rows of finished requests held before they go to disk as one shard
+STATS_FILE = "capture.json"
+PREFIX_CACHE_HINT = ("capture needs every prompt token computed: turn prefix caching off with "
+                     "enable_prefix_caching=False (LLM/EngineArgs) or --no-enable-prefix-caching (server)")
+ASYNC_HINT = "capture reads each step's sampled tokens: turn async scheduling off (async_scheduling=False / --no-async-scheduling)"
+
+
+def prepare_engine_args(engine_args) -> None:
+    """Front end: capture turns prefix caching and async scheduling off unless the
+    user asked for them, in which case it refuses with how to turn them off."""
+    if engine_args.enable_prefix_caching:
+        raise ConfigError(f"fxreplace capture with prefix caching on: {PREFIX_CACHE_HINT}")
+    if getattr(engine_args, "async_scheduling", None):
+        raise ConfigError(f"fxreplace capture with async scheduling on: {ASYNC_HINT}")
+    engine_args.enable_prefix_caching = False
+    if hasattr(engine_args, "async_scheduling"):
+        engine_args.async_scheduling = False
+
+
+@dataclass
+class _StopView:
+    """The fields of a vLLM ``Request`` that ``check_stop`` reads."""
+
+    sampling_params: Any
+    prompt_len: int
+    max_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    pooling_params: Any = None
+    status: Any = None
+    stop_reason: Any = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_token_ids)
+
+
+class _RequestRows:
+    """One request's captures, stored by position: ``rows[p]`` is every target's
+    row at position ``p``; ``logits[j]`` predicts generated token ``j`` (one row per
+    step, so a request holds only the logits it has generated so far)."""
+
+    def __init__(self, prompt: list[int], sampling_params, width: int, capacity: int, dtype):
+        self.prompt = prompt
+        self.stop = _StopView(sampling_params, len(prompt), int(sampling_params.max_tokens))
+        self.rows = torch.zeros(capacity, width, dtype=dtype)
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def put_rows(self, start: int, rows: torch.Tensor) -> None:
+        end = start + rows.shape[0]
+        if end > self.rows.shape[0]:
+            self.rows = torch.cat([self.rows, self.rows.new_zeros(end - self.rows.shape[0], self.rows.shape[1])])
+        self.rows[start:end] = rows
+
+    def put_logits(self, position: int, row: torch.Tensor) -> None:
+        j = position - (len(self.prompt) - 1)
+        if j >= 0:  # earlier rows are prefill-chunk ends: their samples are discarded
+            self.logits[j] = row.clone()  # one row, not a view holding the whole step's logits
+
+
+class VllmCapture:
+    """Capture state of one model runner: instrumented model, observation buffer,
+    the requests in flight and the writer."""
+
+    def __init__(self, runner, capture: dict):
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+        from fxreplace.models import architecture, get_family
+
+        if runner.cache_config.enable_prefix_caching:
+            raise ConfigError(f"fxreplace capture with prefix caching on: {PREFIX_CACHE_HINT}")
+        if runner.use_async_scheduling:
+            raise ConfigError(f"fxreplace capture with async scheduling on: {ASYNC_HINT}")
+        if get_pp_group().world_size > 1:
+            raise ConfigError("fxreplace capture does not support pipeline parallelism; use tensor parallelism")
+        self.runner = runner
+        self.model = runner.model
+        self.out = Path(capture["out"])
+        dp = runner.vllm_config.parallel_config
+        if dp.data_parallel_size > 1:  # each data-parallel engine writes its own store
+            self.out = self.out / f"dp{dp.data_parallel_rank}"
+        self.writes = get_tensor_model_parallel_rank() == 0
+        self.max_tokens = int(runner.max_num_tokens)
+        self.max_model_len = int(runner.model_config.max_model_len)
+        self.vocab = runner.model_config.get_vocab_size()
+        arch = architecture(runner.model_config.hf_config, type(self.model).__name__)
+        self.arch = arch
+        targets = capture.get("targets") or get_family(arch).vllm_targets
+        if not targets:
+            raise TargetError(f"fxreplace capture: the {arch} family has no vllm_targets; give capture 'targets'")
+        resolved = resolve_targets(self.model, targets)
+        instrument(self.model, [Target(r.module_name, point=r.point, name=r.capture_name) for r in resolved],
+                   max_tokens=self.max_tokens)
+        self.names = [r.capture_name for r in resolved]
+        dtype = next(self.model.parameters()).dtype
+        widths = [_point_width(self.model.get_submodule(r.module_name), r.module_name) for r in resolved]
+        edges = np.cumsum([0, *widths]).tolist()
+        self.columns = {name: slice(a, b) for name, a, b in zip(self.names, edges, edges[1:])}
+        self.width = edges[-1]
+        # One [max_tokens, sum of widths] buffer; each target fills its columns in place.
+        self.buffer = torch.zeros(self.max_tokens, self.width, dtype=dtype)
+        self._observing = contextlib.ExitStack()  # open for the engine's life
+        self._observing.enter_context(observe(self.model, _Recorder(self.buffer, self.columns)))
+        self.dtype = dtype
+        self.spec_tokens = int(getattr(runner, "num_spec_tokens", 0) or 0)
+        self.active: dict[str, _RequestRows] = {}
+        self.scheduler_output = None  # the step being executed
+        self.step = None  # this step's (request ids, token offsets, positions), from the forward to the logits
+        self.completed = 0
+        self.closed = False  # finish_capture() closed the store
+        self.dropped = 0
+        self.preemptions = 0  # of captured requests (their positions are recomputed in place)
+        self.drafts_accepted = 0  # speculative tokens accepted beyond one per step
+        if self.writes:  # refuses a non-empty out at engine start, before any request runs
+            config = runner.model_config
+            self.writer = StoreWriter(self.out, shard_bytes=SHARD_BYTES, metadata={
+                "source_model": str(config.model), "architecture": arch, "engine": "vllm",
+                "model_type": getattr(config.hf_config, "model_type", ""), "vocab_size": self.vocab,
+                "dtype": str(dtype).removeprefix("torch."), "targets": self.names})
+        logger.info("fxreplace: capturing %d target(s) of %s (%s ...) into %s%s", len(self.names), arch,
+                    self.names[0] if self.names else "-", self.out, "" if self.writes else " (written by TP rank 0)")
+
+    # ------------------------------------------------------------ per step
+
+    def begin_step(self, scheduler_output) -> None:
+        """Drop requests the scheduler finished before they completed; register new ones."""
+        if not self.writes:
+            return
+        dropped = [r for r in scheduler_output.finished_req_ids if self.active.pop(r, None) is not None]
+        for req_id in dropped:
+            self.dropped += 1
+            logger.warning("fxreplace: request %s ended before its stop condition (aborted, or a stop string, "
+                           "which only the front end sees): not captured (%d dropped so far)", req_id, self.dropped)
+        if dropped and not self.active:
+            self.sync()
+        self.preemptions += sum(r in self.active for r in scheduler_output.preempted_req_ids or ())
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self.active:  # resumed after preemption: positions are recomputed in place
+                continue
+            if new.prompt_token_ids is None or new.sampling_params is None:
+                logger.warning("fxreplace: request %s has no prompt token ids (embeddings or pooling): not captured",
+                               new.req_id)
+                continue
+            if new.num_computed_tokens:
+                self.dropped += 1
+                logger.warning("fxreplace: request %s arrived with %d tokens already computed (%s): not captured",
+                               new.req_id, new.num_computed_tokens, PREFIX_CACHE_HINT)
+                continue
+            prompt = list(new.prompt_token_ids)
+            capacity = len(prompt) + int(new.sampling_params.max_tokens) + self.spec_tokens
+            self.active[new.req_id] = _RequestRows(prompt, new.sampling_params, self.width,
+                                                   min(capacity, self.max_model_len + self.spec_tokens), self.dtype)
+
+    def after_forward(self, scheduler_output, positions: torch.Tensor) -> None:
+        """Copy this forward's observed rows to their requests, by position."""
+        if not self.writes or not self.active:
+            return
+        req_ids = internals.batch_requests(self.runner)
+        counts = scheduler_output.num_scheduled_tokens
+        starts = [0]
+        for r in req_ids:
+            starts.append(starts[-1] + counts[r])
+        rows = self.buffer[:starts[-1]]
+        pos = positions[:starts[-1]].cpu().numpy()
+        self.step = (req_ids, starts, pos)
+        for i, req_id in enumerate(req_ids):
+            record = self.active.get(req_id)
+            if record is not None and starts[i + 1] > starts[i]:
+                record.put_rows(int(pos[starts[i]]), rows[starts[i]:starts[i + 1]])
+
+    def after_execute(self) -> None:
+        """Keep the raw logits of every sampled row (before the sampler may modify them in place)."""
+        state = getattr(self.runner, internals.EXECUTE_MODEL_STATE, None)
+        step, self.step = self.step, None
+        if not self.writes or not self.active or state is None or state.logits is None or step is None:
+            return
+        req_ids, starts, pos = step
+        spec = state.spec_decode_metadata
+        indices = spec.logits_indices.cpu().numpy() if spec is not None else np.asarray(starts[1:]) - 1
+        owners = (np.searchsorted(starts, indices, side="right") - 1).tolist()
+        logits = state.logits.float().cpu()
+        for k, (i, p) in enumerate(zip(owners, pos[indices].tolist())):
+            record = self.active.get(req_ids[i])
+            if record is not None:
+                record.put_logits(p, logits[k])
+
+    def after_sample(self, output) -> None:
+        """Append sampled tokens; write each request whose stop rule is met."""
+        if not self.writes or not self.active or not getattr(output, "req_ids", None):
+            return
+        check_stop = internals.check_stop()
+        for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
+            record = self.active.get(req_id)
+            if record is None:
+                continue
+            self.drafts_accepted += max(len(tokens) - 1, 0)
+            for token in tokens:
+                record.stop.output_token_ids.append(int(token))
+                if check_stop(record.stop, self.max_model_len):
+                    self._complete(req_id, record)
+                    break
+        if not self.active:
+            self.sync()
+
+    # ------------------------------------------------------------ writing
+
+    def _complete(self, req_id: str, record: _RequestRows) -> None:
+        """Stream one finished request to the store (its rows leave memory with the shard)."""
+        del self.active[req_id]
+        if self.closed:
+            self.dropped += 1
+            logger.error("fxreplace: request %s completed after finish_capture() closed %s: not captured", req_id, self.out)
+            return
+        tokens = record.stop.output_token_ids
+        length = len(record.prompt) + len(tokens) - 1  # the last token is never fed back
+        rows = record.rows[:length]
+        captures = {name: rows[:, columns] for name, columns in self.columns.items()}
+        logits = torch.stack([record.logits[j] for j in range(len(tokens))])
+        self.writer.add(record.prompt, captures, extras=Reference.extras(tokens, logits))
+        self.completed += 1
+
+    def sync(self) -> None:
+        """Make ``out`` a complete store of every request written so far (the engine
+        is idle: nothing in flight); the counts go to ``capture.json`` beside it."""
+        if self.completed:
+            self.writer.sync()
+        (self.out / STATS_FILE).write_text(json.dumps(self.counts()) + "\n")
+        logger.info("fxreplace: %d captured request(s) in %s (%d dropped)", self.completed, self.out, self.dropped)
+
+    def close(self) -> None:
+        """Write the last shard and the index (:func:`finish_capture`); no request may follow."""
+        if self.writes and not self.closed:
+            self.sync()
+            if self.completed:
+                self.writer.close()
+            self.closed = True
+
+    def counts(self) -> dict:
+        return {"completed": self.completed, "dropped": self.dropped, "in_flight": len(self.active),
+                "preemptions": self.preemptions, "drafts_accepted": self.drafts_accepted}
+
+
+class _Recorder:
+    """Observer: copies each target's computed ``[T, E]`` into its columns of the
+    shared buffer (in place, so a compiled graph writes the same storage)."""
+
+    def __init__(self, buffer: torch.Tensor, columns: dict[str, slice]):
+        self.buffer = buffer
+        self.columns = columns
+
+    def __call__(self, name: str, computed) -> None:
+        if not isinstance(computed, torch.Tensor):
+            raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor")
+        flat = computed.reshape(-1, computed.shape[-1])
+        self.buffer[:flat.shape[0], self.columns[name]].copy_(flat)
+
+
+def _point_width(module: torch.nn.Module, name: str) -> int:
+    """Columns a router-like target computes: its output features."""
+    for attr in ("output_size", "out_features"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int):
+            return value
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    raise TargetError(f"fxreplace capture: cannot tell how many columns target {name!r} computes "
+                      f"({type(module).__name__} has no output_size/out_features/2-D weight)")
+
+
+def attach(runner, capture: VllmCapture) -> None:
+    """Per-step wrappers on one capturing runner instance (its bound methods)."""
+    import functools
+
+    execute = getattr(runner, internals.EXECUTE_MODEL)
+    forward = getattr(runner, internals.MODEL_FORWARD)
+    sample = getattr(runner, internals.SAMPLE_TOKENS)
+
+    @functools.wraps(execute)
+    def execute_model(scheduler_output, *args, **kwargs):
+        capture.begin_step(scheduler_output)
+        capture.scheduler_output = scheduler_output
+        try:
+            output = execute(scheduler_output, *args, **kwargs)
+        finally:
+            capture.scheduler_output = None
+        capture.after_execute()
+        if output is not None:  # a step that sampled nothing returns its output here
+            capture.after_sample(output)
+        return output
+
+    @functools.wraps(forward)
+    def _model_forward(*args, **kwargs):
+        output = forward(*args, **kwargs)
+        if capture.scheduler_output is not None:  # not a dummy/profile run
+            capture.after_forward(capture.scheduler_output, internals.forward_positions(args, kwargs))
+        return output
+
+    @functools.wraps(sample)
+    def sample_tokens(*args, **kwargs):
+        output = sample(*args, **kwargs)
+        capture.after_sample(output)
+        return output
+
+    setattr(runner, internals.EXECUTE_MODEL, execute_model)
+    setattr(runner, internals.MODEL_FORWARD, _model_forward)
+    setattr(runner, internals.SAMPLE_TOKENS, sample_tokens)
+
+
+def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int, targets=None,
+                      dtype: str = "float32", **llm_kwargs) -> dict:
+    """Greedy-generate ``max_new_tokens`` per prompt with a vLLM engine in capture
+    mode and write the reference to ``out``; returns the writing worker's counts
+    (``completed``, ``dropped``, ``in_flight``, ``preemptions``, ``drafts_accepted``). ``llm_kwargs`` go to ``vllm.LLM``
+    (``enforce_eager``, ``tensor_parallel_size``, ``speculative_config``, ...)."""
+    from vllm import LLM, SamplingParams
+
+    capture: dict[str, Any] = {"out": os.fspath(out)}
+    if targets:
+        capture["targets"] = list(targets)
+    llm_kwargs.setdefault("seed", 0)
+    llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": {"capture": capture}}, **llm_kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        counts = [c for c in llm.collective_rpc(finish_capture) if c is not None]
+    finally:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+    return counts[0] if counts else {}
+
+
+def _worker_state(worker):
+    from .plugin import get_state
+
+    state = get_state(worker.model_runner)
+    return state if isinstance(state, VllmCapture) and state.writes else None
+
+
+def _worker_counts(worker) -> dict | None:
+    """``collective_rpc`` target: the capture counts of the worker that writes (None on the others)."""
+    state = _worker_state(worker)
+    return None if state is None else state.counts()
+
+
+def finish_capture(worker) -> dict | None:
+    """``llm.collective_rpc(finish_capture)``: close the store (last shard, index) and
+    return the counts. Until then the store is complete whenever the engine idles."""
+    state = _worker_state(worker)
+    if state is None:
+        return None
+    state.close()
+    return state.counts()

@@ -1,0 +1,229 @@
+"""vLLM capture mode (``fxreplace.vllm.capture``) against HF capture, tiny Qwen3-MoE in float32.
+
+The same checkpoint is captured by HF (``capture_reference``) and by vLLM; both
+references must hold the same generated tokens, and the same router logits on
+every row and raw logits on every step within 1e-4. The prompts make vLLM's hard
+cases happen: a prompt longer than the 64-token step budget (chunked prefill),
+prompts whose greedy continuation repeats itself (ngram drafts accepted, and
+rejected), a KV cache of 8 blocks (preemption and recomputation), and an aborted
+request. Then the vLLM-captured reference goes back into vLLM with replacement
+(``fxreplace validate --engine vllm``): it must be reproduced exactly.
+
+Every engine runs in a subprocess: test_vllm.py's ngram engine leaves its process
+unable to start another engine, and TP=2 needs its own process group anyway.
+Engines: eager TP=1 (script: preemption, abort), compiled TP=1, eager and compiled
+TP=2 (``fxreplace capture --engine vllm``), one validate engine. Compiled engines
+use vLLM's default Dynamo + Inductor (``FXREPLACE_TEST_DYNAMO_EAGER=1``: eager backend).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import vllm  # noqa: F401  (needs vLLM: no skip)
+
+from fxreplace.capture import capture_reference
+from fxreplace.models import get_family, tiny_model
+from fxreplace.reference import Reference, load_reference
+from fxreplace.vllm import ConfigError, FxReplaceConfig
+from fxreplace.vllm.testing import save_tiny_checkpoint
+
+ARCH = "Qwen3MoeForCausalLM"
+NEW = 16
+ATOL = 1e-4
+TIMEOUT_S = 420
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+ENGINE = dict(max_model_len=192, block_size=32, max_num_batched_tokens=64, max_num_seqs=8, speculative_config=SPEC)
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+    from fxreplace.vllm.capture import finish_capture
+
+    if __name__ == "__main__":
+        ckpt, prompts_path, out, engine = sys.argv[1:5]
+        prompts = json.load(open(prompts_path))
+        # 8 KV blocks of 32 tokens cannot hold every request at once: the scheduler preempts.
+        llm = LLM(model=ckpt, dtype="float32", seed=0, enforce_eager=True, distributed_executor_backend="uni",
+                  num_gpu_blocks_override=8, additional_config={"fxreplace": {"capture": {"out": out}}},
+                  **json.loads(engine))
+        sp = SamplingParams(temperature=0.0, max_tokens=%d, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:-1]], sp, use_tqdm=False)
+        # An aborted request is dropped and counted; the last prompt is captured after it.
+        llm.llm_engine.add_request("to-abort", {"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=50))
+        llm.llm_engine.step()
+        llm.llm_engine.step()
+        llm.llm_engine.abort_request(["to-abort"])
+        outs += llm.generate([{"prompt_token_ids": prompts[-1]}], sp, use_tqdm=False)
+        counts = llm.collective_rpc(finish_capture)[0]
+        print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "counts": counts}))
+""" % NEW)
+
+
+class Setup:
+    """Checkpoint, prompts and the HF reference."""
+
+    def __init__(self, directory):
+        self.dir = directory
+        self.ckpt = str(save_tiny_checkpoint(ARCH, directory / "ckpt"))
+        g = torch.Generator().manual_seed(0)
+        short = [10] + torch.randint(4, 128, (39,), generator=g).tolist()
+        long = [11] + torch.randint(4, 128, (149,), generator=g).tolist()  # > the 64-token budget: chunked
+        g = torch.Generator().manual_seed(1)
+        seeds = [[12] + torch.randint(4, 128, (20,), generator=g).tolist() for _ in range(8)]
+        # prompts 0 and 7 of this generator continue greedily with repeats that ngram drafts predict
+        repeats = [seeds[0] + seeds[0][1:], seeds[7] + seeds[7][1:]]
+        self.prompts = [short, long, *repeats]
+        self.prompts_path = directory / "prompts.json"
+        self.prompts_path.write_text(json.dumps(self.prompts))
+        self.hf = capture_reference(tiny_model(ARCH), self.prompts, get_family(ARCH).targets, NEW, progress=False)
+        self.script = directory / "capture.py"
+        self.script.write_text(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return Setup(tmp_path_factory.mktemp("fxreplace_vllm_capture"))
+
+
+def run(args: list[str], tp: int = 1, compiled: bool = False) -> str:
+    """Run a command in its own session (a timeout kills the engine and its workers); its stdout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
+    env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1" if tp > 1 else "0")
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    if compiled and os.environ.get("FXREPLACE_TEST_DYNAMO_EAGER"):
+        env["VLLM_CPU_CI_ENV"] = "1"
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{args[:3]} did not finish within {TIMEOUT_S} s:\n{stderr[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, (stdout[-2000:], stderr[-6000:])
+    return stdout
+
+
+def compare(hf: Reference, captured: Reference) -> dict:
+    """Largest |HF - vLLM| per kind over every prompt of ``hf``; asserts the structure is equal."""
+    by_prompt = {tuple(captured.prompt_tokens(i)): i for i in range(captured.num_prompts)}
+    assert captured.store.modules == hf.store.modules
+    errors = {"router": 0.0, "logits": 0.0}
+    for p in range(hf.num_prompts):
+        q = by_prompt[tuple(hf.prompt_tokens(p))]
+        assert captured.tokens(q) == hf.tokens(p), p
+        for m in hf.store.modules:
+            a, b = hf.store.rows(p, m), captured.store.rows(q, m)
+            assert a.shape == b.shape, (p, m, a.shape, b.shape)  # every row once: none missing, none duplicated
+            errors["router"] = max(errors["router"], (a - b).abs().max().item())
+        errors["logits"] = max(errors["logits"], (hf.logits(p) - captured.logits(q)).abs().max().item())
+    return errors
+
+
+@pytest.fixture(scope="module")
+def eager(setup):
+    out = setup.dir / "vllm_eager"
+    stdout = run([str(setup.script), setup.ckpt, str(setup.prompts_path), str(out), json.dumps(ENGINE)])
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    return result, out
+
+
+def test_eager_capture_equals_hf_under_chunking_speculation_preemption_and_abort(setup, eager):
+    result, out = eager
+    counts = result["counts"]
+    assert counts["completed"] == len(setup.prompts) and counts["in_flight"] == 0, counts
+    assert counts["dropped"] == 1, counts  # the aborted request
+    assert counts["drafts_accepted"] > 0, counts  # speculation really accepted drafts
+    assert counts["preemptions"] > 0, counts  # and the small KV cache really preempted
+    captured = load_reference(out)
+    assert captured.num_prompts == len(setup.prompts)  # the aborted request is not in it
+    assert captured.metadata["engine"] == "vllm"
+    assert json.loads((out / "capture.json").read_text())["dropped"] == 1
+    # streamed: the engine idled twice (after each generate), each time writing a shard
+    assert len(json.loads((out / "index.json").read_text())["shards"]) == 2
+    assert result["tokens"] == [setup.hf.tokens(p) for p in range(setup.hf.num_prompts)]  # what vLLM returned
+    errors = compare(setup.hf, captured)
+    print(f"\nvLLM eager TP=1 vs HF: {errors}")
+    assert errors["router"] < ATOL and errors["logits"] < ATOL, errors
+
+
+# Eager TP=2 adds nothing over these (test_vllm_tp.py covers its plumbing) and costs ~2 min.
+@pytest.mark.parametrize("mode,tp", [("compiled", 1), ("compiled", 2)])
+def test_cli_capture_equals_hf(setup, mode, tp):
+    out = setup.dir / f"vllm_{mode}_tp{tp}"
+    engine = dict(ENGINE, tensor_parallel_size=tp)
+    if tp > 1:
+        engine["distributed_executor_backend"] = "mp"
+    args = ["-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--prompts", str(setup.prompts_path),
+            "--out", str(out), "--max-new-tokens", str(NEW), "--engine-args", json.dumps(engine)]
+    stdout = run(args + (["--eager"] if mode == "eager" else []), tp=tp, compiled=mode == "compiled")
+    assert f"captured {len(setup.prompts)} prompts" in stdout and "(0 dropped)" in stdout, stdout
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == []  # one store, written once (by TP rank 0)
+    errors = compare(setup.hf, load_reference(out))
+    print(f"\nvLLM {mode} TP={tp} vs HF: {errors}")
+    assert errors["router"] < ATOL and errors["logits"] < ATOL, errors
+
+
+def test_vllm_capture_replayed_by_vllm_with_replacement_is_reproduced(setup, eager):
+    _, reference_dir = eager
+    report = setup.dir / "report"
+    run(["-m", "fxreplace", "validate", setup.ckpt, "--reference", str(reference_dir), "--engine", "vllm",
+         "--dtype", "float32", "--eager", "--report-dir", str(report)])
+    result = json.loads((report / "result.json").read_text())
+    on = [s for s in result["steps"] if s["mode"] == "on"]
+    assert len(on) == len(setup.prompts) * NEW
+    assert all(s["status"] == "matched" and s["top1_agree"] and s["round"] == 0 for s in on)
+    worst = max(s["top5_error"] for s in on)
+    print(f"\nvLLM replay of the vLLM capture: worst top-5 log-prob error {worst:.1e}")
+    assert worst < 1e-5
+    assert result["summary"]["on"]["prompts_diverged"] == 0
+
+
+# --------------------------------------------------------------------------- refusals (no engine starts)
+
+
+def _engine_config(setup, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from fxreplace.vllm import register
+
+    register()
+    return EngineArgs(model=setup.ckpt, additional_config={"fxreplace": {"capture": {"out": str(setup.dir / "x")}}},
+                      **kwargs).create_engine_config()
+
+
+def test_capture_refuses_prefix_caching_and_async_scheduling_with_the_fix(setup):
+    with pytest.raises(ConfigError, match="enable_prefix_caching=False"):
+        _engine_config(setup, enable_prefix_caching=True)
+    with pytest.raises(ConfigError, match="async_scheduling=False"):
+        _engine_config(setup, async_scheduling=True)
+    config = _engine_config(setup)  # left unset: capture turns both off
+    assert not config.cache_config.enable_prefix_caching and not config.scheduler_config.async_scheduling
+
+
+def test_capture_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="separate engines"):
+        FxReplaceConfig(capture={"out": "/tmp/x"}, tensors_path="/tmp/ref")
+    with pytest.raises(ConfigError, match="unknown capture field 'outdir'"):
+        FxReplaceConfig(capture={"outdir": "/tmp/x"})
+    with pytest.raises(ConfigError, match="needs 'out'"):
+        FxReplaceConfig(capture={"targets": ["model.layers.*.mlp.gate"]})
+    with pytest.raises(ConfigError, match=r"targets\[0\]"):
+        FxReplaceConfig(capture={"out": "/tmp/x", "targets": [{"patern": "model.layers.*.mlp.gate"}]})
+    config = FxReplaceConfig(capture={"out": "/tmp/x", "targets": ["model.layers.*.mlp.gate"]}).config
+    assert config.capture["out"] == "/tmp/x" and config.capture["targets"][0].pattern == "model.layers.*.mlp.gate"
