@@ -1,6 +1,7 @@
 """fxreplace: inject reference tensors into compiled LLM graphs to find which component drifts."""
 
 from .adapters import get_adapter, register_adapter
+from .blame import blame
 from .config import ConfigError, ReplacementConfig, TensorReplacementConfig
 from .context import ReplacementContext, get_active_context, get_replacement_tensor, set_active_context
 from .export import export, export_input_name
@@ -14,6 +15,7 @@ from .store import CaptureError, ReferenceStore, StoreError, StoreWriter, load_c
 from .targets import Target, TargetError, resolve_targets
 
 __all__ = [
+    "blame",
     "CaptureError",
     "ConfigError",
     "Injection",

@@ -152,7 +152,15 @@ def sigmoid_bias_grouped_topk(
     return _routed(route, pairs)
 
 
+def residual_stream_pair(stream: torch.Tensor, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after a decoder layer, ``[T, H]``, for a layer that returns
+    ``(block output, residual)`` and leaves their add to the next fused norm (vLLM):
+    ``(0, stream)``, whose sum is the stream."""
+    return torch.zeros_like(stream), stream
+
+
 register_adapter("identity", identity)
+register_adapter("residual_stream_pair", residual_stream_pair)
 register_adapter("topk_softmax_scatter", topk_softmax_scatter(), routing=True)
 register_adapter("softmax_topk_renorm", softmax_topk_renorm(), routing=True)
 register_adapter("sigmoid_bias_grouped_topk", sigmoid_bias_grouped_topk(), routing=True)

@@ -8,14 +8,15 @@ injection point computes. The model is restored afterwards.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from .blame import resolve_components
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .reference import Reference
-from .targets import TargetError, TargetLike
+from .targets import TargetError, TargetLike, resolve_targets
 
 
 @torch.no_grad()
@@ -25,17 +26,30 @@ def capture_reference(
     targets: Iterable[TargetLike],
     max_new_tokens: int,
     *,
+    components: Mapping[str, TargetLike] | None = None,
     progress: bool = True,
 ) -> Reference:
     """Greedy-generate ``max_new_tokens`` per prompt and record, per prompt:
     each target's value in the step-wise capture format (step 0 = prefill
     ``[1, L, E]``, then ``[1, 1, E]`` per decode step), the logits of every
     generated step, and the generated tokens.
+
+    ``components`` (``{kind: Target}``, e.g. a family's ``components``) are recorded
+    too, ``[T, H]`` rows per layer and kind, for :func:`fxreplace.blame`; the
+    metadata's ``"components"`` names each one's kind and layer.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts = check_prompts(prompt_token_ids, model.config.vocab_size)
     owned = not isinstance(model, InstrumentedModel)
+    targets = list(targets)
+    found = []
+    if components:
+        if not owned:
+            raise ValueError("capture_reference(components=...) instruments the model itself: pass the plain model")
+        found = resolve_components(model, components)
+        already = {t.module_name for t in resolve_targets(model, targets)}
+        targets += [c.target for c in found if c.module_name not in already]
     if owned:
         instrument(model, targets)
     try:
@@ -81,6 +95,8 @@ def capture_reference(
         "targets": names,
         "max_new_tokens": max_new_tokens,
     }
+    if found:
+        metadata["components"] = {c.capture_name: {"kind": c.kind, "layer": c.layer} for c in found}
     return Reference.from_parts(captures, prompts, tokens, logits, metadata)
 
 

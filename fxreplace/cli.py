@@ -1,4 +1,4 @@
-"""The ``fxreplace`` command: demo, capture, validate, inspect."""
+"""The ``fxreplace`` command: demo, capture, validate, blame, inspect."""
 
 from __future__ import annotations
 
@@ -96,14 +96,19 @@ def _demo(args) -> int:
 
 def _capture(args) -> int:
     if args.engine == "vllm":
+        if args.components or args.component:
+            raise SystemExit("error: --components/--component are for --engine hf (blame components are captured "
+                             "from the HF reference)")
         return _capture_vllm(args)
+    from .blame import family_components
     from .capture import capture_reference
 
     check_writable_dir(args.out, "--out")
     model = load_model(args.model)
     prompts = read_prompts(args.prompts, model.config.vocab_size)
     targets = args.target or default_targets(model)
-    reference = capture_reference(model, prompts, targets, args.max_new_tokens)
+    components = _components(args.component) if args.component else family_components(model) if args.components else None
+    reference = capture_reference(model, prompts, targets, args.max_new_tokens, components=components)
     reference.metadata["source_model"] = args.model
     reference.save(args.out)
     print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.modules)} targets -> {args.out}")
@@ -237,6 +242,65 @@ def _validate_vllm(args) -> int:
     return _report(result, args.report_dir)
 
 
+def _components(specs: list[str]) -> dict:
+    """``KIND=PATTERN[@POINT]`` options as ``{kind: Target}``."""
+    from .targets import Target
+
+    out = {}
+    for spec in specs:
+        kind, sep, rest = spec.partition("=")
+        if not sep or not kind or not rest:
+            raise SystemExit(f"error: --component {spec!r}: expected KIND=PATTERN[@POINT], e.g. "
+                             "attention=model.layers.*.self_attn@output[0]")
+        pattern, _, point = rest.partition("@")
+        out[kind] = Target(pattern, point=point or "auto")
+    return out
+
+
+def _blame(args) -> int:
+    """Search for the component that explains the divergence (see :mod:`fxreplace.blame`)."""
+    import torch
+
+    from .blame import blame
+    from .reference import load_reference
+
+    reference = load_reference(args.reference)
+    check_writable_dir(args.report_dir, "--report-dir")
+    if args.engine == "vllm":
+        if args.model.startswith("builtin:"):
+            raise SystemExit(f"error: --engine vllm needs a local checkpoint directory, got {args.model!r}")
+        check_model_dir(args.model)
+        check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
+        if args.compile or args.component:
+            raise SystemExit("error: --compile and --component are for --engine runner (vLLM compiles unless --eager; "
+                             "its components come from the family's vllm_components)")
+        from .vllm.engine import VllmBlameEngine
+
+        engine = VllmBlameEngine(args.model, args.reference, dtype=args.dtype, logprobs=-1, enforce_eager=args.eager,
+                                 max_model_len=max(_longest_sequence(reference) + 8, 128),
+                                 max_num_seqs=min(8, reference.num_prompts))
+        try:
+            _check_vocab(reference, args.model, engine.vocab_size)
+            result = blame(engine, reference)
+        finally:
+            engine.close()
+    else:
+        from .models import architecture
+
+        model = load_model(args.model)
+        check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
+        _check_vocab(reference, args.model, model.config.vocab_size)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        result = blame(model, reference, components=_components(args.component) if args.component else None,
+                       dtype=dtype, compile="inductor" if args.compile else None)
+    report = result.write_report(args.report_dir)
+    print()
+    print(result.table())
+    print(f"verdict: {result.verdict}")
+    print(f"report: {report.resolve()}   ranking: {Path(args.report_dir).resolve() / 'blame.json'}")
+    return 0
+
+
 def _inspect(args) -> int:
     import torch
 
@@ -305,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     capture.add_argument("--target", action="append", help="target pattern (default: the family's routers); repeatable")
     capture.add_argument("--max-new-tokens", type=positive_int, default=32)
     capture.add_argument("--out", required=True, help="reference directory to write")
+    capture.add_argument("--components", action="store_true",
+                         help="also record the family's blame components (attention, router, experts, layer outputs)")
+    capture.add_argument("--component", action="append", metavar="KIND=PATTERN[@POINT]",
+                         help="record this component instead of the family's (repeatable)")
     capture.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                          help="hf: the HF model in this process; vllm: a vLLM engine in capture mode (MODEL: a checkpoint directory)")
     capture.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="--engine vllm")
@@ -327,6 +395,19 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("--target", action="append")
     validate.add_argument("--report-dir", default="fxreplace-report")
     validate.set_defaults(func=_validate)
+
+    blame = sub.add_parser("blame", help="find the component that explains the divergence (bisection over layers, "
+                                          "then each kind alone)")
+    blame.add_argument("model", help="builtin:ARCH or a local HF directory (the target's weights)")
+    blame.add_argument("--reference", required=True, help="directory written by `fxreplace capture --components`")
+    blame.add_argument("--engine", choices=["runner", "vllm"], default="runner")
+    blame.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    blame.add_argument("--compile", action="store_true", help="torch.compile the target (inductor; --engine runner)")
+    blame.add_argument("--eager", action="store_true", help="--engine vllm: enforce eager mode")
+    blame.add_argument("--component", action="append", metavar="KIND=PATTERN[@POINT]",
+                       help="candidate component for a family that declares none (repeatable)")
+    blame.add_argument("--report-dir", default="fxreplace-blame")
+    blame.set_defaults(func=_blame)
 
     inspect = sub.add_parser("inspect", help="list candidate injection points with their shapes, or --verify a reference")
     inspect.add_argument("model", nargs="?", help="builtin:ARCH or a local HF directory")

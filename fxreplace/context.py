@@ -54,6 +54,14 @@ class ReplacementContext(Mapping):
         return ReplacementContext.from_storage(tuple(s[:, :num_tokens] for s in self.storage), self.mask[:num_tokens],
                                                self.places)
 
+    def mask_for(self, name: str) -> torch.Tensor:
+        """The rows replaced at module ``name`` (a :class:`SelectedContext` narrows them per module)."""
+        return self.mask
+
+    def select(self, names) -> "SelectedContext":
+        """These rows, replaced only at the modules in ``names`` (see :class:`SelectedContext`)."""
+        return SelectedContext(self, names)
+
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
 
@@ -86,6 +94,35 @@ def same_device(have: torch.device, want: torch.device | str) -> bool:
     """Whether ``have`` is ``want`` (``"cuda"`` without an index matches any CUDA device)."""
     want = torch.device(want)
     return have.type == want.type and (want.index is None or have.index == want.index)
+
+
+class SelectedContext(ReplacementContext):
+    """A context replaced only at the modules in ``selected``; the others get an all-False mask.
+
+    Every module gets a mask tensor of its own whatever the selection, so a compiled
+    graph sees the same inputs for every selection and one graph serves them all
+    (the search of :mod:`fxreplace.blame` replaces a different set each pass).
+    """
+
+    __slots__ = ("selected", "module_masks")
+
+    def __init__(self, context: ReplacementContext, names):
+        super().__init__(dict(context.items()), context.mask, context.storage, context.places)
+        self.selected = frozenset(names)
+        unknown = sorted(self.selected - set(context))
+        if unknown:
+            raise KeyError(f"select(): no replacement tensors for {unknown}; the context holds {sorted(context)}")
+        self.module_masks = {m: context.mask.clone() if m in self.selected else torch.zeros_like(context.mask)
+                             for m in context}
+
+    def mask_for(self, name: str) -> torch.Tensor:
+        return self.module_masks[name]
+
+    def to(self, device: torch.device | str | None) -> "SelectedContext":
+        if device is None or same_device(self.mask.device, device):
+            return self
+        plain = ReplacementContext(dict(self.items()), self.mask, self.storage, self.places)
+        return SelectedContext(plain.to(device), self.selected)
 
 
 _active: contextvars.ContextVar[ReplacementContext | None] = contextvars.ContextVar(

@@ -2,7 +2,9 @@
 
 Reference: the fp32 model, eager. Target: the same weights in bf16, instrumented
 and compiled, run by the embedded runner. Both are validated with teacher forcing,
-without and with router-logit replacement, and a report is written.
+without and with router-logit replacement, and a report is written. Then
+:func:`fxreplace.blame` searches the bf16 target for the component that explains
+what router replacement leaves (bf16 rounding: it reports diffuse drift).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .blame import blame
 from .capture import capture_reference
 from .instrument import instrument
 from .replacer import TensorReplacer
@@ -34,6 +37,7 @@ class DemoConfig:
     seed: int = 1
     compile: bool = True
     report_dir: str = "fxreplace-report"
+    blame_prompts: int = 2  # the blame search's prompts (each of its passes validates them all)
 
 
 def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> ValidationResult:
@@ -58,8 +62,9 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
     ]
     targets = list(family.targets)
     print(f"reference: {cfg.architecture} ({cfg.layers} layers, {_experts(config)} experts, fp32, eager); "
-          f"{cfg.prompts} prompts x {cfg.new_tokens} new tokens")
-    reference = capture_reference(reference_model, prompts, targets, cfg.new_tokens, progress=progress)
+          f"{cfg.prompts} prompts x {cfg.new_tokens} new tokens; router logits and the blame components captured")
+    reference = capture_reference(reference_model, prompts, targets, cfg.new_tokens, components=family.components,
+                                  progress=progress)
 
     target_model = instrument(copy.deepcopy(reference_model).to(torch.bfloat16), targets)
     runner = Runner(
@@ -75,10 +80,19 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
           f"{'compiled (inductor)' if cfg.compile else 'eager'}, embedded runner")
     result = logit_validation(runner, reference, router_topk=getattr(config, "num_experts_per_tok", None), progress=progress)
     report = result.write_report(cfg.report_dir)
-    print_summary(result)
+    print_summary(result, "the router logits")
     if cfg.compile:
         print(f"graphs compiled: {runner.graphs_compiled} (one per bucket; replacement on and off share them)")
-    print(f"report: {Path(report).resolve()}   ({time.perf_counter() - started:.0f} s)")
+    print()
+    print(f"blame: which component makes the bf16 target drift? (prompts 0-{cfg.blame_prompts - 1}; bisection over "
+          "layers, then each kind alone)")
+    blamed = blame(reference_model, reference, dtype=torch.bfloat16, prompts=range(min(cfg.blame_prompts, cfg.prompts)),
+                   progress=progress)
+    blamed.write_report(cfg.report_dir)
+    print(blamed.table(limit=6))
+    print(f"blame verdict: {blamed.verdict}")
+    print(f"report: {Path(report).resolve()}, {Path(cfg.report_dir).resolve() / 'blame.html'}   "
+          f"({time.perf_counter() - started:.0f} s)")
     return result
 
 

@@ -150,13 +150,13 @@ class Instrumentation:
             close = {n: closest_names(n, names, n=2) for n in unknown}
             raise KeyError(f"replacement name(s) {unknown} match no target; close capture names: {close}; "
                            f"all capture names: {names}")
-        context_mask = replacements.mask if isinstance(replacements, ReplacementContext) else None
+        is_context = isinstance(replacements, ReplacementContext)
         for slot, name in zip(self.slots, names):
             value = tensors.get(name)
             if value is None:
                 slot.arm(None, None)  # missing from the context: this target stays off
                 continue
-            mask = context_mask
+            mask = replacements.mask_for(name) if is_context else None
             if mask is None:
                 mask = torch.ones(value.shape[0], dtype=torch.bool, device=value.device)
             slot.arm(value, mask)

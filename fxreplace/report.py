@@ -116,8 +116,11 @@ def _html(result, has_router: bool) -> str:
     return "\n".join(parts)
 
 
-def print_summary(result) -> None:
-    """The terminal summary of a validation: per prompt and overall, without vs with replacement."""
+def print_summary(result, what: str = "the targets") -> None:
+    """The terminal summary of a validation: per prompt and overall, without vs with
+    replacement of ``what``, and the verdict (:func:`fxreplace.validation.verdict`)."""
+    from .validation import verdict
+
     summary = result.summary()
     off, on = summary["off"], summary["on"]
     print()
@@ -128,20 +131,13 @@ def print_summary(result) -> None:
         print(f"{p:>6} | {fmt(a['first_divergence']):>10} {fmt(b['first_divergence']):>10} | "
               f"{fmt(a['mean_top5_error']):>10} {fmt(b['mean_top5_error']):>10}")
     print()
-    print(f"{'':28}{'without':>10}{'with':>10}   (replacement of router logits)")
+    print(f"{'':28}{'without':>10}{'with':>10}   (replacement of {what})")
     for label, key in [("top-1 agreement", "top1_agreement"), ("prompts diverged", "prompts_diverged"),
                        ("mean top-5 error", "mean_top5_error"), ("mean KL", "mean_kl"),
                        ("router agreement (top-k)", "router_agreement_mean")]:
         print(f"{label:<28}{fmt(off[key]):>10}{fmt(on[key]):>10}")
-    better = (on["prompts_diverged"] < off["prompts_diverged"]) or (
-        on["prompts_diverged"] == off["prompts_diverged"] and (on["top1_agreement"] or 0) > (off["top1_agreement"] or 0))
     print()
-    if off["prompts_diverged"] == 0:
-        print("verdict: the target did not diverge even without replacement; nothing to isolate here.")
-    elif better:
-        print("verdict: replacing the router logits reduces the divergence: the routers are (part of) the cause.")
-    else:
-        print("verdict: replacing the router logits does NOT reduce the divergence: look elsewhere.")
+    print("verdict: " + verdict(off, on, what))
 
 
 def fmt(v) -> str:
@@ -161,3 +157,65 @@ def _natural(name: str):
     import re
 
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def write_blame_report(result, directory: str | Path) -> Path:
+    """``blame.json``, ``blame_heatmap.png`` (share per layer x kind) and ``blame.html``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    result.write_json(directory / "blame.json")
+    _plot_blame(result, directory / "blame_heatmap.png")
+    page = ["<!doctype html><html><head><meta charset='utf-8'><title>fxreplace blame</title>",
+            "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"
+            "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}</style></head><body>",
+            blame_section(result), "</body></html>"]
+    (directory / "blame.html").write_text("\n".join(page))
+    return directory / "blame.html"
+
+
+def blame_section(result) -> str:
+    """The blame report's HTML section: verdict, ranking table, heat map (``blame_heatmap.png`` beside it)."""
+    t = result.thresholds
+    parts = [
+        "<h2>Blame: which component explains the divergence</h2>",
+        f"<p><b>{html.escape(result.verdict)}</b></p>",
+        f"<p>{len(result.passes)} validation passes, {result.seconds:.1f} s. A replacement <i>explains</i> the "
+        f"divergence when it removes at least {t['explains']:.0%} of both the mean KL and the mean top-5 log-prob "
+        f"error; a layer is the origin when at least {t['concentrated']:.0%} of the divergence arises there "
+        "(share = explained with the stream after the layer replaced, minus with the stream before it).</p>",
+        "<img src='blame_heatmap.png' style='max-width:100%'>",
+        "<table><tr><th>#</th><th>component</th><th>kind</th><th>layer</th><th>KL off</th><th>KL on</th>"
+        "<th>top-1 off</th><th>top-1 on</th><th>first div. off</th><th>first div. on</th><th>explained</th>"
+        "<th>share</th></tr>",
+    ]
+    for i, b in enumerate(result.ranking, 1):
+        parts.append(f"<tr><td>{i}</td><td style='text-align:left'>{html.escape(b.component)}</td><td>{b.kind}</td>"
+                     f"<td>{fmt(b.layer)}</td><td>{fmt(b.kl_off)}</td><td>{fmt(b.kl_on)}</td><td>{fmt(b.top1_off)}</td>"
+                     f"<td>{fmt(b.top1_on)}</td><td>{fmt(b.first_divergence_off)}</td><td>{fmt(b.first_divergence_on)}</td>"
+                     f"<td>{fmt(b.explained)}</td><td>{fmt(b.share)}</td></tr>")
+    parts.append("</table>")
+    return "\n".join(parts)
+
+
+def _plot_blame(result, path: Path) -> None:
+    import numpy as np
+
+    layers, kinds = result.layers or [0], result.kinds
+    grid = np.full((len(kinds), len(layers)), np.nan)
+    for b in result.ranking:
+        if b.layer in layers and b.share is not None:
+            grid[kinds.index(b.kind), layers.index(b.layer)] = b.share
+    fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(layers) + 2.5), 0.55 * len(kinds) + 1.6))
+    cmap = plt.get_cmap("Reds").with_extremes(bad="#eeeeee")
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
+    for (i, j), v in np.ndenumerate(grid):
+        if not np.isnan(v):
+            ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=7, color="white" if v > 0.6 else "black")
+    ax.set_xticks(range(len(layers)), [str(k) for k in layers], fontsize=8)
+    ax.set_yticks(range(len(kinds)), kinds, fontsize=8)
+    ax.set_xlabel("layer")
+    fig.colorbar(image, ax=ax, label="share of the divergence")
+    ax.set_title("Share explained per layer x kind (grey: not measured)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

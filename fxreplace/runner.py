@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 from transformers import StaticCache
@@ -121,13 +121,17 @@ class Runner:
 
     # ------------------------------------------------------------------ public
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool = True,
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str] = True,
                  prompt_hints: Sequence[int | None] | None = None) -> list[Generation]:
         """Greedy continuation of each prompt; ``replace=False`` runs the same graphs with an all-off mask.
 
-        ``prompt_hints[i]`` registers request i with an explicit reference prompt index.
+        ``replace`` may also name the capture names to replace (the others stay off, in the
+        same graphs: see :meth:`ReplacementContext.select`). ``prompt_hints[i]`` registers
+        request i with an explicit reference prompt index.
         """
-        if replace and self.replacer is None:
+        if isinstance(replace, str) or not isinstance(replace, Collection):
+            replace = bool(replace)
+        if replace is not False and self.replacer is None:
             raise ValueError("replace=True needs a Runner built with a replacer")
         hints = list(prompt_hints) if prompt_hints is not None else [None] * len(prompts)
         wave = max(self.cfg.batch_buckets)
@@ -141,7 +145,7 @@ class Runner:
 
     def _run_wave(self, prompts, hints, max_new_tokens, replace) -> list[Generation]:
         gens = [Generation(f"req-{next(self._ids)}", p) for p in prompts]
-        if replace:
+        if replace is not False:
             for g, hint in zip(gens, hints):
                 self.replacer.register_request(g.req_id, g.prompt, prompt_idx=hint)
         try:
@@ -188,7 +192,7 @@ class Runner:
                 write += width
             return gens
         finally:
-            if replace:
+            if replace is not False:
                 for g in gens:
                     self.replacer.release_request(g.req_id)
 
@@ -217,9 +221,10 @@ class Runner:
     def _context(self, req_ids, positions, is_prefill, tokens_per_req, replace):
         if self.replacer is None:
             return None
-        if not replace:
+        if replace is False:
             return self.replacer.warmup_context(positions.shape[0], device=self.device)
-        return self.replacer.build_context(req_ids, positions, is_prefill, device=self.device, tokens_per_req=tokens_per_req)
+        ctx = self.replacer.build_context(req_ids, positions, is_prefill, device=self.device, tokens_per_req=tokens_per_req)
+        return ctx if replace is True else ctx.select(replace)
 
     def _forward(self, inputs, positions, mask_bool, cache: StaticCache, write: int, ctx):
         """Logits ``[batch, slots, vocab]`` and the observed target values ``{name: [batch*slots, E]}``."""

@@ -49,6 +49,10 @@ class Family:
     ``tiny_config``: a small config with random weights for tests and demos;
     ``model_kwargs``: arguments ``from_config`` needs here (e.g. eager attention).
     ``transform``: turns the HF model into the family's variant (e.g. a fused router).
+    ``components`` / ``vllm_components``: the candidates ``fxreplace blame`` replaces, by
+    kind (``attention``, ``router``, ``experts`` or ``mlp``, ``layer``), in the order
+    they run inside a decoder layer; ``*`` in each pattern is the layer index (see
+    :func:`decoder_components`). vLLM's captures are named as in the HF reference.
     """
 
     architecture: str
@@ -57,6 +61,8 @@ class Family:
     vllm_targets: tuple[Target, ...] = ()
     model_kwargs: dict = field(default_factory=dict)
     transform: Callable | None = None
+    components: dict[str, Target] = field(default_factory=dict)
+    vllm_components: dict[str, Target] = field(default_factory=dict)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -79,6 +85,26 @@ def get_family(architecture: str) -> Family:
 def families() -> list[str]:
     load_extensions()
     return sorted(_FAMILIES)
+
+
+def decoder_components(*, router: Target | None = None, block: str = "mlp", block_kind: str = "experts",
+                       block_point: str = "output", vllm: bool = False) -> dict[str, Target]:
+    """Components of a ``model.layers.N`` decoder stack, in forward order: the attention
+    block's output, the router logits (MoE), the MLP/MoE block's output, and the
+    residual stream after the layer.
+
+    HF attention returns ``(output, weights)``; vLLM's returns the output. vLLM's
+    decoder layer returns ``(block output, residual)`` and leaves the add to the next
+    layer's fused norm, so the stream after the layer is their sum: its replacement
+    goes through the ``residual_stream_pair`` adapter, which hands the layer's
+    consumers ``(0, stream)``.
+    """
+    out = {"attention": Target("model.layers.*.self_attn", point="output" if vllm else "output[0]")}
+    if router is not None:
+        out["router"] = router
+    out[block_kind] = Target(f"model.layers.*.{block}", point=block_point)
+    out["layer"] = Target("model.layers.*", point="output", adapter="residual_stream_pair" if vllm else None)
+    return out
 
 
 def tiny_model(architecture: str, *, seed: int = 0, init_std: float | None = 0.2, **config_overrides):

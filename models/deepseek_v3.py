@@ -16,7 +16,7 @@ from transformers import DeepseekV3Config
 
 from fxreplace.targets import Target
 
-from . import Family, register_family
+from . import Family, decoder_components, register_family
 
 
 def tiny_config(**overrides):
@@ -35,4 +35,5 @@ register_family(Family(
     architecture="DeepseekV3ForCausalLM",
     targets=(Target("model.layers.*.mlp.gate"),),
     tiny_config=tiny_config,
+    components=decoder_components(router=Target("model.layers.*.mlp.gate")),  # block: MoE or dense MLP
 ))

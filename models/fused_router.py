@@ -17,7 +17,7 @@ from torch import nn
 
 from fxreplace.targets import Target
 
-from . import Family, gpt_oss, register_family
+from . import Family, decoder_components, gpt_oss, register_family
 
 
 @torch.library.custom_op("fxreplace_models::router_topk_softmax", mutates_args=())
@@ -101,4 +101,6 @@ for architecture, router, adapter in (
         tiny_config=gpt_oss.tiny_config,
         model_kwargs={"attn_implementation": "eager"},
         transform=functools.partial(fuse_routers, router=router),
+        components=decoder_components(router=Target("model.layers.*.mlp.router", point="output", adapter=adapter),
+                                      block_point="output[0]"),
     ))

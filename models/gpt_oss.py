@@ -6,7 +6,7 @@ from transformers import GptOssConfig
 
 from fxreplace.targets import Target
 
-from . import Family, register_family
+from . import Family, decoder_components, register_family
 
 
 def tiny_config(**overrides):
@@ -26,4 +26,5 @@ register_family(Family(
     vllm_targets=(Target("model.layers.*.mlp.router", point="output"),),
     tiny_config=tiny_config,
     model_kwargs={"attn_implementation": "eager"},
+    components=decoder_components(router=Target("model.layers.*.mlp.router"), block_point="output[0]"),
 ))

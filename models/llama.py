@@ -7,7 +7,7 @@ from transformers import LlamaConfig
 
 from fxreplace.targets import Target
 
-from . import Family, register_family
+from . import Family, decoder_components, register_family
 
 MLP_OUTPUT = Target("model.layers.*.mlp", point="output")
 ATTENTION_OUTPUT = Target("model.layers.*.self_attn", point="output[0]")
@@ -27,4 +27,6 @@ register_family(Family(
     targets=(MLP_OUTPUT,),
     vllm_targets=(MLP_OUTPUT,),
     tiny_config=tiny_config,
+    components=decoder_components(block_kind="mlp"),
+    vllm_components=decoder_components(block_kind="mlp", vllm=True),
 ))

@@ -6,7 +6,7 @@ from transformers import MixtralConfig
 
 from fxreplace.targets import Target
 
-from . import Family, register_family
+from . import Family, decoder_components, register_family
 
 
 def tiny_config(**overrides):
@@ -23,4 +23,5 @@ register_family(Family(
     targets=(Target("model.layers.*.mlp.gate"),),
     vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]", name="model.layers.{}.mlp.gate"),),
     tiny_config=tiny_config,
+    components=decoder_components(router=Target("model.layers.*.mlp.gate")),
 ))

@@ -9,7 +9,7 @@ from transformers import Qwen3MoeConfig
 
 from fxreplace.targets import Target
 
-from . import Family, register_family
+from . import Family, decoder_components, register_family
 
 
 def tiny_config(**overrides):
@@ -26,4 +26,6 @@ register_family(Family(
     targets=(Target("model.layers.*.mlp.gate"),),
     vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
     tiny_config=tiny_config,
+    components=decoder_components(router=Target("model.layers.*.mlp.gate")),
+    vllm_components=decoder_components(router=Target("model.layers.*.mlp.gate", point="output[0]"), vllm=True),
 ))

@@ -186,6 +186,8 @@ def test_demo_end_to_end_compiled(tmp_path, capsys):
     summary = json.loads((tmp_path / "report" / "result.json").read_text())["summary"]
     assert set(summary) == {"off", "on"}
     assert summary["on"]["mean_kl"] < summary["off"]["mean_kl"], "reference routing brings the bf16 target closer"
+    blamed = json.loads((tmp_path / "report" / "blame.json").read_text())  # the demo ends with a blame summary
+    assert "blame verdict:" in out and blamed["passes"] == len(blamed["pass_log"]) and blamed["ranking"]
 
 
 def test_cli_bad_model_directory_and_arguments(tmp_path, capsys):

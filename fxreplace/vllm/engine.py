@@ -80,3 +80,82 @@ class VllmEngine:
         except Exception:
             pass
         self.llm = None
+
+
+class VllmBlameEngine:
+    """:func:`fxreplace.blame` through vLLM: ``generate(prompts, n, replace=<capture names>)``.
+
+    The plugin instruments the targets of its config (``targets``), and one mask serves
+    them all, so each distinct set of replaced components runs in an engine configured
+    with exactly that set (the previous engine is shut down first; a pass replacing
+    nothing reuses the current engine with replacement off). Components come from the
+    reference (``metadata["components"]``: capture name, kind, layer) and the family's
+    ``vllm_components`` (vLLM's module and injection point per kind; ``*`` = layer).
+    """
+
+    def __init__(self, model: str, reference_dir: str, *, dtype: str = "float32", vllm_components=None, **llm_kwargs):
+        from ..blame import Component, recorded_components
+        from ..reference import load_reference
+        from ..targets import Target
+
+        reference = load_reference(reference_dir)
+        if vllm_components is None:
+            vllm_components = _family_vllm_components(model)
+        self.components = []
+        for name, info in recorded_components(reference).items():
+            declared = vllm_components.get(info["kind"])
+            if declared is None or info["layer"] is None:
+                continue
+            module = declared.pattern.replace("*", str(info["layer"]), 1)
+            target = Target(module, point=declared.point, adapter=declared.adapter, name=name)
+            self.components.append(Component(info["kind"], info["layer"], module, name, target))
+        if not self.components:
+            raise ValueError(f"no component of the reference maps to vLLM's modules (kinds {sorted(vllm_components)})")
+        self.model, self.reference_dir, self.dtype, self.llm_kwargs = model, str(reference_dir), dtype, llm_kwargs
+        self._engine: VllmEngine | None = None
+        self._selection: frozenset | None = None
+
+    def generate(self, prompts, max_new_tokens: int, replace) -> list[Generation]:
+        if isinstance(replace, bool):
+            replace = [c.capture_name for c in self.components] if replace else []
+        selection = frozenset(replace)
+        if self._engine is None or selection and selection != self._selection:
+            self._start(selection or frozenset([self.components[0].capture_name]))
+        return self._engine.generate(prompts, max_new_tokens, replace=bool(selection))
+
+    def _start(self, selection: frozenset) -> None:
+        self.close()
+        targets = [c.target for c in self.components if c.capture_name in selection]
+        replacement = ReplacementConfig(tensors_path=self.reference_dir, targets=targets)
+        self._engine = VllmEngine(self.model, replacement, dtype=self.dtype, **self.llm_kwargs)
+        self._selection = selection
+
+    @property
+    def vocab_size(self) -> int:
+        if self._engine is None:
+            self._start(frozenset([self.components[0].capture_name]))
+        return self._engine.vocab_size
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+            import gc
+
+            gc.collect()
+            from vllm.distributed import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+
+
+def _family_vllm_components(model_dir: str) -> dict:
+    import json
+    from pathlib import Path
+
+    from fxreplace.models import get_family
+
+    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or ["?"]
+    family = get_family(architectures[0])
+    if not family.vllm_components:
+        raise ValueError(f"the {architectures[0]} family declares no vllm_components; pass vllm_components={{kind: Target}}")
+    return dict(family.vllm_components)
