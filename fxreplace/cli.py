@@ -306,6 +306,10 @@ def _blame(args) -> int:
 def _inspect(args) -> int:
     import torch
 
+    if args.verify:
+        return _verify_store(args.verify)
+    if args.model is None:
+        raise SystemExit("error: inspect needs a model (builtin:ARCH or a directory) or --verify REF")
     model = load_model(args.model)
     shapes: dict[str, tuple] = {}
     hooks = []
@@ -326,6 +330,20 @@ def _inspect(args) -> int:
         cls, shape, is_tuple = shapes[name]
         note = "returns a tuple: point 'auto' injects at its logits" if is_tuple else ""
         print(f"  {name:<40} {cls:<24} {str(shape):<16} {note}")
+    return 0
+
+
+def _verify_store(path: str) -> int:
+    """Read every byte of a reference store: digests recorded at write, then finiteness."""
+    from .store import CaptureError, ReferenceStore
+
+    try:
+        summary = ReferenceStore.load(path).verify()
+    except (CaptureError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    finite = "every row finite" if summary["finite"] else "rows not checked for NaN/Inf (written with allow_nonfinite)"
+    print(f"{path}: OK: {summary['prompts']} prompts in {summary['shards']} shard(s), "
+          f"{summary['bytes'] / 2**20:.1f} MiB match the SHA-256 digests recorded at write; {finite}")
     return 0
 
 
@@ -393,8 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     blame.add_argument("--report-dir", default="fxreplace-blame")
     blame.set_defaults(func=_blame)
 
-    inspect = sub.add_parser("inspect", help="list candidate injection points with their shapes")
-    inspect.add_argument("model", help="builtin:ARCH or a local HF directory")
+    inspect = sub.add_parser("inspect", help="list candidate injection points with their shapes, or --verify a reference")
+    inspect.add_argument("model", nargs="?", help="builtin:ARCH or a local HF directory")
+    inspect.add_argument("--verify", metavar="REF", help="check a reference store byte by byte against its recorded digests")
     inspect.add_argument("--tokens", type=positive_int, default=4)
     inspect.set_defaults(func=_inspect)
 

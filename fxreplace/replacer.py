@@ -4,7 +4,8 @@ Every builder reduces the batch to two per-slot arrays, the owning request of ea
 slot and its position, computes the store row of every slot on the host (numpy: the
 scheduler's metadata lives there), then does one ``index_select`` per group of the
 :class:`~fxreplace.store.ReferenceStore` (per touched shard) on the store's device.
-Python only loops over requests (to look up their prompt), never over slots.
+Python loops over requests (to look up their prompt); over slots only in batches of
+at most ``_SMALL_BATCH`` slots (decode steps), where that costs less than numpy calls.
 
 Thread safety: registration, release, ``requests`` and building may be called from
 several threads; building into the same ``out=`` context from two threads at once
@@ -28,6 +29,7 @@ OnUnknown = Literal["error", "passthrough"]
 _UNMATCHED = -1  # a registered request whose prompt is not in the reference
 _MISSING = -2  # a request that was never registered
 _SMALL_BATCH = 64  # slots up to which the row arithmetic runs in plain Python (decode steps)
+_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 _SPARE_BUFFERS = 4  # context buffers kept for reuse once their context is dropped
 
 
@@ -209,10 +211,8 @@ class TensorReplacer:
         if is_prefill:
             if len(req_ids) != 1:
                 raise ValueError(f"a prefill batch holds exactly one request, got {len(req_ids)}: {list(req_ids)[:4]}")
-            in_run = np.ones(n, dtype=bool)
-            if n > 1:
-                np.logical_and.accumulate(positions[1:] == positions[:-1] + 1, out=in_run[1:])
-            owners = (~in_run).astype(np.int64)
+            breaks = np.flatnonzero(positions[1:] != positions[:-1] + 1)
+            counts = [int(breaks[0]) + 1 if breaks.size else n]
         else:
             if isinstance(tokens_per_req, bool) or not isinstance(tokens_per_req, (int, np.integer)) or tokens_per_req < 1:
                 raise ValueError(f"tokens_per_req must be an int >= 1, got {tokens_per_req!r}")
@@ -222,8 +222,8 @@ class TensorReplacer:
                     f"a decode batch of {len(req_ids)} requests x {tokens_per_req} tokens needs {needed} slots but has "
                     f"{n} positions: requests {list(req_ids)[n // tokens_per_req:][:4]} would be dropped"
                 )
-            owners = np.minimum(np.arange(n) // tokens_per_req, len(req_ids))
-        return self._gather(req_ids, owners, positions, device, out)
+            counts = [int(tokens_per_req)] * len(req_ids)
+        return self._gather(req_ids, counts, positions, device, out)
 
     def build_context_for_batch(
         self,
@@ -241,14 +241,9 @@ class TensorReplacer:
             raise ValueError(f"got {len(counts)} num_scheduled_tokens for {len(req_ids)} requests")
         if counts and min(counts) < 0:
             raise ValueError(f"num_scheduled_tokens must be >= 0, got {counts}")
-        total, n = sum(counts), positions.shape[0]
-        if total > n:
-            raise ValueError(f"requests schedule {total} tokens but the batch has only {n} positions")
-        if n <= _SMALL_BATCH:
-            owners = [k for k, c in enumerate(counts) for _ in range(c)] + [len(req_ids)] * (n - total)
-        else:
-            owners = np.repeat(np.arange(len(req_ids) + 1), counts + [n - total])
-        return self._gather(req_ids, owners, positions, device, out)
+        if sum(counts) > positions.shape[0]:
+            raise ValueError(f"requests schedule {sum(counts)} tokens but the batch has only {positions.shape[0]} positions")
+        return self._gather(req_ids, counts, positions, device, out)
 
     def warmup_context(self, num_tokens: int, device: torch.device | str | None = None) -> ReplacementContext:
         """Zeros with the real shapes and dtypes and an all-False mask: replacement off.
@@ -271,20 +266,27 @@ class TensorReplacer:
         prompts.append(_UNMATCHED)
         return prompts
 
-    def _slot_rows(self, prompts: list[int], owners, positions: np.ndarray):
+    def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray):
         """Store row of every slot (the zero row where it holds none) and the mask, as a
-        plan: ``[(shard, rows, slots or None for all)]``.
+        plan ``[(shard, rows, slots or None for all)]``. Request ``i`` owns the next
+        ``counts[i]`` slots; the slots after them are padding.
 
         Batches of up to ``_SMALL_BATCH`` slots in one shard (decode steps) run as a plain
         Python loop, which costs a fraction of the dozen numpy calls of the general case."""
-        if len(self._sources) == 1 and len(owners) <= _SMALL_BATCH:
-            zero, offsets, lengths = self._zero_rows_list[0], self._offsets_list, self._lengths_list
-            rows, mask = [zero] * len(owners), [False] * len(owners)
-            for s, (o, q) in enumerate(zip(owners, positions.tolist())):
-                p = prompts[o]
-                if p >= 0 and 0 <= q < lengths[p]:
-                    rows[s], mask[s] = offsets[p] + q, True
+        n = positions.shape[0]
+        if len(self._sources) == 1 and n <= _SMALL_BATCH:
+            offsets, lengths = self._offsets_list, self._lengths_list
+            rows, mask = [self._zero_rows_list[0]] * n, [False] * n
+            pos, s = positions.tolist(), 0
+            for p, c in zip(prompts, counts):
+                if p >= 0:
+                    length, offset = lengths[p], offsets[p]
+                    for j in range(s, s + c):
+                        if 0 <= pos[j] < length:
+                            rows[j], mask[j] = offset + pos[j], True
+                s += c
             return [(0, rows, None)], mask
+        owners = np.repeat(np.arange(len(counts) + 1), counts + [n - sum(counts)])
         prompt = np.array(prompts)[owners]
         known = prompt >= 0
         prompt = np.maximum(prompt, 0)
@@ -302,15 +304,14 @@ class TensorReplacer:
             plan.append((int(s), local[slots], slots))
         return plan, mask
 
-    def _gather(self, req_ids, owners, positions: np.ndarray, device, out) -> ReplacementContext:
-        """owners[s] in [0, len(req_ids)] (len = padding) -> context."""
-        plan, mask = self._slot_rows(self._request_prompts(req_ids), owners, positions)
+    def _gather(self, req_ids, counts: list[int], positions: np.ndarray, device, out) -> ReplacementContext:
+        """Request ``i`` owns the next ``counts[i]`` slots, the rest is padding -> context."""
+        plan, mask = self._slot_rows(self._request_prompts(req_ids), counts, positions)
         n = positions.shape[0]
-        mask = torch.from_numpy(np.asarray(mask, dtype=bool))
         if out is None:
             ctx = self._fresh_context(n)
             self._run(plan, ctx.storage)
-            ctx.mask.copy_(mask)
+            ctx.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
             return ctx.to(device)
         direct = self._checked_out(out, n)
         if device is not None and not same_device(out.mask.device, device):
@@ -322,7 +323,10 @@ class TensorReplacer:
             self._run(plan, staged.storage)
             for src, dst in zip(staged.storage, out.storage):
                 dst.copy_(src, non_blocking=True)
-        out.mask.copy_(mask)
+        if self._on_host and direct:
+            out.mask.numpy()[:] = mask  # no tensor made for a handful of flags
+        else:
+            out.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
         return out
 
     def _run(self, plan, storage: tuple[torch.Tensor, ...]) -> None:
@@ -370,9 +374,12 @@ class TensorReplacer:
 def _as_index_array(values, what: str) -> np.ndarray:
     """A 1-D int64 array; floats and bools are refused (a fractional position has no row)."""
     if isinstance(values, torch.Tensor):
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        if values.dtype not in _INT_DTYPES:
             raise ValueError(f"{what} must be integers, got a {values.dtype} tensor")
-        arr = values.numpy() if values.device.type == "cpu" and not values.requires_grad else values.detach().cpu().numpy()
+        try:
+            arr = values.numpy()
+        except (RuntimeError, TypeError):  # on an accelerator, or part of an autograd graph
+            arr = values.detach().cpu().numpy()
     else:
         arr = np.asarray(values)
         if arr.size == 0:

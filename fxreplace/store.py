@@ -183,12 +183,8 @@ class ReferenceStore:
     def with_token_ids(self, token_ids: Sequence[Sequence[int]] | Mapping[int, Sequence[int]]) -> "ReferenceStore":
         """The same rows matched by other token ids (checked like captured ones)."""
         seqs = _align(token_ids, self.prompt_ids, "prompt_token_ids")
-        checked = []
-        for p, ids, pre in zip(self.prompt_ids, seqs, self.prefill or [None] * self.num_prompts):
-            ids = _check_token_ids(p, ids)
-            if pre is not None and len(ids) < pre:
-                raise CaptureError(f"prompt {p}: {len(ids)} token ids but the capture's prefill covers {pre} positions")
-            checked.append(ids)
+        prefill = self.prefill or [None] * self.num_prompts
+        checked = [_check_token_ids(p, ids, pre) for p, ids, pre in zip(self.prompt_ids, seqs, prefill)]
         return dataclasses.replace(self, prompt_token_ids=TokenTable.from_lists(checked))
 
     def to(self, device: torch.device | str | None) -> "ReferenceStore":
@@ -257,17 +253,13 @@ class ReferenceStore:
     # ------------------------------------------------------------------ disk
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write one shard, ``reference.safetensors``, and ``index.json`` listing it."""
+        """Write the shards (one: ``reference.safetensors``) and ``index.json`` listing them."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if len(self.shards) == 1:
-            tensors, index = self._shard_content(0)
-            _write_shard(directory / TENSORS_FILE, tensors, index)
-            _write_index(directory, [(TENSORS_FILE, index)], self.groups, self.metadata)
-            return directory
+        single = len(self.shards) == 1
         files = []
         for s in range(len(self.shards)):
-            name = SHARD_PATTERN.format(s)
+            name = TENSORS_FILE if single else SHARD_PATTERN.format(s)
             tensors, index = self._shard_content(s)
             _write_shard(directory / name, tensors, index)
             files.append((name, index))
@@ -275,7 +267,7 @@ class ReferenceStore:
         return directory
 
     def _shard_content(self, s: int) -> tuple[dict[str, torch.Tensor], dict]:
-        members = [i for i in range(self.num_prompts) if int(self.prompt_shard[i]) == s]
+        members = [i for i, k in enumerate(self.prompt_shard.tolist()) if k == s]
         shard = self.shards[s]
         tensors = {f"group.{g}": t.contiguous().cpu() for g, t in enumerate(shard.packed)}
         tensors["prompt.offsets"] = self.offsets[members].cpu()
@@ -407,9 +399,7 @@ class _ShardBuilder:
             raise CaptureError(f"prompt {prompt}: token ids must be given for every prompt or for none")
         ids = None
         if token_ids is not None:
-            ids = _check_token_ids(prompt, token_ids)
-            if prefill is not None and len(ids) < prefill:
-                raise CaptureError(f"prompt {prompt}: {len(ids)} token ids but the capture's prefill covers {prefill} positions")
+            ids = _check_token_ids(prompt, token_ids, prefill)
         extras = dict(extras)
         if self.extra_names is not None and set(extras) != self.extra_names:
             raise CaptureError(f"prompt {prompt}: extras {sorted(extras)} differ from the first prompt's {sorted(self.extra_names)}")
@@ -553,28 +543,37 @@ def _align(values: Any, prompt_ids: list[int], what: str) -> list | None:
     return values
 
 
-def _check_token_ids(prompt: int, ids: Any) -> list[int]:
-    """A prompt's token ids as a list of non-negative ints; floats are refused, never truncated."""
+def _check_token_ids(prompt: int, ids: Any, prefill: int | None) -> np.ndarray:
+    """A prompt's token ids as a 1-D int64 array of non-negative ids; floats are refused, never
+    truncated, and so are fewer ids than the captured prefill (a request differing at a later
+    position would get this prompt's rows)."""
     if isinstance(ids, torch.Tensor):
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise CaptureError(f"prompt {prompt}: token ids must be integers, got dtype {ids.dtype}")
-        ids = ids.tolist()
+        ids = ids.detach().cpu().numpy()
     elif isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
             raise CaptureError(f"prompt {prompt}: token ids must be integers, got dtype {ids.dtype}")
-        ids = ids.tolist()
     else:
         ids = list(ids)
-    if ids and isinstance(ids[0], list):  # [1, L] batch of one
-        if len(ids) != 1:
-            raise CaptureError(f"prompt {prompt}: token ids have batch size {len(ids)}, expected 1")
+        arr = np.asarray(ids) if ids else np.zeros(0, np.int64)
+        if arr.dtype.kind not in "iu":  # floats, bools, strings, mixed or huge values
+            bad = [t for t in (x for row in ids for x in (row if isinstance(row, list) else [row]))
+                   if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            raise CaptureError(f"prompt {prompt}: token ids must be non-negative integers, got {bad[:5]}")
+        ids = arr
+    if ids.ndim == 2:  # [1, L] batch of one
+        if ids.shape[0] != 1:
+            raise CaptureError(f"prompt {prompt}: token ids have batch size {ids.shape[0]}, expected 1")
         ids = ids[0]
-    if not ids:
-        raise CaptureError(f"prompt {prompt}: token ids are empty")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
-    if bad:
-        raise CaptureError(f"prompt {prompt}: token ids must be non-negative integers, got {bad[:5]}")
-    return ids
+    if ids.ndim != 1 or ids.size == 0:
+        raise CaptureError(f"prompt {prompt}: token ids are empty" if ids.size == 0 else
+                           f"prompt {prompt}: token ids must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.min() < 0:
+        raise CaptureError(f"prompt {prompt}: token ids must be non-negative integers, got {ids[ids < 0][:5].tolist()}")
+    if prefill is not None and ids.size < prefill:
+        raise CaptureError(f"prompt {prompt}: {ids.size} token ids but the capture's prefill covers {prefill} positions")
+    return ids.astype(np.int64, copy=False)
 
 
 def _preview(items: Sequence, n: int = 8) -> str:

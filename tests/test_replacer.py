@@ -326,6 +326,10 @@ def test_to_the_same_device_keeps_the_buffers_for_out(replacer):
     assert again is ctx and ctx.mask.tolist() == [True, True, False]
     moved = replacer.warmup_context(3).to("meta")
     assert moved.storage and moved.storage[0].device.type == "meta" and moved["m0"].device.type == "meta"
+    assert moved.to("meta") is moved
+    assert replacer.build_context(["a"], [0, 1, 2], True, out=moved) is moved, "out= on another device than the store"
+    with pytest.raises(ValueError, match="out= is on meta; it cannot also move the context to cpu"):
+        replacer.build_context(["a"], [0, 1, 2], True, device="cpu", out=moved)
 
 
 def test_fresh_contexts_recycle_only_buffers_nobody_holds(replacer):

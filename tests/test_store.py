@@ -168,7 +168,9 @@ def _rss_mib():
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
-def test_loading_a_large_store_does_not_read_it_into_memory(tmp_path):
+def test_loading_a_large_store_and_its_replacer_do_not_read_it_into_memory(tmp_path):
+    from fxreplace import TensorReplacer
+
     prompts = 64
     caps = {p: {"m": torch.full((2048, 512), float(p))} for p in range(prompts)}  # 256 MiB of fp32
     ReferenceStore.from_captures(caps).save(tmp_path / "big")
@@ -176,7 +178,10 @@ def test_loading_a_large_store_does_not_read_it_into_memory(tmp_path):
     before = _rss_mib()
     store = ReferenceStore.load(tmp_path / "big")
     assert _rss_mib() - before < 64, "loading must memory-map, not read 256 MiB"
-    assert float(store.rows(40, "m")[7, 3]) == 40.0
+    replacer = TensorReplacer(store)
+    assert _rss_mib() - before < 64, "a replacer over a store costs O(index): no finite check reads the rows"
+    replacer.register_request("r", None, prompt_idx=40)
+    assert float(replacer.build_context(["r"], [7], is_prefill=True)["m"][0, 3]) == 40.0
 
 
 # ---------------------------------------------------------------- streaming writer, shards, merge
@@ -216,6 +221,9 @@ def test_writer_streams_prompts_into_shards_that_load_as_one_store(tmp_path):
     reference = load_reference(tmp_path / "ref")
     assert reference.tokens(5) == tokens[5] and torch.equal(reference.logits(3), logits[3]) and reference.vocab_size == 5
     assert loaded.verify()["shards"] == len(loaded.shards)
+    copy = ReferenceStore.load(loaded.save(tmp_path / "copy"))
+    assert len(copy.shards) == len(loaded.shards) and copy.prompt_token_ids == ids
+    assert torch.equal(copy.rows(6, "b"), expected.rows(6, "b")) and torch.equal(copy.extra("generated.logits", 2), logits[2])
 
 
 def test_writer_checks_every_prompt_against_the_first(tmp_path):
@@ -232,6 +240,8 @@ def test_writer_checks_every_prompt_against_the_first(tmp_path):
         writer.add(ids[1], caps[1], prompt_idx=0)
     with pytest.raises(CaptureError, match=r"prompt 1: 1 token ids but the capture's prefill covers 3 positions"):
         writer.add([5], caps[1])
+    writer.sync()  # a complete store already (e.g. an idle capturing engine); adding continues
+    assert ReferenceStore.load(tmp_path / "ref").prompt_ids == [0]
     assert writer.add(ids[1], caps[1]) == 1
     writer.close()
     assert ReferenceStore.load(tmp_path / "ref").num_prompts == 2
@@ -461,3 +471,51 @@ def test_stores_written_without_the_finite_check_say_so(tmp_path):
     assert store.verify()["finite"] is False
     with pytest.raises(CaptureError, match="prompt 0, module 'm', position 0: capture holds NaN"):
         store.check_finite()
+
+
+def test_cli_inspect_verify_reports_a_sound_store_and_names_a_flipped_tensor(tmp_path, capsys):
+    from fxreplace.cli import main
+
+    file = _valid_store(tmp_path)
+    assert main(["inspect", "--verify", str(file.parent)]) == 0
+    assert "OK: 2 prompts in 1 shard(s)" in capsys.readouterr().out
+    header, body = _read_raw(file)
+    begin = header["tokens.values"]["data_offsets"][0]
+    body = bytearray(body)
+    body[begin] ^= 0x01  # token 1 becomes 0: still a valid id, only the digest can tell
+    _write_raw(file, header, bytes(body))
+    assert ReferenceStore.load(file).prompt_token_ids[0] == [0, 2, 3]
+    with pytest.raises(SystemExit, match=r"error: .*reference.safetensors: tensor 'tokens.values': content digest"):
+        main(["inspect", "--verify", str(file.parent)])
+
+
+def test_writer_memory_is_bounded_by_one_shard_not_by_the_store(tmp_path):
+    from fxreplace import StoreWriter
+
+    before = _rss_mib()
+    with StoreWriter(tmp_path / "ref", shard_bytes=16 << 20) as writer:
+        for p in range(48):  # 4 MiB of rows per prompt, 192 MiB in all
+            writer.add([p + 1] * 2048, {"m": [torch.full((1, 2048, 512), float(p))]})
+            assert _rss_mib() - before < 96, f"after prompt {p}: the writer holds more than a shard or two"
+    store = ReferenceStore.load(tmp_path / "ref")
+    assert len(store.shards) == 12 and float(store.rows(47, "m")[5, 7]) == 47.0
+
+
+def test_stores_of_format_version_1_ask_for_a_new_capture(tmp_path):
+    file = _valid_store(tmp_path)
+    _edit_index(file, lambda index: index.__setitem__("version", 1))
+    with pytest.raises(CaptureError, match=r"unsupported format 'fxreplace-reference' version 1 .* capture the reference again"):
+        ReferenceStore.load(file)
+
+
+def test_the_vllm_config_digest_of_an_in_memory_store_covers_its_token_ids():
+    import hashlib
+
+    from fxreplace.vllm.config import _digest_value
+
+    def digest(ids):
+        h = hashlib.sha256()
+        _digest_value(h, ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=ids))
+        return h.hexdigest()
+
+    assert digest([[1, 2]]) == digest([[1, 2]]) != digest([[1, 3]])

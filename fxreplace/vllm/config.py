@@ -68,7 +68,8 @@ def _digest_value(h, value: Any) -> None:
         _digest_value(h, list(value.packed))
         _digest_value(h, {k: repr(v) for k, v in value.columns.items()})
         _digest_value(h, value.offsets)
-        _digest_value(h, value.prompt_token_ids)
+        tokens = value.prompt_token_ids  # a TokenTable: its flat ids and offsets
+        _digest_value(h, None if tokens is None else [torch.from_numpy(tokens.values), torch.from_numpy(tokens.offsets)])
     else:
         h.update(repr(value).encode())
 
