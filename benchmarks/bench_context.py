@@ -141,12 +141,12 @@ def main():
 
 def bench_small_decode(replacer: TensorReplacer, quick: bool) -> tuple[float, float]:
     """The vLLM plugin's per-step call: 8 decode requests gathered into the first 8 rows of
-    a bound max-size feed (``feed.prefix(8)``), numpy counts and a CPU positions tensor."""
+    a bound max-size feed (``feed.leading(8)``), numpy counts and a CPU positions tensor."""
     req_ids = [f"small{i}" for i in range(8)]
     for i, r in enumerate(req_ids):
         replacer.register_request(r, None, prompt_idx=i % 4)
     feed = replacer.warmup_context(8192)
-    out = feed.prefix(8)
+    out = feed.leading(8)
     counts = np.ones(8, dtype=np.int64)
     positions = torch.arange(4000, 4008)
     rows = torch.arange(8)

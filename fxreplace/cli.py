@@ -64,7 +64,7 @@ def check_reference_matches(reference, reference_path: str, model_name: str, arc
     recorded = reference.metadata.get("architecture")
     if recorded and recorded != arch:
         raise SystemExit(f"error: the reference {reference_path} was captured from {recorded} "
-                         f"(captures {reference.store.modules[:2]} ...) but {model_name} is {arch}")
+                         f"(captures {reference.store.capture_names[:2]} ...) but {model_name} is {arch}")
 
 
 def default_targets(model) -> list:
@@ -113,7 +113,7 @@ def _capture(args) -> int:
     reference = capture_reference(model, prompts, targets, args.max_new_tokens, components=components)
     reference.metadata["source_model"] = args.model
     reference.save(args.out)
-    print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.modules)} targets -> {args.out}")
+    print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.capture_names)} targets -> {args.out}")
     return 0
 
 
@@ -196,7 +196,7 @@ def _validate(args) -> int:
     target = instrument(copy.deepcopy(model).to(dtype), targets)
     missing = [t for t in (t.capture_name for t in target._fxreplace.targets) if t not in reference.store.columns]
     if missing:
-        raise SystemExit(f"error: the reference holds no captures for targets {missing}; it has {reference.store.modules}")
+        raise SystemExit(f"error: the reference holds no captures for targets {missing}; it has {reference.store.capture_names}")
     bucket = 1 << (_longest_sequence(reference) - 1).bit_length()
     runner = Runner(
         target,

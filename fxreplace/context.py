@@ -11,15 +11,15 @@ import torch
 
 
 class ReplacementContext(Mapping):
-    """``{module_name: Tensor[num_tokens, E]}`` plus ``mask``, a bool ``[num_tokens]``.
+    """``{capture_name: Tensor[num_tokens, E]}`` plus ``mask``, a bool ``[num_tokens]``.
 
     ``mask[s]`` is True exactly where slot ``s`` holds a reference row; every other
     row is zero. A context whose mask is all False turns replacement off without
     changing any shape, so a compiled graph serves "on" and "off" alike.
 
-    Built by a :class:`~fxreplace.TensorReplacer`, the module tensors are blocks of
-    ``storage``: one ``[modules, num_tokens, E]`` tensor per group of the store, so
-    each module's tensor is contiguous and one gather per group fills them all.
+    Built by a :class:`~fxreplace.TensorReplacer`, the tensors are blocks of
+    ``storage``: one ``[capture names, num_tokens, E]`` tensor per group of the store, so
+    each capture name's tensor is contiguous and one gather per group fills them all.
     ``places[name]`` is ``(group, block)``.
     """
 
@@ -37,16 +37,16 @@ class ReplacementContext(Mapping):
                 )
         self._tensors = dict(tensors)
         self.mask = mask
-        self.storage = storage  # per group [modules, num_tokens, E], when built by a TensorReplacer
+        self.storage = storage  # per group [capture names, num_tokens, E], when built by a TensorReplacer
         self.places = dict(places or {})
 
     @classmethod
     def from_storage(cls, storage: tuple[torch.Tensor, ...], mask: torch.Tensor,
                      places: Mapping[str, tuple[int, int]]) -> "ReplacementContext":
-        """The context whose module tensors are the blocks ``storage[g][i]`` named by ``places``."""
+        """The context whose tensors are the blocks ``storage[g][i]`` named by ``places``."""
         return cls({m: storage[g][i] for m, (g, i) in places.items()}, mask, storage, places)
 
-    def prefix(self, num_tokens: int) -> "ReplacementContext":
+    def leading(self, num_tokens: int) -> "ReplacementContext":
         """The first ``num_tokens`` slots, sharing this context's memory: an ``out=``
         target for a smaller batch (engines keep one max-size context bound to the graph)."""
         if not self.storage:
@@ -55,11 +55,11 @@ class ReplacementContext(Mapping):
                                                self.places)
 
     def mask_for(self, name: str) -> torch.Tensor:
-        """The rows replaced at module ``name`` (a :class:`SelectedContext` narrows them per module)."""
+        """The rows replaced at capture ``name`` (a :class:`SelectedContext` narrows them per capture name)."""
         return self.mask
 
     def select(self, names) -> "SelectedContext":
-        """These rows, replaced only at the modules in ``names`` (see :class:`SelectedContext`)."""
+        """These rows, replaced only at the capture names in ``names`` (see :class:`SelectedContext`)."""
         return SelectedContext(self, names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -97,14 +97,14 @@ def same_device(have: torch.device, want: torch.device | str) -> bool:
 
 
 class SelectedContext(ReplacementContext):
-    """A context replaced only at the modules in ``selected``; the others get an all-False mask.
+    """A context replaced only at the capture names in ``selected``; the others get an all-False mask.
 
-    Every module gets a mask tensor of its own whatever the selection, so a compiled
+    Every capture name gets a mask tensor of its own whatever the selection, so a compiled
     graph sees the same inputs for every selection and one graph serves them all
     (the search of :mod:`fxreplace.blame` replaces a different set each pass).
     """
 
-    __slots__ = ("selected", "module_masks")
+    __slots__ = ("selected", "masks")
 
     def __init__(self, context: ReplacementContext, names):
         super().__init__(dict(context.items()), context.mask, context.storage, context.places)
@@ -112,11 +112,11 @@ class SelectedContext(ReplacementContext):
         unknown = sorted(self.selected - set(context))
         if unknown:
             raise KeyError(f"select(): no replacement tensors for {unknown}; the context holds {sorted(context)}")
-        self.module_masks = {m: context.mask.clone() if m in self.selected else torch.zeros_like(context.mask)
-                             for m in context}
+        self.masks = {m: context.mask.clone() if m in self.selected else torch.zeros_like(context.mask)
+                      for m in context}
 
     def mask_for(self, name: str) -> torch.Tensor:
-        return self.module_masks[name]
+        return self.masks[name]
 
     def to(self, device: torch.device | str | None) -> "SelectedContext":
         if device is None or same_device(self.mask.device, device):

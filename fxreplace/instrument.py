@@ -143,7 +143,7 @@ class Instrumentation:
         names = [t.capture_name for t in self.targets]
         if tensors and not any(name in tensors for name in names):
             raise KeyError(f"no replacement name {sorted(tensors)} matches a target capture name {names}")
-        # A context may carry more modules than this model instruments (e.g. one layer
+        # A context may carry more capture names than this model instruments (e.g. one layer
         # of a full reference); names typed into a dict must each name a target.
         unknown = [] if isinstance(replacements, ReplacementContext) else [n for n in tensors if n not in names]
         if unknown:

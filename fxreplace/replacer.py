@@ -47,8 +47,8 @@ class TensorReplacer:
     """Builds a :class:`ReplacementContext` per forward pass.
 
     Args:
-        reference_captures: step-wise captures (list of ``{module: [steps]}``), flat
-            captures (``{prompt_idx: {module: Tensor[P, E]}}``) or a ReferenceStore.
+        reference_captures: step-wise captures (list of ``{capture_name: [steps]}``), flat
+            captures (``{prompt_idx: {capture_name: Tensor[P, E]}}``) or a ReferenceStore.
         prompt_token_ids: token ids of each captured prompt (needed to match
             requests by content; without them every request needs a ``prompt_idx``).
         device: where the reference lives and gathers run (default: where the store is).
@@ -98,7 +98,7 @@ class TensorReplacer:
         self._zero_rows_list = self._zero_rows.tolist()
         self._sources = [tuple(s.packed) for s in self.store.shards]
         self._places = {m: (c.group, c.index) for m, c in store.columns.items()}
-        self._shapes = [(len(g.modules), g.width, g.dtype) for g in store.groups]
+        self._shapes = [(len(g.capture_names), g.width, g.dtype) for g in store.groups]
         self._lock = threading.Lock()
         self._prompt_of: dict[str, int] = {}  # request id -> internal prompt (or _UNMATCHED)
         self._registered_as: dict[str, tuple] = {}  # request id -> (token ids, prompt_idx) it was registered with
@@ -106,8 +106,8 @@ class TensorReplacer:
         self._valid_outs: weakref.WeakValueDictionary[int, ReplacementContext] = weakref.WeakValueDictionary()
 
     @property
-    def modules(self) -> list[str]:
-        return self.store.modules
+    def capture_names(self) -> list[str]:
+        return self.store.capture_names
 
     @property
     def requests(self) -> dict[str, int | None]:
@@ -364,7 +364,7 @@ class TensorReplacer:
             got = [(*s.shape, s.dtype) for s in out.storage]
             if got != want or out.mask.shape[0] != n or out.places != self._places:
                 raise ValueError(
-                    f"out must be a context built by this replacer (build_context, warmup_context or .prefix()) for {n} "
+                    f"out must be a context built by this replacer (build_context, warmup_context or .leading()) for {n} "
                     f"slots; got {out!r}"
                 )
             self._valid_outs[id(out)] = out

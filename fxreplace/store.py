@@ -2,14 +2,16 @@
 
 Captures arrive step-wise, as the reference model produced them::
 
-    [ {module: [step_0 [1, L, E], step_1 [1, L+1, E] or [1, 1, E], ...]}, ... ]   # one dict per prompt
+    [ {capture_name: [step_0 [1, L, E], step_1 [1, L+1, E] or [1, 1, E], ...]}, ... ]   # one dict per prompt
 
-or already flat, ``{prompt_idx: {module: Tensor[P, E]}}``. The store flattens them
-into *groups*: the modules of one (dtype, width) share one module-major tensor
-``[modules, rows + 1, E]``. Prompt ``p`` owns rows ``offsets[p] : offsets[p] + lengths[p]``
-of every module and the last row is zeros, so one ``index_select`` on the row
-dimension serves every module of a group for a whole batch (padding slots point at
-the zero row) and each module's result is a contiguous ``[T, E]`` tensor.
+or already flat, ``{prompt_idx: {capture_name: Tensor[P, E]}}``. A *capture name* is
+the name a reference tensor is stored under (e.g. ``"model.layers.0.mlp.gate"``).
+The store flattens them into *groups*: the capture names of one (dtype, width) share
+one name-major tensor ``[capture names, rows + 1, E]``. Prompt ``p`` owns rows
+``offsets[p] : offsets[p] + lengths[p]`` of every capture name and the last row is
+zeros, so one ``index_select`` on the row dimension serves every capture name of a
+group for a whole batch (padding slots point at the zero row) and each name's result
+is a contiguous ``[T, E]`` tensor.
 
 A store is one or more *shards*. Each shard is a self-contained safetensors file:
 its groups, its prompts' row offsets/lengths, token ids and per-prompt extras (e.g.
@@ -58,7 +60,7 @@ _TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
 class CaptureError(ValueError):
-    """Captures that cannot be flattened; the message names prompt, module and step."""
+    """Captures that cannot be flattened; the message names prompt, capture name and step."""
 
 
 class StoreError(CaptureError):
@@ -66,8 +68,8 @@ class StoreError(CaptureError):
 
 
 @dataclass(frozen=True)
-class ModuleColumns:
-    """Where one module lives: row block ``index`` of group ``group``."""
+class CaptureColumns:
+    """Where one capture name's rows live: row block ``index`` of group ``group``."""
 
     group: int
     index: int
@@ -75,11 +77,11 @@ class ModuleColumns:
 
 @dataclass(frozen=True)
 class Group:
-    """Modules sharing one ``[len(modules), rows + 1, width]`` tensor."""
+    """Capture names sharing one ``[len(capture_names), rows + 1, width]`` tensor."""
 
     dtype: torch.dtype
     width: int
-    modules: tuple[str, ...]
+    capture_names: tuple[str, ...]
 
 
 @dataclass
@@ -124,7 +126,7 @@ class ReferenceStore:
         if self.prompt_token_ids is not None:
             self.prompt_token_ids = TokenTable.from_lists(self.prompt_token_ids)
         self._by_prompt_id = {p: i for i, p in enumerate(self.prompt_ids)}
-        self.columns = {m: ModuleColumns(g, i) for g, grp in enumerate(self.groups) for i, m in enumerate(grp.modules)}
+        self.columns = {m: CaptureColumns(g, i) for g, grp in enumerate(self.groups) for i, m in enumerate(grp.capture_names)}
         shard_of = self.prompt_shard.tolist()
         self._local = [0] * len(shard_of)  # each prompt's position within its shard
         seen = [0] * len(self.shards)
@@ -133,7 +135,7 @@ class ReferenceStore:
             seen[s] += 1
 
     @property
-    def modules(self) -> list[str]:
+    def capture_names(self) -> list[str]:
         return list(self.columns)
 
     @property
@@ -149,16 +151,16 @@ class ReferenceStore:
     def extra_names(self) -> list[str]:
         return list(self.shards[0].extras) if self.shards else []
 
-    def feature_dim(self, module: str) -> int:
-        return self.groups[self.columns[module].group].width
+    def feature_dim(self, name: str) -> int:
+        return self.groups[self.columns[name].group].width
 
-    def dtype(self, module: str) -> torch.dtype:
-        return self.groups[self.columns[module].group].dtype
+    def dtype(self, name: str) -> torch.dtype:
+        return self.groups[self.columns[name].group].dtype
 
-    def rows(self, prompt_idx: int, module: str) -> torch.Tensor:
-        """The ``[positions, E]`` reference of one prompt (by the user's index)."""
+    def rows(self, prompt_idx: int, name: str) -> torch.Tensor:
+        """The ``[positions, E]`` reference of capture ``name`` for one prompt (by the user's index)."""
         i = self.internal_index(prompt_idx)
-        col = self.columns[module]
+        col = self.columns[name]
         start = int(self.offsets[i])
         shard = self.shards[int(self.prompt_shard[i])]
         return shard.packed[col.group][col.index, start : start + int(self.lengths[i])]
@@ -219,7 +221,7 @@ class ReferenceStore:
             items = list(enumerate(captures))
         else:
             raise CaptureError(
-                f"captures must be a list of {{module: [steps]}} dicts or a {{prompt_idx: {{module: Tensor}}}} dict, "
+                f"captures must be a list of {{capture_name: [steps]}} dicts or a {{prompt_idx: {{capture_name: Tensor}}}} dict, "
                 f"got {type(captures).__name__}"
             )
         if not items:
@@ -228,13 +230,13 @@ class ReferenceStore:
         token_ids = _align(prompt_token_ids, prompt_ids, "prompt_token_ids")
         per_prompt_extras = {name: _align(values, prompt_ids, f"extras[{name!r}]") for name, values in (extras or {}).items()}
         builder = _ShardBuilder(allow_nonfinite=allow_nonfinite)
-        for n, (prompt, per_module) in enumerate(items):
-            builder.add(prompt, per_module, None if token_ids is None else token_ids[n],
+        for n, (prompt, per_name) in enumerate(items):
+            builder.add(prompt, per_name, None if token_ids is None else token_ids[n],
                         {name: values[n] for name, values in per_prompt_extras.items()})
         return builder.build_store(metadata)
 
     def check_finite(self, chunk_rows: int = 4096) -> None:
-        """Read every row (in chunks); raise naming the first prompt, module and position holding NaN or Inf."""
+        """Read every row (in chunks); raise naming the first prompt, capture name and position holding NaN or Inf."""
         shard_of = self.prompt_shard.tolist()
         for s, shard in enumerate(self.shards):
             members = [i for i, k in enumerate(shard_of) if k == s]
@@ -243,10 +245,10 @@ class ReferenceStore:
                 for a in range(0, shard.rows, chunk_rows):
                     bad = (~torch.isfinite(packed[:, a : min(a + chunk_rows, shard.rows)])).any(dim=2).nonzero()
                     if bad.numel():
-                        module, row = grp.modules[int(bad[0, 0])], a + int(bad[0, 1])
+                        name, row = grp.capture_names[int(bad[0, 0])], a + int(bad[0, 1])
                         j = int(torch.searchsorted(starts, torch.tensor(row), right=True)) - 1
                         raise CaptureError(
-                            f"prompt {self.prompt_ids[members[j]]}, module {module!r}, position {row - int(starts[j])}: "
+                            f"prompt {self.prompt_ids[members[j]]}, capture {name!r}, position {row - int(starts[j])}: "
                             f"capture holds NaN or Inf (pass allow_nonfinite=True to accept it)"
                         )
 
@@ -342,7 +344,7 @@ class ReferenceStore:
 class _ShardBuilder:
     """Accumulates validated prompts; packs them into a :class:`Shard`.
 
-    The first prompt fixes the layout (modules, dtypes, widths); every later prompt
+    The first prompt fixes the layout (capture names, dtypes, widths); every later prompt
     must match it. Used by :meth:`ReferenceStore.from_captures` (one shard in memory)
     and :class:`StoreWriter` (one shard per file).
     """
@@ -372,16 +374,16 @@ class _ShardBuilder:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
-    def add(self, prompt: int, per_module: Any, token_ids: Any, extras: Mapping[str, torch.Tensor]) -> None:
-        if not isinstance(per_module, Mapping) or not per_module:
-            raise CaptureError(f"prompt {prompt}: expected a non-empty {{module: tensors}} dict, got {per_module!r:.80}")
+    def add(self, prompt: int, per_name: Any, token_ids: Any, extras: Mapping[str, torch.Tensor]) -> None:
+        if not isinstance(per_name, Mapping) or not per_name:
+            raise CaptureError(f"prompt {prompt}: expected a non-empty {{capture_name: tensors}} dict, got {per_name!r:.80}")
         flat, steps, prefill = {}, None, None
         prompt_len = None
-        for m, value in per_module.items():
+        for m, value in per_name.items():
             rows, steps, prefill = _flatten_one(prompt, m, value)
             if prompt_len is not None and rows.shape[0] != prompt_len[1]:
                 raise CaptureError(
-                    f"prompt {prompt}: module {m!r} has {rows.shape[0]} positions but module {prompt_len[0]!r} has {prompt_len[1]}"
+                    f"prompt {prompt}: capture {m!r} has {rows.shape[0]} positions but capture {prompt_len[0]!r} has {prompt_len[1]}"
                 )
             prompt_len = (m, rows.shape[0])
             flat[m] = rows
@@ -392,7 +394,7 @@ class _ShardBuilder:
                 bad = (~torch.isfinite(rows)).any(dim=1).nonzero()
                 if bad.numel():
                     raise CaptureError(
-                        f"prompt {prompt}, module {m!r}, position {int(bad[0])}: capture holds NaN or Inf "
+                        f"prompt {prompt}, capture {m!r}, position {int(bad[0])}: capture holds NaN or Inf "
                         f"(pass allow_nonfinite=True to accept it)"
                     )
         if self.has_token_ids is not None and (token_ids is not None) != self.has_token_ids:
@@ -424,16 +426,16 @@ class _ShardBuilder:
 
     @staticmethod
     def _check_layout(prompt: int, flat: Mapping[str, torch.Tensor], groups: list[Group], first_prompt: int) -> None:
-        expected = {m: (g.dtype, g.width) for g in groups for m in g.modules}
+        expected = {m: (g.dtype, g.width) for g in groups for m in g.capture_names}
         missing = [m for m in expected if m not in flat]
         extra = [m for m in flat if m not in expected]
         if missing or extra:
-            raise CaptureError(f"prompt {prompt}: modules differ from prompt {first_prompt}: missing {missing}, unexpected {extra}")
+            raise CaptureError(f"prompt {prompt}: capture names differ from prompt {first_prompt}: missing {missing}, unexpected {extra}")
         for m, rows in flat.items():
             dtype, width = expected[m]
             if rows.shape[1] != width or rows.dtype != dtype:
                 raise CaptureError(
-                    f"prompt {prompt}: module {m!r} has feature dim {rows.shape[1]} ({rows.dtype}) but "
+                    f"prompt {prompt}: capture {m!r} has feature dim {rows.shape[1]} ({rows.dtype}) but "
                     f"prompt {first_prompt} has {width} ({dtype})"
                 )
 
@@ -441,9 +443,9 @@ class _ShardBuilder:
         total = sum(self.lengths)
         packed = []
         for g in self.groups:
-            out = torch.empty(len(g.modules), total + 1, g.width, dtype=g.dtype)
-            for i, m in enumerate(g.modules):
-                torch.cat(self.rows.pop(m), out=out[i, :total])  # pop: hold each module's rows once
+            out = torch.empty(len(g.capture_names), total + 1, g.width, dtype=g.dtype)
+            for i, m in enumerate(g.capture_names):
+                torch.cat(self.rows.pop(m), out=out[i, :total])  # pop: hold each capture's rows once
             out[:, total].zero_()
             packed.append(out)
         extras = {}
@@ -479,10 +481,10 @@ def _layout(flat: Mapping[str, torch.Tensor]) -> list[Group]:
     return [Group(dtype, width, tuple(names)) for (dtype, width), names in groups.items()]
 
 
-def _flatten_one(prompt: int, module: str, value: Any) -> tuple[torch.Tensor, int, int | None]:
-    """Rows ``[positions, E]`` of one (prompt, module), the number of steps and the
+def _flatten_one(prompt: int, name: str, value: Any) -> tuple[torch.Tensor, int, int | None]:
+    """Rows ``[positions, E]`` of one (prompt, capture name), the number of steps and the
     prefill length (None for flat captures, whose rows may include generated positions)."""
-    where = f"prompt {prompt}, module {module!r}"
+    where = f"prompt {prompt}, capture {name!r}"
     if isinstance(value, torch.Tensor):
         if value.dim() != 2:
             raise CaptureError(f"{where}: a flat capture must be [positions, E], got shape {tuple(value.shape)}")
@@ -588,7 +590,7 @@ def _shard_index(groups, prompts, num_steps, prefill, has_token_ids, extras, met
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "groups": [{"dtype": str(g.dtype).removeprefix("torch."), "width": g.width, "modules": list(g.modules)} for g in groups],
+        "groups": [{"dtype": str(g.dtype).removeprefix("torch."), "width": g.width, "modules": list(g.capture_names)} for g in groups],
         "prompts": list(prompts),
         "num_steps": num_steps,
         "prefill": prefill,
@@ -619,7 +621,7 @@ def _write_index(directory: Path, shards: Sequence[tuple[str, dict]], groups: li
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "shards": [{"file": name, "prompts": idx["prompts"]} for name, idx in shards],
-        "modules": {m: [str(g.dtype).removeprefix("torch."), g.width] for g in groups for m in g.modules},
+        "modules": {m: [str(g.dtype).removeprefix("torch."), g.width] for g in groups for m in g.capture_names},
         "metadata": dict(metadata),
     }
     tmp = directory / (INDEX_FILE + ".tmp")
@@ -632,7 +634,7 @@ class StoreWriter:
     shard's rows (``shard_bytes``), then they go to disk as ``shard-NNNNN.safetensors``.
 
     ``add(prompt_token_ids, captures, extras=...)`` takes one prompt's step-wise captures
-    ``{module: [steps]}`` (or flat ``{module: Tensor[P, E]}``), its token ids and its
+    ``{capture_name: [steps]}`` (or flat ``{capture_name: Tensor[P, E]}``), its token ids and its
     per-prompt extras (e.g. generated tokens and logits); ``close()`` writes the last
     shard and ``index.json``. The result loads with :meth:`ReferenceStore.load`.
     """
@@ -754,7 +756,7 @@ def _check_same_layout(named: list[tuple[Path, ReferenceStore]]) -> None:
     first_name, first = named[0]
     for name, other in named[1:]:
         if other.groups != first.groups:
-            raise StoreError(f"{name}: modules/dtypes/widths differ from {first_name}; stores of different targets cannot be merged")
+            raise StoreError(f"{name}: capture names/dtypes/widths differ from {first_name}; stores of different targets cannot be merged")
         if (other.prompt_token_ids is None) != (first.prompt_token_ids is None):
             raise StoreError(f"{name}: holds token ids where {first_name} does not (or the reverse)")
         if set(other.extra_names) != set(first.extra_names):
@@ -897,7 +899,7 @@ def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, 
                              f"prompts are packed back to back, so it must start at {int(starts[j])} (overlapping or gapped rows)")
 
         groups = []
-        seen_modules = set()
+        seen_names = set()
         for g, grp in enumerate(index["groups"]):
             fld = f"groups[{g}]"
             need(isinstance(grp, dict) and isinstance(grp.get("modules"), list) and grp["modules"]
@@ -905,9 +907,9 @@ def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, 
                  fld, f"expected {{dtype, width, modules}}, got {grp!r:.80}")
             dtype = getattr(torch, grp["dtype"], None)
             need(isinstance(dtype, torch.dtype) and dtype.is_floating_point, fld, f"unknown or non-float dtype {grp['dtype']!r}")
-            dup = seen_modules.intersection(grp["modules"])
-            need(not dup and len(set(grp["modules"])) == len(grp["modules"]), fld, f"module names repeat: {sorted(dup)[:3]}")
-            seen_modules.update(grp["modules"])
+            dup = seen_names.intersection(grp["modules"])
+            need(not dup and len(set(grp["modules"])) == len(grp["modules"]), fld, f"capture names repeat: {sorted(dup)[:3]}")
+            seen_names.update(grp["modules"])
             got_dtype, got_shape = spec(f"group.{g}")
             want_shape = (len(grp["modules"]), rows + 1, grp["width"])
             need(got_dtype == dtype, f"group.{g}", f"the tensor is {got_dtype} but the index says {dtype}")
@@ -915,7 +917,7 @@ def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, 
                  f"shape {list(got_shape)} but the index needs [modules={want_shape[0]}, rows+1={want_shape[1]}, "
                  f"width={want_shape[2]}] ({num_prompts} prompts of {rows} rows in all)")
             groups.append(Group(dtype, grp["width"], tuple(grp["modules"])))
-        need(bool(groups), "groups", "the shard holds no modules")
+        need(bool(groups), "groups", "the shard holds no capture names")
         stray = sorted(n for n in specs if n.startswith("group.") and n not in {f"group.{g}" for g in range(len(groups))})
         need(not stray, "groups", f"tensors {stray} are not in the index")
 
@@ -1006,7 +1008,7 @@ def _assemble(loaded: list[tuple[dict, Shard, dict]]) -> ReferenceStore:
     for table, shard, _ in loaded[1:]:
         where = _describe(shard.path)
         if table["groups"] != first["groups"]:
-            raise StoreError(f"{where}: field 'groups': modules, dtypes or widths differ from {first_file}")
+            raise StoreError(f"{where}: field 'groups': capture names, dtypes or widths differ from {first_file}")
         if (table["token_ids"] is None) != (first["token_ids"] is None):
             raise StoreError(f"{where}: field 'has_token_ids' differs from {first_file}")
         if set(shard.extras) != set(loaded[0][1].extras):

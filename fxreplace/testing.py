@@ -1,7 +1,7 @@
 """A per-slot reference implementation of the context rules.
 
 Written the straightforward way the existing tool does it (Python loops over
-slots and modules, reading the step-wise captures directly), so tests can check
+slots and capture names, reading the step-wise captures directly), so tests can check
 the vectorised :class:`~fxreplace.TensorReplacer` against it and benchmarks can
 measure what vectorising buys.
 """
@@ -61,24 +61,24 @@ def build_context_loop(
     positions: Sequence[int],
     owners: Sequence[int | None],
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Fill ``{module: [slots, E]}`` and the mask slot by slot.
+    """Fill ``{capture_name: [slots, E]}`` and the mask slot by slot.
 
     ``request_prompts[i]`` is the prompt index of request ``i`` (None = unknown).
     """
     first = next(iter(captures.values() if isinstance(captures, Mapping) else captures))
     out = {}
-    for module, steps in first.items():
+    for name, steps in first.items():
         feat = steps if isinstance(steps, torch.Tensor) else steps[0]
-        out[module] = torch.zeros(len(positions), feat.shape[-1], dtype=feat.dtype)
+        out[name] = torch.zeros(len(positions), feat.shape[-1], dtype=feat.dtype)
     mask = torch.zeros(len(positions), dtype=torch.bool)
     for s, (owner, pos) in enumerate(zip(owners, positions)):
         if owner is None or request_prompts[owner] is None:
             continue
         prompt = captures[request_prompts[owner]]
-        for module in out:
-            row = reference_row(prompt[module], int(pos))
+        for name in out:
+            row = reference_row(prompt[name], int(pos))
             if row is None:
                 break
-            out[module][s] = row
+            out[name][s] = row
             mask[s] = True
     return out, mask

@@ -43,7 +43,7 @@ class StepRecord(StepMetrics):
 @dataclass
 class ValidationResult:
     steps: list[StepRecord] = field(default_factory=list)
-    # router agreement: mode -> module -> [agreeing positions, compared positions]
+    # router agreement: mode -> capture name -> [agreeing positions, compared positions]
     router: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     tolerances: Tolerances = field(default_factory=Tolerances)
     num_prompts: int = 0
@@ -217,16 +217,16 @@ def _router_agreement(router, reference: Reference, p: int, gen, start: int, cov
     prompt_len = len(reference.prompt_tokens(p))
     first = 0 if start == 0 else prompt_len + start - 1
     last = prompt_len + covered - 2
-    for module, per_position in gen.observed.items():
-        if module not in reference.store.columns:
+    for name, per_position in gen.observed.items():
+        if name not in reference.store.columns:
             continue
-        rows = reference.store.rows(p, module)
+        rows = reference.store.rows(p, name)
         positions = sorted(pos for pos in per_position if first <= pos <= min(last, rows.shape[0] - 1))
         if not positions:
             continue
         target = torch.stack([per_position[pos] for pos in positions])
         agree = topk_agreement(rows[positions], target, k)
-        counts = router.setdefault(module, [0, 0])
+        counts = router.setdefault(name, [0, 0])
         counts[0] += int(agree.sum())
         counts[1] += len(positions)
 

@@ -307,13 +307,13 @@ def test_batches_that_would_drop_or_truncate_are_errors(replacer):
     assert ctx.mask.tolist() == [True, True]
 
 
-def test_each_module_is_a_contiguous_block_of_one_buffer_per_group(replacer):
+def test_each_capture_is_a_contiguous_block_of_one_buffer_per_group(replacer):
     replacer.register_request("a", [1, 2, 3])
     ctx = replacer.build_context(["a"], [0, 1, 2, 0], is_prefill=True)
     assert all(t.is_contiguous() for t in ctx.values())
     assert torch.equal(ctx["m1"].view(-1), torch.cat([replacer.store.rows(0, "m1")[:3], torch.zeros(1, 3)]).view(-1))
-    assert ctx.storage[ctx.places["m0"][0]].shape == (1, 4, 4), "[modules, slots, width]"
-    small = replacer.warmup_context(8).prefix(4)
+    assert ctx.storage[ctx.places["m0"][0]].shape == (1, 4, 4), "[capture names, slots, width]"
+    small = replacer.warmup_context(8).leading(4)
     assert replacer.build_context(["a"], [0, 1, 2, 0], True, out=small) is small
     assert all(t.is_contiguous() for t in small.values()) and torch.equal(small["m0"], ctx["m0"])
 
@@ -335,7 +335,7 @@ def test_to_the_same_device_keeps_the_buffers_for_out(replacer):
 def test_fresh_contexts_recycle_only_buffers_nobody_holds(replacer):
     replacer.register_request("a", [1, 2, 3, 4, 5])
     first = replacer.build_context(["a"], [0, 1, 2], True)
-    kept = first["m0"]  # the user keeps one module tensor: its buffer must never be reused
+    kept = first["m0"]  # the user keeps one capture tensor: its buffer must never be reused
     kept_values = kept.clone()
     ptr = first.storage[0].data_ptr()
     del first

@@ -38,21 +38,21 @@ def test_flat_dict_input_keeps_prompt_keys():
         store.rows(5, "m")
 
 
-def test_packs_modules_of_different_width_and_dtype():
+def test_packs_capture_names_of_different_width_and_dtype():
     caps = [{"a": [torch.randn(1, 2, 4)], "b": [torch.randn(1, 2, 3)], "c": [torch.randn(1, 2, 5).bfloat16()]}]
     store = ReferenceStore.from_captures(caps)
-    assert [(g.dtype, g.width, g.modules) for g in store.groups] == [
+    assert [(g.dtype, g.width, g.capture_names) for g in store.groups] == [
         (torch.float32, 4, ("a",)), (torch.float32, 3, ("b",)), (torch.bfloat16, 5, ("c",))]
     assert store.dtype("c") == torch.bfloat16 and store.feature_dim("b") == 3
     assert torch.equal(store.rows(0, "b"), caps[0]["b"][0][0])
     assert all(torch.count_nonzero(p[:, -1]) == 0 for p in store.packed), "the last row of every group is the zero row"
 
 
-def test_modules_of_one_dtype_and_width_share_a_module_major_group():
+def test_capture_names_of_one_dtype_and_width_share_a_name_major_group():
     caps = [{f"m{i}": [torch.randn(1, 3, 4)] for i in range(3)}, {f"m{i}": [torch.randn(1, 2, 4)] for i in range(3)}]
     store = ReferenceStore.from_captures(caps)
     (packed,) = store.packed
-    assert packed.shape == (3, 6, 4), "[modules, rows + 1, width]"
+    assert packed.shape == (3, 6, 4), "[capture names, rows + 1, width]"
     assert torch.equal(packed[1, 3:5], caps[1]["m1"][0][0])
 
 
@@ -61,21 +61,21 @@ def test_modules_of_one_dtype_and_width_share_a_module_major_group():
     [
         ([], "captures are empty"),
         ("nope", "captures must be a list"),
-        ([{"m": [torch.randn(2, 4)]}], r"prompt 0, module 'm', step 0: expected \[1, tokens, E\], got rank 2"),
-        ([{"m": [torch.randn(2, 3, 4)]}], r"prompt 0, module 'm', step 0: batch dim must be 1"),
-        ([{"m": [torch.randn(1, 3, 4), torch.randn(1, 2, 4)]}], r"prompt 0, module 'm', step 1: decode step has 2 tokens; expected 4 .* or 1"),
-        ([{"m": [torch.randn(1, 3, 4), torch.randn(1, 1, 5)]}], r"prompt 0, module 'm', step 1: feature dim 5 differs from step 0's 4"),
-        ([{"m": [torch.randn(1, 3, 4)]}, {"m": [torch.randn(1, 3, 6)]}], r"prompt 1: module 'm' has feature dim 6 .* prompt 0 has 4"),
-        ([{"m": [torch.randn(1, 3, 4)], "n": [torch.randn(1, 3, 2)]}, {"m": [torch.randn(1, 3, 4)]}], r"prompt 1: modules differ from prompt 0: missing \['n'\]"),
-        ([{"m": [torch.randn(1, 3, 4)], "n": [torch.randn(1, 2, 2)]}], r"prompt 0: module 'n' has 2 positions but module 'm' has 3"),
-        ([{"m": []}], r"prompt 0, module 'm': expected a non-empty list"),
-        ([{"m": [torch.randn(1, 0, 4)]}], r"prompt 0, module 'm', step 0: prefill has no tokens"),
+        ([{"m": [torch.randn(2, 4)]}], r"prompt 0, capture 'm', step 0: expected \[1, tokens, E\], got rank 2"),
+        ([{"m": [torch.randn(2, 3, 4)]}], r"prompt 0, capture 'm', step 0: batch dim must be 1"),
+        ([{"m": [torch.randn(1, 3, 4), torch.randn(1, 2, 4)]}], r"prompt 0, capture 'm', step 1: decode step has 2 tokens; expected 4 .* or 1"),
+        ([{"m": [torch.randn(1, 3, 4), torch.randn(1, 1, 5)]}], r"prompt 0, capture 'm', step 1: feature dim 5 differs from step 0's 4"),
+        ([{"m": [torch.randn(1, 3, 4)]}, {"m": [torch.randn(1, 3, 6)]}], r"prompt 1: capture 'm' has feature dim 6 .* prompt 0 has 4"),
+        ([{"m": [torch.randn(1, 3, 4)], "n": [torch.randn(1, 3, 2)]}, {"m": [torch.randn(1, 3, 4)]}], r"prompt 1: capture names differ from prompt 0: missing \['n'\]"),
+        ([{"m": [torch.randn(1, 3, 4)], "n": [torch.randn(1, 2, 2)]}], r"prompt 0: capture 'n' has 2 positions but capture 'm' has 3"),
+        ([{"m": []}], r"prompt 0, capture 'm': expected a non-empty list"),
+        ([{"m": [torch.randn(1, 0, 4)]}], r"prompt 0, capture 'm', step 0: prefill has no tokens"),
         ([{}], r"prompt 0: expected a non-empty"),
         ({"a": {"m": torch.randn(2, 4)}}, "keyed by integer prompt index"),
-        ({0: {"m": torch.randn(1, 2, 4)}}, r"prompt 0, module 'm': a flat capture must be \[positions, E\]"),
+        ({0: {"m": torch.randn(1, 2, 4)}}, r"prompt 0, capture 'm': a flat capture must be \[positions, E\]"),
     ],
 )
-def test_bad_captures_name_prompt_module_and_step(captures, message):
+def test_bad_captures_name_prompt_capture_and_step(captures, message):
     with pytest.raises(CaptureError, match=message):
         ReferenceStore.from_captures(captures)
 
@@ -85,7 +85,7 @@ def test_nonfinite_is_an_error_unless_allowed():
     steps[2][0, -1, 1] = float("nan")
     caps = [{"ok": stepwise(3, 2)}, {"ok": stepwise(3, 2, seed=3)}]
     caps[1]["ok"] = steps
-    with pytest.raises(CaptureError, match=r"prompt 1, module 'ok', position 4: capture holds NaN or Inf"):
+    with pytest.raises(CaptureError, match=r"prompt 1, capture 'ok', position 4: capture holds NaN or Inf"):
         ReferenceStore.from_captures(caps)
     store = ReferenceStore.from_captures(caps, allow_nonfinite=True)
     assert torch.isnan(store.rows(1, "ok")[4, 1])
@@ -122,7 +122,7 @@ def test_save_load_round_trip_is_memory_mapped(tmp_path):
         for m in ("a", "b"):
             assert torch.equal(loaded.rows(p, m), store.rows(p, m))
     assert torch.equal(loaded.extra("logits", 0), store.extra("logits", 0)) and loaded.extra("logits", 1).shape == (0, 3)
-    assert ReferenceStore.load(tmp_path / "ref" / "reference.safetensors").modules == ["a", "b"]
+    assert ReferenceStore.load(tmp_path / "ref" / "reference.safetensors").capture_names == ["a", "b"]
 
 
 def test_load_rejects_foreign_files(tmp_path):
@@ -232,7 +232,7 @@ def test_writer_checks_every_prompt_against_the_first(tmp_path):
     caps, ids = _prompt_captures(2)
     writer = StoreWriter(tmp_path / "ref", shard_bytes=1)
     writer.add(ids[0], caps[0])
-    with pytest.raises(CaptureError, match=r"prompt 1: module 'a' has feature dim 3 .* prompt 0 has 4"):
+    with pytest.raises(CaptureError, match=r"prompt 1: capture 'a' has feature dim 3 .* prompt 0 has 4"):
         writer.add(ids[1], {"a": [torch.randn(1, 5, 3)], "b": caps[1]["b"]})
     with pytest.raises(CaptureError, match="prompt 1: token ids must be given for every prompt or for none"):
         writer.add(None, caps[1])
@@ -273,7 +273,7 @@ def test_merge_keeps_disjoint_prompt_indices_and_renumbers_colliding_ones(tmp_pa
     assert torch.equal(again.rows(4, "a"), expected.rows(1, "a"))
     other = ReferenceStore.from_captures([{"a": [torch.randn(1, 2, 4)]}])
     other.save(tmp_path / "other")
-    with pytest.raises(CaptureError, match="other: modules/dtypes/widths differ"):
+    with pytest.raises(CaptureError, match="other: capture names/dtypes/widths differ"):
         merge_stores([tmp_path / "x", tmp_path / "other"], tmp_path / "bad")
 
 
@@ -467,9 +467,9 @@ def test_stores_written_without_the_finite_check_say_so(tmp_path):
     assert not store.finite_checked
     with pytest.raises(CaptureError, match="written with allow_nonfinite=True"):
         TensorReplacer(store)
-    assert TensorReplacer(store, allow_nonfinite=True).modules == ["m"]
+    assert TensorReplacer(store, allow_nonfinite=True).capture_names == ["m"]
     assert store.verify()["finite"] is False
-    with pytest.raises(CaptureError, match="prompt 0, module 'm', position 0: capture holds NaN"):
+    with pytest.raises(CaptureError, match="prompt 0, capture 'm', position 0: capture holds NaN"):
         store.check_finite()
 
 

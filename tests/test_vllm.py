@@ -368,7 +368,7 @@ def test_bound_feed_buffers_take_gathers_in_place():
     ids = torch.tensor([prompt])
     replacer.register_request("a", prompt)
     for start in (0, 4):  # the second batch runs positions 4..19: rows past the 16 captured stay off
-        out = buffers.prefix(16)
+        out = buffers.leading(16)
         ctx = replacer.build_context_for_batch(["a"], [16], torch.arange(start, start + 16), out=out)
         assert ctx is out and int(buffers.mask.sum()) == 16 - start
         same = ReplacementContext({m: t.clone() for m, t in out.items()}, out.mask.clone())

@@ -122,12 +122,12 @@ def run(args: list[str], tp: int = 1, compiled: bool = False) -> str:
 def compare(hf: Reference, captured: Reference) -> dict:
     """Largest |HF - vLLM| per kind over every prompt of ``hf``; asserts the structure is equal."""
     by_prompt = {tuple(captured.prompt_tokens(i)): i for i in range(captured.num_prompts)}
-    assert captured.store.modules == hf.store.modules
+    assert captured.store.capture_names == hf.store.capture_names
     errors = {"router": 0.0, "logits": 0.0}
     for p in range(hf.num_prompts):
         q = by_prompt[tuple(hf.prompt_tokens(p))]
         assert captured.tokens(q) == hf.tokens(p), p
-        for m in hf.store.modules:
+        for m in hf.store.capture_names:
             a, b = hf.store.rows(p, m), captured.store.rows(q, m)
             assert a.shape == b.shape, (p, m, a.shape, b.shape)  # every row once: none missing, none duplicated
             errors["router"] = max(errors["router"], (a - b).abs().max().item())

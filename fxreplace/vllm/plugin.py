@@ -283,7 +283,7 @@ class VllmReplacement:
             if not targets:
                 raise TargetError(f"fxreplace: the {arch} family has no vllm_targets; give 'targets' in the config")
         resolved = resolve_targets(self.model, targets)
-        stored = set(self.replacer.modules)
+        stored = set(self.replacer.capture_names)
         out, missing = [], []
         for r in resolved:
             capture = r.capture_name
@@ -375,7 +375,7 @@ class VllmReplacement:
         """The bound buffers' first ``n`` rows as an ``out=`` context (cached per n)."""
         view = self._views.get(n)
         if view is None:
-            view = self._views[n] = self.feed.prefix(n)
+            view = self._views[n] = self.feed.leading(n)
         return view
 
     def clear(self) -> None:
