@@ -211,7 +211,7 @@ def vllm_main(args) -> None:
     peaks = {}
     for config in ("plain", "capture"):
         out = os.path.join(tmp, "rss_reference")
-        engine = engine_child(config, "eager", "rss", rss_ckpt, workload, out, env)
+        engine = start_engine(config, "eager", "rss", rss_ckpt, workload, out, env)
         got = json.loads(engine.expect("RESULT "))
         engine.close()
         peaks[config] = got["peak_rss_mib"]

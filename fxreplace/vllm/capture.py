@@ -49,12 +49,12 @@ from . import internals
 
 logger = logging.getLogger("fxreplace.vllm")
 
-SHARD_BYTES = 32 << 20  # rows of finished requests held before they go to disk as one shard
+SHARD_BYTES = 32 << 20  # rows and logits of finished requests held before they go to disk as one shard
 STATS_FILE = "capture.json"
 PREFIX_CACHE_HINT = ("capture needs every prompt token computed: turn prefix caching off with "
                      "enable_prefix_caching=False (LLM/EngineArgs) or --no-enable-prefix-caching (server)")
-DATA_PARALLEL_KEY = "_data_parallel_size"  # set by the front end (prepare_engine_args), not by users
 ASYNC_HINT = "capture reads each step's sampled tokens: turn async scheduling off (async_scheduling=False / --no-async-scheduling)"
+DATA_PARALLEL_KEY = "_data_parallel_size"  # set by the front end (prepare_engine_args), not by users
 
 
 def prepare_engine_args(engine_args, capture: dict) -> None:
