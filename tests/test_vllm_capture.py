@@ -9,11 +9,16 @@ rejected), a KV cache of 8 blocks (preemption and recomputation), and an aborted
 request. Then the vLLM-captured reference goes back into vLLM with replacement
 (``fxreplace validate --engine vllm``): it must be reproduced exactly.
 
+Two more families and the online path: GPT-OSS (eager CLI capture), and a dense
+Llama served by the OpenAI server with two data-parallel engines, captured over HTTP
+(each engine its own store, merged with ``merge_stores``).
+
 Every engine runs in a subprocess: test_vllm.py's ngram engine leaves its process
 unable to start another engine, and TP=2 needs its own process group anyway.
-Engines: eager TP=1 (script: preemption, abort), compiled TP=1, eager and compiled
-TP=2 (``fxreplace capture --engine vllm``), one validate engine. Compiled engines
-use vLLM's default Dynamo + Inductor (``FXREPLACE_TEST_DYNAMO_EAGER=1``: eager backend).
+Engines: eager TP=1 (script: preemption, abort), compiled TP=1 and TP=2
+(``fxreplace capture --engine vllm``), one validate engine, GPT-OSS eager, one
+server. Compiled engines use vLLM's default Dynamo + Inductor
+(``FXREPLACE_TEST_DYNAMO_EAGER=1``: eager backend).
 """
 
 from __future__ import annotations
