@@ -25,7 +25,10 @@ configuration, request submission and model load, and step methods are never wra
 
 Per request, ``SamplingParams(extra_args={"fxreplace": "off"})`` (online:
 ``"vllm_xargs": {"fxreplace": "off"}``) serves a request without replacement even
-when its prompt is in the reference.
+when its prompt is in the reference. With ``select_captures=True`` in the config,
+``extra_args={"fxreplace": {"captures": [capture names]}}`` replaces only those
+captures for that request (:class:`SelectingReplacement`); the front end refuses a
+selection naming a capture the reference does not hold.
 
 Debugging: with ``FXREPLACE_DEBUG_STATE=/path/state.json`` in the worker's
 environment, the worker rewrites that file after every step's request
@@ -36,6 +39,7 @@ to see the request map drain; unset, no file I/O happens.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import logging
@@ -61,6 +65,7 @@ DEBUG_STATE_ENV = "FXREPLACE_DEBUG_STATE"
 OFF_VALUES = ("off", "false", "0", False, 0)
 _MARK = "_fxreplace_wrapped"
 _PROMPTS_ATTR = "_fxreplace_prompts"
+_CAPTURES_ATTR = "_fxreplace_capture_names"
 _UNSET = object()
 _registered = False
 
@@ -139,6 +144,7 @@ def _process_inputs(original):
 
     def process_inputs(self, *args, **kwargs):
         request = original(self, *args, **kwargs)
+        _check_selection(self, request)
         prompts = self.__dict__.get(_PROMPTS_ATTR, _UNSET)
         if prompts is _UNSET:
             prompts = _reference_prompts(self.vllm_config.additional_config)
@@ -173,6 +179,38 @@ def _switched_off(sampling_params) -> bool:
     return bool(extra) and extra.get("fxreplace") in OFF_VALUES
 
 
+def _selection(sampling_params):
+    """A request's ``extra_args["fxreplace"]`` when it is a selection (a dict), else None."""
+    extra = getattr(sampling_params, "extra_args", None)
+    value = extra.get("fxreplace") if extra else None
+    return value if isinstance(value, dict) else None
+
+
+def _check_selection(processor, request) -> None:
+    """Front end: a selection ``{"captures": [names]}`` must be a list of capture names the
+    reference holds, sent to an engine configured with ``select_captures``."""
+    selection = _selection(request.sampling_params)
+    if selection is None:
+        return
+    config = parse_config(processor.vllm_config.additional_config)
+    captures = selection.get("captures")
+    if set(selection) != {"captures"} or not isinstance(captures, list) or not all(isinstance(c, str) for c in captures):
+        problem = f"extra_args['fxreplace'] must be 'off' or {{'captures': [capture names]}}, got {selection!r}"
+    elif config is None or config.config.capture is not None or not config.config.select_captures:
+        problem = "selects captures, but the engine's fxreplace config does not set select_captures=True"
+    else:
+        names = processor.__dict__.get(_CAPTURES_ATTR)
+        if names is None:
+            names = set(config.config.build_replacer(on_unknown="passthrough").capture_names)
+            setattr(processor, _CAPTURES_ATTR, names)
+        unknown = [c for c in captures if c not in names]
+        if not unknown:
+            return
+        close = {c: difflib.get_close_matches(c, names, n=2) for c in unknown[:4]}
+        problem = f"selects capture(s) {unknown} that the reference does not hold (closest: {close})"
+    raise internals.refuse(f"fxreplace: request {request.request_id} {problem}", parameter="extra_args")
+
+
 def _load_model(original):
     def load_model(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
@@ -185,7 +223,8 @@ def _load_model(original):
                 setattr(self, _STATE_ATTR, state)
                 attach(self, state)
             elif config is not None:
-                state = VllmReplacement(self, config.config)
+                kind = SelectingReplacement if config.config.select_captures else VllmReplacement
+                state = kind(self, config.config)
                 setattr(self, _STATE_ATTR, state)
                 _wrap_steps(self, state)
                 state.check_points(self)
@@ -244,7 +283,7 @@ class VllmReplacement:
         # Bind before warmup compiles: the graph reads these buffers from its first trace.
         # Each step gathers straight into their first rows (no second copy).
         self.feed = self.replacer.warmup_context(self.max_tokens)
-        self.model.feed(self.feed, bind=True)
+        self.model.feed(self._bound_context(), bind=True)
         self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
         self.steps = 0  # forwards that held at least one request matched to the reference
         self.tokens_replaced = 0
@@ -301,6 +340,10 @@ class VllmReplacement:
             logger.warning("fxreplace: %d default target(s) have no reference tensors and stay unreplaced: %s",
                            len(missing), missing[:4])
         return out
+
+    def _bound_context(self) -> ReplacementContext:
+        """What the model's buffers become: the feed itself, so every target reads its one mask."""
+        return self.feed
 
     def check_points(self, runner) -> None:
         """Run every target's injection point once (an eager dummy forward, replacement
@@ -386,6 +429,65 @@ class VllmReplacement:
     @property
     def requests(self) -> dict:
         return self.replacer.requests
+
+
+class SelectingReplacement(VllmReplacement):
+    """``select_captures=True``: each request picks the captures that replace it
+    (``extra_args={"fxreplace": {"captures": [...]}}``; without a selection, all).
+
+    Every target reads a mask of its own (the feed bound as a
+    :class:`~fxreplace.context.SelectedContext`); each step sets it to the batch's mask
+    where the token's request selected that target's capture. The graph's inputs are the
+    same whatever the selection, so one compiled graph serves them all.
+    """
+
+    def _bound_context(self) -> ReplacementContext:
+        self.capture_names = list(dict.fromkeys(t.name for t in self.targets))
+        bound = self.feed.select(self.capture_names)
+        self.masks = [bound.mask_for(name) for name in self.capture_names]
+        self.all_selected = torch.ones(len(self.capture_names), dtype=torch.bool)
+        self.selections: dict[str, torch.Tensor] = {}  # request id -> [captures] bool, when it selected
+        return bound
+
+    def update_requests(self, scheduler_output) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.selections.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            selection = _selection(new.sampling_params)
+            if selection is None:
+                continue
+            wanted = set(selection["captures"])  # validated in the front end
+            ignored = sorted(wanted - set(self.capture_names))
+            if ignored:
+                logger.error("fxreplace: request %s selects capture(s) %s that no instrumented target reads; "
+                             "they are not replaced", new.req_id, ignored)
+            self.selections[new.req_id] = torch.tensor([name in wanted for name in self.capture_names])
+        super().update_requests(scheduler_output)
+
+    def prepare(self, runner, scheduler_output, positions) -> None:
+        super().prepare(runner, scheduler_output, positions)
+        if not self.armed:
+            return
+        try:
+            req_ids = internals.batch_requests(runner)
+            scheduled = scheduler_output.num_scheduled_tokens
+            counts = torch.tensor([scheduled[r] for r in req_ids])
+            total = int(counts.sum())
+            chosen = torch.stack([self.selections.get(r, self.all_selected) for r in req_ids], 1)
+            per_token = chosen.repeat_interleave(counts, dim=1).to(self.device)  # [captures, total]
+            batch_mask = self.feed.mask[:total]
+            for mask, selected in zip(self.masks, per_token):
+                torch.logical_and(batch_mask, selected, out=mask[:total])
+        except Exception as exc:
+            self.errors += 1
+            self.clear()
+            logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
+
+    def clear(self) -> None:
+        if self.armed:
+            for mask in self.masks:
+                mask.fill_(False)
+        super().clear()
 
 
 def _host_positions(runner, counts: list[int], total: int) -> torch.Tensor:
