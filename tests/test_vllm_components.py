@@ -1,4 +1,4 @@
-"""Every family's ``vllm_components`` in a real vLLM engine (eager, float32), and
+"""Every family's ``vllm_components`` in a real vLLM engine (float32), and
 per-request selection of captures (``select_captures``).
 
 Per family: the reference is the clean HF model with its components captured; vLLM
@@ -37,6 +37,9 @@ from test_vllm import max_diff
 from test_vllm_families import ATOL, VLLM_CONFIG, _Output
 
 COMPONENT_FAMILIES = [arch for arch in families() if get_family(arch).vllm_components]
+# vLLM's default compiled mode for one family (one graph must serve every selection; its
+# components are also exercised eagerly by test_blame_vllm.py), eager for the others
+COMPILED = {"Qwen3MoeForCausalLM"}
 NEW = 4
 
 ENGINE_SCRIPT = textwrap.dedent("""
@@ -44,18 +47,28 @@ ENGINE_SCRIPT = textwrap.dedent("""
     from vllm import SamplingParams
     from fxreplace.vllm.engine import VllmBlameEngine
     ckpt, ref_dir, prompts, selections = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
-    blame_engine = VllmBlameEngine(ckpt, ref_dir, logprobs=5, max_model_len=128, max_num_seqs=16, enforce_eager=True,
-                                   distributed_executor_backend="uni", enable_prefix_caching=False)
+    blame_engine = VllmBlameEngine(ckpt, ref_dir, logprobs=5, max_model_len=128, max_num_seqs=16,
+                                   enforce_eager=sys.argv[5] == "eager", distributed_executor_backend="uni",
+                                   enable_prefix_caching=False)
     def params(selection):
         extra = {"fxreplace": "off"} if selection is None else {"fxreplace": {"captures": selection}}
         return SamplingParams(temperature=0.0, max_tokens=%d, logprobs=5, prompt_logprobs=5, ignore_eos=True,
                               extra_args=extra)
+    refusals = []  # bad selections, refused in the front end before the batch below
+    for bad in ({"captures": ["model.layers.0.self_atn"]}, {"capture": []}):
+        try:
+            blame_engine.engine.llm.generate([{"prompt_token_ids": prompts[0]}],
+                                             SamplingParams(max_tokens=1, extra_args={"fxreplace": bad}), use_tqdm=False)
+            refusals.append(None)
+        except Exception as exc:
+            refusals.append(str(exc))
     requests = [(p, s) for p in prompts for s in selections]  # one mixed batch
     outs = blame_engine.engine.llm.generate([{"prompt_token_ids": p} for p, _ in requests],
                                             [params(s) for _, s in requests], use_tqdm=False)
     def steps(logprobs):
         return [None if s is None else {str(t): v.logprob for t, v in s.items()} for s in logprobs]
     print("RESULT " + json.dumps({
+        "refusals": refusals,
         "components": sorted((c.kind, c.layer, c.capture_name, c.target.pattern) for c in blame_engine.components),
         "outs": [[list(o.outputs[0].token_ids), steps(o.outputs[0].logprobs), steps(o.prompt_logprobs)]
                  for o in outs]}), flush=True)
@@ -95,9 +108,13 @@ class ComponentRun:
             "layer.1": ([names["layer", 1]], True),
             "attention.0 only": ([names["attention", 0]], False),
         }
-        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
+        env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        self.mode = "compiled" if arch in COMPILED else "eager"
+        if self.mode == "compiled" and os.environ.get("FXREPLACE_TEST_DYNAMO_EAGER"):
+            env["VLLM_CPU_CI_ENV"] = "1"
         proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(ckpt), str(ref_dir), json.dumps(self.prompts),
-                               json.dumps([s for s, _ in self.selections.values()])],
+                               json.dumps([s for s, _ in self.selections.values()]), self.mode],
                               env=env, capture_output=True, text=True, timeout=400)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, f"{arch}: vLLM engine failed:\n{proc.stderr[-4000:]}"
@@ -123,11 +140,19 @@ def test_every_component_maps_to_a_vllm_module(run):
     assert found == {(kind, layer) for kind in run.kinds for layer in range(layers)}
 
 
+def test_bad_selection_is_refused_naming_it(run):
+    """Refused in the front end, naming the capture; the engine then serves the batch."""
+    unknown, malformed = run.result["refusals"]
+    assert unknown is not None and "selects capture(s) ['model.layers.0.self_atn'] that the reference does not hold" \
+        in unknown and "model.layers.0.self_attn" in unknown  # the closest name is suggested
+    assert malformed is not None and "must be 'off' or {'captures': [capture names]}, got {'capture': []}" in malformed
+
+
 def test_selected_components_restore_the_clean_model(run):
     for i in range(len(run.prompts)):
         for label, (_, restores) in run.selections.items():
             d = run.diff(i, label)
-            print(f"{run.arch} prompt {i} {label}: max |dlogprob| vs clean HF {d:.2e}")
+            print(f"{run.arch} ({run.mode}) prompt {i} {label}: max |dlogprob| vs clean HF {d:.2e}")
             if restores:
                 assert d < ATOL, (run.arch, i, label, d)
             else:
