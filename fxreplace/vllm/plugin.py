@@ -18,7 +18,8 @@ on is in :mod:`fxreplace.vllm.internals`):
 * when configured, that runner *instance* (not the class) gets two wrappers:
   ``execute_model`` registers new requests and releases finished ones;
   ``_model_forward`` builds the context for the batch and fills the buffers in
-  place, then turns replacement off again after the forward.
+  place: every row the forward reads, padding rows off, so nothing needs clearing
+  after it; a dummy or profile run (no scheduled batch) clears the mask first.
 
 Unconfigured, nothing runs per step: the class-level wrappers only act at engine
 configuration, request submission and model load, and step methods are never wrapped.
@@ -211,13 +212,12 @@ def _wrap_steps(runner, state: "VllmReplacement") -> None:
     @functools.wraps(forward)
     def _model_forward(*args, **kwargs):
         scheduler_output = state.scheduler_output
-        if scheduler_output is None:  # dummy/profile run: replacement stays off
+        if scheduler_output is None:  # dummy/profile run: replacement off
+            state.clear()
             return forward(*args, **kwargs)
+        # every row the forward reads is rewritten (padding rows off), so no clear after it
         state.prepare(runner, scheduler_output, internals.forward_positions(args, kwargs))
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            state.clear()  # dummy runs between steps see replacement off
+        return forward(*args, **kwargs)
 
     setattr(runner, internals.EXECUTE_MODEL, execute_model)
     setattr(runner, internals.MODEL_FORWARD, _model_forward)
@@ -252,7 +252,8 @@ class VllmReplacement:
         self.registered = 0  # requests registered (matched or not) and released, over the engine's life
         self.released = 0
         self.scheduler_output = None  # the step being executed (set by the execute_model wrapper)
-        self.armed = False  # whether the buffers may hold a live mask (clear() is a no-op otherwise)
+        self.armed = False  # whether the mask may hold True rows (clear() is a no-op otherwise)
+        self.on_host = self.feed.mask.device.type == "cpu"
         self.debug_state_path = os.environ.get(DEBUG_STATE_ENV) or None
         logger.info("fxreplace: instrumented %d target(s) of %s (%s ...), %d reference prompt(s), buffers of %d tokens",
                     len(self.targets), arch, self.targets[0].pattern, self.replacer.store.num_prompts, self.max_tokens)
@@ -347,25 +348,24 @@ class VllmReplacement:
             self.debug_state_path = None
 
     def prepare(self, runner, scheduler_output, positions) -> None:
-        """Fill the buffers for this forward from the batch vLLM actually runs.
+        """Fill the buffers for this forward from the batch vLLM actually runs: every
+        row it reads, the padding after the scheduled tokens included (mask off there).
 
         The hot path: per request only a dict lookup; no tensor is allocated here
         (the gather writes into the bound buffers' leading rows)."""
         try:
             req_ids = internals.batch_requests(runner)
-            if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers stay off
+            if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
+                self.clear()
                 return
             scheduled = scheduler_output.num_scheduled_tokens
             counts = [scheduled[r] for r in req_ids]
-            total = sum(counts)
-            if isinstance(positions, torch.Tensor) and positions.device.type == "cpu":
-                pos = positions[:total]
-            else:  # device positions: recompute on the host
-                pos = _host_positions(runner, counts, total)
+            if positions is None or not positions.is_cpu:  # device positions: recompute on the host
+                positions = _host_positions(runner, counts, sum(counts) if positions is None else positions.shape[0])
             self.armed = True
-            ctx = self.replacer.build_context_for_batch(req_ids, counts, pos, out=self._rows(total))
+            ctx = self.replacer.build_context_for_batch(req_ids, counts, positions, out=self._rows(positions.shape[0]))
             self.steps += 1
-            self.tokens_replaced += _count(ctx.mask)
+            self.tokens_replaced += int(np.count_nonzero(ctx.mask_array())) if self.on_host else int(ctx.mask.sum())
         except Exception as exc:
             self.errors += 1
             self.clear()
@@ -388,21 +388,17 @@ class VllmReplacement:
         return self.replacer.requests
 
 
-def _host_positions(runner, counts: list[int], total: int) -> torch.Tensor:
-    """Each scheduled token's position from the batch's computed-token counts."""
-    num_reqs = len(counts)
+def _host_positions(runner, counts: list[int], num_tokens: int) -> torch.Tensor:
+    """Each scheduled token's position from the batch's computed-token counts, then
+    zeros for the padding up to ``num_tokens``."""
+    num_reqs, total = len(counts), sum(counts)
     counts = np.asarray(counts, dtype=np.int64)
     owner = np.repeat(np.arange(num_reqs), counts)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     computed = internals.computed_tokens(runner)[:num_reqs].astype(np.int64)
-    return torch.from_numpy(computed[owner] + np.arange(total) - starts[owner])
-
-
-def _count(mask: torch.Tensor) -> int:
-    """True entries of a small mask; on the host through numpy (a third of a torch sum's cost)."""
-    if mask.device.type == "cpu":
-        return int(mask.numpy().sum())
-    return int(mask.sum())
+    positions = np.zeros(num_tokens, dtype=np.int64)
+    positions[:total] = computed[owner] + np.arange(total) - starts[owner]
+    return torch.from_numpy(positions)
 
 
 def get_state(runner):
