@@ -18,7 +18,8 @@ on is in :mod:`fxreplace.vllm.internals`):
 * when configured, that runner *instance* (not the class) gets two wrappers:
   ``execute_model`` registers new requests and releases finished ones;
   ``_model_forward`` builds the context for the batch and fills the buffers in
-  place, then turns replacement off again after the forward.
+  place: every row the forward reads, padding rows off, so nothing needs clearing
+  after it; a dummy or profile run (no scheduled batch) clears the mask first.
 
 Unconfigured, nothing runs per step: the class-level wrappers only act at engine
 configuration, request submission and model load, and step methods are never wrapped.
@@ -250,13 +251,12 @@ def _wrap_steps(runner, state: "VllmReplacement") -> None:
     @functools.wraps(forward)
     def _model_forward(*args, **kwargs):
         scheduler_output = state.scheduler_output
-        if scheduler_output is None:  # dummy/profile run: replacement stays off
+        if scheduler_output is None:  # dummy/profile run: replacement off
+            state.clear()
             return forward(*args, **kwargs)
+        # every row the forward reads is rewritten (padding rows off), so no clear after it
         state.prepare(runner, scheduler_output, internals.forward_positions(args, kwargs))
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            state.clear()  # dummy runs between steps see replacement off
+        return forward(*args, **kwargs)
 
     setattr(runner, internals.EXECUTE_MODEL, execute_model)
     setattr(runner, internals.MODEL_FORWARD, _model_forward)
@@ -291,7 +291,8 @@ class VllmReplacement:
         self.registered = 0  # requests registered (matched or not) and released, over the engine's life
         self.released = 0
         self.scheduler_output = None  # the step being executed (set by the execute_model wrapper)
-        self.armed = False  # whether the buffers may hold a live mask (clear() is a no-op otherwise)
+        self.armed = False  # whether the mask may hold True rows (clear() is a no-op otherwise)
+        self.on_host = self.feed.mask.device.type == "cpu"
         self.debug_state_path = os.environ.get(DEBUG_STATE_ENV) or None
         logger.info("fxreplace: instrumented %d target(s) of %s (%s ...), %d reference prompt(s), buffers of %d tokens",
                     len(self.targets), arch, self.targets[0].pattern, self.replacer.store.num_prompts, self.max_tokens)
@@ -390,25 +391,24 @@ class VllmReplacement:
             self.debug_state_path = None
 
     def prepare(self, runner, scheduler_output, positions) -> None:
-        """Fill the buffers for this forward from the batch vLLM actually runs.
+        """Fill the buffers for this forward from the batch vLLM actually runs: every
+        row it reads, the padding after the scheduled tokens included (mask off there).
 
         The hot path: per request only a dict lookup; no tensor is allocated here
         (the gather writes into the bound buffers' leading rows)."""
         try:
             req_ids = internals.batch_requests(runner)
-            if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers stay off
+            if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
+                self.clear()
                 return
             scheduled = scheduler_output.num_scheduled_tokens
             counts = [scheduled[r] for r in req_ids]
-            total = sum(counts)
-            if isinstance(positions, torch.Tensor) and positions.device.type == "cpu":
-                pos = positions[:total]
-            else:  # device positions: recompute on the host
-                pos = _host_positions(runner, counts, total)
+            if positions is None or not positions.is_cpu:  # device positions: recompute on the host
+                positions = _host_positions(runner, counts, sum(counts) if positions is None else positions.shape[0])
             self.armed = True
-            ctx = self.replacer.build_context_for_batch(req_ids, counts, pos, out=self._rows(total))
+            ctx = self.replacer.build_context_for_batch(req_ids, counts, positions, out=self._rows(positions.shape[0]))
             self.steps += 1
-            self.tokens_replaced += _count(ctx.mask)
+            self.tokens_replaced += int(np.count_nonzero(ctx.mask_array())) if self.on_host else int(ctx.mask.sum())
         except Exception as exc:
             self.errors += 1
             self.clear()
@@ -436,9 +436,10 @@ class SelectingReplacement(VllmReplacement):
     (``extra_args={"fxreplace": {"captures": [...]}}``; without a selection, all).
 
     Every target reads a mask of its own (the feed bound as a
-    :class:`~fxreplace.context.SelectedContext`); each step sets it to the batch's mask
-    where the token's request selected that target's capture. The graph's inputs are the
-    same whatever the selection, so one compiled graph serves them all.
+    :class:`~fxreplace.context.SelectedContext`); each step sets every row the forward
+    reads to the batch's mask where the token's request selected that target's capture
+    (padding rows off). The graph's inputs are the same whatever the selection, so one
+    compiled graph serves them all.
     """
 
     def _bound_context(self) -> ReplacementContext:
@@ -446,6 +447,7 @@ class SelectingReplacement(VllmReplacement):
         bound = self.feed.select(self.capture_names)
         self.masks = [bound.mask_for(name) for name in self.capture_names]
         self.all_selected = torch.ones(len(self.capture_names), dtype=torch.bool)
+        self.none_selected = torch.zeros(len(self.capture_names), dtype=torch.bool)
         self.selections: dict[str, torch.Tensor] = {}  # request id -> [captures] bool, when it selected
         return bound
 
@@ -471,13 +473,16 @@ class SelectingReplacement(VllmReplacement):
         try:
             req_ids = internals.batch_requests(runner)
             scheduled = scheduler_output.num_scheduled_tokens
-            counts = torch.tensor([scheduled[r] for r in req_ids])
-            total = int(counts.sum())
-            chosen = torch.stack([self.selections.get(r, self.all_selected) for r in req_ids], 1)
-            per_token = chosen.repeat_interleave(counts, dim=1).to(self.device)  # [captures, total]
-            batch_mask = self.feed.mask[:total]
+            counts = [scheduled[r] for r in req_ids]
+            total = sum(counts)
+            rows = total if positions is None else positions.shape[0]  # as the base class: padding included
+            # per token, whether its request selected each capture (padding rows: none)
+            chosen = torch.stack([self.selections.get(r, self.all_selected) for r in req_ids]
+                                 + [self.none_selected], 1)
+            per_token = chosen.repeat_interleave(torch.tensor(counts + [rows - total]), dim=1).to(self.device)
+            batch_mask = self.feed.mask[:rows]
             for mask, selected in zip(self.masks, per_token):
-                torch.logical_and(batch_mask, selected, out=mask[:total])
+                torch.logical_and(batch_mask, selected, out=mask[:rows])
         except Exception as exc:
             self.errors += 1
             self.clear()
@@ -490,21 +495,17 @@ class SelectingReplacement(VllmReplacement):
         super().clear()
 
 
-def _host_positions(runner, counts: list[int], total: int) -> torch.Tensor:
-    """Each scheduled token's position from the batch's computed-token counts."""
-    num_reqs = len(counts)
+def _host_positions(runner, counts: list[int], num_tokens: int) -> torch.Tensor:
+    """Each scheduled token's position from the batch's computed-token counts, then
+    zeros for the padding up to ``num_tokens``."""
+    num_reqs, total = len(counts), sum(counts)
     counts = np.asarray(counts, dtype=np.int64)
     owner = np.repeat(np.arange(num_reqs), counts)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     computed = internals.computed_tokens(runner)[:num_reqs].astype(np.int64)
-    return torch.from_numpy(computed[owner] + np.arange(total) - starts[owner])
-
-
-def _count(mask: torch.Tensor) -> int:
-    """True entries of a small mask; on the host through numpy (a third of a torch sum's cost)."""
-    if mask.device.type == "cpu":
-        return int(mask.numpy().sum())
-    return int(mask.sum())
+    positions = np.zeros(num_tokens, dtype=np.int64)
+    positions[:total] = computed[owner] + np.arange(total) - starts[owner]
+    return torch.from_numpy(positions)
 
 
 def get_state(runner):
