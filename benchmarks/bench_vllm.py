@@ -27,8 +27,8 @@ that neither other load nor process placement moves.
 Unconfigured, the plugin wraps no per-step method (only engine configuration
 and model load), so ``overhead_inactive`` measures the noise floor. Active, each
 step gathers the batch's reference rows straight into the model's static buffers
-(one ``index_select`` per packed group and one mask copy) and clears the mask
-after the forward. Compiled mode is vLLM's default (Dynamo + Inductor).
+(one ``index_select`` per packed group and one mask write, padding rows off), so
+nothing is cleared after the forward (only before a dummy run). Compiled mode is vLLM's default (Dynamo + Inductor).
 """
 
 from __future__ import annotations

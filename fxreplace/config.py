@@ -52,6 +52,12 @@ class ReplacementConfig:
 
     ``capture``: ``{"out": DIR, "targets": [...]}`` makes a vLLM engine capture a
     reference instead of replacing (:mod:`fxreplace.vllm.capture`); no source then.
+
+    ``select_captures`` (vLLM): each request may choose which captures replace it
+    (``SamplingParams(extra_args={"fxreplace": {"captures": [capture names]}})``), so
+    one engine serves every set of replaced components (``fxreplace blame``). Each
+    target then reads a mask of its own, filled every step; off (the default),
+    every target reads one shared mask.
     """
 
     tensors: Any = None
@@ -61,6 +67,7 @@ class ReplacementConfig:
     targets: Any = None
     on_unknown: OnUnknown = "error"
     capture: Any = None
+    select_captures: bool = False
 
     def __post_init__(self):
         if self.capture is not None:
@@ -83,6 +90,8 @@ class ReplacementConfig:
             self.targets = parse_targets(self.targets)
         if self.on_unknown not in ON_UNKNOWN:
             raise ConfigError(f"on_unknown must be 'error' or 'passthrough', got {self.on_unknown!r}")
+        if not isinstance(self.select_captures, bool):
+            raise ConfigError(f"select_captures must be true or false, got {self.select_captures!r}")
 
     # ------------------------------------------------------------ dict form
 
@@ -106,7 +115,7 @@ class ReplacementConfig:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None or f.name == "on_unknown" and value == f.default:
+            if value is None or f.name in ("on_unknown", "select_captures") and value == f.default:
                 continue
             if f.name == "targets":
                 value = [_target_dict(t) for t in value]

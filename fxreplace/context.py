@@ -23,7 +23,7 @@ class ReplacementContext(Mapping):
     ``places[name]`` is ``(group, block)``.
     """
 
-    __slots__ = ("_tensors", "mask", "storage", "places", "__weakref__")
+    __slots__ = ("_tensors", "mask", "storage", "places", "_mask_array", "checked_by", "__weakref__")
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = (),
                  places: Mapping[str, tuple[int, int]] | None = None):
@@ -39,6 +39,8 @@ class ReplacementContext(Mapping):
         self.mask = mask
         self.storage = storage  # per group [capture names, num_tokens, E], when built by a TensorReplacer
         self.places = dict(places or {})
+        self._mask_array = None
+        self.checked_by = None  # (replacer, slots, on its device) once a TensorReplacer checked it as out=
 
     @classmethod
     def from_storage(cls, storage: tuple[torch.Tensor, ...], mask: torch.Tensor,
@@ -53,6 +55,13 @@ class ReplacementContext(Mapping):
             return ReplacementContext({m: t[:num_tokens] for m, t in self._tensors.items()}, self.mask[:num_tokens])
         return ReplacementContext.from_storage(tuple(s[:, :num_tokens] for s in self.storage), self.mask[:num_tokens],
                                                self.places)
+
+    def mask_array(self):
+        """The mask as a numpy array sharing its memory (host masks only): engines set
+        and clear a few flags per step through it at a fraction of a torch call's cost."""
+        if self._mask_array is None:
+            self._mask_array = self.mask.numpy()
+        return self._mask_array
 
     def mask_for(self, name: str) -> torch.Tensor:
         """The rows replaced at capture ``name`` (a :class:`SelectedContext` narrows them per capture name)."""
@@ -114,6 +123,13 @@ class SelectedContext(ReplacementContext):
             raise KeyError(f"select(): no replacement tensors for {unknown}; the context holds {sorted(context)}")
         self.masks = {m: context.mask.clone() if m in self.selected else torch.zeros_like(context.mask)
                       for m in context}
+
+    def mask_array(self):
+        """The mask as a numpy array sharing its memory (host masks only): engines set
+        and clear a few flags per step through it at a fraction of a torch call's cost."""
+        if self._mask_array is None:
+            self._mask_array = self.mask.numpy()
+        return self._mask_array
 
     def mask_for(self, name: str) -> torch.Tensor:
         return self.masks[name]

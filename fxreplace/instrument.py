@@ -207,7 +207,8 @@ class InstrumentedModel:
         compiling.
 
         ``bind=True``: no copy; the buffers *become* the context's tensors and its
-        mask (a ReplacementContext of ``max_tokens`` rows holding every target).
+        mask (a ReplacementContext of ``max_tokens`` rows holding every target; a
+        :class:`~fxreplace.context.SelectedContext` binds each target to its own mask).
         Writing into that context in place afterwards, e.g. with
         ``TensorReplacer.build_context_for_batch(..., out=<its first T rows>)``,
         is then the whole feed; :meth:`clear` still turns replacement off."""
@@ -226,7 +227,7 @@ class InstrumentedModel:
                                      f"{state.max_tokens} rows")
                 values_name, mask_name = state.buffer_names(i)
                 self.register_buffer(values_name, value, persistent=False)
-                self.register_buffer(mask_name, mask, persistent=False)
+                self.register_buffer(mask_name, replacements.mask_for(target.capture_name), persistent=False)
             state.remember_buffers(self)
             return
         for i, target in enumerate(state.targets):

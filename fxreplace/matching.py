@@ -13,6 +13,7 @@ Building the index is vectorised over all prompts' tokens at once.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -82,6 +83,7 @@ class PromptIndex:
         for i, h in enumerate(full.tolist()):
             self._by_hash.setdefault(h, []).append(i)
         self._lengths = np.unique(lengths)
+        self._lengths_list = self._lengths.tolist()
 
     def __len__(self) -> int:
         return len(self._table)
@@ -97,20 +99,20 @@ class PromptIndex:
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.ndim != 1:
             raise ValueError(f"token ids must be 1-D, got shape {tokens.shape}")
-        n = tokens.size
-        candidates = self._lengths[: np.searchsorted(self._lengths, n, side="right")]
-        if candidates.size == 0:
+        count = bisect.bisect_right(self._lengths_list, tokens.size)  # stored lengths <= the request's
+        if count == 0:
             return None
+        candidates = self._lengths[:count]
         hashes = self._prefix_hashes(tokens[: candidates[-1]])[candidates - 1].tolist()
-        for length, h in zip(reversed(candidates.tolist()), reversed(hashes)):
+        for length, h in zip(reversed(self._lengths_list[:count]), reversed(hashes)):
             for i in self._by_hash.get(h, ()):
                 p = self._table.array(i)
-                if p.size == length and np.array_equal(p, tokens[:length]):
+                if p.size == length and p.tobytes() == tokens[:length].tobytes():
                     return i
         return None
 
     def _prefix_hashes(self, tokens: np.ndarray) -> np.ndarray:
-        """Hash of every prefix; ``tokens`` is never longer than the longest stored prompt."""
-        with np.errstate(over="ignore"):
-            mixed = (tokens.astype(np.uint64) + _MIX) * self._multipliers[: tokens.size]
-            return np.cumsum(mixed, dtype=np.uint64)
+        """Hash of every prefix; ``tokens`` is never longer than the longest stored prompt.
+        (uint64 array arithmetic wraps around silently.)"""
+        mixed = (tokens.astype(np.uint64) + _MIX) * self._multipliers[: tokens.size]
+        return np.cumsum(mixed, dtype=np.uint64)

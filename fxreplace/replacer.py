@@ -15,7 +15,6 @@ is the caller's race.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
@@ -94,7 +93,7 @@ class TensorReplacer:
         self._lengths = store.lengths.cpu().numpy()
         self._shard_of = store.prompt_shard.cpu().numpy()
         self._zero_rows = np.array([s.zero_row for s in store.shards], dtype=np.int64)
-        self._offsets_list, self._lengths_list = self._offsets.tolist(), self._lengths.tolist()
+        self._spans = list(zip(self._offsets.tolist(), self._lengths.tolist()))  # per prompt (first row, rows)
         self._zero_rows_list = self._zero_rows.tolist()
         self._sources = [tuple(s.packed) for s in self.store.shards]
         self._places = {m: (c.group, c.index) for m, c in store.columns.items()}
@@ -103,7 +102,6 @@ class TensorReplacer:
         self._prompt_of: dict[str, int] = {}  # request id -> internal prompt (or _UNMATCHED)
         self._registered_as: dict[str, tuple] = {}  # request id -> (token ids, prompt_idx) it was registered with
         self._spare: list[tuple[torch.Tensor, ...]] = []
-        self._valid_outs: weakref.WeakValueDictionary[int, ReplacementContext] = weakref.WeakValueDictionary()
 
     @property
     def capture_names(self) -> list[str]:
@@ -206,7 +204,7 @@ class TensorReplacer:
         ``out``: a context this replacer built earlier with the same number of slots
         (on any device), overwritten in place instead of allocating.
         """
-        positions = _as_index_array(positions, "positions")
+        positions = np.asarray(_as_index_array(positions, "positions"), dtype=np.int64)
         n = positions.shape[0]
         if is_prefill:
             if len(req_ids) != 1:
@@ -236,13 +234,15 @@ class TensorReplacer:
         """Mixed batches (vLLM-style): request ``i`` owns the next ``num_scheduled_tokens[i]``
         slots, in order; the rest of ``positions`` is padding. ``out`` as in :meth:`build_context`."""
         positions = _as_index_array(positions, "positions")
-        counts = _as_index_array(num_scheduled_tokens, "num_scheduled_tokens").tolist()
+        counts = num_scheduled_tokens
+        if not _is_int_list(counts):  # engines pass a list of ints: used as it is
+            counts = _as_index_array(counts, "num_scheduled_tokens").tolist()
         if len(counts) != len(req_ids):
             raise ValueError(f"got {len(counts)} num_scheduled_tokens for {len(req_ids)} requests")
         if counts and min(counts) < 0:
             raise ValueError(f"num_scheduled_tokens must be >= 0, got {counts}")
-        if sum(counts) > positions.shape[0]:
-            raise ValueError(f"requests schedule {sum(counts)} tokens but the batch has only {positions.shape[0]} positions")
+        if sum(counts) > len(positions):
+            raise ValueError(f"requests schedule {sum(counts)} tokens but the batch has only {len(positions)} positions")
         return self._gather(req_ids, counts, positions, device, out)
 
     def warmup_context(self, num_tokens: int, device: torch.device | str | None = None) -> ReplacementContext:
@@ -273,19 +273,24 @@ class TensorReplacer:
 
         Batches of up to ``_SMALL_BATCH`` slots in one shard (decode steps) run as a plain
         Python loop, which costs a fraction of the dozen numpy calls of the general case."""
-        n = positions.shape[0]
+        n = len(positions)
         if len(self._sources) == 1 and n <= _SMALL_BATCH:
-            offsets, lengths = self._offsets_list, self._lengths_list
+            spans = self._spans
             rows, mask = [self._zero_rows_list[0]] * n, [False] * n
-            pos, s = positions.tolist(), 0
+            pos, s = positions if type(positions) is list else positions.tolist(), 0
             for p, c in zip(prompts, counts):
                 if p >= 0:
-                    length, offset = lengths[p], offsets[p]
-                    for j in range(s, s + c):
-                        if 0 <= pos[j] < length:
-                            rows[j], mask[j] = offset + pos[j], True
+                    offset, length = spans[p]
+                    if c == 1:  # a decode step
+                        if 0 <= pos[s] < length:
+                            rows[s], mask[s] = offset + pos[s], True
+                    else:
+                        for j in range(s, s + c):
+                            if 0 <= pos[j] < length:
+                                rows[j], mask[j] = offset + pos[j], True
                 s += c
             return [(0, rows, None)], mask
+        positions = np.asarray(positions, dtype=np.int64)
         owners = np.repeat(np.arange(len(counts) + 1), counts + [n - sum(counts)])
         prompt = np.array(prompts)[owners]
         known = prompt >= 0
@@ -307,7 +312,12 @@ class TensorReplacer:
     def _gather(self, req_ids, counts: list[int], positions: np.ndarray, device, out) -> ReplacementContext:
         """Request ``i`` owns the next ``counts[i]`` slots, the rest is padding -> context."""
         plan, mask = self._slot_rows(self._request_prompts(req_ids), counts, positions)
-        n = positions.shape[0]
+        n = len(positions)
+        if out is not None and len(plan) == 1 and device is None and self._on_host and self._checked_out(out, n):
+            # an engine's step on the host: straight into its buffers
+            self._run(plan, out.storage)
+            out.mask_array()[:] = mask
+            return out
         if out is None:
             ctx = self._fresh_context(n)
             self._run(plan, ctx.storage)
@@ -324,14 +334,20 @@ class TensorReplacer:
             for src, dst in zip(staged.storage, out.storage):
                 dst.copy_(src, non_blocking=True)
         if self._on_host and direct:
-            out.mask.numpy()[:] = mask  # no tensor made for a handful of flags
+            out.mask_array()[:] = mask  # no tensor made for a handful of flags
         else:
             out.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
         return out
 
     def _run(self, plan, storage: tuple[torch.Tensor, ...]) -> None:
         for s, rows, slots in plan:
-            rows = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+            rows = np.asarray(rows, dtype=np.int64)
+            if slots is None and rows.shape[0] > _SMALL_BATCH:
+                runs = _runs(rows, self._zero_rows[s])
+                if runs is not None:
+                    self._copy_runs(self._sources[s], storage, runs)
+                    continue
+            rows = torch.from_numpy(rows)
             if self._on_host is False:
                 rows = rows.to(self._device)
             if slots is None:
@@ -341,6 +357,18 @@ class TensorReplacer:
                 slots = torch.from_numpy(slots).to(self._device)  # multi-shard batches: not the decode hot path
                 for src, dst in zip(self._sources[s], storage):
                     dst.index_copy_(1, slots, src.index_select(1, rows))
+
+    @staticmethod
+    def _copy_runs(sources, storage, runs) -> None:
+        """Block copies of runs of consecutive store rows (zeros for padding runs): a
+        prefill chunk is one run, and a block copy moves it at memcpy speed where a
+        gather pays per row."""
+        for src, dst in zip(sources, storage):
+            for start, stop, row in runs:
+                if row is None:
+                    dst[:, start:stop].zero_()
+                else:
+                    dst[:, start:stop].copy_(src[:, row:row + stop - start])
 
     def _fresh_context(self, n: int) -> ReplacementContext:
         """A context of ``n`` slots on the store's device, reusing the buffers of a dropped
@@ -358,8 +386,10 @@ class TensorReplacer:
             return ReplacementContext.from_storage(bufs, mask, self._places)
 
     def _checked_out(self, out: ReplacementContext, n: int) -> bool:
-        """Check ``out`` once (remembered while it lives); returns whether it is on the store's device."""
-        if self._valid_outs.get(id(out)) is not out:
+        """Check ``out`` once (remembered on it: a context's shapes and device never change);
+        returns whether it is on the store's device."""
+        checked = out.checked_by
+        if checked is None or checked[0] is not self or checked[1] != n:
             want = [(m, n, e, dt) for m, e, dt in self._shapes]
             got = [(*s.shape, s.dtype) for s in out.storage]
             if got != want or out.mask.shape[0] != n or out.places != self._places:
@@ -367,15 +397,42 @@ class TensorReplacer:
                     f"out must be a context built by this replacer (build_context, warmup_context or .leading()) for {n} "
                     f"slots; got {out!r}"
                 )
-            self._valid_outs[id(out)] = out
-        return out.mask.device == self._device  # both devices of real tensors: plain comparison
+            checked = out.checked_by = (self, n, out.mask.device == self._device)
+        return checked[2]
 
 
-def _as_index_array(values, what: str) -> np.ndarray:
-    """A 1-D int64 array; floats and bools are refused (a fractional position has no row)."""
+_MAX_RUNS = 32  # above this many runs of consecutive rows, one gather beats block copies
+
+
+def _runs(rows: np.ndarray, zero_row: int) -> list[tuple[int, int, int | None]] | None:
+    """``rows`` as runs ``(first slot, end slot, first store row or None for zeros)`` of
+    consecutive store rows or of zero rows; None when there are more than ``_MAX_RUNS``."""
+    if rows.shape[0] == 0:
+        return []
+    zero = rows == zero_row
+    same_run = np.where(zero[1:], zero[:-1], ~zero[:-1] & (np.diff(rows) == 1))
+    starts = np.flatnonzero(~same_run) + 1
+    if starts.shape[0] >= _MAX_RUNS:
+        return None
+    bounds = [0, *starts.tolist(), rows.shape[0]]
+    return [(a, b, None if zero[a] else int(rows[a])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _is_int_list(values) -> bool:
+    return type(values) is list and all(type(v) is int for v in values)
+
+
+def _as_index_array(values, what: str) -> np.ndarray | list[int]:
+    """A 1-D int64 array, or for at most ``_SMALL_BATCH`` values a list of Python ints
+    (engines' decode steps: numpy costs more than the work for a handful of values);
+    floats and bools are refused (a fractional position has no row)."""
+    if type(values) is list and len(values) <= _SMALL_BATCH and _is_int_list(values):
+        return values
     if isinstance(values, torch.Tensor):
         if values.dtype not in _INT_DTYPES:
             raise ValueError(f"{what} must be integers, got a {values.dtype} tensor")
+        if values.dim() == 1 and values.shape[0] <= _SMALL_BATCH:
+            return values.tolist()
         try:
             arr = values.numpy()
         except (RuntimeError, TypeError):  # on an accelerator, or part of an autograd graph
@@ -388,4 +445,4 @@ def _as_index_array(values, what: str) -> np.ndarray:
             raise ValueError(f"{what} must be integers, got {arr.dtype} values such as {arr.reshape(-1)[:4].tolist()}")
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D [num_slots], got shape {tuple(arr.shape)}")
-    return arr.astype(np.int64, copy=False)
+    return arr if arr.dtype == np.int64 else arr.astype(np.int64)

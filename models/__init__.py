@@ -90,11 +90,12 @@ def families() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def decoder_components(*, router: Target | None = None, block: str = "mlp", block_kind: str = "experts",
-                       block_point: str = "output", vllm: bool = False) -> dict[str, Target]:
+def decoder_components(*, router: Target | None = None, attention: str = "self_attn", block: str = "mlp",
+                       block_kind: str = "experts", block_point: str = "output", vllm: bool = False) -> dict[str, Target]:
     """Components of a ``model.layers.N`` decoder stack, in forward order: the attention
     block's output, the router logits (MoE), the MLP/MoE block's output, and the
-    residual stream after the layer.
+    residual stream after the layer. ``attention`` and ``block`` name the layer's
+    attention and MLP/MoE submodules.
 
     HF attention returns ``(output, weights)``; vLLM's returns the output. vLLM's
     decoder layer returns ``(block output, residual)`` and leaves the add to the next
@@ -102,7 +103,7 @@ def decoder_components(*, router: Target | None = None, block: str = "mlp", bloc
     goes through the ``residual_stream_pair`` adapter, which hands the layer's
     consumers ``(0, stream)``.
     """
-    out = {"attention": Target("model.layers.*.self_attn", point="output" if vllm else "output[0]")}
+    out = {"attention": Target(f"model.layers.*.{attention}", point="output" if vllm else "output[0]")}
     if router is not None:
         out["router"] = router
     out[block_kind] = Target(f"model.layers.*.{block}", point=block_point)

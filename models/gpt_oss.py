@@ -1,6 +1,8 @@
 """GPT-OSS: top-k of the raw logits, softmax over the k values. HF router
 ``mlp.router`` (logits, weights, indices); vLLM names it ``mlp.router`` too, a
-linear layer returning the logits. Attention must be eager here."""
+linear layer returning the logits. Attention must be eager here. HF's MLP block
+returns (output, router scores); vLLM's returns the output, and vLLM names the
+attention block ``attn`` (HF: ``self_attn``)."""
 
 from transformers import GptOssConfig
 
@@ -27,4 +29,6 @@ register_family(Family(
     tiny_config=tiny_config,
     model_kwargs={"attn_implementation": "eager"},
     components=decoder_components(router=Target("model.layers.*.mlp.router"), block_point="output[0]"),
+    vllm_components=decoder_components(router=Target("model.layers.*.mlp.router", point="output"), attention="attn",
+                                       vllm=True),
 ))

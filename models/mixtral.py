@@ -2,7 +2,8 @@
 (returns (logits, weights, indices)); vLLM names it ``block_sparse_moe.gate`` (a
 linear returning (logits, bias)) and reads the HF capture of the same layer.
 transformers 4.x names the HF block ``block_sparse_moe`` too; its gate's capture keeps
-the 5.x name, so references from either major read the same."""
+the 5.x name, so references from either major read the same. vLLM's MoE block
+(``block_sparse_moe``) returns the hidden-size output, its attention the tensor."""
 
 from transformers import MixtralConfig
 
@@ -26,4 +27,6 @@ register_family(Family(
     vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]", name="model.layers.{}.mlp.gate"),),
     tiny_config=tiny_config,
     components=decoder_components(router=Target("model.layers.*.mlp.gate")),
+    vllm_components=decoder_components(router=Target("model.layers.*.block_sparse_moe.gate", point="output[0]"),
+                                       block="block_sparse_moe", vllm=True),
 ))

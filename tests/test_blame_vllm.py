@@ -1,10 +1,11 @@
 """``fxreplace blame --engine vllm`` on planted faults (eager vLLM, float32).
 
 The checkpoint vLLM loads is a tiny 4-layer Qwen3-MoE with one planted fault; the
-reference is the clean HF model with its components captured. Each pass runs in a
-vLLM engine whose plugin instruments the replaced components (vLLM's attention,
-router, MoE block, and the decoder layer's ``(output, residual)`` pair through the
-``residual_stream_pair`` adapter). The CLI runs in a subprocess: in-process engines
+reference is the clean HF model with its components captured. One vLLM engine serves
+every pass: its plugin instruments every component (vLLM's attention, router, MoE
+block, and the decoder layer's ``(output, residual)`` pair through the
+``residual_stream_pair`` adapter) with ``select_captures``, and each pass's requests
+select the captures they replace. The CLI runs in a subprocess: in-process engines
 must not follow test_vllm.py's ngram engine (see there).
 """
 
@@ -60,3 +61,5 @@ def test_vllm_blame_ranks_the_planted_fault_first(reference_dir, tmp_path, fault
     stream = next(b for b in data["ranking"] if b["kind"] == "layer" and b["layer"] == layer)
     assert stream["explained"] > 0.99 and stream["kl_on"] < 1e-6
     assert f"{component} ({fault}, layer {layer}) is the cause" in proc.stdout
+    # one engine for the whole search: the plugin logs "instrumented" once per engine start
+    assert (proc.stdout + proc.stderr).count("fxreplace: instrumented") == 1

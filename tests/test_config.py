@@ -56,6 +56,7 @@ def test_neuron_tool_name_is_the_same_config(ref_dir):
     ({"tensors": [], "targets": [{"pattern": "b", "adapter": "nope"}]}, r"targets\[0\]: unknown adapter 'nope'"),
     ({"tensors": [], "targets": []}, "targets is empty"),
     ({"tensors": [], "on_unknown": "drop"}, "on_unknown must be 'error' or 'passthrough'"),
+    ({"tensors": [], "select_captures": "yes"}, "select_captures must be true or false, got 'yes'"),
     ({"tensors": [], "name_map": {"model.layers.*.mlp.gate": "model.layers.*.block_sparse_moe.gate"}},
      r"'name_map' is replaced .*\"pattern\": \"model.layers.\*.block_sparse_moe.gate\", \"name\": \"model.layers.\{\}.mlp.gate\""),
     ([1], "must be a dict of fields"),
@@ -68,7 +69,7 @@ def test_from_dict_errors_name_the_field(bad, match):
 def test_dict_round_trip_and_target_forms(ref_dir):
     shard = ShardSpec("expert", 2, 1)
     cfg = ReplacementConfig.from_dict({
-        "tensors_path": ref_dir, "on_unknown": "passthrough",
+        "tensors_path": ref_dir, "on_unknown": "passthrough", "select_captures": True,
         "targets": ["a.*", Target("b", point="output[0]"),
                     {"pattern": "c.*.router", "name": "c.{}.gate", "adapter": "softmax_topk_renorm",
                      "shard": {"mode": "expert", "world_size": 2, "rank": 1}}],
@@ -80,8 +81,9 @@ def test_dict_round_trip_and_target_forms(ref_dir):
                                "targets": [{"pattern": "a.*"}, {"pattern": "b", "point": "output[0]"},
                                            {"pattern": "c.*.router", "adapter": "softmax_topk_renorm", "shard": shard,
                                             "name": "c.{}.gate"}],
-                               "on_unknown": "passthrough"})
+                               "on_unknown": "passthrough", "select_captures": True})
     assert repr(ReplacementConfig.from_dict(data)) == repr(cfg)
+    assert "select_captures" not in ReplacementConfig(tensors_path=ref_dir).to_dict()  # the default is left out
 
 
 def test_reference_token_ids_from_each_source(ref_dir, tmp_path):

@@ -205,15 +205,17 @@ def _assert_same(ctx, expected, mask):
         assert torch.equal(ctx[m], t), m
 
 
-@pytest.fixture(params=["python", "numpy"])
-def row_path(request):
-    """Run a test on both row-arithmetic paths: small batches in Python, large ones in numpy."""
+@pytest.fixture(params=["python", "runs", "gather"])
+def row_path(request, monkeypatch):
+    """Run a test on every row path: small batches in Python; large ones in numpy, then
+    block copies of runs of consecutive store rows, or one gather (batches of many runs)."""
     import fxreplace.replacer as replacer_module
 
-    saved = replacer_module._SMALL_BATCH
-    replacer_module._SMALL_BATCH = saved if request.param == "python" else -1
-    yield request.param
-    replacer_module._SMALL_BATCH = saved
+    if request.param != "python":
+        monkeypatch.setattr(replacer_module, "_SMALL_BATCH", -1)
+    if request.param == "gather":
+        monkeypatch.setattr(replacer_module, "_MAX_RUNS", 0)
+    return request.param
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -336,6 +336,10 @@ def test_unknown_prompt_refused_by_default_engine_keeps_serving(ref):
         outs = llm.generate([{"prompt_token_ids": ref.prompts["unknown"]}, {"prompt_token_ids": ref.prompts["short"]}],
                             [off, sp], use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+        select = SamplingParams(max_tokens=1, extra_args={"fxreplace": {"captures": ["model.layers.0.mlp.gate"]}})
+        with pytest.raises(Exception, match=r"selects captures, but the engine's fxreplace config does not set "
+                                            r"select_captures=True"):
+            llm.generate([{"prompt_token_ids": ref.prompts["short"]}], select, use_tqdm=False)
         state = fxv.get_state(_runner(llm))
         assert state.steps > 0 and state.errors == 0
     finally:

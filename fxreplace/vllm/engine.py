@@ -4,9 +4,11 @@
 
 One engine serves both modes. The plugin is configured with the reference;
 ``replace=False`` requests carry ``extra_args={"fxreplace": "off"}``, which the
-plugin honours per request. Each mode gets its own ``cache_salt`` so the prefix
-cache never hands KV computed with replacement to a request without it (or the
-reverse), while retries of one mode still reuse their cached prefixes.
+plugin honours per request; with ``select_captures=True`` in the config,
+``replace=<capture names>`` replaces only those (``{"fxreplace": {"captures": [...]}}``).
+Each mode (each selection) gets its own ``cache_salt`` so the prefix cache never
+hands KV computed with one replacement to a request with another, while retries of
+one mode still reuse their cached prefixes.
 
 Logits: vLLM returns log-probabilities, not logits, and only the top ``k``
 tokens of each step. Validation compares log-softmaxed values, so log-probs stand
@@ -20,8 +22,9 @@ reference's top-50 lies inside the target's top-k; KL is then approximate.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -50,18 +53,25 @@ class VllmEngine:
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._ids = itertools.count()
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool) -> list[Generation]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 replace: bool | Collection[str]) -> list[Generation]:
+        """``replace``: True (every target), False (none) or the capture names to replace."""
         from vllm import SamplingParams
 
+        if isinstance(replace, bool):
+            extra, salt = (None, "fxreplace-on") if replace else (dict(OFF), "fxreplace-off")
+        else:
+            names = sorted(replace)
+            extra = {"fxreplace": {"captures": names}}
+            salt = "fxreplace-" + hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
         sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=self.logprobs,
-                            extra_args=None if replace else dict(OFF))
-        salt = "fxreplace-on" if replace else "fxreplace-off"
+                            extra_args=extra)
         inputs = [{"prompt_token_ids": list(p), "cache_salt": salt} for p in prompts]
         outs = self.llm.generate(inputs, sp, use_tqdm=False)
         gens = []
         for prompt, out in zip(prompts, outs):
             completion = out.outputs[0]
-            gens.append(Generation(req_id=f"{out.request_id}:{'on' if replace else 'off'}", prompt=list(prompt),
+            gens.append(Generation(req_id=f"{out.request_id}:{salt}", prompt=list(prompt),
                                    tokens=list(completion.token_ids),
                                    logits=[self._dense(step) for step in completion.logprobs]))
         return gens
@@ -85,12 +95,12 @@ class VllmEngine:
 class VllmBlameEngine:
     """:func:`fxreplace.blame` through vLLM: ``generate(prompts, n, replace=<capture names>)``.
 
-    The plugin instruments the targets of its config (``targets``), and one mask serves
-    them all, so each distinct set of replaced components runs in an engine configured
-    with exactly that set (the previous engine is shut down first; a pass replacing
-    nothing reuses the current engine with replacement off). Components come from the
+    One engine serves the whole search: its plugin instruments every component, with
+    ``select_captures=True``, and each pass's requests select the captures they replace
+    (a pass replacing nothing is served with replacement off). Components come from the
     reference (``metadata["components"]``: capture name, kind, layer) and the family's
     ``vllm_components`` (vLLM's module and injection point per kind; ``*`` = layer).
+    ``engine``: that :class:`VllmEngine`.
     """
 
     def __init__(self, model: str, reference_dir: str, *, dtype: str = "float32", vllm_components=None, **llm_kwargs):
@@ -111,35 +121,22 @@ class VllmBlameEngine:
             self.components.append(Component(info["kind"], info["layer"], module, name, target))
         if not self.components:
             raise ValueError(f"no component of the reference maps to vLLM's modules (kinds {sorted(vllm_components)})")
-        self.model, self.reference_dir, self.dtype, self.llm_kwargs = model, str(reference_dir), dtype, llm_kwargs
-        self._engine: VllmEngine | None = None
-        self._selection: frozenset | None = None
+        replacement = ReplacementConfig(tensors_path=str(reference_dir), targets=[c.target for c in self.components],
+                                        select_captures=True)
+        self.engine: VllmEngine | None = VllmEngine(model, replacement, dtype=dtype, **llm_kwargs)
 
     def generate(self, prompts, max_new_tokens: int, replace) -> list[Generation]:
-        if isinstance(replace, bool):
-            replace = [c.capture_name for c in self.components] if replace else []
-        selection = frozenset(replace)
-        if self._engine is None or selection and selection != self._selection:
-            self._start(selection or frozenset([self.components[0].capture_name]))
-        return self._engine.generate(prompts, max_new_tokens, replace=bool(selection))
-
-    def _start(self, selection: frozenset) -> None:
-        self.close()
-        targets = [c.target for c in self.components if c.capture_name in selection]
-        replacement = ReplacementConfig(tensors_path=self.reference_dir, targets=targets)
-        self._engine = VllmEngine(self.model, replacement, dtype=self.dtype, **self.llm_kwargs)
-        self._selection = selection
+        selection = replace if isinstance(replace, bool) else frozenset(replace) or False
+        return self.engine.generate(prompts, max_new_tokens, replace=selection)
 
     @property
     def vocab_size(self) -> int:
-        if self._engine is None:
-            self._start(frozenset([self.components[0].capture_name]))
-        return self._engine.vocab_size
+        return self.engine.vocab_size
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
             import gc
 
             gc.collect()

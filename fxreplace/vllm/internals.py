@@ -119,8 +119,8 @@ def forward_positions(args: tuple, kwargs: dict):
     return args[POSITIONS_INDEX] if len(args) > POSITIONS_INDEX else None
 
 
-def wrap_steps(runner, *, begin_step, before_forward=None, after_forward=None, end_step=None,
-               after_sample=None) -> None:
+def wrap_steps(runner, *, begin_step, before_forward=None, after_forward=None, dummy_forward=None,
+               end_step=None, after_sample=None) -> None:
     """Per-step wrappers on one runner *instance* (its bound methods; the class and
     unconfigured runners stay untouched), the only place fxreplace hooks a step:
 
@@ -128,6 +128,7 @@ def wrap_steps(runner, *, begin_step, before_forward=None, after_forward=None, e
     * around each model forward of that step (never a dummy or profile run: those
       happen outside ``execute_model``) ``before_forward(scheduler_output, positions)``
       and, even when the forward raises, ``after_forward(scheduler_output, positions)``;
+    * ``dummy_forward()`` before each forward outside a step (vLLM's dummy and profile runs);
     * ``end_step(output)`` after ``execute_model`` returns (``None`` when the step's
       tokens are sampled by a later ``sample_tokens``);
     * ``after_sample(output)`` with what each ``sample_tokens`` returns.
@@ -152,6 +153,8 @@ def wrap_steps(runner, *, begin_step, before_forward=None, after_forward=None, e
     def model_forward(*args, **kwargs):
         scheduler_output = step[0]
         if scheduler_output is None:  # dummy/profile run
+            if dummy_forward is not None:
+                dummy_forward()
             return forward(*args, **kwargs)
         positions = forward_positions(args, kwargs)
         if before_forward is not None:

@@ -18,14 +18,18 @@ on is in :mod:`fxreplace.vllm.internals`):
 * when configured, that runner *instance* (not the class) gets two wrappers:
   ``execute_model`` registers new requests and releases finished ones;
   ``_model_forward`` builds the context for the batch and fills the buffers in
-  place, then turns replacement off again after the forward.
+  place: every row the forward reads, padding rows off, so nothing needs clearing
+  after it; a dummy or profile run (no scheduled batch) clears the mask first.
 
 Unconfigured, nothing runs per step: the class-level wrappers only act at engine
 configuration, request submission and model load, and step methods are never wrapped.
 
 Per request, ``SamplingParams(extra_args={"fxreplace": "off"})`` (online:
 ``"vllm_xargs": {"fxreplace": "off"}``) serves a request without replacement even
-when its prompt is in the reference.
+when its prompt is in the reference. With ``select_captures=True`` in the config,
+``extra_args={"fxreplace": {"captures": [capture names]}}`` replaces only those
+captures for that request (:class:`SelectingReplacement`); the front end refuses a
+selection naming a capture the reference does not hold.
 
 Debugging: with ``FXREPLACE_DEBUG_STATE=/path/state.json`` in the worker's
 environment, the worker rewrites that file after every step's request
@@ -36,6 +40,7 @@ to see the request map drain; unset, no file I/O happens.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import logging
@@ -61,6 +66,7 @@ DEBUG_STATE_ENV = "FXREPLACE_DEBUG_STATE"
 OFF_VALUES = ("off", "false", "0", False, 0)
 _MARK = "_fxreplace_wrapped"
 _PROMPTS_ATTR = "_fxreplace_prompts"
+_CAPTURES_ATTR = "_fxreplace_capture_names"
 _UNSET = object()
 _registered = False
 
@@ -139,6 +145,7 @@ def _process_inputs(original):
 
     def process_inputs(self, *args, **kwargs):
         request = original(self, *args, **kwargs)
+        _check_selection(self, request)
         prompts = self.__dict__.get(_PROMPTS_ATTR, _UNSET)
         if prompts is _UNSET:
             prompts = _reference_prompts(self.vllm_config.additional_config)
@@ -173,6 +180,38 @@ def _switched_off(sampling_params) -> bool:
     return bool(extra) and extra.get("fxreplace") in OFF_VALUES
 
 
+def _selection(sampling_params):
+    """A request's ``extra_args["fxreplace"]`` when it is a selection (a dict), else None."""
+    extra = getattr(sampling_params, "extra_args", None)
+    value = extra.get("fxreplace") if extra else None
+    return value if isinstance(value, dict) else None
+
+
+def _check_selection(processor, request) -> None:
+    """Front end: a selection ``{"captures": [names]}`` must be a list of capture names the
+    reference holds, sent to an engine configured with ``select_captures``."""
+    selection = _selection(request.sampling_params)
+    if selection is None:
+        return
+    config = parse_config(processor.vllm_config.additional_config)
+    captures = selection.get("captures")
+    if set(selection) != {"captures"} or not isinstance(captures, list) or not all(isinstance(c, str) for c in captures):
+        problem = f"extra_args['fxreplace'] must be 'off' or {{'captures': [capture names]}}, got {selection!r}"
+    elif config is None or config.config.capture is not None or not config.config.select_captures:
+        problem = "selects captures, but the engine's fxreplace config does not set select_captures=True"
+    else:
+        names = processor.__dict__.get(_CAPTURES_ATTR)
+        if names is None:
+            names = set(config.config.build_replacer(on_unknown="passthrough").capture_names)
+            setattr(processor, _CAPTURES_ATTR, names)
+        unknown = [c for c in captures if c not in names]
+        if not unknown:
+            return
+        close = {c: difflib.get_close_matches(c, names, n=2) for c in unknown[:4]}
+        problem = f"selects capture(s) {unknown} that the reference does not hold (closest: {close})"
+    raise internals.refuse(f"fxreplace: request {request.request_id} {problem}", parameter="extra_args")
+
+
 def _load_model(original):
     def load_model(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
@@ -185,7 +224,8 @@ def _load_model(original):
                 setattr(self, _STATE_ATTR, state)
                 attach(self, state)
             elif config is not None:
-                state = VllmReplacement(self, config.config)
+                kind = SelectingReplacement if config.config.select_captures else VllmReplacement
+                state = kind(self, config.config)
                 setattr(self, _STATE_ATTR, state)
                 _wrap_steps(self, state)
                 state.check_points(self)
@@ -196,11 +236,13 @@ def _load_model(original):
 
 def _wrap_steps(runner, state: "VllmReplacement") -> None:
     """Per-step wrappers on one configured runner instance: requests are registered
-    and released per step, the buffers filled before each forward, cleared after."""
+    and released per step and the buffers filled before each forward; every row the
+    forward reads is rewritten (padding rows off), so nothing is cleared after it.
+    Dummy/profile runs see replacement off."""
     # lambdas: the state's methods are looked up per call (bench_vllm.py times them)
     internals.wrap_steps(runner, begin_step=lambda so: state.update_requests(so),
                          before_forward=lambda so, positions: state.prepare(runner, so, positions),
-                         after_forward=lambda so, positions: state.clear())  # dummy runs see replacement off
+                         dummy_forward=lambda: state.clear())
 
 
 # --------------------------------------------------------------------------- per worker
@@ -224,14 +266,15 @@ class VllmReplacement:
         # Bind before warmup compiles: the graph reads these buffers from its first trace.
         # Each step gathers straight into their first rows (no second copy).
         self.feed = self.replacer.warmup_context(self.max_tokens)
-        self.model.feed(self.feed, bind=True)
+        self.model.feed(self._bound_context(), bind=True)
         self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
         self.steps = 0  # forwards that held at least one request matched to the reference
         self.tokens_replaced = 0
         self.errors = 0
         self.registered = 0  # requests registered (matched or not) and released, over the engine's life
         self.released = 0
-        self.armed = False  # whether the buffers may hold a live mask (clear() is a no-op otherwise)
+        self.armed = False  # whether the mask may hold True rows (clear() is a no-op otherwise)
+        self.on_host = self.feed.mask.device.type == "cpu"
         self.debug_state_path = os.environ.get(DEBUG_STATE_ENV) or None
         logger.info("fxreplace: instrumented %d target(s) of %s (%s ...), %d reference prompt(s), buffers of %d tokens",
                     len(self.targets), arch, self.targets[0].pattern, self.replacer.store.num_prompts, self.max_tokens)
@@ -281,6 +324,10 @@ class VllmReplacement:
                            len(missing), missing[:4])
         return out
 
+    def _bound_context(self) -> ReplacementContext:
+        """What the model's buffers become: the feed itself, so every target reads its one mask."""
+        return self.feed
+
     def check_points(self, runner) -> None:
         """Run every target's injection point once (an eager dummy forward, replacement
         off) before the engine serves, so a wrong point (e.g. a tuple output) or a
@@ -326,25 +373,24 @@ class VllmReplacement:
             self.debug_state_path = None
 
     def prepare(self, runner, scheduler_output, positions) -> None:
-        """Fill the buffers for this forward from the batch vLLM actually runs.
+        """Fill the buffers for this forward from the batch vLLM actually runs: every
+        row it reads, the padding after the scheduled tokens included (mask off there).
 
         The hot path: per request only a dict lookup; no tensor is allocated here
         (the gather writes into the bound buffers' leading rows)."""
         try:
             req_ids = internals.batch_requests(runner)
-            if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers stay off
+            if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
+                self.clear()
                 return
             scheduled = scheduler_output.num_scheduled_tokens
             counts = [scheduled[r] for r in req_ids]
-            total = sum(counts)
-            if isinstance(positions, torch.Tensor) and positions.device.type == "cpu":
-                pos = positions[:total]
-            else:  # device positions: recompute on the host
-                pos = _host_positions(runner, counts, total)
+            if positions is None or not positions.is_cpu:  # device positions: recompute on the host
+                positions = _host_positions(runner, counts, sum(counts) if positions is None else positions.shape[0])
             self.armed = True
-            ctx = self.replacer.build_context_for_batch(req_ids, counts, pos, out=self._rows(total))
+            ctx = self.replacer.build_context_for_batch(req_ids, counts, positions, out=self._rows(positions.shape[0]))
             self.steps += 1
-            self.tokens_replaced += _count(ctx.mask)
+            self.tokens_replaced += int(np.count_nonzero(ctx.mask_array())) if self.on_host else int(ctx.mask.sum())
         except Exception as exc:
             self.errors += 1
             self.clear()
@@ -367,21 +413,81 @@ class VllmReplacement:
         return self.replacer.requests
 
 
-def _host_positions(runner, counts: list[int], total: int) -> torch.Tensor:
-    """Each scheduled token's position from the batch's computed-token counts."""
-    num_reqs = len(counts)
+class SelectingReplacement(VllmReplacement):
+    """``select_captures=True``: each request picks the captures that replace it
+    (``extra_args={"fxreplace": {"captures": [...]}}``; without a selection, all).
+
+    Every target reads a mask of its own (the feed bound as a
+    :class:`~fxreplace.context.SelectedContext`); each step sets every row the forward
+    reads to the batch's mask where the token's request selected that target's capture
+    (padding rows off). The graph's inputs are the same whatever the selection, so one
+    compiled graph serves them all.
+    """
+
+    def _bound_context(self) -> ReplacementContext:
+        self.capture_names = list(dict.fromkeys(t.name for t in self.targets))
+        bound = self.feed.select(self.capture_names)
+        self.masks = [bound.mask_for(name) for name in self.capture_names]
+        self.all_selected = torch.ones(len(self.capture_names), dtype=torch.bool)
+        self.none_selected = torch.zeros(len(self.capture_names), dtype=torch.bool)
+        self.selections: dict[str, torch.Tensor] = {}  # request id -> [captures] bool, when it selected
+        return bound
+
+    def update_requests(self, scheduler_output) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.selections.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            selection = _selection(new.sampling_params)
+            if selection is None:
+                continue
+            wanted = set(selection["captures"])  # validated in the front end
+            ignored = sorted(wanted - set(self.capture_names))
+            if ignored:
+                logger.error("fxreplace: request %s selects capture(s) %s that no instrumented target reads; "
+                             "they are not replaced", new.req_id, ignored)
+            self.selections[new.req_id] = torch.tensor([name in wanted for name in self.capture_names])
+        super().update_requests(scheduler_output)
+
+    def prepare(self, runner, scheduler_output, positions) -> None:
+        super().prepare(runner, scheduler_output, positions)
+        if not self.armed:
+            return
+        try:
+            req_ids = internals.batch_requests(runner)
+            scheduled = scheduler_output.num_scheduled_tokens
+            counts = [scheduled[r] for r in req_ids]
+            total = sum(counts)
+            rows = total if positions is None else positions.shape[0]  # as the base class: padding included
+            # per token, whether its request selected each capture (padding rows: none)
+            chosen = torch.stack([self.selections.get(r, self.all_selected) for r in req_ids]
+                                 + [self.none_selected], 1)
+            per_token = chosen.repeat_interleave(torch.tensor(counts + [rows - total]), dim=1).to(self.device)
+            batch_mask = self.feed.mask[:rows]
+            for mask, selected in zip(self.masks, per_token):
+                torch.logical_and(batch_mask, selected, out=mask[:rows])
+        except Exception as exc:
+            self.errors += 1
+            self.clear()
+            logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
+
+    def clear(self) -> None:
+        if self.armed:
+            for mask in self.masks:
+                mask.fill_(False)
+        super().clear()
+
+
+def _host_positions(runner, counts: list[int], num_tokens: int) -> torch.Tensor:
+    """Each scheduled token's position from the batch's computed-token counts, then
+    zeros for the padding up to ``num_tokens``."""
+    num_reqs, total = len(counts), sum(counts)
     counts = np.asarray(counts, dtype=np.int64)
     owner = np.repeat(np.arange(num_reqs), counts)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     computed = internals.computed_tokens(runner)[:num_reqs].astype(np.int64)
-    return torch.from_numpy(computed[owner] + np.arange(total) - starts[owner])
-
-
-def _count(mask: torch.Tensor) -> int:
-    """True entries of a small mask; on the host through numpy (a third of a torch sum's cost)."""
-    if mask.device.type == "cpu":
-        return int(mask.numpy().sum())
-    return int(mask.sum())
+    positions = np.zeros(num_tokens, dtype=np.int64)
+    positions[:total] = computed[owner] + np.arange(total) - starts[owner]
+    return torch.from_numpy(positions)
 
 
 def get_state(runner):
