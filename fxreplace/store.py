@@ -630,6 +630,9 @@ def _write_index(directory: Path, shards: Sequence[tuple[str, dict]], groups: li
     os.replace(tmp, directory / INDEX_FILE)
 
 
+WRITER_MARKER = ".fxreplace-writing"  # present while a StoreWriter owns the directory
+
+
 class StoreWriter:
     """Streams prompts into a directory store as they finish: memory holds at most one
     shard's rows and extras (``shard_bytes``), then they go to disk as ``shard-NNNNN.safetensors``.
@@ -644,12 +647,18 @@ class StoreWriter:
                  metadata: Mapping[str, Any] | None = None, allow_nonfinite: bool = False):
         self.directory = Path(directory)
         if self.directory.exists() and any(self.directory.iterdir()):
+            if (self.directory / WRITER_MARKER).exists():
+                raise FileExistsError(f"another store writer is writing {self.directory} (or one died there: "
+                                      "capture again into a new directory)")
             raise FileExistsError(f"{self.directory} is not empty; a store writer needs a new or empty directory")
         self.directory.mkdir(parents=True, exist_ok=True)
-        probe = self.directory / ".fxreplace-write-test"
+        # Created exclusively, so of two writers started on one directory at once (e.g. two
+        # engines given the same out) one fails here instead of both writing shard-00000.
+        self._marker = self.directory / WRITER_MARKER
         try:
-            probe.write_bytes(b"")
-            probe.unlink()
+            os.close(os.open(self._marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            raise FileExistsError(f"another store writer is writing {self.directory}") from None
         except OSError as e:
             raise OSError(f"cannot write the store to {self.directory}: {e}") from None
         self.shard_bytes = shard_bytes
@@ -715,6 +724,7 @@ class StoreWriter:
             if not self._shards:
                 raise CaptureError(f"no prompts were added to {self.directory}: nothing to write")
             _write_index(self.directory, self._shards, self._builder.groups, self.metadata)
+            self._marker.unlink(missing_ok=True)
             self._closed = True
         return self.directory
 

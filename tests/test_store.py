@@ -243,8 +243,11 @@ def test_writer_checks_every_prompt_against_the_first(tmp_path):
     writer.sync()  # a complete store already (e.g. an idle capturing engine); adding continues
     assert ReferenceStore.load(tmp_path / "ref").prompt_ids == [0]
     assert writer.add(ids[1], caps[1]) == 1
+    with pytest.raises(FileExistsError, match="another store writer is writing"):
+        StoreWriter(tmp_path / "ref")  # e.g. two engines given the same out: never two writers
     writer.close()
     assert ReferenceStore.load(tmp_path / "ref").num_prompts == 2
+    assert sorted(p.name for p in (tmp_path / "ref").iterdir() if p.name.startswith(".")) == []
     with pytest.raises(FileExistsError, match="is not empty"):
         StoreWriter(tmp_path / "ref")
 

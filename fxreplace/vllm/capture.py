@@ -160,9 +160,12 @@ class VllmCapture:
         edges = np.cumsum([0, *widths]).tolist()
         self.columns = {name: slice(a, b) for name, a, b in zip(self.names, edges, edges[1:])}
         self.width = edges[-1]
-        # One [max_tokens, sum of widths] buffer; each target fills its columns in place.
-        self.buffer = torch.zeros(self.max_tokens, self.width, dtype=dtype)
-        self.buffer_bits = _bits(self.buffer)  # the same memory as numpy (any dtype, bf16 included)
+        # One [max_tokens, sum of widths] buffer where the model runs; each target fills its
+        # columns in place (inside the compiled graph), and each step's rows go to the host once.
+        device = next(self.model.parameters()).device
+        self.buffer = torch.zeros(self.max_tokens, self.width, dtype=dtype, device=device)
+        self.host_buffer = self.buffer if device.type == "cpu" else torch.zeros_like(self.buffer, device="cpu")
+        self.buffer_bits = _bits(self.host_buffer)  # the same memory as numpy (any dtype, bf16 included)
         self._observing = contextlib.ExitStack()  # open for the engine's life
         self._observing.enter_context(observe(self.model, _Recorder(self.buffer, self.columns)))
         self.dtype = dtype
@@ -225,6 +228,8 @@ class VllmCapture:
         starts = [0]
         for r in req_ids:
             starts.append(starts[-1] + counts[r])
+        if self.host_buffer is not self.buffer:
+            self.host_buffer[:starts[-1]].copy_(self.buffer[:starts[-1]])
         rows = self.buffer_bits[:starts[-1]]
         pos = positions[:starts[-1]].cpu().numpy()
         self.step = (req_ids, starts, pos)
