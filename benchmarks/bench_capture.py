@@ -9,17 +9,21 @@ HF: interleaved repetitions in one process; final JSON line
 vLLM, two measurements, each engine in its own process (in-process engine core):
 
 * speed: a plain engine and a capturing engine (same arguments; prefix caching off
-  in both, as capture needs; capture also turns async scheduling off, the plain
-  engine keeps vLLM's default) stay alive side by side and take turns generating
+  in both, as capture needs; async scheduling is off in both: vLLM's CPU platform
+  turns it off for every engine) stay alive side by side and take turns generating
   the same prompts, the order rotated every turn; per round the ratio is the
   median of the turn-paired times, over rounds the geometric mean, and each
   engine is started first in half of the rounds (the first engine started runs
   slower for its whole life on this machine). Goal: ``capture_overhead`` <= 1.15.
+  ``capture_overhead_intrinsic`` is 1 / (1 - the share of the capturing engine's
+  time spent in capture's own per-step hooks), a figure other load barely moves.
 * memory: one plain and one capturing engine run, one after the other, the same
   workload whose reference is >= 4 GiB (vocabulary 32768: 128 KiB of logits per
   generated token; 256 prompts x 128 tokens, 16 requests in flight). Peak RSS of
   each process; goal: ``capture_rss_over_engine_mib`` <= 512 (the store streams
-  finished requests to disk, so memory is bounded by the requests in flight).
+  finished requests to disk, so memory is bounded by the requests in flight). The
+  capturing child also samples its RSS and what capture holds (the in-flight
+  requests' logits and rows, the unwritten shard) and reports them at its peak.
 """
 
 from __future__ import annotations
@@ -30,12 +34,12 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+from engine_child import EngineChild
 
 ARCH = "Qwen3MoeForCausalLM"
 SPEED_MODEL = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
@@ -90,6 +94,62 @@ def prompt_set(n: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(4, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
+def time_capture_hooks(spent: dict) -> None:
+    """Add the time of capture's per-step hooks (its own Python work, shard writes at
+    idle included; the rows the compiled graph copies are not) to ``spent["s"]``."""
+    from fxreplace.vllm.capture import VllmCapture
+
+    depth = [0]  # end_step calls after_sample: count the outermost hook only
+    for name in ("begin_step", "after_forward", "end_step", "after_sample"):
+        def timed(self, *args, _original=getattr(VllmCapture, name), **kwargs):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    spent["s"] += time.perf_counter() - start
+        setattr(VllmCapture, name, timed)  # before the engine starts: attach() binds these
+
+
+def capture_state(llm):
+    """The in-process engine's capture state (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    from fxreplace.vllm import get_state
+
+    return get_state(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
+
+
+class RssSampler:
+    """Samples this process's RSS every 20 ms; at the highest sample so far it records
+    what capture holds (``VllmCapture.held_bytes``), so the peak can be broken down."""
+
+    def __init__(self, state):
+        import threading
+
+        self.state = state
+        self.at_peak: dict = {"rss_mib": 0}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def _run(self) -> None:
+        while not self._done.wait(0.02):
+            rss = self.rss_mib()
+            if rss > self.at_peak["rss_mib"]:
+                held = self.state.held_bytes() if self.state is not None else {}
+                self.at_peak = {"rss_mib": round(rss), **{k: round(v / 2**20, 1) for k, v in held.items()}}
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def child(args) -> None:
     """One engine (``--config plain|capture``). ``--workload speed``: answers each
     ``sample`` line on stdin with the time of one generate; ``rss``: runs the big
@@ -100,55 +160,40 @@ def child(args) -> None:
 
     spec = json.loads(args.spec)
     prompts = [{"prompt_token_ids": p} for p in prompt_set(spec["prompts"], spec["prompt_len"], spec["vocab"])]
-    extra = {}
+    extra, hooks = {}, {"s": 0.0}
     if args.config == "capture":
         extra["additional_config"] = {"fxreplace": {"capture": {"out": args.out}}}
+        if args.workload == "speed":
+            time_capture_hooks(hooks)
     llm = LLM(model=args.ckpt, dtype="float32", enforce_eager=args.mode == "eager", seed=0, max_model_len=512,
               distributed_executor_backend="uni", enable_prefix_caching=False, max_num_seqs=spec["in_flight"], **extra)
     sp = SamplingParams(temperature=0.0, max_tokens=spec["new"], ignore_eos=True)
     if args.workload == "rss":
+        sampler = RssSampler(capture_state(llm) if args.config == "capture" else None)
+        engine_mib = sampler.rss_mib()
         llm.generate(prompts, sp, use_tqdm=False)
         counts = llm.collective_rpc(finish_capture)[0] if args.config == "capture" else {}
+        sampler.stop()
         size = sum(e.stat().st_size for e in os.scandir(args.out)) if args.config == "capture" else 0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print("RESULT " + json.dumps({"peak_rss_mib": peak, "reference_bytes": size, "counts": counts}), flush=True)
+        print("RESULT " + json.dumps({"peak_rss_mib": peak, "engine_rss_mib": engine_mib, "reference_bytes": size,
+                                      "counts": counts, "at_peak_mib": sampler.at_peak}), flush=True)
         return
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
     print("READY", flush=True)
     for line in sys.stdin:
         if line.strip() != "sample":
             break
+        hooks["s"] = 0.0
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
-        print("RESULT " + json.dumps({"s": time.perf_counter() - t0}), flush=True)
+        print("RESULT " + json.dumps({"s": time.perf_counter() - t0, "hooks_s": hooks["s"]}), flush=True)
 
 
-class Child:
-    """A child engine process driven over stdin/stdout."""
-
-    def __init__(self, config: str, mode: str, workload: str, ckpt: str, spec: dict, out: str, env: dict):
-        self.name = f"{mode}/{config}"
-        self.log = tempfile.TemporaryFile(mode="w+")
-        cmd = [sys.executable, __file__, "--child", "--config", config, "--mode", mode, "--workload", workload,
-               "--ckpt", ckpt, "--spec", json.dumps(spec), "--out", out]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True)
-
-    def expect(self, prefix: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-        self.log.seek(0)
-        sys.exit(f"{self.name} failed:\n{self.log.read()[-3000:]}")
-
-    def sample(self) -> float:
-        self.proc.stdin.write("sample\n")
-        self.proc.stdin.flush()
-        return json.loads(self.expect("RESULT "))["s"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(120)
+def start_engine(config: str, mode: str, workload: str, ckpt: str, spec: dict, out: str, env: dict) -> EngineChild:
+    cmd = [sys.executable, __file__, "--child", "--config", config, "--mode", mode, "--workload", workload,
+           "--ckpt", ckpt, "--spec", json.dumps(spec), "--out", out]
+    return EngineChild(f"{mode}/{config}", cmd, env)
 
 
 def vllm_main(args) -> None:
@@ -166,15 +211,18 @@ def vllm_main(args) -> None:
     peaks = {}
     for config in ("plain", "capture"):
         out = os.path.join(tmp, "rss_reference")
-        engine = Child(config, "eager", "rss", rss_ckpt, workload, out, env)
+        engine = start_engine(config, "eager", "rss", rss_ckpt, workload, out, env)
         got = json.loads(engine.expect("RESULT "))
         engine.close()
         peaks[config] = got["peak_rss_mib"]
+        summary["memory"][f"{config}_engine_rss_mib"] = round(got["engine_rss_mib"])
         if config == "capture":
+            summary["memory"]["capture_at_peak_mib"] = got["at_peak_mib"]
             summary["memory"]["reference_gib"] = round(got["reference_bytes"] / 2**30, 3)
             summary["memory"]["counts"] = got["counts"]
-        print(f"memory {config:8s} peak RSS {got['peak_rss_mib']:8.0f} MiB"
-              + (f"  reference {got['reference_bytes'] / 2**30:.2f} GiB" if config == "capture" else ""), flush=True)
+        print(f"memory {config:8s} peak RSS {got['peak_rss_mib']:8.0f} MiB (engine started: {got['engine_rss_mib']:.0f})"
+              + (f"  reference {got['reference_bytes'] / 2**30:.2f} GiB; at the peak {got['at_peak_mib']}"
+                 if config == "capture" else ""), flush=True)
     summary["memory"].update({k + "_peak_rss_mib": round(v) for k, v in peaks.items()})
     summary["memory"]["workload"] = workload
 
@@ -182,17 +230,21 @@ def vllm_main(args) -> None:
     speed = dict(prompts=8, prompt_len=64, new=16 if args.quick else 32, in_flight=8, vocab=SPEED_MODEL["vocab_size"])
     ratios = []
     for mode in modes:
-        rounds, times = [], {"plain": [], "capture": []}
+        rounds, times, shares = [], {"plain": [], "capture": []}, []
         for r in range(args.rounds):
             order = ["plain", "capture"] if r % 2 == 0 else ["capture", "plain"]
             engines = {}
             for config in order:  # one at a time: start-ups do not overlap
-                engines[config] = Child(config, mode, "speed", speed_ckpt, speed, os.path.join(tmp, f"speed_{mode}_{r}"), env)
+                engines[config] = start_engine(config, mode, "speed", speed_ckpt, speed,
+                                               os.path.join(tmp, f"speed_{mode}_{r}"), env)
                 engines[config].expect("READY")
             turns = {"plain": [], "capture": []}
             for i in range(samples):
                 for config in (order if i % 2 == 0 else order[::-1]):
-                    turns[config].append(engines[config].sample())
+                    got = engines[config].sample()
+                    turns[config].append(got["s"])
+                    if config == "capture":
+                        shares.append(got["hooks_s"] / got["s"])
             for engine in engines.values():
                 engine.close()
             rounds.append(statistics.median(c / p for c, p in zip(turns["capture"], turns["plain"])))
@@ -204,14 +256,19 @@ def vllm_main(args) -> None:
         ratios.append(ratio)
         summary["speed"][mode] = {"plain_s": round(statistics.median(times["plain"]), 4),
                                   "capture_s": round(statistics.median(times["capture"]), 4),
-                                  "round_ratios": [round(x, 4) for x in rounds], "ratio": round(ratio, 4)}
+                                  "round_ratios": [round(x, 4) for x in rounds], "ratio": round(ratio, 4),
+                                  # capture's own hooks as a share of its generate time: what load cannot move
+                                  "hooks_share": round(statistics.median(shares), 4),
+                                  "ratio_intrinsic": round(1 / (1 - statistics.median(shares)), 4)}
 
-    print(f"\n{'mode':10s}{'plain s':>10s}{'capture s':>11s}{'ratio':>8s}")
+    print(f"\n{'mode':10s}{'plain s':>10s}{'capture s':>11s}{'ratio':>8s}{'hooks':>8s}")
     for mode, row in summary["speed"].items():
-        print(f"{mode:10s}{row['plain_s']:10.3f}{row['capture_s']:11.3f}{row['ratio']:8.3f}")
+        print(f"{mode:10s}{row['plain_s']:10.3f}{row['capture_s']:11.3f}{row['ratio']:8.3f}{row['hooks_share']:8.1%}")
     print(f"peak RSS: plain {peaks['plain']:.0f} MiB, capture {peaks['capture']:.0f} MiB "
           f"({summary['memory']['reference_gib']} GiB reference)")
     summary["capture_overhead"] = round(max(ratios), 4)
+    summary["capture_overhead_intrinsic"] = max(row["ratio_intrinsic"] for row in summary["speed"].values())
+    summary["load_average"] = [round(x, 2) for x in os.getloadavg()]
     summary["capture_rss_over_engine_mib"] = round(peaks["capture"] - peaks["plain"])
     shutil.rmtree(tmp, ignore_errors=True)  # the >= 4 GiB reference
     print(json.dumps(summary))

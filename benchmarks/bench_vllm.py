@@ -37,10 +37,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from engine_child import EngineChild
 
 ARCH = "Qwen3MoeForCausalLM"
 MID = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
@@ -108,36 +109,15 @@ def child(args) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-class Engine:
-    """A child engine process driven over its stdin/stdout."""
-
-    def __init__(self, config: str, mode: str, ckpt: str, ref: str, new: int, env: dict):
-        self.name = f"{mode}/{config}"
-        env = dict(env)
-        if config == "no_plugin":
-            env["VLLM_PLUGINS"] = plugins_but_fxreplace()
-        self.log = tempfile.TemporaryFile(mode="w+")
-        cmd = [sys.executable, __file__, "--child", "--config", config, "--mode", mode, "--ckpt", ckpt,
-               "--ref", ref, "--new", str(new)]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True)
-        self.expect("READY")
-
-    def expect(self, prefix: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-        self.log.seek(0)
-        sys.exit(f"{self.name} failed:\n{self.log.read()[-3000:]}")
-
-    def sample(self) -> dict:
-        self.proc.stdin.write("sample\n")
-        self.proc.stdin.flush()
-        return json.loads(self.expect("RESULT "))
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(60)
+def start_engine(config: str, mode: str, ckpt: str, ref: str, new: int, env: dict) -> EngineChild:
+    env = dict(env)
+    if config == "no_plugin":
+        env["VLLM_PLUGINS"] = plugins_but_fxreplace()
+    cmd = [sys.executable, __file__, "--child", "--config", config, "--mode", mode, "--ckpt", ckpt,
+           "--ref", ref, "--new", str(new)]
+    engine = EngineChild(f"{mode}/{config}", cmd, env)
+    engine.expect("READY")
+    return engine
 
 
 def main() -> None:
@@ -187,7 +167,7 @@ def main() -> None:
         cost = []
         for r in range(args.rounds):
             created = order[r % 3:] + order[:r % 3]  # engines started earlier run slower: each goes first in turn
-            engines = {config: Engine(config, mode, ckpt, ref, new, env) for config in created}  # one at a time
+            engines = {config: start_engine(config, mode, ckpt, ref, new, env) for config in created}  # one at a time
             turns = {config: [] for config in order}
             for i in range(samples):
                 for config in created[i % 3:] + created[:i % 3]:  # rotate: no position bias
@@ -196,7 +176,7 @@ def main() -> None:
                     if "plugin_s_per_forward" in got:
                         cost.append(got["plugin_s_per_forward"])
             for engine in engines.values():
-                engine.close()
+                engine.close(60)
             for config in order:
                 steps[config] += turns[config]
                 rounds[config].append(statistics.median(x / b for x, b in zip(turns[config], turns["no_plugin"])))

@@ -416,6 +416,7 @@ class _ShardBuilder:
             self.token_ids.append(ids)
         for name, t in extras.items():
             self.extras.setdefault(name, []).append(t.detach().cpu())
+            self.nbytes += t.numel() * t.element_size()  # extras (e.g. logits) count toward the shard size
         for m, rows in flat.items():
             self.rows.setdefault(m, []).append(rows.detach())
             self.nbytes += rows.numel() * rows.element_size()
@@ -631,7 +632,7 @@ def _write_index(directory: Path, shards: Sequence[tuple[str, dict]], groups: li
 
 class StoreWriter:
     """Streams prompts into a directory store as they finish: memory holds at most one
-    shard's rows (``shard_bytes``), then they go to disk as ``shard-NNNNN.safetensors``.
+    shard's rows and extras (``shard_bytes``), then they go to disk as ``shard-NNNNN.safetensors``.
 
     ``add(prompt_token_ids, captures, extras=...)`` takes one prompt's step-wise captures
     ``{capture_name: [steps]}`` (or flat ``{capture_name: Tensor[P, E]}``), its token ids and its
@@ -676,6 +677,11 @@ class StoreWriter:
         if self._builder.nbytes >= self.shard_bytes:
             self._flush()
         return prompt
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of rows and extras added but not yet written (at most about ``shard_bytes``)."""
+        return self._builder.nbytes
 
     def _flush(self) -> None:
         b = self._builder

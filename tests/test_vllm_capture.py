@@ -9,21 +9,25 @@ rejected), a KV cache of 8 blocks (preemption and recomputation), and an aborted
 request. Then the vLLM-captured reference goes back into vLLM with replacement
 (``fxreplace validate --engine vllm``): it must be reproduced exactly.
 
+Two more families and the online path: GPT-OSS (eager CLI capture), and a dense
+Llama served by the OpenAI server with two data-parallel engines, captured over HTTP
+(each engine its own store, merged with ``merge_stores``).
+
 Every engine runs in a subprocess: test_vllm.py's ngram engine leaves its process
 unable to start another engine, and TP=2 needs its own process group anyway.
-Engines: eager TP=1 (script: preemption, abort), compiled TP=1, eager and compiled
-TP=2 (``fxreplace capture --engine vllm``), one validate engine. Compiled engines
-use vLLM's default Dynamo + Inductor (``FXREPLACE_TEST_DYNAMO_EAGER=1``: eager backend).
+Engines: eager TP=1 (script: preemption, abort), compiled TP=1 and TP=2
+(``fxreplace capture --engine vllm``), one validate engine, GPT-OSS eager, one
+server. Compiled engines use vLLM's default Dynamo + Inductor
+(``FXREPLACE_TEST_DYNAMO_EAGER=1``: eager backend).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
+
+import httpx
 
 import pytest
 import torch
@@ -32,10 +36,15 @@ import vllm  # noqa: F401  (needs vLLM: no skip)
 from fxreplace.capture import capture_reference
 from fxreplace.models import get_family, tiny_model
 from fxreplace.reference import Reference, load_reference
+from fxreplace.store import merge_stores
 from fxreplace.vllm import ConfigError, FxReplaceConfig
 from fxreplace.vllm.testing import save_tiny_checkpoint
+from test_vllm import GPT_OSS, GPT_OSS_CONFIG
+from test_vllm_server import Server, parse
+from vllm_engines import result_line, run_python
 
 ARCH = "Qwen3MoeForCausalLM"
+LLAMA = "LlamaForCausalLM"
 NEW = 16
 ATOL = 1e-4
 TIMEOUT_S = 420
@@ -94,29 +103,7 @@ def setup(tmp_path_factory):
 
 
 def run(args: list[str], tp: int = 1, compiled: bool = False) -> str:
-    """Run a command in its own session (a timeout kills the engine and its workers); its stdout."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
-    env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="1" if tp > 1 else "0")
-    if tp > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    if compiled and os.environ.get("FXREPLACE_TEST_DYNAMO_EAGER"):
-        env["VLLM_CPU_CI_ENV"] = "1"
-    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{args[:3]} did not finish within {TIMEOUT_S} s:\n{stderr[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, (stdout[-2000:], stderr[-6000:])
-    return stdout
+    return run_python(args, timeout_s=TIMEOUT_S, tp=tp, compiled=compiled)
 
 
 def compare(hf: Reference, captured: Reference) -> dict:
@@ -139,7 +126,7 @@ def compare(hf: Reference, captured: Reference) -> dict:
 def eager(setup):
     out = setup.dir / "vllm_eager"
     stdout = run([str(setup.script), setup.ckpt, str(setup.prompts_path), str(out), json.dumps(ENGINE)])
-    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    result = result_line(stdout)
     return result, out
 
 
@@ -176,6 +163,69 @@ def test_cli_capture_equals_hf(setup, mode, tp):
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == []  # one store, written once (by TP rank 0)
     errors = compare(setup.hf, load_reference(out))
     print(f"\nvLLM {mode} TP={tp} vs HF: {errors}")
+    assert errors["router"] < ATOL and errors["logits"] < ATOL, errors
+
+
+def test_gptoss_capture_equals_hf(tmp_path):
+    """GPT-OSS (router ``mlp.router`` observed at its output, sliding-window layers): the
+    same checkpoint captured by HF and by vLLM (eager, a chunked prompt) agrees."""
+    ckpt = str(save_tiny_checkpoint(GPT_OSS, tmp_path / "ckpt", **GPT_OSS_CONFIG))
+    g = torch.Generator().manual_seed(2)
+    prompts = [[10] + torch.randint(4, 128, (29,), generator=g).tolist(),
+               [11] + torch.randint(4, 128, (99,), generator=g).tolist()]  # > the 64-token budget: chunked
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    out = tmp_path / "vllm"
+    engine = dict(max_model_len=192, block_size=32, max_num_batched_tokens=64, max_num_seqs=4)
+    stdout = run(["-m", "fxreplace", "capture", ckpt, "--engine", "vllm", "--eager", "--prompts",
+                  str(tmp_path / "prompts.json"), "--out", str(out), "--max-new-tokens", str(NEW),
+                  "--engine-args", json.dumps(engine)])
+    assert f"captured {len(prompts)} prompts" in stdout and "(0 dropped)" in stdout, stdout
+    hf = capture_reference(tiny_model(GPT_OSS, **GPT_OSS_CONFIG), prompts, get_family(GPT_OSS).targets, NEW,
+                           progress=False)
+    captured = load_reference(out)
+    assert captured.metadata["architecture"] == GPT_OSS
+    errors = compare(hf, captured)
+    print(f"\nGPT-OSS vLLM eager vs HF: {errors}")
+    assert errors["router"] < ATOL and errors["logits"] < ATOL, errors
+
+
+def test_server_with_two_data_parallel_engines_captures_requests_over_http(tmp_path):
+    """The OpenAI server with ``--data-parallel-size 2`` in capture mode: each engine
+    writes its own store (``out/dp<rank>``, complete whenever it idles), one
+    ``merge_stores`` call joins them, and the result equals HF capture. A dense model
+    (Llama, target: every MLP's output): vLLM's MoE layers need an all-gather across
+    data-parallel ranks that its CPU build lacks."""
+    ckpt = str(save_tiny_checkpoint(LLAMA, tmp_path / "ckpt"))
+    g = torch.Generator().manual_seed(3)
+    prompts = [[10 + i] + torch.randint(4, 128, (20 + 9 * i,), generator=g).tolist() for i in range(6)]
+    prompts[-1] += torch.randint(4, 128, (40,), generator=g).tolist()  # > the 64-token budget: chunked
+    out = tmp_path / "capture"
+    server = Server(ckpt, tmp_path, "eager", {"fxreplace": {"capture": {"out": str(out)}}},
+                    "--data-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    try:
+        server.wait_ready()
+
+        async def complete_all():
+            async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+                return await asyncio.gather(*[client.post(server.url + "/v1/completions", json={
+                    "model": ckpt, "prompt": p, "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True,
+                    "logprobs": 1, "return_tokens_as_token_ids": True}) for p in prompts])
+
+        replies = asyncio.run(complete_all())
+        assert [r.status_code for r in replies] == [200] * len(prompts), [r.text[:300] for r in replies]
+        tokens = [parse(r.json()["choices"][0])[0] for r in replies]
+        assert server.idle()
+        assert sorted(p.name for p in out.iterdir()) == ["dp0", "dp1"], server.log_tail()
+        counts = [json.loads((out / d / "capture.json").read_text()) for d in ("dp0", "dp1")]
+    finally:
+        server.stop()
+    assert all(c["completed"] > 0 for c in counts), counts  # both engines served (and captured) requests
+    assert sum(c["completed"] for c in counts) == len(prompts) and not any(c["dropped"] for c in counts), counts
+    captured = load_reference(merge_stores([out / "dp0", out / "dp1"], tmp_path / "merged"))
+    hf = capture_reference(tiny_model(LLAMA), prompts, get_family(LLAMA).targets, NEW, progress=False)
+    assert tokens == [hf.tokens(p) for p in range(len(prompts))]  # what the server returned
+    errors = compare(hf, captured)
+    print(f"\nserver, data parallel 2, vLLM eager vs HF (Llama MLP outputs): {errors}")
     assert errors["router"] < ATOL and errors["logits"] < ATOL, errors
 
 

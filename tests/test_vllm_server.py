@@ -37,29 +37,28 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, ref: Ref, tmp, mode: str):
-        self.ref = ref
+    """``python -m vllm.entrypoints.openai.api_server`` on a free port with the given
+    ``--additional-config`` and extra arguments; ``env`` adds to its environment."""
+
+    def __init__(self, ckpt: str, tmp, mode: str, additional_config: dict, *args: str, env: dict | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.state_path = str(tmp / "fxreplace_state.json")
         self.log_path = tmp / "server.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
-        env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", FXREPLACE_DEBUG_STATE=self.state_path)
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
+        environ.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", FXREPLACE_DEBUG_STATE=self.state_path,
+                       **(env or {}))
         if mode == "compiled" and os.environ.get("FXREPLACE_TEST_DYNAMO_EAGER"):
-            env["VLLM_CPU_CI_ENV"] = "1"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ref.ckpt,
+            environ["VLLM_CPU_CI_ENV"] = "1"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                *(["--enforce-eager"] if mode == "eager" else []),
                "--seed", "0", "--max-model-len", "256", "--block-size", "32", "--max-num-seqs", "16",
                "--max-num-batched-tokens", "64", "--uvicorn-log-level", "warning",
-               # engine core in its own process (the multi-process path), its worker inside it:
-               # one vLLM import less to start than the default multiproc executor
-               "--distributed-executor-backend", "uni",
-               "--additional-config", json.dumps({"fxreplace": {"tensors_path": ref.ref_dir,
-                                                                        "on_unknown": "passthrough"}})]
+               "--additional-config", json.dumps(additional_config), *args]
         self.log = open(self.log_path, "w")
         # own session: teardown signals this server and its engine process, nothing else
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=environ, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, n=4000) -> str:
         self.log.flush()
@@ -112,7 +111,11 @@ def ref(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["eager", "compiled"])
 def server(ref, tmp_path_factory, request):
-    srv = Server(ref, tmp_path_factory.mktemp("server"), request.param)
+    config = {"fxreplace": {"tensors_path": ref.ref_dir, "on_unknown": "passthrough"}}
+    # engine core in its own process (the multi-process path), its worker inside it:
+    # one vLLM import less to start than the default multiproc executor
+    srv = Server(ref.ckpt, tmp_path_factory.mktemp("server"), request.param, config,
+                 "--distributed-executor-backend", "uni")
     try:
         srv.wait_ready()
         yield srv

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -36,6 +33,7 @@ import vllm  # noqa: F401  (needs vLLM: no skip)
 from fxreplace.instrument import instrument
 from fxreplace.models import get_family, tiny_model
 from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
+from vllm_engines import result_line, run_python
 
 ARCH = "Qwen3MoeForCausalLM"
 NEW = 8
@@ -128,28 +126,9 @@ def ref(tmp_path_factory):
 
 
 def run_tp(ref: Ref, mode: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # callable collective_rpc
-    if mode == "compiled" and os.environ.get("FXREPLACE_TEST_DYNAMO_EAGER"):
-        env["VLLM_CPU_CI_ENV"] = "1"
-    # Own session: on timeout the engine core and both workers die with the script
-    # (orphaned vLLM workers busy-poll and starve everything after them).
-    proc = subprocess.Popen([sys.executable, str(ref.script), ref.ckpt, ref.ref_dir, str(ref.prompts_path), mode],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"TP=2 engine ({mode}) did not finish within {TIMEOUT_S} s:\n{stderr[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of a finished run
-        except ProcessLookupError:
-            pass
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (stdout[-2000:], stderr[-6000:])
-    return json.loads(lines[-1][len("RESULT "):])
+    stdout = run_python([str(ref.script), ref.ckpt, ref.ref_dir, str(ref.prompts_path), mode], timeout_s=TIMEOUT_S,
+                        tp=2, compiled=mode == "compiled")
+    return result_line(stdout)
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])

@@ -49,16 +49,22 @@ from . import internals
 
 logger = logging.getLogger("fxreplace.vllm")
 
-SHARD_BYTES = 32 << 20  # rows of finished requests held before they go to disk as one shard
+SHARD_BYTES = 32 << 20  # rows and logits of finished requests held before they go to disk as one shard
 STATS_FILE = "capture.json"
 PREFIX_CACHE_HINT = ("capture needs every prompt token computed: turn prefix caching off with "
                      "enable_prefix_caching=False (LLM/EngineArgs) or --no-enable-prefix-caching (server)")
 ASYNC_HINT = "capture reads each step's sampled tokens: turn async scheduling off (async_scheduling=False / --no-async-scheduling)"
+DATA_PARALLEL_KEY = "_data_parallel_size"  # set by the front end (prepare_engine_args), not by users
 
 
-def prepare_engine_args(engine_args) -> None:
+def prepare_engine_args(engine_args, capture: dict) -> None:
     """Front end: capture turns prefix caching and async scheduling off unless the
-    user asked for them, in which case it refuses with how to turn them off."""
+    user asked for them, in which case it refuses with how to turn them off; with
+    data parallelism it tells the engines so (``capture`` travels to them): vLLM
+    resets the data-parallel size of a dense model's replicas to 1, so an engine
+    could not tell it has siblings writing beside it."""
+    if engine_args.data_parallel_size > 1:
+        capture[DATA_PARALLEL_KEY] = int(engine_args.data_parallel_size)
     if engine_args.enable_prefix_caching:
         raise ConfigError(f"fxreplace capture with prefix caching on: {PREFIX_CACHE_HINT}")
     if getattr(engine_args, "async_scheduling", None):
@@ -92,24 +98,26 @@ class _StopView:
 class _RequestRows:
     """One request's captures, stored by position: ``rows[p]`` is every target's
     row at position ``p``; ``logits[j]`` predicts generated token ``j`` (one row per
-    step, so a request holds only the logits it has generated so far)."""
+    step, so a request holds only the logits it has generated so far). Held as numpy
+    arrays: a small slice copy costs a fifteenth of torch's, and this runs every step."""
 
-    def __init__(self, prompt: list[int], sampling_params, width: int, capacity: int, dtype):
+    def __init__(self, prompt: list[int], sampling_params, width: int, capacity: int, bits):
         self.prompt = prompt
         self.stop = _StopView(sampling_params, len(prompt), int(sampling_params.max_tokens))
-        self.rows = torch.zeros(capacity, width, dtype=dtype)
-        self.logits: dict[int, torch.Tensor] = {}
+        self.rows = np.zeros((capacity, width), dtype=bits)
+        self.logits: dict[int, np.ndarray] = {}
 
-    def put_rows(self, start: int, rows: torch.Tensor) -> None:
+    def put_rows(self, start: int, rows: np.ndarray) -> None:
         end = start + rows.shape[0]
         if end > self.rows.shape[0]:
-            self.rows = torch.cat([self.rows, self.rows.new_zeros(end - self.rows.shape[0], self.rows.shape[1])])
+            self.rows = np.concatenate([self.rows, np.zeros((end - self.rows.shape[0], self.rows.shape[1]),
+                                                            dtype=self.rows.dtype)])
         self.rows[start:end] = rows
 
-    def put_logits(self, position: int, row: torch.Tensor) -> None:
+    def put_logits(self, position: int, row: np.ndarray) -> None:
         j = position - (len(self.prompt) - 1)
         if j >= 0:  # earlier rows are prefill-chunk ends: their samples are discarded
-            self.logits[j] = row.clone()  # one row, not a view holding the whole step's logits
+            self.logits[j] = row.copy()  # one row, not a view holding the whole step's logits
 
 
 class VllmCapture:
@@ -130,9 +138,9 @@ class VllmCapture:
         self.runner = runner
         self.model = runner.model
         self.out = Path(capture["out"])
-        dp = runner.vllm_config.parallel_config
-        if dp.data_parallel_size > 1:  # each data-parallel engine writes its own store
-            self.out = self.out / f"dp{dp.data_parallel_rank}"
+        parallel = runner.vllm_config.parallel_config
+        if max(capture.get(DATA_PARALLEL_KEY, 1), parallel.data_parallel_size) > 1:
+            self.out = self.out / f"dp{internals.data_parallel_rank(runner)}"  # each engine its own store
         self.writes = get_tensor_model_parallel_rank() == 0
         self.max_tokens = int(runner.max_num_tokens)
         self.max_model_len = int(runner.model_config.max_model_len)
@@ -147,18 +155,20 @@ class VllmCapture:
                    max_tokens=self.max_tokens)
         self.names = [r.capture_name for r in resolved]
         dtype = next(self.model.parameters()).dtype
-        widths = [_point_width(self.model.get_submodule(r.module_name), r.module_name) for r in resolved]
+        probed = _probe_widths(runner, self.model, self.max_tokens)
+        widths = [probed[name] for name in self.names]
         edges = np.cumsum([0, *widths]).tolist()
         self.columns = {name: slice(a, b) for name, a, b in zip(self.names, edges, edges[1:])}
         self.width = edges[-1]
         # One [max_tokens, sum of widths] buffer; each target fills its columns in place.
         self.buffer = torch.zeros(self.max_tokens, self.width, dtype=dtype)
+        self.buffer_bits = _bits(self.buffer)  # the same memory as numpy (any dtype, bf16 included)
         self._observing = contextlib.ExitStack()  # open for the engine's life
         self._observing.enter_context(observe(self.model, _Recorder(self.buffer, self.columns)))
         self.dtype = dtype
         self.spec_tokens = int(getattr(runner, "num_spec_tokens", 0) or 0)
+        self.check_stop = internals.check_stop()
         self.active: dict[str, _RequestRows] = {}
-        self.scheduler_output = None  # the step being executed
         self.step = None  # this step's (request ids, token offsets, positions), from the forward to the logits
         self.completed = 0
         self.closed = False  # finish_capture() closed the store
@@ -203,7 +213,8 @@ class VllmCapture:
             prompt = list(new.prompt_token_ids)
             capacity = len(prompt) + int(new.sampling_params.max_tokens) + self.spec_tokens
             self.active[new.req_id] = _RequestRows(prompt, new.sampling_params, self.width,
-                                                   min(capacity, self.max_model_len + self.spec_tokens), self.dtype)
+                                                   min(capacity, self.max_model_len + self.spec_tokens),
+                                                   self.buffer_bits.dtype)
 
     def after_forward(self, scheduler_output, positions: torch.Tensor) -> None:
         """Copy this forward's observed rows to their requests, by position."""
@@ -214,7 +225,7 @@ class VllmCapture:
         starts = [0]
         for r in req_ids:
             starts.append(starts[-1] + counts[r])
-        rows = self.buffer[:starts[-1]]
+        rows = self.buffer_bits[:starts[-1]]
         pos = positions[:starts[-1]].cpu().numpy()
         self.step = (req_ids, starts, pos)
         for i, req_id in enumerate(req_ids):
@@ -222,8 +233,14 @@ class VllmCapture:
             if record is not None and starts[i + 1] > starts[i]:
                 record.put_rows(int(pos[starts[i]]), rows[starts[i]:starts[i + 1]])
 
+    def end_step(self, output) -> None:
+        """After ``execute_model``: keep the raw logits of every sampled row (before the
+        sampler may modify them in place); a step that sampled nothing returns its output here."""
+        self.after_execute()
+        if output is not None:
+            self.after_sample(output)
+
     def after_execute(self) -> None:
-        """Keep the raw logits of every sampled row (before the sampler may modify them in place)."""
         state = getattr(self.runner, internals.EXECUTE_MODEL_STATE, None)
         step, self.step = self.step, None
         if not self.writes or not self.active or state is None or state.logits is None or step is None:
@@ -232,7 +249,7 @@ class VllmCapture:
         spec = state.spec_decode_metadata
         indices = spec.logits_indices.cpu().numpy() if spec is not None else np.asarray(starts[1:]) - 1
         owners = (np.searchsorted(starts, indices, side="right") - 1).tolist()
-        logits = state.logits.float().cpu()
+        logits = state.logits.float().cpu().numpy()
         for k, (i, p) in enumerate(zip(owners, pos[indices].tolist())):
             record = self.active.get(req_ids[i])
             if record is not None:
@@ -242,7 +259,6 @@ class VllmCapture:
         """Append sampled tokens; write each request whose stop rule is met."""
         if not self.writes or not self.active or not getattr(output, "req_ids", None):
             return
-        check_stop = internals.check_stop()
         for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
             record = self.active.get(req_id)
             if record is None:
@@ -250,7 +266,7 @@ class VllmCapture:
             self.drafts_accepted += max(len(tokens) - 1, 0)
             for token in tokens:
                 record.stop.output_token_ids.append(int(token))
-                if check_stop(record.stop, self.max_model_len):
+                if self.check_stop(record.stop, self.max_model_len):
                     self._complete(req_id, record)
                     break
         if not self.active:
@@ -267,9 +283,9 @@ class VllmCapture:
             return
         tokens = record.stop.output_token_ids
         length = len(record.prompt) + len(tokens) - 1  # the last token is never fed back
-        rows = record.rows[:length]
+        rows = torch.from_numpy(record.rows[:length]).view(self.dtype)
         captures = {name: rows[:, columns] for name, columns in self.columns.items()}
-        logits = torch.stack([record.logits[j] for j in range(len(tokens))])
+        logits = torch.from_numpy(np.stack([record.logits[j] for j in range(len(tokens))]))
         self.writer.add(record.prompt, captures, extras=Reference.extras(tokens, logits))
         self.completed += 1
 
@@ -288,6 +304,17 @@ class VllmCapture:
             if self.completed:
                 self.writer.close()
             self.closed = True
+
+    def held_bytes(self) -> dict:
+        """What capture holds in memory now, in bytes: the in-flight requests' logits
+        and rows, the observation buffer and the shard not yet written (safe to call
+        from another thread: it only reads)."""
+        records = list(self.active.values())
+        logits = [row for r in records for row in list(r.logits.values())]
+        return {"in_flight_logits": sum(row.nbytes for row in logits),
+                "in_flight_rows": sum(r.rows.nbytes for r in records),
+                "observation_buffer": self.buffer.numel() * self.buffer.element_size(),
+                "unwritten_shard": self.writer.pending_bytes if self.writes else 0}
 
     def counts(self) -> dict:
         return {"completed": self.completed, "dropped": self.dropped, "in_flight": len(self.active),
@@ -309,56 +336,30 @@ class _Recorder:
         self.buffer[:flat.shape[0], self.columns[name]].copy_(flat)
 
 
-def _point_width(module: torch.nn.Module, name: str) -> int:
-    """Columns a router-like target computes: its output features."""
-    for attr in ("output_size", "out_features"):
-        value = getattr(module, attr, None)
-        if isinstance(value, int):
-            return value
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        return int(weight.shape[0])
-    raise TargetError(f"fxreplace capture: cannot tell how many columns target {name!r} computes "
-                      f"({type(module).__name__} has no output_size/out_features/2-D weight)")
+def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array of same-size integers (numpy has no bfloat16)."""
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]).numpy()
+
+
+def _probe_widths(runner, model, max_tokens: int) -> dict[str, int]:
+    """Each target's feature width, seen in one eager dummy forward before the engine
+    serves (so any module works, and a target the forward misses fails the start-up)."""
+    widths = {}
+
+    def record(name: str, computed) -> None:
+        if not isinstance(computed, torch.Tensor):
+            raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor")
+        widths[name] = int(computed.shape[-1])
+
+    with observe(model, record):
+        internals.eager_forward(runner, min(8, max_tokens))
+    return widths
 
 
 def attach(runner, capture: VllmCapture) -> None:
-    """Per-step wrappers on one capturing runner instance (its bound methods)."""
-    import functools
-
-    execute = getattr(runner, internals.EXECUTE_MODEL)
-    forward = getattr(runner, internals.MODEL_FORWARD)
-    sample = getattr(runner, internals.SAMPLE_TOKENS)
-
-    @functools.wraps(execute)
-    def execute_model(scheduler_output, *args, **kwargs):
-        capture.begin_step(scheduler_output)
-        capture.scheduler_output = scheduler_output
-        try:
-            output = execute(scheduler_output, *args, **kwargs)
-        finally:
-            capture.scheduler_output = None
-        capture.after_execute()
-        if output is not None:  # a step that sampled nothing returns its output here
-            capture.after_sample(output)
-        return output
-
-    @functools.wraps(forward)
-    def _model_forward(*args, **kwargs):
-        output = forward(*args, **kwargs)
-        if capture.scheduler_output is not None:  # not a dummy/profile run
-            capture.after_forward(capture.scheduler_output, internals.forward_positions(args, kwargs))
-        return output
-
-    @functools.wraps(sample)
-    def sample_tokens(*args, **kwargs):
-        output = sample(*args, **kwargs)
-        capture.after_sample(output)
-        return output
-
-    setattr(runner, internals.EXECUTE_MODEL, execute_model)
-    setattr(runner, internals.MODEL_FORWARD, _model_forward)
-    setattr(runner, internals.SAMPLE_TOKENS, sample_tokens)
+    """Per-step hooks on one capturing runner instance."""
+    internals.wrap_steps(runner, begin_step=capture.begin_step, after_forward=capture.after_forward,
+                         end_step=capture.end_step, after_sample=capture.after_sample)
 
 
 def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int, targets=None,

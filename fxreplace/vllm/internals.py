@@ -9,6 +9,7 @@ upgrade breaks loudly at one place instead of deep inside a worker.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -75,6 +76,10 @@ MODEL_RUNNER_OUTPUT_FIELDS = ("req_ids", "sampled_token_ids")
 CAPTURE_SCHEDULER_OUTPUT_FIELDS = ("preempted_req_ids",)
 CAPTURE_NEW_REQUEST_FIELDS = ("num_computed_tokens",)
 CHECK_STOP = ("vllm.v1.core.sched.utils", "check_stop")
+#: ``ParallelConfig.data_parallel_index``: the engine's data-parallel rank, also for dense
+#: models (whose replicas vLLM runs with ``data_parallel_size`` 1 and rank 0).
+PARALLEL_CONFIG = ("vllm.config.parallel", "ParallelConfig")
+PARALLEL_CONFIG_FIELDS = ("data_parallel_index", "data_parallel_size")
 
 
 def _import(where: tuple[str, str]):
@@ -114,10 +119,76 @@ def forward_positions(args: tuple, kwargs: dict):
     return args[POSITIONS_INDEX] if len(args) > POSITIONS_INDEX else None
 
 
+def wrap_steps(runner, *, begin_step, before_forward=None, after_forward=None, dummy_forward=None,
+               end_step=None, after_sample=None) -> None:
+    """Per-step wrappers on one runner *instance* (its bound methods; the class and
+    unconfigured runners stay untouched), the only place fxreplace hooks a step:
+
+    * ``begin_step(scheduler_output)`` before each ``execute_model``;
+    * around each model forward of that step (never a dummy or profile run: those
+      happen outside ``execute_model``) ``before_forward(scheduler_output, positions)``
+      and, even when the forward raises, ``after_forward(scheduler_output, positions)``;
+    * ``dummy_forward()`` before each forward outside a step (vLLM's dummy and profile runs);
+    * ``end_step(output)`` after ``execute_model`` returns (``None`` when the step's
+      tokens are sampled by a later ``sample_tokens``);
+    * ``after_sample(output)`` with what each ``sample_tokens`` returns.
+    """
+    execute = getattr(runner, EXECUTE_MODEL)
+    forward = getattr(runner, MODEL_FORWARD)
+    step = [None]  # the scheduler output of the step being executed
+
+    @functools.wraps(execute)
+    def execute_model(scheduler_output, *args, **kwargs):
+        begin_step(scheduler_output)
+        step[0] = scheduler_output
+        try:
+            output = execute(scheduler_output, *args, **kwargs)
+        finally:
+            step[0] = None
+        if end_step is not None:
+            end_step(output)
+        return output
+
+    @functools.wraps(forward)
+    def model_forward(*args, **kwargs):
+        scheduler_output = step[0]
+        if scheduler_output is None:  # dummy/profile run
+            if dummy_forward is not None:
+                dummy_forward()
+            return forward(*args, **kwargs)
+        positions = forward_positions(args, kwargs)
+        if before_forward is not None:
+            before_forward(scheduler_output, positions)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            if after_forward is not None:
+                after_forward(scheduler_output, positions)
+
+    setattr(runner, EXECUTE_MODEL, execute_model)
+    setattr(runner, MODEL_FORWARD, model_forward)
+    if after_sample is not None:
+        sample = getattr(runner, SAMPLE_TOKENS)
+
+        @functools.wraps(sample)
+        def sample_tokens(*args, **kwargs):
+            output = sample(*args, **kwargs)
+            after_sample(output)
+            return output
+
+        setattr(runner, SAMPLE_TOKENS, sample_tokens)
+
+
 def batch_requests(runner) -> list[str]:
     """Request ids of the step being run, in the order its tokens are laid out."""
     batch = runner.input_batch
     return batch.req_ids[: batch.num_reqs]
+
+
+def data_parallel_rank(runner) -> int:
+    """This engine's data-parallel rank (``data_parallel_index``: kept for dense-model
+    replicas, whose ``data_parallel_rank`` vLLM resets to 0)."""
+    return int(runner.vllm_config.parallel_config.data_parallel_index)
 
 
 def check_stop():
@@ -191,6 +262,7 @@ def check() -> list[str]:
         need(GPU_MODEL_RUNNER, CAPTURE_RUNNER_ATTRS, set_on_instances)
     need(EXECUTE_MODEL_STATE_CLASS, EXECUTE_MODEL_STATE_FIELDS, lambda cls, attr: attr in getattr(cls, "_fields", ()))
     need(MODEL_RUNNER_OUTPUT, MODEL_RUNNER_OUTPUT_FIELDS, has_field)
+    need(PARALLEL_CONFIG, PARALLEL_CONFIG_FIELDS, has_field)
     need(SCHEDULER_OUTPUT, CAPTURE_SCHEDULER_OUTPUT_FIELDS, has_field)
     try:
         check_stop()

@@ -132,7 +132,7 @@ def _create_engine_config(original):
         if config is not None and config.config.capture is not None:
             from .capture import prepare_engine_args
 
-            prepare_engine_args(self)
+            prepare_engine_args(self, config.config.capture)
         return original(self, *args, **kwargs)
 
     return create_engine_config
@@ -235,31 +235,14 @@ def _load_model(original):
 
 
 def _wrap_steps(runner, state: "VllmReplacement") -> None:
-    """Per-step wrappers on one configured runner instance (its bound methods)."""
-    execute = getattr(runner, internals.EXECUTE_MODEL)
-    forward = getattr(runner, internals.MODEL_FORWARD)
-
-    @functools.wraps(execute)
-    def execute_model(scheduler_output, *args, **kwargs):
-        state.update_requests(scheduler_output)
-        state.scheduler_output = scheduler_output
-        try:
-            return execute(scheduler_output, *args, **kwargs)
-        finally:
-            state.scheduler_output = None
-
-    @functools.wraps(forward)
-    def _model_forward(*args, **kwargs):
-        scheduler_output = state.scheduler_output
-        if scheduler_output is None:  # dummy/profile run: replacement off
-            state.clear()
-            return forward(*args, **kwargs)
-        # every row the forward reads is rewritten (padding rows off), so no clear after it
-        state.prepare(runner, scheduler_output, internals.forward_positions(args, kwargs))
-        return forward(*args, **kwargs)
-
-    setattr(runner, internals.EXECUTE_MODEL, execute_model)
-    setattr(runner, internals.MODEL_FORWARD, _model_forward)
+    """Per-step wrappers on one configured runner instance: requests are registered
+    and released per step and the buffers filled before each forward; every row the
+    forward reads is rewritten (padding rows off), so nothing is cleared after it.
+    Dummy/profile runs see replacement off."""
+    # lambdas: the state's methods are looked up per call (bench_vllm.py times them)
+    internals.wrap_steps(runner, begin_step=lambda so: state.update_requests(so),
+                         before_forward=lambda so, positions: state.prepare(runner, so, positions),
+                         dummy_forward=lambda: state.clear())
 
 
 # --------------------------------------------------------------------------- per worker
@@ -290,7 +273,6 @@ class VllmReplacement:
         self.errors = 0
         self.registered = 0  # requests registered (matched or not) and released, over the engine's life
         self.released = 0
-        self.scheduler_output = None  # the step being executed (set by the execute_model wrapper)
         self.armed = False  # whether the mask may hold True rows (clear() is a no-op otherwise)
         self.on_host = self.feed.mask.device.type == "cpu"
         self.debug_state_path = os.environ.get(DEBUG_STATE_ENV) or None
