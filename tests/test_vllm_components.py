@@ -34,7 +34,7 @@ from fxreplace.models import families, get_family, tiny_model
 from fxreplace.reference import load_reference
 from fxreplace.vllm.testing import hf_logprobs, save_tiny_checkpoint
 from test_vllm import max_diff
-from test_vllm_families import ATOL, VLLM_CONFIG, _Output
+from test_vllm_families import ATOL, VLLM_CONFIG, VLLM_ENGINE_ARGS, _Output
 
 COMPONENT_FAMILIES = [arch for arch in families() if get_family(arch).vllm_components]
 # vLLM's default compiled mode for one family (one graph must serve every selection; its
@@ -49,7 +49,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     ckpt, ref_dir, prompts, selections = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     blame_engine = VllmBlameEngine(ckpt, ref_dir, logprobs=5, max_model_len=128, max_num_seqs=16,
                                    enforce_eager=sys.argv[5] == "eager", distributed_executor_backend="uni",
-                                   enable_prefix_caching=False)
+                                   enable_prefix_caching=False, **json.loads(sys.argv[6]))
     def params(selection):
         extra = {"fxreplace": "off"} if selection is None else {"fxreplace": {"captures": selection}}
         return SamplingParams(temperature=0.0, max_tokens=%d, logprobs=5, prompt_logprobs=5, ignore_eos=True,
@@ -100,6 +100,7 @@ class ComponentRun:
         save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
         block = next(k for k in self.kinds if k in ("experts", "mlp"))
         names = {(info["kind"], info["layer"]): n for n, info in recorded_components(load_reference(ref_dir)).items()}
+        self.recorded = set(names)  # (kind, layer): DeepSeek-V3's dense first layer has no router
         # label -> (the capture names a request selects, None: off; whether that removes both faults)
         self.selections = {
             "off": (None, False),
@@ -114,7 +115,8 @@ class ComponentRun:
         if self.mode == "compiled" and os.environ.get("FXREPLACE_TEST_DYNAMO_EAGER"):
             env["VLLM_CPU_CI_ENV"] = "1"
         proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(ckpt), str(ref_dir), json.dumps(self.prompts),
-                               json.dumps([s for s, _ in self.selections.values()]), self.mode],
+                               json.dumps([s for s, _ in self.selections.values()]), self.mode,
+                               json.dumps(VLLM_ENGINE_ARGS.get(arch, {}))],
                               env=env, capture_output=True, text=True, timeout=400)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, f"{arch}: vLLM engine failed:\n{proc.stderr[-4000:]}"
@@ -137,7 +139,8 @@ def run(request, tmp_path_factory):
 def test_every_component_maps_to_a_vllm_module(run):
     layers = run.clean.config.num_hidden_layers
     found = {(kind, layer) for kind, layer, _, _ in run.result["components"]}
-    assert found == {(kind, layer) for kind in run.kinds for layer in range(layers)}
+    assert found == run.recorded
+    assert {layer for _, layer in found} == set(range(layers)) and {kind for kind, _ in found} == set(run.kinds)
 
 
 def test_bad_selection_is_refused_naming_it(run):

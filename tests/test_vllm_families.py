@@ -10,9 +10,8 @@ and a prompt not in the reference must equal the plain HF model.
 
 A registration can therefore never claim what does not work: the families are
 read from the registry, not listed here. Families without ``vllm_targets`` (the
-fused-router variants, a transform of the HF model that vLLM does not implement;
-DeepSeek-V3, whose vLLM implementation disagrees with HF on this CPU build) are
-checked to say so.
+fused-router variants, a transform of the HF model that vLLM does not implement,
+and families built without transformers) are checked to say so.
 
 Each engine runs in its own subprocess (one module-scoped engine per family): an
 in-process engine after test_vllm.py's ngram engine would fail (see that test).
@@ -39,9 +38,9 @@ VLLM_FAMILIES = [arch for arch in families() if get_family(arch).vllm_targets]
 # What vLLM's implementation reads from the checkpoint beyond the family's tiny config
 # (real checkpoints carry these fields): GPT-OSS always builds YaRN rotary embeddings.
 VLLM_CONFIG = {"GptOssForCausalLM": GPT_OSS_CONFIG}
-# Families vLLM implements whose vLLM outputs cannot be checked against HF on this CPU
-# build (the family's docstring says why); they must not register vllm_targets.
-UNVERIFIED_IN_VLLM = {"DeepseekV3ForCausalLM"}
+# Engine arguments a family needs on this CPU build: in float32 DeepSeek-V3 needs the
+# reference MLA backend (vLLM picks AMX_MLA where the CPU has AMX; it refuses float32).
+VLLM_ENGINE_ARGS = {"DeepseekV3ForCausalLM": {"attention_config": {"backend": "CPU_MLA"}}}
 NEW = 4
 ATOL = 1e-4
 
@@ -49,10 +48,10 @@ ENGINE_SCRIPT = textwrap.dedent("""
     import json, sys
     from vllm import LLM, SamplingParams
     import fxreplace.vllm as fxv
-    ckpt, ref_dir, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    ckpt, ref_dir, prompts, engine_args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     llm = LLM(model=ckpt, dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4,
               enforce_eager=True, seed=0, distributed_executor_backend="uni", enable_prefix_caching=False,
-              additional_config={"fxreplace": {"tensors_path": ref_dir, "on_unknown": "passthrough"}})
+              additional_config={"fxreplace": {"tensors_path": ref_dir, "on_unknown": "passthrough"}}, **engine_args)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     sp = SamplingParams(temperature=0.0, max_tokens=%d, logprobs=5, prompt_logprobs=5, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -108,7 +107,8 @@ class FamilyRun:
         ref_dir = directory / "reference"
         ReferenceStore.from_captures(self.captures, prompt_token_ids=self.prompts[: self.known]).save(ref_dir)
         env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, self.ckpt, str(ref_dir), json.dumps(self.prompts)],
+        proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, self.ckpt, str(ref_dir), json.dumps(self.prompts),
+                               json.dumps(VLLM_ENGINE_ARGS.get(arch, {}))],
                               env=env, capture_output=True, text=True, timeout=400)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, f"{arch}: vLLM engine failed:\n{proc.stderr[-4000:]}"
@@ -151,11 +151,10 @@ def test_unknown_prompt_matches_plain_hf(family):
 def test_families_without_vllm_targets_say_why():
     """vLLM runs the checkpoint's own transformers architecture: a family that is a
     transform of an HF model (a fused router kernel) or is built without transformers
-    (``build``) has no vLLM implementation to instrument; a family whose vLLM
-    implementation is not verified here registers none either."""
+    (``build``) has no vLLM implementation to instrument; every other family registers
+    vllm_targets (and is verified above)."""
     def not_in_vllm(family):
         return family.transform is not None or getattr(family, "build", None) is not None
 
     without = [arch for arch in families() if not get_family(arch).vllm_targets]
-    assert all(not_in_vllm(get_family(arch)) or arch in UNVERIFIED_IN_VLLM for arch in without), without
-    assert not UNVERIFIED_IN_VLLM & set(VLLM_FAMILIES)
+    assert all(not_in_vllm(get_family(arch)) for arch in without), without
