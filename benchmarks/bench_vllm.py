@@ -137,7 +137,7 @@ def main() -> None:
     import torch
     from fxreplace.instrument import instrument
     from fxreplace.models import get_family
-    from fxreplace.vllm.testing import capture_router_logits, force_routing, save_tiny_checkpoint
+    from fxreplace.vllm.testing import capture_router_logits, save_tiny_checkpoint
 
     shape = QUICK if args.quick else MID
     modes = ["eager"] if args.quick else ["eager", "compiled"]
@@ -151,7 +151,13 @@ def main() -> None:
     hf = instrument(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval(), get_family(ARCH).targets)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, shape["vocab_size"], (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
-    captures = {i: force_routing(capture_router_logits(hf, hf.targets, p + [5] * (new + 8))) for i, p in enumerate(prompts)}
+    # The reference is the model's own router logits over its own greedy continuation, so the
+    # active engine computes exactly what the baseline does (same tokens, same experts) and
+    # the difference is the replacement's cost alone (forced routing would also change how
+    # the MoE kernel's work spreads over experts, which is not an overhead).
+    with torch.no_grad():
+        greedy = [hf.generate(torch.tensor([p]), max_new_tokens=new + 8, do_sample=False)[0].tolist() for p in prompts]
+    captures = {i: capture_router_logits(hf, hf.targets, seq) for i, seq in enumerate(greedy)}
     ref = os.path.join(tmp, "ref.pt")
     torch.save({"captures": captures, "prompts": prompts}, ref)
     del hf
