@@ -124,13 +124,6 @@ class SelectedContext(ReplacementContext):
         self.masks = {m: context.mask.clone() if m in self.selected else torch.zeros_like(context.mask)
                       for m in context}
 
-    def mask_array(self):
-        """The mask as a numpy array sharing its memory (host masks only): engines set
-        and clear a few flags per step through it at a fraction of a torch call's cost."""
-        if self._mask_array is None:
-            self._mask_array = self.mask.numpy()
-        return self._mask_array
-
     def mask_for(self, name: str) -> torch.Tensor:
         return self.masks[name]
 

@@ -266,7 +266,7 @@ class TensorReplacer:
         prompts.append(_UNMATCHED)
         return prompts
 
-    def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray):
+    def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray | list[int]):
         """Store row of every slot (the zero row where it holds none) and the mask, as a
         plan ``[(shard, rows, slots or None for all)]``. Request ``i`` owns the next
         ``counts[i]`` slots; the slots after them are padding.
@@ -309,15 +309,10 @@ class TensorReplacer:
             plan.append((int(s), local[slots], slots))
         return plan, mask
 
-    def _gather(self, req_ids, counts: list[int], positions: np.ndarray, device, out) -> ReplacementContext:
+    def _gather(self, req_ids, counts: list[int], positions: np.ndarray | list[int], device, out) -> ReplacementContext:
         """Request ``i`` owns the next ``counts[i]`` slots, the rest is padding -> context."""
         plan, mask = self._slot_rows(self._request_prompts(req_ids), counts, positions)
         n = len(positions)
-        if out is not None and len(plan) == 1 and device is None and self._on_host and self._checked_out(out, n):
-            # an engine's step on the host: straight into its buffers
-            self._run(plan, out.storage)
-            out.mask_array()[:] = mask
-            return out
         if out is None:
             ctx = self._fresh_context(n)
             self._run(plan, ctx.storage)

@@ -379,22 +379,29 @@ class VllmReplacement:
         The hot path: per request only a dict lookup; no tensor is allocated here
         (the gather writes into the bound buffers' leading rows)."""
         try:
-            req_ids = internals.batch_requests(runner)
-            if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
-                self.clear()
-                return
-            scheduled = scheduler_output.num_scheduled_tokens
-            counts = [scheduled[r] for r in req_ids]
-            if positions is None or not positions.is_cpu:  # device positions: recompute on the host
-                positions = _host_positions(runner, counts, sum(counts) if positions is None else positions.shape[0])
-            self.armed = True
-            ctx = self.replacer.build_context_for_batch(req_ids, counts, positions, out=self._rows(positions.shape[0]))
-            self.steps += 1
-            self.tokens_replaced += int(np.count_nonzero(ctx.mask_array())) if self.on_host else int(ctx.mask.sum())
+            self._fill(runner, scheduler_output, positions)
         except Exception as exc:
             self.errors += 1
             self.clear()
             logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
+
+    def _fill(self, runner, scheduler_output, positions) -> tuple[list[str], list[int], int] | None:
+        """:meth:`prepare`'s work; returns the batch's request ids, their scheduled token
+        counts and the rows written (padding included), or None when nothing is replaced."""
+        req_ids = internals.batch_requests(runner)
+        if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
+            self.clear()
+            return None
+        scheduled = scheduler_output.num_scheduled_tokens
+        counts = [scheduled[r] for r in req_ids]
+        if positions is None or not positions.is_cpu:  # device positions: recompute on the host
+            positions = _host_positions(runner, counts, sum(counts) if positions is None else positions.shape[0])
+        rows = positions.shape[0]
+        self.armed = True
+        ctx = self.replacer.build_context_for_batch(req_ids, counts, positions, out=self._rows(rows))
+        self.steps += 1
+        self.tokens_replaced += int(np.count_nonzero(ctx.mask_array())) if self.on_host else int(ctx.mask.sum())
+        return req_ids, counts, rows
 
     def _rows(self, n: int) -> ReplacementContext:
         """The bound buffers' first ``n`` rows as an ``out=`` context (cached per n)."""
@@ -448,27 +455,19 @@ class SelectingReplacement(VllmReplacement):
             self.selections[new.req_id] = torch.tensor([name in wanted for name in self.capture_names])
         super().update_requests(scheduler_output)
 
-    def prepare(self, runner, scheduler_output, positions) -> None:
-        super().prepare(runner, scheduler_output, positions)
-        if not self.armed:
-            return
-        try:
-            req_ids = internals.batch_requests(runner)
-            scheduled = scheduler_output.num_scheduled_tokens
-            counts = [scheduled[r] for r in req_ids]
-            total = sum(counts)
-            rows = total if positions is None else positions.shape[0]  # as the base class: padding included
-            # per token, whether its request selected each capture (padding rows: none)
-            chosen = torch.stack([self.selections.get(r, self.all_selected) for r in req_ids]
-                                 + [self.none_selected], 1)
-            per_token = chosen.repeat_interleave(torch.tensor(counts + [rows - total]), dim=1).to(self.device)
-            batch_mask = self.feed.mask[:rows]
-            for mask, selected in zip(self.masks, per_token):
-                torch.logical_and(batch_mask, selected, out=mask[:rows])
-        except Exception as exc:
-            self.errors += 1
-            self.clear()
-            logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
+    def _fill(self, runner, scheduler_output, positions) -> tuple[list[str], list[int], int] | None:
+        filled = super()._fill(runner, scheduler_output, positions)
+        if filled is None:
+            return None
+        req_ids, counts, rows = filled
+        total = sum(counts)
+        # per token, whether its request selected each capture (padding rows: none)
+        chosen = torch.stack([self.selections.get(r, self.all_selected) for r in req_ids] + [self.none_selected], 1)
+        per_token = chosen.repeat_interleave(torch.tensor(counts + [rows - total]), dim=1).to(self.device)
+        batch_mask = self.feed.mask[:rows]
+        for mask, selected in zip(self.masks, per_token):
+            torch.logical_and(batch_mask, selected, out=mask[:rows])
+        return filled
 
     def clear(self) -> None:
         if self.armed:
