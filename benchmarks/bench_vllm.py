@@ -16,19 +16,33 @@ engines (3 by default, a multiple of 3), each configuration started first in a
 third of them.
 
 One sample = decode step time = (time for NEW tokens - time for 1 token) /
-(NEW - 1) over all prompts, each the fastest of three runs. Per round, a
-configuration's ratio is the median over turns of its sample / the baseline's
-sample of the same turn; its overhead is the geometric mean over the rounds
-(worst mode): every configuration is started at every position equally often, so
-a position's slowdown multiplies into its ratios and its speed-up cancels it. ``overhead_active_intrinsic`` is 1 + the plugin's own measured time per
-forward (request bookkeeping, gather, clear) over the baseline step, a figure
-that neither other load nor process placement moves.
+(NEW - 1) over all prompts, each the fastest of three runs, on two clocks: the
+engine thread's CPU time (the engine runs in-process on one thread,
+``OMP_NUM_THREADS=1``, so this is its work, whatever else the host runs) and wall
+time. Per round, a configuration's ratio is the median over turns of its sample /
+the baseline's sample of the same turn; its overhead is the geometric mean over the
+rounds (worst mode): every configuration is started at every position equally
+often, so a position's slowdown multiplies into its ratios and its speed-up cancels
+it. ``overhead_active``/``overhead_inactive`` are on CPU time, the ``_wall`` ones on
+wall time.
+
+The plugin's own time (request bookkeeping, fill, clear: the state's
+``update_requests``, ``prepare`` and ``clear``, on the thread's CPU clock) is booked
+to the forward of its step: ``plugin_us_per_decode_forward`` is the median over the
+steps where every request decodes one token (8 decode requests: the steps the step
+time above measures), ``plugin_us_per_forward`` the mean over all forwards, prefills
+and their registrations included. ``overhead_active_intrinsic`` is 1 + the first
+over the baseline's CPU step time: a figure that neither other load nor process
+placement moves. The instrumented model's own extra work (arming, the targets'
+wrappers) is not in it; ``overhead_active`` holds everything.
 
 Unconfigured, the plugin wraps no per-step method (only engine configuration
 and model load), so ``overhead_inactive`` measures the noise floor. Active, each
 step gathers the batch's reference rows straight into the model's static buffers
-(one ``index_select`` per packed group and one mask write, padding rows off), so
-nothing is cleared after the forward (only before a dummy run). Compiled mode is vLLM's default (Dynamo + Inductor).
+(one copy per packed group and one mask write, padding rows off), so nothing is
+cleared after the forward (only before a dummy run), and a target whose rows are
+all replaced reads them without a copy. Compiled mode is vLLM's default (Dynamo +
+Inductor).
 """
 
 from __future__ import annotations
@@ -50,6 +64,7 @@ MID = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, n
 QUICK = dict(MID, hidden_size=256, moe_intermediate_size=128, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=4, num_experts=8, num_experts_per_tok=2, vocab_size=512)
 CONFIGS = ("no_plugin", "inactive", "active")
+CLOCKS = {"cpu": "step_cpu_s", "wall": "step_s"}  # the engine thread's CPU time, and wall time
 
 
 def plugins_but_fxreplace() -> str:
@@ -75,37 +90,50 @@ def child(args) -> None:
               distributed_executor_backend="uni", enable_prefix_caching=False, max_num_seqs=len(data["prompts"]),
               **extra)
     prompts = [{"prompt_token_ids": p} for p in data["prompts"]]
-    plugin = {"s": 0.0, "forwards": 0}
-    if args.config == "active":  # time the plugin's own per-step work (in-process engine)
+    plugin = {"pending": 0.0, "decode": [], "other": []}  # seconds per forward: all-decode steps, the rest
+    if args.config == "active":  # time the plugin's own per-step work (in-process engine: this thread)
         from fxreplace.vllm import get_state
 
         state = get_state(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
-        for name in ("update_requests", "prepare", "clear"):
-            def timed(*a, _orig=getattr(state, name), _name=name, **k):
-                t0 = time.perf_counter()
+
+        def timed(name):
+            method = getattr(state, name)
+
+            def call(*a, **k):
+                t0 = time.thread_time()
                 try:
-                    return _orig(*a, **k)
+                    return method(*a, **k)
                 finally:
-                    plugin["s"] += time.perf_counter() - t0
-                    plugin["forwards"] += _name == "prepare"
-            setattr(state, name, timed)
+                    plugin["pending"] += time.thread_time() - t0
+                    if name == "prepare":  # a step's bookkeeping, clear and fill: booked to its forward
+                        scheduled = a[1].num_scheduled_tokens
+                        kind = "decode" if a[1].total_num_scheduled_tokens == len(scheduled) else "other"
+                        plugin[kind].append(plugin["pending"])
+                        plugin["pending"] = 0.0
+            return call
+
+        for name in ("update_requests", "prepare", "clear"):
+            setattr(state, name, timed(name))
 
     def run(n):
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         llm.generate(prompts, sp, use_tqdm=False)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
     run(4)  # warm
-    plugin.update(s=0.0, forwards=0)
     print("READY", flush=True)
     for line in sys.stdin:
         if line.strip() != "sample":
             break
-        t1, tn = min(run(1) for _ in range(3)), min(run(args.new) for _ in range(3))
-        result = {"step_s": (tn - t1) / (args.new - 1)}
-        if plugin["forwards"]:
-            result["plugin_s_per_forward"] = plugin["s"] / plugin["forwards"]
+        plugin.update(pending=0.0, decode=[], other=[])
+        one, many = [run(1) for _ in range(3)], [run(args.new) for _ in range(3)]
+        result = {"step_s": (min(w for w, _ in many) - min(w for w, _ in one)) / (args.new - 1),
+                  "step_cpu_s": (min(c for _, c in many) - min(c for _, c in one)) / (args.new - 1)}
+        if plugin["decode"]:
+            result["plugin_s_per_decode_forward"] = statistics.median(plugin["decode"])
+            result["plugin_s_per_forward"] = (sum(plugin["decode"]) + sum(plugin["other"])) / (
+                len(plugin["decode"]) + len(plugin["other"]))
         print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -126,7 +154,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config"), ap.add_argument("--mode"), ap.add_argument("--ckpt"), ap.add_argument("--ref")
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--samples", type=int, default=None, help="sample turns per round (default 8, quick 4)")
+    ap.add_argument("--samples", type=int, default=None, help="sample turns per round (default 12, quick 8)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of fresh engines per mode (a multiple of 3)")
     args = ap.parse_args()
     if args.rounds < 3 or args.rounds % 3:
@@ -141,7 +169,7 @@ def main() -> None:
 
     shape = QUICK if args.quick else MID
     modes = ["eager"] if args.quick else ["eager", "compiled"]
-    samples = args.samples or (4 if args.quick else 8)
+    samples = args.samples or (8 if args.quick else 12)
     new = 16 if args.quick else 32
     num_prompts, prompt_len = 8, 64
     tmp = tempfile.mkdtemp(prefix="fxreplace_bench_vllm_")
@@ -164,50 +192,58 @@ def main() -> None:
 
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     summary = {"model": shape, "num_prompts": num_prompts, "new_tokens": new, "samples_per_round": samples,
-               "step_ms": {}, "paired_ratio": {}, "plugin_ms_per_forward": {}}
-    inactive, active, intrinsic = [], [], []
+               "step_ms": {}, "step_cpu_ms": {}, "paired_ratio": {}, "paired_ratio_wall": {},
+               "plugin_us_per_decode_forward": {}, "plugin_us_per_forward": {}}
+    ratios = {"overhead_active": [], "overhead_inactive": [], "overhead_active_wall": [], "overhead_inactive_wall": [],
+              "overhead_active_intrinsic": []}  # per mode; the summary reports the worst
     order = list(CONFIGS)
     for mode in modes:
-        steps = {config: [] for config in order}
-        rounds = {config: [] for config in order}  # per round: median of the turn-paired ratios to no_plugin
-        cost = []
+        steps = {clock: {config: [] for config in order} for clock in CLOCKS}
+        rounds = {clock: {config: [] for config in order} for clock in CLOCKS}  # per round: median paired ratio
+        decode_cost, forward_cost = [], []
         for r in range(args.rounds):
             created = order[r % 3:] + order[:r % 3]  # engines started earlier run slower: each goes first in turn
             engines = {config: start_engine(config, mode, ckpt, ref, new, env) for config in created}  # one at a time
-            turns = {config: [] for config in order}
+            turns = {clock: {config: [] for config in order} for clock in CLOCKS}
             for i in range(samples):
                 for config in created[i % 3:] + created[:i % 3]:  # rotate: no position bias
                     got = engines[config].sample()
-                    turns[config].append(got["step_s"])
-                    if "plugin_s_per_forward" in got:
-                        cost.append(got["plugin_s_per_forward"])
+                    for clock, key in CLOCKS.items():
+                        turns[clock][config].append(got[key])
+                    if "plugin_s_per_decode_forward" in got:
+                        decode_cost.append(got["plugin_s_per_decode_forward"])
+                        forward_cost.append(got["plugin_s_per_forward"])
             for engine in engines.values():
                 engine.close(60)
-            for config in order:
-                steps[config] += turns[config]
-                rounds[config].append(statistics.median(x / b for x, b in zip(turns[config], turns["no_plugin"])))
-            print(f"{mode:8s} round {r} (started {', '.join(created)}): "
-                  + "  ".join(f"{c} {statistics.median(turns[c]) * 1e3:6.2f} ms x{rounds[c][-1]:.3f}" for c in order),
-                  flush=True)
-        paired = {c: statistics.geometric_mean(v) for c, v in rounds.items()}
-        summary["step_ms"][mode] = {c: round(statistics.median(v) * 1e3, 3) for c, v in steps.items()}
-        summary["paired_ratio"][mode] = {c: round(v, 4) for c, v in paired.items()}
-        summary.setdefault("round_ratios", {})[mode] = {c: [round(x, 4) for x in v] for c, v in rounds.items()}
-        inactive.append(paired["inactive"])
-        active.append(paired["active"])
-        # the plugin's own time per forward: immune to other load and to process placement
-        summary["plugin_ms_per_forward"][mode] = round(statistics.median(cost) * 1e3, 4)
-        intrinsic.append(1 + statistics.median(cost) / statistics.median(steps["no_plugin"]))
-    print(f"{'mode':10s}{'config':12s}{'step ms':>10s}{'vs base':>9s}")
+            for clock in CLOCKS:
+                for config in order:
+                    steps[clock][config] += turns[clock][config]
+                    rounds[clock][config].append(statistics.median(
+                        x / b for x, b in zip(turns[clock][config], turns[clock]["no_plugin"])))
+            print(f"{mode:8s} round {r} (started {', '.join(created)}): " + "  ".join(
+                f"{c} {statistics.median(turns['cpu'][c]) * 1e3:6.2f} ms x{rounds['cpu'][c][-1]:.3f}"
+                f" (wall x{rounds['wall'][c][-1]:.3f})" for c in order), flush=True)
+        paired = {clock: {c: statistics.geometric_mean(v) for c, v in rounds[clock].items()} for clock in CLOCKS}
+        summary["step_ms"][mode] = {c: round(statistics.median(v) * 1e3, 3) for c, v in steps["wall"].items()}
+        summary["step_cpu_ms"][mode] = {c: round(statistics.median(v) * 1e3, 3) for c, v in steps["cpu"].items()}
+        summary["paired_ratio"][mode] = {c: round(v, 4) for c, v in paired["cpu"].items()}
+        summary["paired_ratio_wall"][mode] = {c: round(v, 4) for c, v in paired["wall"].items()}
+        summary.setdefault("round_ratios", {})[mode] = {c: [round(x, 4) for x in v] for c, v in rounds["cpu"].items()}
+        for config in ("active", "inactive"):
+            ratios[f"overhead_{config}"].append(paired["cpu"][config])
+            ratios[f"overhead_{config}_wall"].append(paired["wall"][config])
+        # the plugin's own time: immune to other load and to process placement
+        summary["plugin_us_per_decode_forward"][mode] = round(statistics.median(decode_cost) * 1e6, 1)
+        summary["plugin_us_per_forward"][mode] = round(statistics.median(forward_cost) * 1e6, 1)
+        ratios["overhead_active_intrinsic"].append(1 + statistics.median(decode_cost) / statistics.median(steps["cpu"]["no_plugin"]))
+    print(f"{'mode':10s}{'config':12s}{'cpu ms':>10s}{'vs base':>9s}{'wall ms':>10s}{'vs base':>9s}")
     for mode in modes:
         for config in order:
-            print(f"{mode:10s}{config:12s}{summary['step_ms'][mode][config]:10.3f}"
-                  f"{summary['paired_ratio'][mode][config]:9.3f}")
-    summary["overhead_inactive"] = round(max(inactive), 4)
-    summary["overhead_active"] = round(max(active), 4)
-    summary["overhead_active_intrinsic"] = round(max(intrinsic), 4)
+            print(f"{mode:10s}{config:12s}{summary['step_cpu_ms'][mode][config]:10.3f}"
+                  f"{summary['paired_ratio'][mode][config]:9.3f}{summary['step_ms'][mode][config]:10.3f}"
+                  f"{summary['paired_ratio_wall'][mode][config]:9.3f}")
+    summary.update({name: round(max(values), 4) for name, values in ratios.items()})
     print(json.dumps(summary))
-
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,16 @@ import contextvars
 from collections.abc import Mapping
 from typing import Iterator
 
+import numpy as np
 import torch
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def host_bits(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor's bits, whatever its dtype (bfloat16 and float8
+    included): copies between such views move the values exactly."""
+    return tensor.view(_SAME_SIZE_INT[tensor.element_size()]).numpy()
 
 
 class ReplacementContext(Mapping):
@@ -23,7 +32,7 @@ class ReplacementContext(Mapping):
     ``places[name]`` is ``(group, block)``.
     """
 
-    __slots__ = ("_tensors", "mask", "storage", "places", "_mask_array", "checked_by", "__weakref__")
+    __slots__ = ("_tensors", "mask", "storage", "places", "_mask_array", "_storage_bits", "checked_by", "__weakref__")
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = (),
                  places: Mapping[str, tuple[int, int]] | None = None):
@@ -40,6 +49,7 @@ class ReplacementContext(Mapping):
         self.storage = storage  # per group [capture names, num_tokens, E], when built by a TensorReplacer
         self.places = dict(places or {})
         self._mask_array = None
+        self._storage_bits = None
         self.checked_by = None  # (replacer, slots, on its device) once a TensorReplacer checked it as out=
 
     @classmethod
@@ -62,6 +72,13 @@ class ReplacementContext(Mapping):
         if self._mask_array is None:
             self._mask_array = self.mask.numpy()
         return self._mask_array
+
+    def storage_bits(self) -> tuple[np.ndarray, ...]:
+        """``storage`` as numpy views of its bits (host contexts only; see :func:`host_bits`):
+        a gather of a few rows into them costs less than a torch call."""
+        if self._storage_bits is None:
+            self._storage_bits = tuple(host_bits(s) for s in self.storage)
+        return self._storage_bits
 
     def mask_for(self, name: str) -> torch.Tensor:
         """The rows replaced at capture ``name`` (a :class:`SelectedContext` narrows them per capture name)."""

@@ -34,34 +34,40 @@ class TargetNotHitError(RuntimeError):
     e.g. because a kernel-replaced forward skips the router."""
 
 
+_IDLE, _ARMED, _TAKEN = "idle", "armed", "taken"
+
+
 class _Slot:
     """Hands one forward's replacement to one target and records that the target
     consumed it. States: idle (outside an instrumented call: pass through),
-    armed, taken (a second take in the same forward is an error)."""
+    armed, taken (a second take in the same forward is an error). Under Dynamo,
+    ``take`` is traced: its state is the same string at every forward, so it is
+    no recompile reason."""
 
     def __init__(self, target: ResolvedTarget):
         self.target = target
         self.reset()
 
     def reset(self):
-        self.state = "idle"
+        self.state = _IDLE
         self.replacement = None
         self.mask = None
         self.leading_rows = False
 
     def arm(self, replacement, mask, leading_rows=False):
-        self.state = "armed"
+        self.state = _ARMED
         self.replacement = replacement
         self.mask = mask
         self.leading_rows = leading_rows
 
     def take(self) -> bool:
         """True when called inside an instrumented forward."""
-        if self.state == "idle":
+        state = self.state
+        if state is _IDLE:
             return False
-        if self.state == "taken":
+        if state is _TAKEN:
             raise TargetNotHitError(f"target {self.target.module_name!r} was hit twice in one forward")
-        self.state = "taken"
+        self.state = _TAKEN
         return True
 
 
@@ -86,28 +92,40 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
             )
     else:
         index = point.output_index
+        module_name, where = point.module_name, point.point
 
         def forward(*args, **kwargs):
             output = original(*args, **kwargs)
             if not slot.take():
                 return output
-            if index is not None and not isinstance(output, (tuple, list)):
-                raise TargetError(f"{point.module_name!r}: point {point.point!r} indexes the output, but the module "
-                                  f"returns a {type(output).__name__} (indexing would pick a row): use point='output'")
-            value = output if index is None else output[index]
-            pair = isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value)
-            if not isinstance(value, torch.Tensor) and not pair:
-                fallback = " (it cannot be traced alone, so 'auto' means its output)" if point.point == "auto" else ""
-                raise TargetError(
-                    f"{point.module_name!r}: point {point.point!r}{fallback} is a {type(value).__name__}, not a "
-                    "tensor; use point='output[i]' or a callable point"
-                )
+            if index is None:
+                value = output
+            elif isinstance(output, (tuple, list)):
+                value = output[index]
+            else:
+                raise TargetError(f"{module_name!r}: point {where!r} indexes the output, but the module returns a "
+                                  f"{type(output).__name__} (indexing would pick a row): use point='output'")
+            if type(value) is not torch.Tensor:
+                _check_point_value(value, module_name, where)
             value = injection(value, slot.replacement, slot.mask, leading_rows=slot.leading_rows)
             if index is None:
                 return value
-            return type(output)((*output[:index], value, *output[index + 1:]))
+            parts = list(output)
+            parts[index] = value
+            return type(output)(*parts) if hasattr(output, "_fields") else type(output)(parts)  # namedtuple or not
 
     module.forward = forward
+
+
+def _check_point_value(value, module_name: str, where) -> None:
+    """An output point reads a tensor or a pair of tensors; anything else is an error."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return
+    fallback = " (it cannot be traced alone, so 'auto' means its output)" if where == "auto" else ""
+    raise TargetError(f"{module_name!r}: point {where!r}{fallback} is a {type(value).__name__}, not a tensor; use "
+                      "point='output[i]' or a callable point")
 
 
 class Instrumentation:
@@ -161,13 +179,17 @@ class Instrumentation:
                 mask = torch.ones(value.shape[0], dtype=torch.bool, device=value.device)
             slot.arm(value, mask)
 
-    def reset(self) -> None:
+    def reset(self) -> list[str]:
+        """Back to idle; returns the targets armed but not reached since :meth:`arm`."""
+        missed = []
         for slot in self.slots:
+            if slot.state is _ARMED:
+                missed.append(slot.target.module_name)
             slot.reset()
+        return missed
 
     def finish(self) -> None:
-        missed = [slot.target.module_name for slot in self.slots if slot.state != "taken"]
-        self.reset()
+        missed = self.reset()
         if missed:
             raise TargetNotHitError(
                 f"targets not reached in this forward (a replaced or fused forward may skip them): {missed}"
@@ -211,7 +233,10 @@ class InstrumentedModel:
         :class:`~fxreplace.context.SelectedContext` binds each target to its own mask).
         Writing into that context in place afterwards, e.g. with
         ``TensorReplacer.build_context_for_batch(..., out=<its first T rows>)``,
-        is then the whole feed; :meth:`clear` still turns replacement off."""
+        is then the whole feed, before every forward: an eager forward on the host
+        whose rows are all replaced reads them without a copy, so a model that
+        modifies activations in place may write into them. :meth:`clear` still
+        turns replacement off."""
         state = self._fxreplace
         if state.max_tokens is None:
             raise ValueError("feed() needs instrument(..., max_tokens=N) to size its buffers")
@@ -229,6 +254,8 @@ class InstrumentedModel:
                 self.register_buffer(values_name, value, persistent=False)
                 self.register_buffer(mask_name, replacements.mask_for(target.capture_name), persistent=False)
             state.remember_buffers(self)
+            for injection in state.injections:
+                injection.share_fed_rows = True
             return
         for i, target in enumerate(state.targets):
             values_name, mask_name = state.buffer_names(i)
@@ -250,6 +277,8 @@ class InstrumentedModel:
             values_buf[:tokens].copy_(value)
             mask_buf[:tokens].copy_(mask if mask is not None else torch.ones(tokens, dtype=torch.bool, device=value.device))
         state.remember_buffers(self)
+        for injection in state.injections:
+            injection.share_fed_rows = False
 
     @torch.no_grad()
     def clear(self) -> None:

@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 from torch import fx, nn
+from torch._C import _len_torch_dispatch_stack as _dispatch_modes
+from torch.compiler import is_compiling as _is_compiling
 
 from .adapters import Adapter, get_adapter, identity
 from .points import Point, find_injection_node
@@ -33,6 +35,11 @@ class Injection:
     With ``leading_rows=True`` the replacement and mask are max-size buffers and
     only their leading rows (as many as the tokens of this call) are read. ``observers`` see the
     computed value first (reference capture, router agreement).
+
+    Eagerly, with such buffers on the host, a call that replaces no row returns
+    ``computed`` and, when ``share_fed_rows`` is set (buffers that their feeder
+    rewrites before every forward: ``feed(bind=True)``), a call that replaces every
+    row returns the buffer's leading rows themselves (no copy, no kernel).
     """
 
     def __init__(self, module_name: str, module: nn.Module, adapter=None, shard: ShardSpec | None = None):
@@ -42,21 +49,31 @@ class Injection:
         self.shard = shard
         self.observers: list[Callable[[torch.Tensor], None]] = []
         self.__name__ = "fxreplace_inject"  # name hint for FX code generation
+        self.share_fed_rows = False
         # Eager engines call this once per target per forward with the same bound buffers:
         # the checked views of the last call, reused while the buffers and shapes stay the same.
         self._checked: tuple | None = None
 
     def __call__(self, computed, replacement=None, mask=None, rank=None, leading_rows=False):
-        for observe in self.observers:
-            observe(computed)
+        if self.observers:
+            for observe in self.observers:
+                observe(computed)
         if replacement is None:
             return computed
-        if torch.compiler.is_compiling():  # traced into a graph: no Python state (it would become a guard)
+        if _is_compiling():  # traced into a graph: no Python state (it would become a guard)
             return self._inject(computed, replacement, mask, rank, leading_rows)
         checked = self._checked
         if (checked is not None and checked[0] is replacement and checked[1] is mask and checked[2] is leading_rows
                 and type(computed) is torch.Tensor and checked[3] == computed.shape and checked[4] == computed.dtype
                 and checked[5] == computed.get_device()):
+            host_mask = checked[8]
+            if host_mask is not None and not _dispatch_modes():  # a host mask is read without a kernel (unless
+                # a mode such as make_fx's records kernels): none or all replaced is common
+                replaced = host_mask.tobytes().count(1)
+                if replaced == 0:
+                    return computed
+                if replaced == len(host_mask) and self.share_fed_rows:
+                    return checked[7]
             return torch.where(checked[6], checked[7], computed)
         out = self._inject(computed, replacement, mask, rank, leading_rows)
         if (self.adapter is identity and self.shard is None and type(computed) is torch.Tensor and computed.dim() == 2
@@ -65,8 +82,9 @@ class Injection:
             # value is a view of the buffer: later calls read its current contents
             tokens = computed.shape[0]
             rows = slice(0, tokens) if leading_rows else slice(None)
+            host_mask = memoryview(mask[rows].numpy()) if mask.device.type == "cpu" and leading_rows else None
             self._checked = (replacement, mask, leading_rows, computed.shape, computed.dtype, computed.get_device(),
-                             mask[rows].unsqueeze(-1), replacement[rows])
+                             mask[rows].unsqueeze(-1), replacement[rows], host_mask)
         return out
 
     def _inject(self, computed, replacement, mask, rank, leading_rows):

@@ -20,7 +20,7 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from .context import ReplacementContext, same_device
+from .context import ReplacementContext, host_bits, same_device
 from .matching import PromptIndex
 from .store import CaptureError, ReferenceStore
 
@@ -96,12 +96,17 @@ class TensorReplacer:
         self._spans = list(zip(self._offsets.tolist(), self._lengths.tolist()))  # per prompt (first row, rows)
         self._zero_rows_list = self._zero_rows.tolist()
         self._sources = [tuple(s.packed) for s in self.store.shards]
+        self._source_bits = [tuple(host_bits(p) for p in packed) for packed in self._sources] if self._on_host else None
         self._places = {m: (c.group, c.index) for m, c in store.columns.items()}
         self._shapes = [(len(g.capture_names), g.width, g.dtype) for g in store.groups]
         self._lock = threading.Lock()
         self._prompt_of: dict[str, int] = {}  # request id -> internal prompt (or _UNMATCHED)
         self._registered_as: dict[str, tuple] = {}  # request id -> (token ids, prompt_idx) it was registered with
         self._spare: list[tuple[torch.Tensor, ...]] = []
+        self._generation = 0  # bumped by every registration and release: invalidates _last_batch
+        # (request ids, generation, prompts, any matched) of the last batch looked up: an
+        # engine's consecutive decode steps run the same requests
+        self._last_batch: tuple = (None, -1, None, False)
 
     @property
     def capture_names(self) -> list[str]:
@@ -155,6 +160,7 @@ class TensorReplacer:
                 return self._same_registration(req_id, key)
             self._prompt_of[req_id] = i
             self._registered_as[req_id] = key
+            self._generation += 1
         return None if i == _UNMATCHED else self.store.prompt_ids[i]
 
     def _same_registration(self, req_id: str, key: tuple) -> int | None:
@@ -174,11 +180,15 @@ class TensorReplacer:
         """Forget a finished or aborted request; returns whether it was registered."""
         with self._lock:
             self._registered_as.pop(req_id, None)
+            self._generation += 1
             return self._prompt_of.pop(req_id, None) is not None
 
     def any_matched(self, req_ids: Sequence[str]) -> bool:
         """Whether any of these requests resolved to a stored prompt (a batch
         without one needs no context: replacement stays off)."""
+        ids, generation, _, matched = self._last_batch
+        if generation == self._generation and type(req_ids) is list and ids == req_ids:
+            return matched
         get = self._prompt_of.get
         return any(get(r, _UNMATCHED) != _UNMATCHED for r in req_ids)
 
@@ -256,6 +266,10 @@ class TensorReplacer:
 
     def _request_prompts(self, req_ids: Sequence[str]) -> list[int]:
         """Internal prompt per request (-1 where unmatched), plus a trailing -1 for padding slots."""
+        ids, generation, prompts, _ = self._last_batch
+        if generation == self._generation and type(req_ids) is list and ids == req_ids:
+            return prompts
+        generation = self._generation  # read first: a registration meanwhile makes this entry stale
         get = self._prompt_of.get
         prompts = [get(r, _MISSING) for r in req_ids]
         if _MISSING in prompts:
@@ -264,6 +278,7 @@ class TensorReplacer:
                 raise KeyError(f"request {missing!r} is not registered; call register_request first (or on_unknown='passthrough')")
             prompts = [_UNMATCHED if p == _MISSING else p for p in prompts]
         prompts.append(_UNMATCHED)
+        self._last_batch = (list(req_ids), generation, prompts, max(prompts) >= 0)
         return prompts
 
     def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray | list[int]):
@@ -321,7 +336,10 @@ class TensorReplacer:
         direct = self._checked_out(out, n)
         if device is not None and not same_device(out.mask.device, device):
             raise ValueError(f"out= is on {out.mask.device}; it cannot also move the context to {device}")
-        if direct:
+        if direct and self._on_host and type(plan[0][1]) is list:  # a small host batch: numpy copies its rows
+            for src, dst in zip(self._source_bits[0], out.storage_bits()):
+                np.take(src, plan[0][1], axis=1, out=dst)
+        elif direct:
             self._run(plan, out.storage)
         else:  # gather where the reference lives, then one copy per group
             staged = self._fresh_context(n)
@@ -414,7 +432,10 @@ def _runs(rows: np.ndarray, zero_row: int) -> list[tuple[int, int, int | None]] 
 
 
 def _is_int_list(values) -> bool:
-    return type(values) is list and all(type(v) is int for v in values)
+    return type(values) is list and set(map(type, values)) <= _INT_ONLY
+
+
+_INT_ONLY = {int}
 
 
 def _as_index_array(values, what: str) -> np.ndarray | list[int]:

@@ -315,3 +315,44 @@ def test_uninstrumented_model_refuses_replacements(plain):
     again = instrument(fresh, ["model.layers.*.mlp.gate"])  # and instrumenting again works
     ctx = random_context(GATES, E)
     torch.testing.assert_close(logits(again, replacements=ctx), reference(plain, ctx), rtol=1e-5, atol=1e-5)
+
+
+def test_eager_bound_feed_reads_rows_without_a_kernel(plain):
+    """Eagerly, with host buffers bound by feed(bind=True): a call whose rows are all
+    replaced returns the buffer's rows themselves, one with none returns the computed
+    value, a mixed one selects per row; each forward reads the buffers' current contents.
+    A copying feed() never hands its buffers out."""
+    fed = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
+    bound = random_context(GATES, E, tokens=16, seed=3)
+    fed.feed(bound, bind=True)
+    seen = {}
+    hooks = [fed.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: seen.__setitem__(n, out))
+             for n in GATES]
+
+    def router_output(name):
+        out = seen[name]
+        return out[0] if isinstance(out, tuple) else out
+
+    try:
+        logits(fed)  # the first call checks the buffers; later calls reuse that check
+        for seed, mask in ((4, "all"), (5, "none"), (6, "mixed"), (7, "all")):
+            values = random_context(GATES, E, tokens=16, seed=seed)
+            for name in GATES:
+                bound[name].copy_(values[name])
+            rows = {"all": torch.ones(TOKENS, dtype=torch.bool), "none": torch.zeros(TOKENS, dtype=torch.bool),
+                    "mixed": values.mask[:TOKENS]}[mask]
+            bound.mask.fill_(False)
+            bound.mask[:TOKENS] = rows
+            ctx = ReplacementContext({n: bound[n][:TOKENS].clone() for n in GATES}, rows.clone())
+            torch.testing.assert_close(logits(fed), reference(plain, ctx), rtol=1e-5, atol=1e-5)
+            if mask == "all":
+                assert all(router_output(n).data_ptr() == bound[n].data_ptr() for n in GATES)
+            if mask == "none":
+                assert torch.equal(logits(fed), logits(plain))
+        fed.feed(random_context(GATES, E, tokens=TOKENS, seed=8, mask=torch.ones(TOKENS, dtype=torch.bool)))
+        logits(fed)
+        buffers = [getattr(fed, f"_fxreplace_feed_{i}") for i in range(len(GATES))]
+        assert all(router_output(n).data_ptr() != b.data_ptr() for n, b in zip(GATES, buffers))
+    finally:
+        for hook in hooks:
+            hook.remove()

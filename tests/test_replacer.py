@@ -189,8 +189,8 @@ def scenario(draw):
     return lengths, decode, kv_cache, req_prompts
 
 
-def _setup(lengths, decode, kv_cache, req_prompts, seed):
-    caps = captures_for(lengths, decode, seed=seed, kv_cache=kv_cache)
+def _setup(lengths, decode, kv_cache, req_prompts, seed, dtype=torch.float32):
+    caps = captures_for(lengths, decode, seed=seed, kv_cache=kv_cache, dtype=dtype)
     r = TensorReplacer(caps, on_unknown="passthrough")
     req_ids = [f"req-{i}" for i in range(len(req_prompts))]
     for rid, p in zip(req_ids, req_prompts):
@@ -245,8 +245,10 @@ def test_prefill_matches_per_slot_oracle(row_path, sc, start, run, pad):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sc=scenario(), data=st.data())
 def test_mixed_batch_matches_per_slot_oracle(row_path, sc, data):
+    """Fresh, and into a dirty ``out=`` (every row and flag of it must be rewritten)."""
     lengths, decode, kv_cache, req_prompts = sc
-    caps, r, req_ids = _setup(lengths, decode, kv_cache, req_prompts, seed=7)
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    caps, r, req_ids = _setup(lengths, decode, kv_cache, req_prompts, seed=7, dtype=dtype)
     counts = data.draw(st.lists(st.integers(0, 5), min_size=len(req_ids), max_size=len(req_ids)))
     pad = data.draw(st.integers(0, 4))
     positions = []
@@ -256,7 +258,16 @@ def test_mixed_batch_matches_per_slot_oracle(row_path, sc, data):
     positions += data.draw(st.lists(st.integers(0, 10), min_size=pad, max_size=pad))
     ctx = r.build_context_for_batch(req_ids, counts, positions)
     owners = slot_owners(len(positions), len(req_ids), num_scheduled_tokens=counts)
-    _assert_same(ctx, *build_context_loop(caps, req_prompts, positions, owners))
+    expected = build_context_loop(caps, req_prompts, positions, owners)
+    _assert_same(ctx, *expected)
+    dirty = r.warmup_context(len(positions) + 3)
+    for block in dirty.storage:
+        block.fill_(7.0)
+    dirty.mask.fill_(True)
+    out = dirty.leading(len(positions))
+    assert r.build_context_for_batch(req_ids, counts, positions, out=out) is out
+    _assert_same(out, *expected)
+    assert dirty.mask[len(positions):].all()  # rows past the batch are not touched
 
 
 @settings(max_examples=60, deadline=None)

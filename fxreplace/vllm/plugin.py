@@ -269,7 +269,8 @@ class VllmReplacement:
         self.model.feed(self._bound_context(), bind=True)
         self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
         self.steps = 0  # forwards that held at least one request matched to the reference
-        self.tokens_replaced = 0
+        self.host_tokens_replaced = 0
+        self.device_tokens_replaced = torch.zeros((), dtype=torch.int64, device=self.device)
         self.errors = 0
         self.registered = 0  # requests registered (matched or not) and released, over the engine's life
         self.released = 0
@@ -392,15 +393,17 @@ class VllmReplacement:
         if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
             self.clear()
             return None
-        scheduled = scheduler_output.num_scheduled_tokens
-        counts = [scheduled[r] for r in req_ids]
+        counts = list(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids))
         if positions is None or not positions.is_cpu:  # device positions: recompute on the host
             positions = _host_positions(runner, counts, sum(counts) if positions is None else positions.shape[0])
         rows = positions.shape[0]
         self.armed = True
         ctx = self.replacer.build_context_for_batch(req_ids, counts, positions, out=self._rows(rows))
         self.steps += 1
-        self.tokens_replaced += int(np.count_nonzero(ctx.mask_array())) if self.on_host else int(ctx.mask.sum())
+        if self.on_host:  # counted in Python: a numpy or torch call costs more here than the count
+            self.host_tokens_replaced += memoryview(ctx.mask_array()).tobytes().count(1)
+        else:  # summed on the device: reading it each step would wait for the forward
+            self.device_tokens_replaced += ctx.mask.sum()
         return req_ids, counts, rows
 
     def _rows(self, n: int) -> ReplacementContext:
@@ -418,6 +421,11 @@ class VllmReplacement:
     @property
     def requests(self) -> dict:
         return self.replacer.requests
+
+    @property
+    def tokens_replaced(self) -> int:
+        """Tokens whose rows were replaced, over the engine's life (reads the device count: a sync)."""
+        return self.host_tokens_replaced + (0 if self.on_host else int(self.device_tokens_replaced))
 
 
 class SelectingReplacement(VllmReplacement):
