@@ -356,3 +356,21 @@ def test_eager_bound_feed_reads_rows_without_a_kernel(plain):
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def test_make_fx_of_a_bound_feed_keeps_the_mask_in_the_graph(plain):
+    """The eager shortcut (all rows replaced: the rows themselves) is not taken while a
+    dispatch mode records kernels: make_fx's graph selects by the mask it reads at run time."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fed = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
+    bound = random_context(GATES, E, tokens=16, seed=3, mask=torch.ones(16, dtype=torch.bool))
+    fed.feed(bound, bind=True)
+    replaced = logits(fed)
+    assert torch.equal(logits(fed), replaced)  # the shortcut's path, eagerly
+    with torch.no_grad():
+        graph = make_fx(lambda ids: fed(input_ids=ids).logits)(input_ids())
+    with torch.no_grad():
+        torch.testing.assert_close(graph(input_ids()), replaced, rtol=1e-5, atol=1e-5)
+        bound.mask.fill_(False)
+        torch.testing.assert_close(graph(input_ids()), logits(plain), rtol=1e-5, atol=1e-5)
