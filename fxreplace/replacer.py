@@ -14,6 +14,7 @@ is the caller's race.
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any, Literal, Mapping, Sequence
 
@@ -104,9 +105,9 @@ class TensorReplacer:
         self._registered_as: dict[str, tuple] = {}  # request id -> (token ids, prompt_idx) it was registered with
         self._spare: list[tuple[torch.Tensor, ...]] = []
         self._generation = 0  # bumped by every registration and release: invalidates _last_batch
-        # (request ids, generation, prompts, any matched) of the last batch looked up: an
-        # engine's consecutive decode steps run the same requests
-        self._last_batch: tuple = (None, -1, None, False)
+        # (request ids, generation, prompts, any matched, first rows, stored rows) of the last
+        # batch looked up: an engine's consecutive decode steps run the same requests
+        self._last_batch: tuple = (None, -1, None, False, [], [])
 
     @property
     def capture_names(self) -> list[str]:
@@ -186,7 +187,7 @@ class TensorReplacer:
     def any_matched(self, req_ids: Sequence[str]) -> bool:
         """Whether any of these requests resolved to a stored prompt (a batch
         without one needs no context: replacement stays off)."""
-        ids, generation, _, matched = self._last_batch
+        ids, generation, _, matched, _, _ = self._last_batch
         if generation == self._generation and type(req_ids) is list and ids == req_ids:
             return matched
         get = self._prompt_of.get
@@ -266,7 +267,7 @@ class TensorReplacer:
 
     def _request_prompts(self, req_ids: Sequence[str]) -> list[int]:
         """Internal prompt per request (-1 where unmatched), plus a trailing -1 for padding slots."""
-        ids, generation, prompts, _ = self._last_batch
+        ids, generation, prompts, _, _, _ = self._last_batch
         if generation == self._generation and type(req_ids) is list and ids == req_ids:
             return prompts
         generation = self._generation  # read first: a registration meanwhile makes this entry stale
@@ -278,7 +279,10 @@ class TensorReplacer:
                 raise KeyError(f"request {missing!r} is not registered; call register_request first (or on_unknown='passthrough')")
             prompts = [_UNMATCHED if p == _MISSING else p for p in prompts]
         prompts.append(_UNMATCHED)
-        self._last_batch = (list(req_ids), generation, prompts, max(prompts) >= 0)
+        # per request: first store row and stored rows (0 where unmatched), for decode steps
+        spans = [self._spans[p] if p >= 0 else (0, 0) for p in prompts[:-1]]
+        self._last_batch = (list(req_ids), generation, prompts, max(prompts) >= 0, [o for o, _ in spans],
+                            [length for _, length in spans])
         return prompts
 
     def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray | list[int]):
@@ -290,9 +294,14 @@ class TensorReplacer:
         Python loop, which costs a fraction of the dozen numpy calls of the general case."""
         n = len(positions)
         if len(self._sources) == 1 and n <= _SMALL_BATCH:
+            pos = positions if type(positions) is list else positions.tolist()
+            last = self._last_batch
+            if (prompts is last[2] and counts.count(1) == n == len(counts) and (not pos or min(pos) >= 0)
+                    and all(map(operator.lt, pos, last[5]))):  # a decode step, every request matched and stored
+                return [(0, list(map(operator.add, last[4], pos)), None)], [True] * n
             spans = self._spans
             rows, mask = [self._zero_rows_list[0]] * n, [False] * n
-            pos, s = positions if type(positions) is list else positions.tolist(), 0
+            s = 0
             for p, c in zip(prompts, counts):
                 if p >= 0:
                     offset, length = spans[p]

@@ -230,6 +230,28 @@ def test_decode_matches_per_slot_oracle(row_path, sc, tokens_per_req, extra_pad,
     _assert_same(ctx, *build_context_loop(caps, req_prompts, positions, owners))
 
 
+def test_consecutive_decode_steps_match_per_slot_oracle():
+    """An engine's decode steps: the same requests step after step (the lookup of the
+    last batch is reused), one running past its stored rows, a new registration and a
+    reordered batch in between; every step into the same out= against the oracle."""
+    caps = captures_for([3, 5, 2, 4], [4, 2, 6, 3], seed=11)
+    r = TensorReplacer(caps, on_unknown="passthrough")
+    prompts = [2, 0, 3, 1]
+    ids = [f"req-{i}" for i in range(4)]
+    for rid, p in zip(ids[:3], prompts):
+        r.register_request(rid, None, prompt_idx=p)
+    feed = r.warmup_context(8)
+    batches = [(ids[:3], [3, 3, 4]), (ids[:3], [4, 4, 5]), (ids[:3], [5, 5, 6]), (ids[:3], [6, 6, 7]),
+               (ids, [7, 7, 8, 4]), (ids, [8, 8, 9, 5]), ([ids[3], ids[0], ids[2]], [6, 9, 10])]
+    for step, (batch, positions) in enumerate(batches):
+        if step == 4:
+            r.register_request(ids[3], None, prompt_idx=prompts[3])
+        out = feed.leading(len(positions))
+        assert r.build_context_for_batch(batch, [1] * len(batch), positions, out=out) is out
+        owners = slot_owners(len(positions), len(batch), num_scheduled_tokens=[1] * len(batch))
+        _assert_same(out, *build_context_loop(caps, [prompts[ids.index(b)] for b in batch], positions, owners))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sc=scenario(), start=st.integers(0, 8), run=st.integers(1, 8), pad=st.lists(st.integers(0, 12), max_size=6))
 def test_prefill_matches_per_slot_oracle(row_path, sc, start, run, pad):
