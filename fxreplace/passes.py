@@ -17,8 +17,9 @@ from typing import Callable, Sequence
 
 import torch
 from torch import fx, nn
+from torch._C import _is_tracing as _jit_tracing
 from torch._C import _len_torch_dispatch_stack as _dispatch_modes
-from torch.compiler import is_compiling as _is_compiling
+from torch.compiler import is_dynamo_compiling as _is_dynamo_compiling
 
 from .adapters import Adapter, get_adapter, identity
 from .points import Point, find_injection_node
@@ -60,15 +61,17 @@ class Injection:
                 observe(computed)
         if replacement is None:
             return computed
-        if _is_compiling():  # traced into a graph: no Python state (it would become a guard)
+        if _is_dynamo_compiling() or _dispatch_modes() or _jit_tracing():
+            # traced into a graph by Dynamo, recorded by make_fx/export/AOTAutograd (a dispatch
+            # mode) or torch.jit.trace (torch_neuronx.trace): no Python state, which would become
+            # a guard or a constant of the graph
             return self._inject(computed, replacement, mask, rank, leading_rows)
         checked = self._checked
         if (checked is not None and checked[0] is replacement and checked[1] is mask and checked[2] is leading_rows
                 and type(computed) is torch.Tensor and checked[3] == computed.shape and checked[4] == computed.dtype
                 and checked[5] == computed.get_device()):
             host_mask = checked[8]
-            if host_mask is not None and not _dispatch_modes():  # a host mask is read without a kernel (unless
-                # a mode such as make_fx's records kernels): none or all replaced is common
+            if host_mask is not None:  # a host mask is read without a kernel: none or all replaced is common
                 replaced = host_mask.tobytes().count(1)
                 if replaced == 0:
                     return computed
@@ -77,7 +80,7 @@ class Injection:
             return torch.where(checked[6], checked[7], computed)
         out = self._inject(computed, replacement, mask, rank, leading_rows)
         if (self.adapter is identity and self.shard is None and type(computed) is torch.Tensor and computed.dim() == 2
-                and replacement.dtype == computed.dtype and not _dispatch_modes()):
+                and replacement.dtype == computed.dtype):
             # everything checked above depends only on these buffers and shapes, and the
             # value is a view of the buffer: later calls read its current contents
             tokens = computed.shape[0]

@@ -78,6 +78,8 @@ def require(condition, message: Callable[[], str]) -> None:
     """Raise :class:`ShapeError` now when ``condition`` is a concrete bool;
     for symbolic shapes, record a check that the compiled graph asserts.
     ``message`` is a callable so symbolic sizes are only formatted on failure."""
+    if isinstance(condition, torch.Tensor) and torch.jit.is_tracing():  # jit.trace traces sizes as tensors
+        condition = bool(condition)
     if isinstance(condition, bool):
         if not condition:
             raise ShapeError(message())

@@ -374,3 +374,27 @@ def test_make_fx_of_a_bound_feed_keeps_the_mask_in_the_graph(plain):
         torch.testing.assert_close(graph(input_ids()), replaced, rtol=1e-5, atol=1e-5)
         bound.mask.fill_(False)
         torch.testing.assert_close(graph(input_ids()), logits(plain), rtol=1e-5, atol=1e-5)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+def test_jit_trace_of_a_fed_model_keeps_the_mask_in_the_graph(plain):
+    """torch.jit.trace (what torch_neuronx.trace runs) of a model fed with feed() after
+    eager forwards: the eager shortcut (no row replaced: the computed value) is not
+    recorded; the trace reads the buffers and selects by their masks at run time."""
+    fed = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
+    fed.feed(random_context(GATES, E, tokens=16, seed=3, mask=torch.zeros(16, dtype=torch.bool)))
+    assert torch.equal(logits(fed), logits(plain)) and torch.equal(logits(fed), logits(plain))
+    with torch.no_grad():
+        traced = torch.jit.trace(_Logits(fed), (input_ids(),), check_trace=False, strict=False)
+        torch.testing.assert_close(traced(input_ids()), logits(plain), rtol=1e-5, atol=1e-5)
+        ctx = random_context(GATES, E, seed=4)
+        fed.feed(ctx)
+        torch.testing.assert_close(traced(input_ids()), reference(plain, ctx), rtol=1e-5, atol=1e-5)
