@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -97,7 +97,8 @@ class TensorReplacer:
         self._spans = list(zip(self._offsets.tolist(), self._lengths.tolist()))  # per prompt (first row, rows)
         self._zero_rows_list = self._zero_rows.tolist()
         self._sources = [tuple(s.packed) for s in self.store.shards]
-        self._source_bits = [tuple(host_bits(p) for p in packed) for packed in self._sources] if self._on_host else None
+        # small host batches of a one-shard store are gathered by numpy over these views
+        self._source_bits = tuple(map(host_bits, self._sources[0])) if self._on_host and len(self._sources) == 1 else None
         self._places = {m: (c.group, c.index) for m, c in store.columns.items()}
         self._shapes = [(len(g.capture_names), g.width, g.dtype) for g in store.groups]
         self._lock = threading.Lock()
@@ -105,9 +106,8 @@ class TensorReplacer:
         self._registered_as: dict[str, tuple] = {}  # request id -> (token ids, prompt_idx) it was registered with
         self._spare: list[tuple[torch.Tensor, ...]] = []
         self._generation = 0  # bumped by every registration and release: invalidates _last_batch
-        # (request ids, generation, prompts, any matched, first rows, stored rows) of the last
-        # batch looked up: an engine's consecutive decode steps run the same requests
-        self._last_batch: tuple = (None, -1, None, False, [], [])
+        # the last batch looked up: an engine's consecutive decode steps run the same requests
+        self._last_batch = _BatchLookup([], -1, [], False, [], [])
 
     @property
     def capture_names(self) -> list[str]:
@@ -187,9 +187,9 @@ class TensorReplacer:
     def any_matched(self, req_ids: Sequence[str]) -> bool:
         """Whether any of these requests resolved to a stored prompt (a batch
         without one needs no context: replacement stays off)."""
-        ids, generation, _, matched, _, _ = self._last_batch
-        if generation == self._generation and type(req_ids) is list and ids == req_ids:
-            return matched
+        last = self._last_lookup(req_ids)
+        if last is not None:
+            return last.matched
         get = self._prompt_of.get
         return any(get(r, _UNMATCHED) != _UNMATCHED for r in req_ids)
 
@@ -267,9 +267,9 @@ class TensorReplacer:
 
     def _request_prompts(self, req_ids: Sequence[str]) -> list[int]:
         """Internal prompt per request (-1 where unmatched), plus a trailing -1 for padding slots."""
-        ids, generation, prompts, _, _, _ = self._last_batch
-        if generation == self._generation and type(req_ids) is list and ids == req_ids:
-            return prompts
+        last = self._last_lookup(req_ids)
+        if last is not None:
+            return last.prompts
         generation = self._generation  # read first: a registration meanwhile makes this entry stale
         get = self._prompt_of.get
         prompts = [get(r, _MISSING) for r in req_ids]
@@ -281,9 +281,17 @@ class TensorReplacer:
         prompts.append(_UNMATCHED)
         # per request: first store row and stored rows (0 where unmatched), for decode steps
         spans = [self._spans[p] if p >= 0 else (0, 0) for p in prompts[:-1]]
-        self._last_batch = (list(req_ids), generation, prompts, max(prompts) >= 0, [o for o, _ in spans],
-                            [length for _, length in spans])
+        self._last_batch = _BatchLookup(list(req_ids), generation, prompts, max(prompts) >= 0,
+                                        [o for o, _ in spans], [length for _, length in spans])
         return prompts
+
+    def _last_lookup(self, req_ids: Sequence[str]) -> "_BatchLookup | None":
+        """The last batch's lookup when ``req_ids`` is that batch and nothing was registered
+        or released since."""
+        last = self._last_batch
+        if last.generation == self._generation and type(req_ids) is list and last.req_ids == req_ids:
+            return last
+        return None
 
     def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray | list[int]):
         """Store row of every slot (the zero row where it holds none) and the mask, as a
@@ -296,9 +304,9 @@ class TensorReplacer:
         if len(self._sources) == 1 and n <= _SMALL_BATCH:
             pos = positions if type(positions) is list else positions.tolist()
             last = self._last_batch
-            if (prompts is last[2] and counts.count(1) == n == len(counts) and (not pos or min(pos) >= 0)
-                    and all(map(operator.lt, pos, last[5]))):  # a decode step, every request matched and stored
-                return [(0, list(map(operator.add, last[4], pos)), None)], [True] * n
+            if (prompts is last.prompts and counts.count(1) == n == len(counts) and (not pos or min(pos) >= 0)
+                    and all(map(operator.lt, pos, last.lengths))):  # a decode step, every request matched and stored
+                return [(0, list(map(operator.add, last.offsets, pos)), None)], [True] * n
             spans = self._spans
             rows, mask = [self._zero_rows_list[0]] * n, [False] * n
             s = 0
@@ -346,7 +354,7 @@ class TensorReplacer:
         if device is not None and not same_device(out.mask.device, device):
             raise ValueError(f"out= is on {out.mask.device}; it cannot also move the context to {device}")
         if direct and self._on_host and type(plan[0][1]) is list:  # a small host batch: numpy copies its rows
-            for src, dst in zip(self._source_bits[0], out.storage_bits()):
+            for src, dst in zip(self._source_bits, out.storage_bits()):
                 np.take(src, plan[0][1], axis=1, out=dst)
         elif direct:
             self._run(plan, out.storage)
@@ -421,6 +429,17 @@ class TensorReplacer:
                 )
             checked = out.checked_by = (self, n, out.mask.device == self._device)
         return checked[2]
+
+
+class _BatchLookup(NamedTuple):
+    """One batch's request lookup (see ``TensorReplacer._request_prompts``)."""
+
+    req_ids: list[str]
+    generation: int  # the replacer's registration generation it was made at
+    prompts: list[int]  # internal prompt per request (-1 unmatched), then -1 for padding
+    matched: bool  # any request matched
+    offsets: list[int]  # per request: first store row (0 where unmatched)
+    lengths: list[int]  # per request: stored rows (0 where unmatched)
 
 
 _MAX_RUNS = 32  # above this many runs of consecutive rows, one gather beats block copies

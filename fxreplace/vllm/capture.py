@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from ..context import host_bits
 from ..instrument import instrument, observe
 from ..reference import Reference
 from ..store import StoreWriter
@@ -165,7 +166,7 @@ class VllmCapture:
         device = next(self.model.parameters()).device
         self.buffer = torch.zeros(self.max_tokens, self.width, dtype=dtype, device=device)
         self.host_buffer = self.buffer if device.type == "cpu" else torch.zeros_like(self.buffer, device="cpu")
-        self.buffer_bits = _bits(self.host_buffer)  # the same memory as numpy (any dtype, bf16 included)
+        self.buffer_bits = host_bits(self.host_buffer)  # the same memory as numpy (any dtype, bf16 included)
         self._observing = contextlib.ExitStack()  # open for the engine's life
         self._observing.enter_context(observe(self.model, _Recorder(self.buffer, self.columns)))
         self.dtype = dtype
@@ -339,11 +340,6 @@ class _Recorder:
             raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor")
         flat = computed.reshape(-1, computed.shape[-1])
         self.buffer[:flat.shape[0], self.columns[name]].copy_(flat)
-
-
-def _bits(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's memory as a numpy array of same-size integers (numpy has no bfloat16)."""
-    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]).numpy()
 
 
 def _probe_widths(runner, model, max_tokens: int) -> dict[str, int]:
