@@ -29,10 +29,12 @@ class ReplacementContext(Mapping):
     Built by a :class:`~fxreplace.TensorReplacer`, the tensors are blocks of
     ``storage``: one ``[capture names, num_tokens, E]`` tensor per group of the store, so
     each capture name's tensor is contiguous and one gather per group fills them all.
-    ``places[name]`` is ``(group, block)``.
+    ``places[name]`` is ``(group, block)``; ``num_replaced`` counts the mask's True rows
+    as the build wrote them (None for a context made by hand).
     """
 
-    __slots__ = ("_tensors", "mask", "storage", "places", "_mask_array", "_storage_bits", "checked_by", "__weakref__")
+    __slots__ = ("_tensors", "mask", "storage", "places", "_mask_array", "_storage_bits", "checked_by", "num_replaced",
+                 "__weakref__")
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = (),
                  places: Mapping[str, tuple[int, int]] | None = None):
@@ -51,6 +53,7 @@ class ReplacementContext(Mapping):
         self._mask_array = None
         self._storage_bits = None
         self.checked_by = None  # (replacer, slots, on its device) once a TensorReplacer checked it as out=
+        self.num_replaced: int | None = None  # mask's True rows as its TensorReplacer build wrote them (None: not built)
 
     @classmethod
     def from_storage(cls, storage: tuple[torch.Tensor, ...], mask: torch.Tensor,
@@ -107,9 +110,12 @@ class ReplacementContext(Mapping):
         if device is None or same_device(self.mask.device, device):
             return self
         if self.storage:
-            return ReplacementContext.from_storage(tuple(s.to(device) for s in self.storage), self.mask.to(device),
-                                                   self.places)
-        return ReplacementContext({k: v.to(device) for k, v in self._tensors.items()}, self.mask.to(device))
+            moved = ReplacementContext.from_storage(tuple(s.to(device) for s in self.storage), self.mask.to(device),
+                                                    self.places)
+        else:
+            moved = ReplacementContext({k: v.to(device) for k, v in self._tensors.items()}, self.mask.to(device))
+        moved.num_replaced = self.num_replaced
+        return moved
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self._tensors.items())

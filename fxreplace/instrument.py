@@ -112,6 +112,8 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
                 return injected
             if injected is value:  # nothing replaced: the module's own output
                 return output
+            if type(output) is tuple:
+                return (*output[:index], injected, *output[index + 1:])
             parts = list(output)
             parts[index] = injected
             return type(output)(*parts) if hasattr(output, "_fields") else type(output)(parts)  # namedtuple or not

@@ -244,6 +244,8 @@ class TensorReplacer:
     ) -> ReplacementContext:
         """Mixed batches (vLLM-style): request ``i`` owns the next ``num_scheduled_tokens[i]``
         slots, in order; the rest of ``positions`` is padding. ``out`` as in :meth:`build_context`."""
+        if out is not None and device is None and self._decode_into(req_ids, num_scheduled_tokens, positions, out):
+            return out
         positions = _as_index_array(positions, "positions")
         counts = num_scheduled_tokens
         if not _is_int_list(counts):  # engines pass a list of ints: used as it is
@@ -293,6 +295,46 @@ class TensorReplacer:
             return last
         return None
 
+    def _decode_into(self, req_ids, counts, positions, out: ReplacementContext) -> bool:
+        """An engine's steady decode step written straight into ``out``, before any argument is
+        normalized: the batch of the last lookup (nothing registered or released since), one
+        token per request and no padding, each request with a stored row at its position, a
+        one-shard host store and a host ``out`` of as many slots, checked before. Anything else
+        returns False having written nothing, and takes the general path (which checks and
+        explains). Per step this is a handful of Python operations and one numpy ``take``."""
+        last = self._last_batch
+        checked = out.checked_by
+        if (self._source_bits is None or checked is None or checked[0] is not self or not checked[2]
+                or last.generation != self._generation or type(req_ids) is not list or last.req_ids != req_ids):
+            return False
+        n = len(req_ids)
+        if checked[1] != n or type(counts) is not list or counts.count(1) != n or len(counts) != n:
+            return False
+        if type(positions) is torch.Tensor:
+            if positions.dtype not in _INT_DTYPES or positions.ndim != 1:
+                return False
+            positions = positions.tolist()
+        elif not _is_int_list(positions):
+            return False
+        rows = self._decode_rows(last, positions)
+        if rows is None:
+            return False
+        for src, dst in zip(self._source_bits, out.storage_bits()):
+            np.take(src, rows, axis=1, out=dst, mode="clip")  # in range by construction: no buffered bounds check
+        out.mask_array()[:] = True
+        out.num_replaced = n
+        return True
+
+    @staticmethod
+    def _decode_rows(last: "_BatchLookup", positions: list[int]) -> list[int] | None:
+        """Store rows of a decode step of ``last``'s requests (one position each), or None
+        unless every request matched and holds a row at its position."""
+        if len(positions) != len(last.lengths) or (positions and min(positions) < 0):
+            return None
+        if not all(map(operator.lt, positions, last.lengths)):  # unmatched requests hold 0 rows
+            return None
+        return list(map(operator.add, last.offsets, positions))
+
     def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray | list[int]):
         """Store row of every slot (the zero row where it holds none) and the mask, as a
         plan ``[(shard, rows, slots or None for all)]``. Request ``i`` owns the next
@@ -304,9 +346,10 @@ class TensorReplacer:
         if len(self._sources) == 1 and n <= _SMALL_BATCH:
             pos = positions if type(positions) is list else positions.tolist()
             last = self._last_batch
-            if (prompts is last.prompts and counts.count(1) == n == len(counts) and (not pos or min(pos) >= 0)
-                    and all(map(operator.lt, pos, last.lengths))):  # a decode step, every request matched and stored
-                return [(0, list(map(operator.add, last.offsets, pos)), None)], [True] * n
+            if prompts is last.prompts and counts.count(1) == n == len(counts):  # a decode step
+                rows = self._decode_rows(last, pos)
+                if rows is not None:  # every request matched and stored
+                    return [(0, rows, None)], [True] * n
             spans = self._spans
             rows, mask = [self._zero_rows_list[0]] * n, [False] * n
             s = 0
@@ -345,10 +388,12 @@ class TensorReplacer:
         """Request ``i`` owns the next ``counts[i]`` slots, the rest is padding -> context."""
         plan, mask = self._slot_rows(self._request_prompts(req_ids), counts, positions)
         n = len(positions)
+        replaced = mask.count(True) if type(mask) is list else int(np.count_nonzero(mask))
         if out is None:
             ctx = self._fresh_context(n)
             self._run(plan, ctx.storage)
             ctx.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
+            ctx.num_replaced = replaced
             return ctx.to(device)
         direct = self._checked_out(out, n)
         if device is not None and not same_device(out.mask.device, device):
@@ -367,6 +412,7 @@ class TensorReplacer:
             out.mask_array()[:] = mask  # no tensor made for a handful of flags
         else:
             out.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
+        out.num_replaced = replaced
         return out
 
     def _run(self, plan, storage: tuple[torch.Tensor, ...]) -> None:

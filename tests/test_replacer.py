@@ -232,8 +232,10 @@ def test_decode_matches_per_slot_oracle(row_path, sc, tokens_per_req, extra_pad,
 
 def test_consecutive_decode_steps_match_per_slot_oracle():
     """An engine's decode steps: the same requests step after step (the lookup of the
-    last batch is reused), one running past its stored rows, a new registration and a
-    reordered batch in between; every step into the same out= against the oracle."""
+    last batch is reused and, into the same out=, the steady-decode shortcut writes the
+    rows), one running past its stored rows, a step back into range after it (the
+    shortcut must rewrite the mask that step left False), a new registration and a
+    reordered batch in between; every step against the oracle."""
     caps = captures_for([3, 5, 2, 4], [4, 2, 6, 3], seed=11)
     r = TensorReplacer(caps, on_unknown="passthrough")
     prompts = [2, 0, 3, 1]
@@ -241,15 +243,27 @@ def test_consecutive_decode_steps_match_per_slot_oracle():
     for rid, p in zip(ids[:3], prompts):
         r.register_request(rid, None, prompt_idx=p)
     feed = r.warmup_context(8)
+    views = {n: feed.leading(n) for n in (3, 4)}  # one out= per batch size, as engines keep them
+    shortcut = []
+    decode_into = r._decode_into
+    r._decode_into = lambda *args: shortcut.append(decode_into(*args)) or shortcut[-1]
     batches = [(ids[:3], [3, 3, 4]), (ids[:3], [4, 4, 5]), (ids[:3], [5, 5, 6]), (ids[:3], [6, 6, 7]),
-               (ids, [7, 7, 8, 4]), (ids, [8, 8, 9, 5]), ([ids[3], ids[0], ids[2]], [6, 9, 10])]
+               (ids[:3], [2, 2, 3]), (ids, [7, 7, 8, 4]), (ids, [8, 8, 9, 5]), ([ids[3], ids[0], ids[2]], [6, 9, 10])]
     for step, (batch, positions) in enumerate(batches):
-        if step == 4:
+        if step == 5:
             r.register_request(ids[3], None, prompt_idx=prompts[3])
-        out = feed.leading(len(positions))
-        assert r.build_context_for_batch(batch, [1] * len(batch), positions, out=out) is out
+        out = views[len(positions)]
+        assert r.build_context_for_batch(batch, [1] * len(batch), torch.tensor(positions), out=out) is out
         owners = slot_owners(len(positions), len(batch), num_scheduled_tokens=[1] * len(batch))
         _assert_same(out, *build_context_loop(caps, [prompts[ids.index(b)] for b in batch], positions, owners))
+        assert out.num_replaced == int(out.mask.sum())
+    assert shortcut == [False, True, True, False, True, False, False, False]
+    r.build_context_for_batch(ids[:3], [1, 1, 1], [3, 3, 4], out=views[3])
+    r.build_context_for_batch(ids[:3], [1, 1, 1], [3, 3, 4], out=views[3])
+    assert shortcut[-1]  # the batch the bad positions below arrive with takes the shortcut
+    for bad in ([2.0, 2.0, 3.0], torch.tensor([2.0, 2.0, 3.0]), torch.tensor([[2, 2, 3]])):  # never a row for these
+        with pytest.raises(ValueError, match="positions must be"):
+            r.build_context_for_batch(ids[:3], [1, 1, 1], bad, out=views[3])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -239,10 +239,8 @@ def _wrap_steps(runner, state: "VllmReplacement") -> None:
     and released per step and the buffers filled before each forward; every row the
     forward reads is rewritten (padding rows off), so nothing is cleared after it.
     Dummy/profile runs see replacement off."""
-    # lambdas: the state's methods are looked up per call (bench_vllm.py times them)
-    internals.wrap_steps(runner, begin_step=lambda so: state.update_requests(so),
-                         before_forward=lambda so, positions: state.prepare(runner, so, positions),
-                         dummy_forward=lambda: state.clear())
+    internals.wrap_steps(runner, begin_step=state.update_requests, before_forward=state.prepare,
+                         dummy_forward=state.clear)
 
 
 # --------------------------------------------------------------------------- per worker
@@ -373,14 +371,14 @@ class VllmReplacement:
             logger.warning("fxreplace: cannot write %s=%s: %s", DEBUG_STATE_ENV, path, exc)
             self.debug_state_path = None
 
-    def prepare(self, runner, scheduler_output, positions) -> None:
+    def prepare(self, scheduler_output, positions) -> None:
         """Fill the buffers for this forward from the batch vLLM actually runs: every
         row it reads, the padding after the scheduled tokens included (mask off there).
 
         The hot path: per request only a dict lookup; no tensor is allocated here
         (the gather writes into the bound buffers' leading rows)."""
         try:
-            self._fill(runner, scheduler_output, positions)
+            self._fill(self.runner, scheduler_output, positions)
         except Exception as exc:
             self.errors += 1
             self.clear()
@@ -393,15 +391,20 @@ class VllmReplacement:
         if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
             self.clear()
             return None
-        counts = list(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids))
+        # vLLM drops unscheduled requests from the batch and schedules at least one token per
+        # request, so as many tokens as requests is one each (a decode step)
+        if scheduler_output.total_num_scheduled_tokens == len(req_ids):
+            counts = [1] * len(req_ids)
+        else:
+            counts = list(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids))
         if positions is None or not positions.is_cpu:  # device positions: recompute on the host
             positions = _host_positions(runner, counts, sum(counts) if positions is None else positions.shape[0])
         rows = positions.shape[0]
         self.armed = True
         ctx = self.replacer.build_context_for_batch(req_ids, counts, positions, out=self._rows(rows))
         self.steps += 1
-        if self.on_host:  # counted in Python: a numpy or torch call costs more here than the count
-            self.host_tokens_replaced += memoryview(ctx.mask_array()).tobytes().count(1)
+        if self.on_host:
+            self.host_tokens_replaced += ctx.num_replaced
         else:  # summed on the device: reading it each step would wait for the forward
             self.device_tokens_replaced += ctx.mask.sum()
         return req_ids, counts, rows
