@@ -107,7 +107,7 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
                                   f"{type(output).__name__} (indexing would pick a row): use point='output'")
             if type(value) is not torch.Tensor:
                 _check_point_value(value, module_name, where)
-            injected = injection(value, slot.replacement, slot.mask, leading_rows=slot.leading_rows)
+            injected = injection(value, slot.replacement, slot.mask, None, slot.leading_rows)
             if index is None:
                 return injected
             if injected is value:  # nothing replaced: the module's own output

@@ -316,9 +316,9 @@ class TensorReplacer:
             positions = positions.tolist()
         elif not _is_int_list(positions):
             return False
-        rows = self._decode_rows(last, positions)
-        if rows is None:
-            return False
+        if len(positions) != n or (n and min(positions) < 0) or not all(map(operator.lt, positions, last.lengths)):
+            return False  # a request unmatched (0 rows), past its rows, or padding
+        rows = list(map(operator.add, last.offsets, positions))
         for src, dst in zip(self._source_bits, out.storage_bits()):
             np.take(src, rows, axis=1, out=dst, mode="clip")  # in range by construction: no buffered bounds check
         out.mask_array()[:] = True

@@ -401,7 +401,10 @@ class VllmReplacement:
             positions = _host_positions(runner, counts, sum(counts) if positions is None else positions.shape[0])
         rows = positions.shape[0]
         self.armed = True
-        ctx = self.replacer.build_context_for_batch(req_ids, counts, positions, out=self._rows(rows))
+        out = self._views.get(rows)
+        if out is None:
+            out = self._new_view(rows)
+        ctx = self.replacer.build_context_for_batch(req_ids, counts, positions, out=out)
         self.steps += 1
         if self.on_host:
             self.host_tokens_replaced += ctx.num_replaced
@@ -409,11 +412,9 @@ class VllmReplacement:
             self.device_tokens_replaced += ctx.mask.sum()
         return req_ids, counts, rows
 
-    def _rows(self, n: int) -> ReplacementContext:
-        """The bound buffers' first ``n`` rows as an ``out=`` context (cached per n)."""
-        view = self._views.get(n)
-        if view is None:
-            view = self._views[n] = self.feed.leading(n)
+    def _new_view(self, n: int) -> ReplacementContext:
+        """The bound buffers' first ``n`` rows as an ``out=`` context, kept for the next forward of ``n`` rows."""
+        view = self._views[n] = self.feed.leading(n)
         return view
 
     def clear(self) -> None:
