@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_UNCHECKED = (None, 0, False, None)  # checked_by of a context no TensorReplacer checked
 
 
 def host_bits(tensor: torch.Tensor) -> np.ndarray:
@@ -52,7 +53,8 @@ class ReplacementContext(Mapping):
         self.places = dict(places or {})
         self._mask_array = None
         self._storage_bits = None
-        self.checked_by = None  # (replacer, slots, on its device) once a TensorReplacer checked it as out=
+        # (replacer, slots, on its device, numpy views or None) once a TensorReplacer checked it as out=
+        self.checked_by = _UNCHECKED
         self.num_replaced: int | None = None  # mask's True rows as its TensorReplacer build wrote them (None: not built)
 
     @classmethod

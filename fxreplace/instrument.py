@@ -40,19 +40,16 @@ _IDLE, _ARMED, _TAKEN = "idle", "armed", "taken"
 class _Slot:
     """Hands one forward's replacement to one target and records that the target
     consumed it. States: idle (outside an instrumented call: pass through),
-    armed, taken (a second take in the same forward is an error). Under Dynamo,
-    ``take`` is traced: its state is the same string at every forward, so it is
-    no recompile reason."""
+    armed, taken (a second take in the same forward is an error). Between forwards
+    it holds the fed buffers (or nothing), so a fed forward only flips its state.
+    Under Dynamo, ``take`` is traced: its state is the same string at every forward,
+    so it is no recompile reason."""
 
     def __init__(self, target: ResolvedTarget):
         self.target = target
-        self.reset()
-
-    def reset(self):
+        self.fed = (None, None, False)  # (values, mask, leading_rows) that a forward without replacements= reads
         self.state = _IDLE
-        self.replacement = None
-        self.mask = None
-        self.leading_rows = False
+        self.replacement, self.mask, self.leading_rows = self.fed
 
     def arm(self, replacement, mask, leading_rows=False):
         self.state = _ARMED
@@ -93,11 +90,14 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
     else:
         index = point.output_index
         module_name, where = point.module_name, point.point
+        inject = injection.__call__  # bound once: calling the instance looks __call__ up per call
 
         def forward(*args, **kwargs):
             output = original(*args, **kwargs)
-            if not slot.take():
-                return output
+            if slot.state is not _ARMED:  # take() inline: once per target per forward in eager engines
+                if not slot.take():
+                    return output
+            slot.state = _TAKEN
             if index is None:
                 value = output
             elif isinstance(output, (tuple, list)):
@@ -107,7 +107,7 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
                                   f"{type(output).__name__} (indexing would pick a row): use point='output'")
             if type(value) is not torch.Tensor:
                 _check_point_value(value, module_name, where)
-            injected = injection(value, slot.replacement, slot.mask, None, slot.leading_rows)
+            injected = inject(value, slot.replacement, slot.mask, None, slot.leading_rows)
             if index is None:
                 return injected
             if injected is value:  # nothing replaced: the module's own output
@@ -142,22 +142,23 @@ class Instrumentation:
         self.slots = slots
         self.max_tokens = max_tokens
         self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # per target (values, mask) feed buffers, once fed
+        self.overridden = False  # whether the slots hold a forward's own replacements (not the fed buffers)
 
     def buffer_names(self, i: int) -> tuple[str, str]:
         return f"_fxreplace_feed_{i}", f"_fxreplace_feed_mask_{i}"
 
     def remember_buffers(self, model: nn.Module) -> None:
-        """Keep the feed buffers at hand: forwards read them without attribute lookups."""
+        """Keep the feed buffers at hand: the slots hold them between forwards, so a forward
+        without ``replacements=`` only arms them."""
         self.fed = [(getattr(model, v), getattr(model, m)) for v, m in map(self.buffer_names, range(len(self.targets)))]
+        for slot, (values, mask) in zip(self.slots, self.fed):
+            slot.fed = (values, mask, True)
+            slot.replacement, slot.mask, slot.leading_rows = slot.fed
 
     def arm(self, model: nn.Module, replacements) -> None:
-        if replacements is None:
-            if self.fed:  # engines: every forward reads the feed buffers
-                for slot, (values, mask) in zip(self.slots, self.fed):
-                    slot.arm(values, mask, leading_rows=True)
-            else:
-                for slot in self.slots:
-                    slot.arm(None, None)
+        if replacements is None:  # the fed buffers (or nothing), which the slots hold between forwards
+            for slot in self.slots:
+                slot.state = _ARMED
             return
         if not isinstance(replacements, Mapping):
             raise TypeError(f"replacements must be a ReplacementContext or a dict of tensors, got {type(replacements)}")
@@ -173,6 +174,7 @@ class Instrumentation:
             raise KeyError(f"replacement name(s) {unknown} match no target; close capture names: {close}; "
                            f"all capture names: {names}")
         is_context = isinstance(replacements, ReplacementContext)
+        self.overridden = True
         for slot, name in zip(self.slots, names):
             value = tensors.get(name)
             if value is None:
@@ -184,12 +186,17 @@ class Instrumentation:
             slot.arm(value, mask)
 
     def reset(self) -> list[str]:
-        """Back to idle; returns the targets armed but not reached since :meth:`arm`."""
+        """Back to idle (the slots holding the fed buffers again); returns the targets armed
+        but not reached since :meth:`arm`."""
         missed = []
         for slot in self.slots:
             if slot.state is _ARMED:
                 missed.append(slot.target.module_name)
-            slot.reset()
+            slot.state = _IDLE
+        if self.overridden:  # a forward's own replacements: not kept past it
+            for slot in self.slots:
+                slot.replacement, slot.mask, slot.leading_rows = slot.fed
+            self.overridden = False
         return missed
 
     def finish(self) -> None:

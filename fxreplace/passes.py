@@ -53,6 +53,9 @@ class Injection:
         self.share_fed_rows = False
         # Eager engines call this once per target per forward with the same bound buffers:
         # the checked views of the last call, reused while the buffers and shapes stay the same.
+        # A plain tuple (indexing is the cheapest read): (replacement, mask, leading_rows, shape,
+        # dtype, device index, mask column, replacement rows, host mask bytes or None,
+        # all-True bytes, all-False bytes).
         self._checked: tuple | None = None
 
     def __call__(self, computed, replacement=None, mask=None, rank=None, leading_rows=False):
@@ -72,11 +75,10 @@ class Injection:
                 and checked[5] == computed.get_device()):
             host_mask = checked[8]
             if host_mask is not None:  # a host mask is read without a kernel: none or all replaced is common
-                replaced = host_mask.tobytes().count(1)
-                if replaced == 0:
-                    return computed
-                if replaced == len(host_mask) and self.share_fed_rows:
+                if host_mask == checked[9] and self.share_fed_rows:  # all rows replaced
                     return checked[7]
+                if host_mask == checked[10]:  # none
+                    return computed
             return torch.where(checked[6], checked[7], computed)
         out = self._inject(computed, replacement, mask, rank, leading_rows)
         if (self.adapter is identity and self.shard is None and type(computed) is torch.Tensor and computed.dim() == 2
@@ -85,9 +87,10 @@ class Injection:
             # value is a view of the buffer: later calls read its current contents
             tokens = computed.shape[0]
             rows = slice(0, tokens) if leading_rows else slice(None)
-            host_mask = memoryview(mask[rows].numpy()) if mask.device.type == "cpu" and leading_rows else None
+            # the host mask's bytes, compared with all-True and all-False bytes (no call per forward)
+            host_mask = memoryview(mask[rows].numpy()).cast("B") if mask.device.type == "cpu" and leading_rows else None
             self._checked = (replacement, mask, leading_rows, computed.shape, computed.dtype, computed.get_device(),
-                             mask[rows].unsqueeze(-1), replacement[rows], host_mask)
+                             mask[rows].unsqueeze(-1), replacement[rows], host_mask, b"\1" * tokens, bytes(tokens))
         return out
 
     def _inject(self, computed, replacement, mask, rank, leading_rows):

@@ -244,10 +244,11 @@ class TensorReplacer:
     ) -> ReplacementContext:
         """Mixed batches (vLLM-style): request ``i`` owns the next ``num_scheduled_tokens[i]``
         slots, in order; the rest of ``positions`` is padding. ``out`` as in :meth:`build_context`."""
-        if out is not None and device is None and self._decode_into(req_ids, num_scheduled_tokens, positions, out):
+        counts = num_scheduled_tokens
+        if (out is not None and device is None and type(counts) is list and len(counts) == len(req_ids) == counts.count(1)
+                and self.decode_into(req_ids, positions, out)):
             return out
         positions = _as_index_array(positions, "positions")
-        counts = num_scheduled_tokens
         if not _is_int_list(counts):  # engines pass a list of ints: used as it is
             counts = _as_index_array(counts, "num_scheduled_tokens").tolist()
         if len(counts) != len(req_ids):
@@ -295,20 +296,22 @@ class TensorReplacer:
             return last
         return None
 
-    def _decode_into(self, req_ids, counts, positions, out: ReplacementContext) -> bool:
-        """An engine's steady decode step written straight into ``out``, before any argument is
-        normalized: the batch of the last lookup (nothing registered or released since), one
-        token per request and no padding, each request with a stored row at its position, a
-        one-shard host store and a host ``out`` of as many slots, checked before. Anything else
-        returns False having written nothing, and takes the general path (which checks and
-        explains). Per step this is a handful of Python operations and one numpy ``take``."""
+    def decode_into(self, req_ids: list[str], positions: torch.Tensor | list[int], out: ReplacementContext) -> bool:
+        """An engine's steady decode step, request ``i`` decoding one token at ``positions[i]``,
+        written straight into ``out`` (rows, mask, ``num_replaced``): the common case of
+        :meth:`build_context_for_batch`, at a handful of Python operations and one numpy
+        ``take`` per dtype group. It applies only when the step is exactly that case: the batch
+        of the last lookup (nothing registered or released since), every request with a stored
+        row at its position, no padding, a one-shard host store and a host ``out`` of
+        ``len(req_ids)`` slots that an earlier build checked. Otherwise it returns False having
+        written nothing: :meth:`build_context_for_batch` handles, checks and explains every case."""
         last = self._last_batch
         checked = out.checked_by
-        if (self._source_bits is None or checked is None or checked[0] is not self or not checked[2]
-                or last.generation != self._generation or type(req_ids) is not list or last.req_ids != req_ids):
+        if (checked[0] is not self or checked[3] is None or last.generation != self._generation
+                or last.req_ids != req_ids):
             return False
         n = len(req_ids)
-        if checked[1] != n or type(counts) is not list or counts.count(1) != n or len(counts) != n:
+        if checked[1] != n:
             return False
         if type(positions) is torch.Tensor:
             if positions.dtype not in _INT_DTYPES or positions.ndim != 1:
@@ -319,9 +322,12 @@ class TensorReplacer:
         if len(positions) != n or (n and min(positions) < 0) or not all(map(operator.lt, positions, last.lengths)):
             return False  # a request unmatched (0 rows), past its rows, or padding
         rows = list(map(operator.add, last.offsets, positions))
-        for src, dst in zip(self._source_bits, out.storage_bits()):
-            np.take(src, rows, axis=1, out=dst, mode="clip")  # in range by construction: no buffered bounds check
-        out.mask_array()[:] = True
+        source_bits, storage_bits, mask_array = checked[3]
+        for src, dst in zip(source_bits, storage_bits):
+            # the method, positionally (np.take adds two Python layers); rows are in range by
+            # construction, so "clip" (no buffered bounds check)
+            src.take(rows, 1, dst, "clip")
+        mask_array.fill(True)
         out.num_replaced = n
         return True
 
@@ -465,7 +471,7 @@ class TensorReplacer:
         """Check ``out`` once (remembered on it: a context's shapes and device never change);
         returns whether it is on the store's device."""
         checked = out.checked_by
-        if checked is None or checked[0] is not self or checked[1] != n:
+        if checked[0] is not self or checked[1] != n:
             want = [(m, n, e, dt) for m, e, dt in self._shapes]
             got = [(*s.shape, s.dtype) for s in out.storage]
             if got != want or out.mask.shape[0] != n or out.places != self._places:
@@ -473,7 +479,11 @@ class TensorReplacer:
                     f"out must be a context built by this replacer (build_context, warmup_context or .leading()) for {n} "
                     f"slots; got {out!r}"
                 )
-            checked = out.checked_by = (self, n, out.mask.device == self._device)
+            on_device = out.mask.device == self._device
+            # what decode_into reads: the store's and the context's numpy views (one-shard host stores)
+            views = (self._source_bits, out.storage_bits(), out.mask_array()) if (
+                on_device and self._source_bits is not None) else None
+            checked = out.checked_by = (self, n, on_device, views)
         return checked[2]
 
 

@@ -398,3 +398,24 @@ def test_jit_trace_of_a_fed_model_keeps_the_mask_in_the_graph(plain):
         ctx = random_context(GATES, E, seed=4)
         fed.feed(ctx)
         torch.testing.assert_close(traced(input_ids()), reference(plain, ctx), rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_with_its_own_replacements_leaves_the_fed_buffers_in_place(plain):
+    """Between forwards the targets hold the fed buffers: a forward given replacements= (one
+    that succeeds, one that fails) reads its own tensors, and the next plain forward the
+    fed ones again, not the tensors of the call before."""
+    fed = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
+    bound = random_context(GATES, E, tokens=16, seed=3, mask=torch.ones(16, dtype=torch.bool))
+    fed.feed(bound, bind=True)
+    from_feed = ReplacementContext({n: bound[n][:TOKENS] for n in GATES}, bound.mask[:TOKENS])
+    own = random_context(GATES, E, seed=9)
+    expected_fed, expected_own = reference(plain, from_feed), reference(plain, own)
+    assert not torch.allclose(expected_fed, expected_own)
+    torch.testing.assert_close(logits(fed), expected_fed, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(fed, replacements=own), expected_own, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(fed), expected_fed, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ShapeError, match=r"model\.layers\.1\.mlp\.gate"):
+        logits(fed, replacements={GATES[0]: own[GATES[0]], GATES[1]: torch.zeros(TOKENS + 1, E)})
+    torch.testing.assert_close(logits(fed), expected_fed, rtol=1e-5, atol=1e-5)
+    fed.clear()
+    assert torch.equal(logits(fed), logits(plain))

@@ -245,8 +245,8 @@ def test_consecutive_decode_steps_match_per_slot_oracle():
     feed = r.warmup_context(8)
     views = {n: feed.leading(n) for n in (3, 4)}  # one out= per batch size, as engines keep them
     shortcut = []
-    decode_into = r._decode_into
-    r._decode_into = lambda *args: shortcut.append(decode_into(*args)) or shortcut[-1]
+    decode_into = r.decode_into
+    r.decode_into = lambda *args: shortcut.append(decode_into(*args)) or shortcut[-1]
     batches = [(ids[:3], [3, 3, 4]), (ids[:3], [4, 4, 5]), (ids[:3], [5, 5, 6]), (ids[:3], [6, 6, 7]),
                (ids[:3], [2, 2, 3]), (ids, [7, 7, 8, 4]), (ids, [8, 8, 9, 5]), ([ids[3], ids[0], ids[2]], [6, 9, 10])]
     for step, (batch, positions) in enumerate(batches):

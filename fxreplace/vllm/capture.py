@@ -224,7 +224,7 @@ class VllmCapture:
         """Copy this forward's observed rows to their requests, by position."""
         if not self.writes or not self.active:
             return
-        req_ids = internals.batch_requests(self.runner)
+        req_ids = list(internals.batch_requests(self.runner))  # kept until after_execute
         counts = scheduler_output.num_scheduled_tokens
         starts = [0]
         for r in req_ids:

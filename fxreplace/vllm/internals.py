@@ -51,9 +51,10 @@ COMPILE_DECORATOR = ("vllm.compilation.decorators", "support_torch_compile")
 #: ``model_config.hf_config``, ``max_num_tokens`` (the largest batch: buffer rows),
 #: ``input_batch`` (the persistent batch, in the order the forward lays tokens out).
 RUNNER_ATTRS = ("vllm_config", "model", "model_config", "max_num_tokens", "input_batch")
-#: ``InputBatch``: ``req_ids`` (property), ``num_reqs`` (property),
-#: ``num_computed_tokens_cpu`` (numpy, for positions when they live on a device).
-INPUT_BATCH_ATTRS = ("req_ids", "num_reqs", "num_computed_tokens_cpu")
+#: ``InputBatch``: ``_req_ids`` and ``req_id_to_index`` (behind the ``req_ids`` and
+#: ``num_reqs`` properties), ``num_computed_tokens_cpu`` (numpy, for positions when they
+#: live on a device).
+INPUT_BATCH_ATTRS = ("_req_ids", "req_id_to_index", "num_computed_tokens_cpu")
 #: ``SchedulerOutput``: new requests, finished ids, tokens scheduled per request.
 SCHEDULER_OUTPUT_FIELDS = ("scheduled_new_reqs", "finished_req_ids", "num_scheduled_tokens")
 #: ``NewRequestData``: what registration reads.
@@ -180,9 +181,15 @@ def wrap_steps(runner, *, begin_step, before_forward=None, after_forward=None, d
 
 
 def batch_requests(runner) -> list[str]:
-    """Request ids of the step being run, in the order its tokens are laid out."""
+    """Request ids of the step being run, in the order its tokens are laid out: the
+    persistent batch's own list (read it, never keep or change it). Read through the
+    attributes behind the ``req_ids``/``num_reqs`` properties (once per forward; each
+    property is a Python call). The batch is condensed before every forward, so the list
+    holds exactly ``num_reqs`` ids."""
     batch = runner.input_batch
-    return batch.req_ids[: batch.num_reqs]
+    ids = batch._req_ids
+    num_reqs = len(batch.req_id_to_index)
+    return ids if len(ids) == num_reqs else ids[:num_reqs]
 
 
 def data_parallel_rank(runner) -> int:

@@ -249,6 +249,8 @@ def _wrap_steps(runner, state: "VllmReplacement") -> None:
 class VllmReplacement:
     """fxreplace state of one model runner: the replacer and the instrumented model."""
 
+    whole_mask = True  # every target reads the one mask the replacer writes
+
     def __init__(self, runner, config: ReplacementConfig):
         from fxreplace.models import architecture  # configured engines only: unconfigured start-up stays light
 
@@ -375,30 +377,40 @@ class VllmReplacement:
         """Fill the buffers for this forward from the batch vLLM actually runs: every
         row it reads, the padding after the scheduled tokens included (mask off there).
 
-        The hot path: per request only a dict lookup; no tensor is allocated here
-        (the gather writes into the bound buffers' leading rows)."""
+        The hot path: a steady decode step (the same requests as the last step, one
+        token each) is one :meth:`TensorReplacer.decode_into` into the bound buffers'
+        leading rows; nothing is allocated but the rows' index list."""
         try:
-            self._fill(self.runner, scheduler_output, positions)
+            req_ids = internals.batch_requests(self.runner)
+            n = len(req_ids)
+            # vLLM drops unscheduled requests from the batch and schedules at least one token per
+            # request, so as many tokens as requests is one each (a decode step)
+            if (self.whole_mask and scheduler_output.total_num_scheduled_tokens == n and positions is not None
+                    and positions.shape[0] == n):
+                out = self._views.get(n)
+                if out is not None and self.replacer.decode_into(req_ids, positions, out):
+                    self.armed = True
+                    self.steps += 1
+                    self.host_tokens_replaced += n
+                    return
+            self._fill(req_ids, scheduler_output, positions)
         except Exception as exc:
             self.errors += 1
             self.clear()
             logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
 
-    def _fill(self, runner, scheduler_output, positions) -> tuple[list[str], list[int], int] | None:
-        """:meth:`prepare`'s work; returns the batch's request ids, their scheduled token
-        counts and the rows written (padding included), or None when nothing is replaced."""
-        req_ids = internals.batch_requests(runner)
+    def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
+        """:meth:`prepare`'s general path; returns the batch's scheduled token counts and
+        the rows written (padding included), or None when nothing is replaced."""
         if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
             self.clear()
             return None
-        # vLLM drops unscheduled requests from the batch and schedules at least one token per
-        # request, so as many tokens as requests is one each (a decode step)
         if scheduler_output.total_num_scheduled_tokens == len(req_ids):
             counts = [1] * len(req_ids)
         else:
             counts = list(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids))
         if positions is None or not positions.is_cpu:  # device positions: recompute on the host
-            positions = _host_positions(runner, counts, sum(counts) if positions is None else positions.shape[0])
+            positions = _host_positions(self.runner, counts, sum(counts) if positions is None else positions.shape[0])
         rows = positions.shape[0]
         self.armed = True
         out = self._views.get(rows)
@@ -410,7 +422,7 @@ class VllmReplacement:
             self.host_tokens_replaced += ctx.num_replaced
         else:  # summed on the device: reading it each step would wait for the forward
             self.device_tokens_replaced += ctx.mask.sum()
-        return req_ids, counts, rows
+        return counts, rows
 
     def _new_view(self, n: int) -> ReplacementContext:
         """The bound buffers' first ``n`` rows as an ``out=`` context, kept for the next forward of ``n`` rows."""
@@ -467,11 +479,13 @@ class SelectingReplacement(VllmReplacement):
             self.selections[new.req_id] = torch.tensor([name in wanted for name in self.capture_names])
         super().update_requests(scheduler_output)
 
-    def _fill(self, runner, scheduler_output, positions) -> tuple[list[str], list[int], int] | None:
-        filled = super()._fill(runner, scheduler_output, positions)
+    whole_mask = False  # every step writes per-target masks: no decode_into shortcut
+
+    def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
+        filled = super()._fill(req_ids, scheduler_output, positions)
         if filled is None:
             return None
-        req_ids, counts, rows = filled
+        counts, rows = filled
         total = sum(counts)
         # per token, whether its request selected each capture (padding rows: none)
         chosen = torch.stack([self.selections.get(r, self.all_selected) for r in req_ids] + [self.none_selected], 1)
