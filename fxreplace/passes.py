@@ -27,6 +27,9 @@ from .sharding import ShapeError, ShardSpec, layout_hint, require, rows_before_s
 from .targets import TargetError
 
 
+_CHECKED_SHAPES = 8  # batch shapes whose checked views an Injection keeps (an engine's common batch sizes)
+
+
 class Injection:
     """``where(mask, adapter(shard(replacement)), computed)`` for one target.
 
@@ -51,12 +54,13 @@ class Injection:
         self.observers: list[Callable[[torch.Tensor], None]] = []
         self.__name__ = "fxreplace_inject"  # name hint for FX code generation
         self.share_fed_rows = False
-        # Eager engines call this once per target per forward with the same bound buffers:
-        # the checked views of the last call, reused while the buffers and shapes stay the same.
-        # A plain tuple (indexing is the cheapest read): (replacement, mask, leading_rows, shape,
-        # dtype, device index, mask column, replacement rows, host mask bytes or None,
-        # all-True bytes, all-False bytes).
-        self._checked: tuple | None = None
+        # Eager engines call this once per target per forward with the same bound buffers, at
+        # batch sizes that vary from step to step: per computed shape, the checked views of a
+        # call with the current replacement, reused while the buffers stay the same. A plain
+        # tuple (indexing is the cheapest read): (replacement, mask, leading_rows, dtype, device
+        # index, mask column, replacement rows, host mask bytes or None, all-True bytes,
+        # all-False bytes).
+        self._checked: dict[torch.Size, tuple] = {}
 
     def __call__(self, computed, replacement=None, mask=None, rank=None, leading_rows=False):
         if self.observers:
@@ -69,17 +73,17 @@ class Injection:
             # mode) or torch.jit.trace (torch_neuronx.trace): no Python state, which would become
             # a guard or a constant of the graph
             return self._inject(computed, replacement, mask, rank, leading_rows)
-        checked = self._checked
-        if (checked is not None and checked[0] is replacement and checked[1] is mask and checked[2] is leading_rows
-                and type(computed) is torch.Tensor and checked[3] == computed.shape and checked[4] == computed.dtype
-                and checked[5] == computed.get_device()):
-            host_mask = checked[8]
-            if host_mask is not None:  # a host mask is read without a kernel: none or all replaced is common
-                if host_mask == checked[9] and self.share_fed_rows:  # all rows replaced
-                    return checked[7]
-                if host_mask == checked[10]:  # none
-                    return computed
-            return torch.where(checked[6], checked[7], computed)
+        if type(computed) is torch.Tensor:
+            checked = self._checked.get(computed.shape)
+            if (checked is not None and checked[0] is replacement and checked[1] is mask and checked[2] is leading_rows
+                    and checked[3] == computed.dtype and checked[4] == computed.get_device()):
+                host_mask = checked[7]
+                if host_mask is not None:  # a host mask is read without a kernel: none or all replaced is common
+                    if host_mask == checked[8] and self.share_fed_rows:  # all rows replaced
+                        return checked[6]
+                    if host_mask == checked[9]:  # none
+                        return computed
+                return torch.where(checked[5], checked[6], computed)
         out = self._inject(computed, replacement, mask, rank, leading_rows)
         if (self.adapter is identity and self.shard is None and type(computed) is torch.Tensor and computed.dim() == 2
                 and replacement.dtype == computed.dtype):
@@ -89,8 +93,13 @@ class Injection:
             rows = slice(0, tokens) if leading_rows else slice(None)
             # the host mask's bytes, compared with all-True and all-False bytes (no call per forward)
             host_mask = memoryview(mask[rows].numpy()).cast("B") if mask.device.type == "cpu" and leading_rows else None
-            self._checked = (replacement, mask, leading_rows, computed.shape, computed.dtype, computed.get_device(),
-                             mask[rows].unsqueeze(-1), replacement[rows], host_mask, b"\1" * tokens, bytes(tokens))
+            # entries of other replacements are dropped (the cache holds no tensor of an earlier
+            # call), and at most _CHECKED_SHAPES are kept
+            kept = {shape: c for shape, c in self._checked.items() if c[0] is replacement}
+            self._checked = kept if len(kept) < _CHECKED_SHAPES else {}
+            self._checked[computed.shape] = (replacement, mask, leading_rows, computed.dtype, computed.get_device(),
+                                             mask[rows].unsqueeze(-1), replacement[rows], host_mask, b"\1" * tokens,
+                                             bytes(tokens))
         return out
 
     def _inject(self, computed, replacement, mask, rank, leading_rows):

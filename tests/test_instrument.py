@@ -419,3 +419,26 @@ def test_a_forward_with_its_own_replacements_leaves_the_fed_buffers_in_place(pla
     torch.testing.assert_close(logits(fed), expected_fed, rtol=1e-5, atol=1e-5)
     fed.clear()
     assert torch.equal(logits(fed), logits(plain))
+
+
+def test_eager_bound_feed_checks_each_batch_size_once(plain, monkeypatch):
+    """An engine's batch size changes from step to step: each size's first call is checked
+    in full, later calls of any size seen before reuse that check (and stay exact)."""
+    from fxreplace.passes import Injection
+
+    fed = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
+    bound = random_context(GATES, E, tokens=16, seed=3, mask=torch.ones(16, dtype=torch.bool))
+    fed.feed(bound, bind=True)
+    full_checks = []
+    inject = Injection._inject
+    monkeypatch.setattr(Injection, "_inject", lambda self, computed, *a: full_checks.append(computed.shape[0])
+                        or inject(self, computed, *a))
+    for tokens in (4, TOKENS, 4, 12, TOKENS, 4, 12):
+        ids = input_ids(tokens)
+        ctx = ReplacementContext({n: bound[n][:tokens] for n in GATES}, bound.mask[:tokens])
+        weights = {plain.get_submodule(n).weight: ctx[n] for n in ctx}
+        with torch.no_grad(), OverrideLinear(weights, ctx.mask):
+            expected = plain(input_ids=ids).logits
+        with torch.no_grad():
+            torch.testing.assert_close(fed(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    assert full_checks == [4, 4, TOKENS, TOKENS, 12, 12]  # two targets, three sizes, once each
