@@ -455,6 +455,8 @@ class SelectingReplacement(VllmReplacement):
     compiled graph serves them all.
     """
 
+    whole_mask = False  # every step writes per-target masks: no decode_into shortcut
+
     def _bound_context(self) -> ReplacementContext:
         self.capture_names = list(dict.fromkeys(t.name for t in self.targets))
         bound = self.feed.select(self.capture_names)
@@ -478,8 +480,6 @@ class SelectingReplacement(VllmReplacement):
                              "they are not replaced", new.req_id, ignored)
             self.selections[new.req_id] = torch.tensor([name in wanted for name in self.capture_names])
         super().update_requests(scheduler_output)
-
-    whole_mask = False  # every step writes per-target masks: no decode_into shortcut
 
     def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
         filled = super()._fill(req_ids, scheduler_output, positions)
