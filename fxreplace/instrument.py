@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .context import ReplacementContext
-from .passes import Injection, InjectionSpec, insert_replacements
+from .passes import Injection, InjectionSpec, insert_replacements, _dispatch_modes, _is_dynamo_compiling, _jit_tracing
 from .points import InjectionPoint, check_adapter_fits, computes_linear_output, locate_injection_point
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
@@ -34,7 +34,8 @@ class TargetNotHitError(RuntimeError):
     e.g. because a kernel-replaced forward skips the router."""
 
 
-_IDLE, _ARMED, _TAKEN = "idle", "armed", "taken"
+# _FED: armed eagerly with the fed buffers the slot holds between forwards; _ARMED: any other arming
+_IDLE, _FED, _ARMED, _TAKEN = "idle", "fed", "armed", "taken"
 
 
 class _Slot:
@@ -88,37 +89,68 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
                 fxreplace_leading_rows=slot.leading_rows,
             )
     else:
-        index = point.output_index
-        module_name, where = point.module_name, point.point
-        inject = injection.__call__  # bound once: calling the instance looks __call__ up per call
-
-        def forward(*args, **kwargs):
-            output = original(*args, **kwargs)
-            if slot.state is not _ARMED:  # take() inline: once per target per forward in eager engines
-                if not slot.take():
-                    return output
-            slot.state = _TAKEN
-            if index is None:
-                value = output
-            elif isinstance(output, (tuple, list)):
-                value = output[index]
-            else:
-                raise TargetError(f"{module_name!r}: point {where!r} indexes the output, but the module returns a "
-                                  f"{type(output).__name__} (indexing would pick a row): use point='output'")
-            if type(value) is not torch.Tensor:
-                _check_point_value(value, module_name, where)
-            injected = inject(value, slot.replacement, slot.mask, None, slot.leading_rows)
-            if index is None:
-                return injected
-            if injected is value:  # nothing replaced: the module's own output
-                return output
-            if type(output) is tuple:
-                return (*output[:index], injected, *output[index + 1:])
-            parts = list(output)
-            parts[index] = injected
-            return type(output)(*parts) if hasattr(output, "_fields") else type(output)(parts)  # namedtuple or not
-
+        module.forward = _output_point_forward(original, point, injection, slot)
+        return
     module.forward = forward
+
+
+def _output_point_forward(original, point: InjectionPoint, injection: Injection, slot: _Slot):
+    """The forward of a target whose injection point is its output (or ``output[i]``).
+
+    Eager engines call it once per target per forward, so their common case comes first,
+    written out inline: a slot armed eagerly with its fed buffers (``_FED``), a tensor at
+    ``output`` or ``output[i]`` of a tuple, a shape the Injection has checked with the fed
+    buffers, and a host mask whose rows are all replaced: the feed's leading rows are
+    returned (no copy). Anything else, and any tracing, goes through the Injection."""
+    index = point.output_index
+    module_name, where = point.module_name, point.point
+    inject = injection.__call__  # bound once: calling the instance looks __call__ up per call
+    fed_rows = injection.fed_rows  # shape -> checked entry of the fed buffers, kept in place by the Injection
+    observers = injection.observers  # observe() adds to and removes from this list
+    tensor = torch.Tensor
+    kind = tensor if index is None else tuple
+    head, tail = slice(None, index), slice(None if index is None else index + 1, None)
+
+    def forward(*args, **kwargs):
+        output = original(*args, **kwargs) if kwargs else original(*args)  # (no dict built per call)
+        # (Dynamo may start tracing inside an eager forward: then the Injection decides)
+        if slot.state is _FED and type(output) is kind and not observers and not _is_dynamo_compiling():
+            value = output if index is None else output[index]
+            if type(value) is tensor:
+                entry = fed_rows.get(value.shape)
+                # fed entries are host buffers' (their mask is read on the host)
+                if (entry is not None and entry.dtype is value.dtype and value.is_cpu
+                        and entry.host_mask == entry.all_replaced):
+                    slot.state = _TAKEN
+                    return entry.rows if index is None else output[head] + (entry.rows,) + output[tail]
+        return inject_at_point(output)
+
+    def inject_at_point(output):
+        state = slot.state
+        if state is not _FED and state is not _ARMED and not slot.take():  # take() inline in the common cases
+            return output
+        slot.state = _TAKEN
+        if index is None:
+            value = output
+        elif isinstance(output, (tuple, list)):
+            value = output[index]
+        else:
+            raise TargetError(f"{module_name!r}: point {where!r} indexes the output, but the module returns a "
+                              f"{type(output).__name__} (indexing would pick a row): use point='output'")
+        if type(value) is not torch.Tensor:
+            _check_point_value(value, module_name, where)
+        injected = inject(value, slot.replacement, slot.mask, None, slot.leading_rows)
+        if index is None:
+            return injected
+        if injected is value:  # nothing replaced: the module's own output
+            return output
+        if type(output) is tuple:
+            return (*output[:index], injected, *output[index + 1:])
+        parts = list(output)
+        parts[index] = injected
+        return type(output)(*parts) if hasattr(output, "_fields") else type(output)(parts)  # namedtuple or not
+
+    return forward
 
 
 def _check_point_value(value, module_name: str, where) -> None:
@@ -157,8 +189,11 @@ class Instrumentation:
 
     def arm(self, model: nn.Module, replacements) -> None:
         if replacements is None:  # the fed buffers (or nothing), which the slots hold between forwards
+            # _FED: armed eagerly (no make_fx/export/jit tracer records this forward), which lets
+            # output points read checked rows directly; recorded forwards go through the Injection
+            traced = _is_dynamo_compiling() or _dispatch_modes() or _jit_tracing()
             for slot in self.slots:
-                slot.state = _ARMED
+                slot.state = _ARMED if traced else _FED
             return
         if not isinstance(replacements, Mapping):
             raise TypeError(f"replacements must be a ReplacementContext or a dict of tensors, got {type(replacements)}")
@@ -188,10 +223,8 @@ class Instrumentation:
     def reset(self) -> list[str]:
         """Back to idle (the slots holding the fed buffers again); returns the targets armed
         but not reached since :meth:`arm`."""
-        missed = []
+        missed = [slot.target.module_name for slot in self.slots if slot.state is _FED or slot.state is _ARMED]
         for slot in self.slots:
-            if slot.state is _ARMED:
-                missed.append(slot.target.module_name)
             slot.state = _IDLE
         if self.overridden:  # a forward's own replacements: not kept past it
             for slot in self.slots:
@@ -200,6 +233,14 @@ class Instrumentation:
         return missed
 
     def finish(self) -> None:
+        """:meth:`reset` after a forward that returned; every armed target must have been reached."""
+        for slot in self.slots:
+            if slot.state is not _TAKEN:
+                break
+            slot.state = _IDLE
+        else:  # the common case: every target taken, nothing overridden
+            if not self.overridden:
+                return
         missed = self.reset()
         if missed:
             raise TargetNotHitError(
@@ -265,8 +306,8 @@ class InstrumentedModel:
                 self.register_buffer(values_name, value, persistent=False)
                 self.register_buffer(mask_name, replacements.mask_for(target.capture_name), persistent=False)
             state.remember_buffers(self)
-            for injection in state.injections:
-                injection.share_fed_rows = True
+            for injection, (values, mask) in zip(state.injections, state.fed):
+                injection.share_fed(values, mask)
             return
         for i, target in enumerate(state.targets):
             values_name, mask_name = state.buffer_names(i)
@@ -289,7 +330,7 @@ class InstrumentedModel:
             mask_buf[:tokens].copy_(mask if mask is not None else torch.ones(tokens, dtype=torch.bool, device=value.device))
         state.remember_buffers(self)
         for injection in state.injections:
-            injection.share_fed_rows = False
+            injection.share_fed(None)
 
     @torch.no_grad()
     def clear(self) -> None:

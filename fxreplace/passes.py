@@ -13,7 +13,7 @@ arrive as new graph inputs, so one compiled graph serves replacement on, off
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import fx, nn
@@ -30,6 +30,23 @@ from .targets import TargetError
 _CHECKED_SHAPES = 8  # batch shapes whose checked views an Injection keeps (an engine's common batch sizes)
 
 
+class CheckedCall(NamedTuple):
+    """What an eager call of an :class:`Injection` checked, for one computed shape: the
+    buffers it was called with, the computed dtype and device, and views of the buffers'
+    rows it reads (``all_replaced`` is None unless the rows may be returned as they are)."""
+
+    replacement: torch.Tensor
+    mask: torch.Tensor
+    leading_rows: bool
+    dtype: torch.dtype
+    device: int
+    mask_column: torch.Tensor
+    rows: torch.Tensor
+    host_mask: memoryview | None
+    all_replaced: bytes | None
+    none_replaced: bytes
+
+
 class Injection:
     """``where(mask, adapter(shard(replacement)), computed)`` for one target.
 
@@ -41,8 +58,7 @@ class Injection:
     computed value first (reference capture, router agreement).
 
     Eagerly, with such buffers on the host, a call that replaces no row returns
-    ``computed`` and, when ``share_fed_rows`` is set (buffers that their feeder
-    rewrites before every forward: ``feed(bind=True)``), a call that replaces every
+    ``computed`` and, with the buffers of :meth:`share_fed`, a call that replaces every
     row returns the buffer's leading rows themselves (no copy, no kernel).
     """
 
@@ -53,14 +69,22 @@ class Injection:
         self.shard = shard
         self.observers: list[Callable[[torch.Tensor], None]] = []
         self.__name__ = "fxreplace_inject"  # name hint for FX code generation
-        self.share_fed_rows = False
         # Eager engines call this once per target per forward with the same bound buffers, at
         # batch sizes that vary from step to step: per computed shape, the checked views of a
-        # call with the current replacement, reused while the buffers stay the same. A plain
-        # tuple (indexing is the cheapest read): (replacement, mask, leading_rows, dtype, device
-        # index, mask column, replacement rows, host mask bytes or None, all-True bytes,
-        # all-False bytes).
-        self._checked: dict[torch.Size, tuple] = {}
+        # call with the current replacement, reused while the buffers stay the same.
+        self.checked: dict[torch.Size, CheckedCall] = {}
+        self.fed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the entries of calls with the fed buffers (read directly by instrument's output-point
+        # forwards, which skip this call while nothing observes)
+        self.fed_rows: dict[torch.Size, CheckedCall] = {}
+
+    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
+        """``values``/``mask`` are buffers that their feeder rewrites before every forward
+        (``feed(bind=True)``): a call with them whose rows are all replaced may return the
+        values' rows themselves. None: no buffers are shared."""
+        self.fed = None if values is None else (values, mask)
+        self.checked.clear()
+        self.fed_rows.clear()
 
     def __call__(self, computed, replacement=None, mask=None, rank=None, leading_rows=False):
         if self.observers:
@@ -74,33 +98,41 @@ class Injection:
             # a guard or a constant of the graph
             return self._inject(computed, replacement, mask, rank, leading_rows)
         if type(computed) is torch.Tensor:
-            checked = self._checked.get(computed.shape)
-            if (checked is not None and checked[0] is replacement and checked[1] is mask and checked[2] is leading_rows
-                    and checked[3] == computed.dtype and checked[4] == computed.get_device()):
-                host_mask = checked[7]
-                if host_mask is not None:  # a host mask is read without a kernel: none or all replaced is common
-                    if host_mask == checked[8] and self.share_fed_rows:  # all rows replaced
-                        return checked[6]
-                    if host_mask == checked[9]:  # none
+            entry = self.checked.get(computed.shape)
+            if (entry is not None and entry.replacement is replacement and entry.mask is mask
+                    and entry.leading_rows is leading_rows and entry.dtype is computed.dtype
+                    and entry.device == computed.get_device()):
+                if entry.host_mask is not None:  # a host mask is read without a kernel: none or all replaced is common
+                    if entry.host_mask == entry.all_replaced:
+                        return entry.rows
+                    if entry.host_mask == entry.none_replaced:
                         return computed
-                return torch.where(checked[5], checked[6], computed)
+                return torch.where(entry.mask_column, entry.rows, computed)
         out = self._inject(computed, replacement, mask, rank, leading_rows)
         if (self.adapter is identity and self.shard is None and type(computed) is torch.Tensor and computed.dim() == 2
                 and replacement.dtype == computed.dtype):
-            # everything checked above depends only on these buffers and shapes, and the
-            # value is a view of the buffer: later calls read its current contents
-            tokens = computed.shape[0]
-            rows = slice(0, tokens) if leading_rows else slice(None)
-            # the host mask's bytes, compared with all-True and all-False bytes (no call per forward)
-            host_mask = memoryview(mask[rows].numpy()).cast("B") if mask.device.type == "cpu" and leading_rows else None
-            # entries of other replacements are dropped (the cache holds no tensor of an earlier
-            # call), and at most _CHECKED_SHAPES are kept
-            kept = {shape: c for shape, c in self._checked.items() if c[0] is replacement}
-            self._checked = kept if len(kept) < _CHECKED_SHAPES else {}
-            self._checked[computed.shape] = (replacement, mask, leading_rows, computed.dtype, computed.get_device(),
-                                             mask[rows].unsqueeze(-1), replacement[rows], host_mask, b"\1" * tokens,
-                                             bytes(tokens))
+            self._remember(computed, replacement, mask, leading_rows)
         return out
+
+    def _remember(self, computed: torch.Tensor, replacement, mask, leading_rows) -> None:
+        """Keep the checked views of a call that :meth:`_inject` accepted: everything it checked
+        depends only on these buffers and shapes, and the views are of the buffers, so later
+        calls read their current contents. Entries of other replacements are dropped (none
+        holds a tensor of an earlier call), and at most ``_CHECKED_SHAPES`` are kept."""
+        tokens = computed.shape[0]
+        rows = slice(0, tokens) if leading_rows else slice(None)
+        # the host mask's bytes, compared with all-True and all-False bytes (no call per forward)
+        host_mask = memoryview(mask[rows].numpy()).cast("B") if mask.device.type == "cpu" and leading_rows else None
+        fed = self.fed is not None and self.fed[0] is replacement and self.fed[1] is mask and host_mask is not None
+        kept = {shape: c for shape, c in self.checked.items() if c.replacement is replacement}
+        self.checked = kept if len(kept) < _CHECKED_SHAPES else {}
+        entry = self.checked[computed.shape] = CheckedCall(
+            replacement, mask, leading_rows, computed.dtype, computed.get_device(), mask[rows].unsqueeze(-1),
+            replacement[rows], host_mask, b"\1" * tokens if fed else None, bytes(tokens))
+        if fed:
+            if len(self.fed_rows) >= _CHECKED_SHAPES:
+                self.fed_rows.clear()  # in place: output-point forwards hold this dict
+            self.fed_rows[computed.shape] = entry
 
     def _inject(self, computed, replacement, mask, rank, leading_rows):
         name, spec = self.module_name, self.shard

@@ -29,6 +29,7 @@ OnUnknown = Literal["error", "passthrough"]
 _UNMATCHED = -1  # a registered request whose prompt is not in the reference
 _MISSING = -2  # a request that was never registered
 _SMALL_BATCH = 64  # slots up to which the row arithmetic runs in plain Python (decode steps)
+_Tensor, _add, _contains = torch.Tensor, operator.add, operator.contains  # module globals: one lookup each on the hot path
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 _SPARE_BUFFERS = 4  # context buffers kept for reuse once their context is dropped
 
@@ -285,7 +286,7 @@ class TensorReplacer:
         # per request: first store row and stored rows (0 where unmatched), for decode steps
         spans = [self._spans[p] if p >= 0 else (0, 0) for p in prompts[:-1]]
         self._last_batch = _BatchLookup(list(req_ids), generation, prompts, max(prompts) >= 0,
-                                        [o for o, _ in spans], [length for _, length in spans])
+                                        [o for o, _ in spans], [range(length) for _, length in spans])
         return prompts
 
     def _last_lookup(self, req_ids: Sequence[str]) -> "_BatchLookup | None":
@@ -307,22 +308,22 @@ class TensorReplacer:
         written nothing: :meth:`build_context_for_batch` handles, checks and explains every case."""
         last = self._last_batch
         checked = out.checked_by
-        if (checked[0] is not self or checked[3] is None or last.generation != self._generation
-                or last.req_ids != req_ids):
+        views = checked[3]
+        if checked[0] is not self or views is None or last.generation != self._generation or last.req_ids != req_ids:
             return False
-        n = len(req_ids)
-        if checked[1] != n:
-            return False
-        if type(positions) is torch.Tensor:
+        if type(positions) is _Tensor:
             if positions.dtype not in _INT_DTYPES or positions.ndim != 1:
                 return False
             positions = positions.tolist()
         elif not _is_int_list(positions):
             return False
-        if len(positions) != n or (n and min(positions) < 0) or not all(map(operator.lt, positions, last.lengths)):
-            return False  # a request unmatched (0 rows), past its rows, or padding
-        rows = list(map(operator.add, last.offsets, positions))
-        source_bits, storage_bits, mask_array = checked[3]
+        stored = last.stored
+        n = len(stored)
+        # "p in range(rows)" is 0 <= p < rows, one C-level pass (unmatched requests hold range(0))
+        if len(positions) != n or checked[1] != n or not all(map(_contains, stored, positions)):
+            return False
+        rows = list(map(_add, last.offsets, positions))
+        source_bits, storage_bits, mask_array = views
         for src, dst in zip(source_bits, storage_bits):
             # the method, positionally (np.take adds two Python layers); rows are in range by
             # construction, so "clip" (no buffered bounds check)
@@ -335,9 +336,7 @@ class TensorReplacer:
     def _decode_rows(last: "_BatchLookup", positions: list[int]) -> list[int] | None:
         """Store rows of a decode step of ``last``'s requests (one position each), or None
         unless every request matched and holds a row at its position."""
-        if len(positions) != len(last.lengths) or (positions and min(positions) < 0):
-            return None
-        if not all(map(operator.lt, positions, last.lengths)):  # unmatched requests hold 0 rows
+        if len(positions) != len(last.stored) or not all(map(operator.contains, last.stored, positions)):
             return None
         return list(map(operator.add, last.offsets, positions))
 
@@ -495,7 +494,7 @@ class _BatchLookup(NamedTuple):
     prompts: list[int]  # internal prompt per request (-1 unmatched), then -1 for padding
     matched: bool  # any request matched
     offsets: list[int]  # per request: first store row (0 where unmatched)
-    lengths: list[int]  # per request: stored rows (0 where unmatched)
+    stored: list[range]  # per request: the positions it has rows for (none where unmatched)
 
 
 _MAX_RUNS = 32  # above this many runs of consecutive rows, one gather beats block copies

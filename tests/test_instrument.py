@@ -12,7 +12,7 @@ import fxreplace.models as families
 from fxreplace.context import ReplacementContext
 from fxreplace.instrument import TargetNotHitError, instrument
 from fxreplace.sharding import ShapeError
-from fxreplace.targets import TargetError
+from fxreplace.targets import Target, TargetError
 from graph_helpers import TOKENS, OverrideLinear, input_ids, off_context, random_context
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -442,3 +442,73 @@ def test_eager_bound_feed_checks_each_batch_size_once(plain, monkeypatch):
         with torch.no_grad():
             torch.testing.assert_close(fed(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
     assert full_checks == [4, 4, TOKENS, TOKENS, 12, 12]  # two targets, three sizes, once each
+
+
+class _PairRouter(torch.nn.Module):
+    """Returns ``(logits, None)`` like vLLM's linear layers (output and bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, E, bias=False)
+
+    def forward(self, x):
+        return self.linear(x), None
+
+
+class _Routed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pair = _PairRouter()
+        self.plain = torch.nn.Linear(6, E, bias=False)
+        self.proj = torch.nn.Linear(E, 3)
+
+    def forward(self, x):
+        logits, _ = self.pair(x)
+        return self.proj(logits.softmax(-1) + self.plain(x).softmax(-1))
+
+
+@pytest.mark.parametrize("mask", ["all", "none", "mixed"])
+def test_output_points_of_a_bound_feed_read_the_fed_rows(mask):
+    """Output points (a tensor, and output[0] of a tuple), eagerly, with host buffers bound
+    by feed(bind=True), at batch sizes that change between forwards: every forward equals
+    the module with the replacement applied by hand; a forward whose rows are all replaced
+    hands the buffer's rows on (no copy), and observers still see every computed value."""
+    from fxreplace.instrument import observe
+
+    torch.manual_seed(0)
+    model = _Routed().eval()
+    names = ["pair", "plain"]
+    fed = instrument(copy.deepcopy(model), [Target("pair", point="output[0]"), Target("plain", point="output")],
+                     max_tokens=16)
+    bound = random_context(names, E, tokens=16, seed=3)
+    fed.feed(bound, bind=True)
+    seen = {}
+    for name in names:
+        fed.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out))
+
+    def expected(x, rows):
+        with torch.no_grad():
+            pair = torch.where(rows[:, None], bound["pair"][:len(x)], model.pair(x)[0])
+            plain = torch.where(rows[:, None], bound["plain"][:len(x)], model.plain(x))
+            return model.proj(pair.softmax(-1) + plain.softmax(-1))
+
+    observed = []
+    for step, tokens in enumerate((5, 9, 5, 9, 5)):
+        x = torch.randn(tokens, 6, generator=torch.Generator().manual_seed(step))
+        rows = {"all": torch.ones(tokens, dtype=torch.bool), "none": torch.zeros(tokens, dtype=torch.bool),
+                "mixed": torch.arange(tokens) % 2 == 0}[mask]
+        for name in names:
+            bound[name].normal_(generator=torch.Generator().manual_seed(10 + step))
+        bound.mask.fill_(True)  # rows past this forward's do not count
+        bound.mask[:tokens] = rows
+        if step == 3:
+            with observe(fed, lambda name, computed: observed.append((name, computed.shape[0]))), torch.no_grad():
+                got = fed(x)
+        else:
+            with torch.no_grad():
+                got = fed(x)
+        torch.testing.assert_close(got, expected(x, rows), rtol=1e-5, atol=1e-6)
+        handed_on = [seen["pair"][0].data_ptr() == bound["pair"].data_ptr(),
+                     seen["plain"].data_ptr() == bound["plain"].data_ptr()]
+        assert handed_on == [mask == "all" and step >= 2] * 2  # the first call of each size is checked in full
+    assert observed == [("pair", 9), ("plain", 9)]

@@ -157,14 +157,15 @@ def wrap_steps(runner, *, begin_step, before_forward=None, after_forward=None, d
             if dummy_forward is not None:
                 dummy_forward()
             return forward(*args, **kwargs)
-        positions = forward_positions(args, kwargs)
+        positions = kwargs[POSITIONS_ARG] if POSITIONS_ARG in kwargs else forward_positions(args, kwargs)
         if before_forward is not None:
             before_forward(scheduler_output, positions)
+        if after_forward is None:
+            return forward(*args, **kwargs)
         try:
             return forward(*args, **kwargs)
         finally:
-            if after_forward is not None:
-                after_forward(scheduler_output, positions)
+            after_forward(scheduler_output, positions)
 
     setattr(runner, EXECUTE_MODEL, execute_model)
     setattr(runner, MODEL_FORWARD, model_forward)

@@ -268,6 +268,7 @@ class VllmReplacement:
         self.feed = self.replacer.warmup_context(self.max_tokens)
         self.model.feed(self._bound_context(), bind=True)
         self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
+        self._decode_views = self._views if self.whole_mask else {}  # the views decode_into may fill
         self.steps = 0  # forwards that held at least one request matched to the reference
         self.host_tokens_replaced = 0
         self.device_tokens_replaced = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -339,9 +340,16 @@ class VllmReplacement:
     # ------------------------------------------------------------ per step
 
     def update_requests(self, scheduler_output) -> None:
-        for req_id in scheduler_output.finished_req_ids:
+        finished, new_requests = scheduler_output.finished_req_ids, scheduler_output.scheduled_new_reqs
+        if finished or new_requests:  # most steps have neither
+            self._update(finished, new_requests)
+        if self.debug_state_path is not None:
+            self.write_debug_state()
+
+    def _update(self, finished, new_requests) -> None:
+        for req_id in finished:
             self.released += self.replacer.release_request(req_id)
-        for new in scheduler_output.scheduled_new_reqs:
+        for new in new_requests:
             tokens = new.prompt_token_ids
             if tokens is None:  # prompt embeddings: nothing to match
                 continue
@@ -356,8 +364,6 @@ class VllmReplacement:
             if matched is None:  # on_unknown="passthrough" (the front end refuses them otherwise)
                 logger.info("fxreplace: request %s (%d prompt tokens, first %s) matches no reference prompt; "
                             "served without replacement", new.req_id, len(tokens), list(tokens[:8]))
-        if self.debug_state_path is not None:
-            self.write_debug_state()
 
     def write_debug_state(self) -> None:
         """Atomically rewrite the ``FXREPLACE_DEBUG_STATE`` file (debugging only)."""
@@ -383,16 +389,15 @@ class VllmReplacement:
         try:
             req_ids = internals.batch_requests(self.runner)
             n = len(req_ids)
-            # vLLM drops unscheduled requests from the batch and schedules at least one token per
-            # request, so as many tokens as requests is one each (a decode step)
-            if (self.whole_mask and scheduler_output.total_num_scheduled_tokens == n and positions is not None
-                    and positions.shape[0] == n):
-                out = self._views.get(n)
-                if out is not None and self.replacer.decode_into(req_ids, positions, out):
-                    self.armed = True
-                    self.steps += 1
-                    self.host_tokens_replaced += n
-                    return
+            # as many positions as requests is one token each, no padding (vLLM drops unscheduled
+            # requests from the batch and schedules at least one token per request): decode_into
+            # checks that, and every request's row
+            out = self._decode_views.get(n)
+            if out is not None and self.replacer.decode_into(req_ids, positions, out):
+                self.armed = True
+                self.steps += 1
+                self.host_tokens_replaced += n
+                return
             self._fill(req_ids, scheduler_output, positions)
         except Exception as exc:
             self.errors += 1
