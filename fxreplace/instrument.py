@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .context import ReplacementContext
-from .passes import Injection, InjectionSpec, insert_replacements, _dispatch_modes, _is_dynamo_compiling, _jit_tracing
+from .passes import Injection, InjectionSpec, _dispatch_modes, _is_dynamo_compiling, _jit_tracing, insert_replacements
 from .points import InjectionPoint, check_adapter_fits, computes_linear_output, locate_injection_point
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
@@ -41,7 +41,8 @@ _IDLE, _FED, _ARMED, _TAKEN = "idle", "fed", "armed", "taken"
 class _Slot:
     """Hands one forward's replacement to one target and records that the target
     consumed it. States: idle (outside an instrumented call: pass through),
-    armed, taken (a second take in the same forward is an error). Between forwards
+    fed (armed eagerly with the fed buffers), armed (any other arming), taken (a
+    second take in the same forward is an error). Between forwards
     it holds the fed buffers (or nothing), so a fed forward only flips its state.
     Under Dynamo, ``take`` is traced: its state is the same string at every forward,
     so it is no recompile reason."""
@@ -72,25 +73,25 @@ class _Slot:
 def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: _Slot) -> None:
     """Give ``module`` an instance-level forward that reads ``slot``."""
     original = module.forward
-    if point.graph_module is not None:
-        insert_replacements(
-            point.graph_module,
-            [InjectionSpec("", point.point, injection, "fxreplace_replacement")],
-            leading_rows_input="fxreplace_leading_rows",
-        )
-        graph_forward = type(point.graph_module).forward
-
-        def forward(*args, **kwargs):
-            if not slot.take():
-                return original(*args, **kwargs)
-            return graph_forward(
-                module, *args, **kwargs,
-                fxreplace_replacement=slot.replacement, fxreplace_mask=slot.mask,
-                fxreplace_leading_rows=slot.leading_rows,
-            )
-    else:
+    if point.graph_module is None:
         module.forward = _output_point_forward(original, point, injection, slot)
         return
+    insert_replacements(
+        point.graph_module,
+        [InjectionSpec("", point.point, injection, "fxreplace_replacement")],
+        leading_rows_input="fxreplace_leading_rows",
+    )
+    graph_forward = type(point.graph_module).forward
+
+    def forward(*args, **kwargs):
+        if not slot.take():
+            return original(*args, **kwargs)
+        return graph_forward(
+            module, *args, **kwargs,
+            fxreplace_replacement=slot.replacement, fxreplace_mask=slot.mask,
+            fxreplace_leading_rows=slot.leading_rows,
+        )
+
     module.forward = forward
 
 
@@ -116,7 +117,7 @@ def _output_point_forward(original, point: InjectionPoint, injection: Injection,
         # (Dynamo may start tracing inside an eager forward: then the Injection decides)
         if slot.state is _FED and type(output) is kind and not observers and not _is_dynamo_compiling():
             value = output if index is None else output[index]
-            if type(value) is tensor:
+            if type(value) is tensor:  # (not a subclass, e.g. a FakeTensor)
                 entry = fed_rows.get(value.shape)
                 # fed entries are host buffers' (their mask is read on the host)
                 if (entry is not None and entry.dtype is value.dtype and value.is_cpu
