@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .context import ReplacementContext
-from .passes import Injection, InjectionSpec, _dispatch_modes, _is_dynamo_compiling, _jit_tracing, insert_replacements
+from .passes import Injection, InjectionSpec, _is_dynamo_compiling, insert_replacements, recording
 from .points import InjectionPoint, check_adapter_fits, computes_linear_output, locate_injection_point
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
@@ -192,9 +192,9 @@ class Instrumentation:
         if replacements is None:  # the fed buffers (or nothing), which the slots hold between forwards
             # _FED: armed eagerly (no make_fx/export/jit tracer records this forward), which lets
             # output points read checked rows directly; recorded forwards go through the Injection
-            traced = _is_dynamo_compiling() or _dispatch_modes() or _jit_tracing()
+            state = _ARMED if recording() else _FED
             for slot in self.slots:
-                slot.state = _ARMED if traced else _FED
+                slot.state = state
             return
         if not isinstance(replacements, Mapping):
             raise TypeError(f"replacements must be a ReplacementContext or a dict of tensors, got {type(replacements)}")

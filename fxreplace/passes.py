@@ -30,6 +30,12 @@ from .targets import TargetError
 _CHECKED_SHAPES = 8  # batch shapes whose checked views an Injection keeps (an engine's common batch sizes)
 
 
+def recording() -> bool:
+    """Whether the running code is traced into a graph by Dynamo, or recorded by
+    make_fx/export/AOTAutograd (a dispatch mode) or torch.jit.trace (torch_neuronx.trace)."""
+    return _is_dynamo_compiling() or bool(_dispatch_modes()) or _jit_tracing()
+
+
 class CheckedCall(NamedTuple):
     """What an eager call of an :class:`Injection` checked, for one computed shape: the
     buffers it was called with, the computed dtype and device, and views of the buffers'
@@ -72,7 +78,7 @@ class Injection:
         # Eager engines call this once per target per forward with the same bound buffers, at
         # batch sizes that vary from step to step: per computed shape, the checked views of a
         # call with the current replacement, reused while the buffers stay the same.
-        self.checked: dict[torch.Size, CheckedCall] = {}
+        self._checked: dict[torch.Size, CheckedCall] = {}
         self.fed: tuple[torch.Tensor, torch.Tensor] | None = None
         # the entries of calls with the fed buffers (read directly by instrument's output-point
         # forwards, which skip this call while nothing observes)
@@ -83,7 +89,7 @@ class Injection:
         (``feed(bind=True)``): a call with them whose rows are all replaced may return the
         values' rows themselves. None: no buffers are shared."""
         self.fed = None if values is None else (values, mask)
-        self.checked.clear()
+        self._checked.clear()
         self.fed_rows.clear()
 
     def __call__(self, computed, replacement=None, mask=None, rank=None, leading_rows=False):
@@ -92,13 +98,10 @@ class Injection:
                 observe(computed)
         if replacement is None:
             return computed
-        if _is_dynamo_compiling() or _dispatch_modes() or _jit_tracing():
-            # traced into a graph by Dynamo, recorded by make_fx/export/AOTAutograd (a dispatch
-            # mode) or torch.jit.trace (torch_neuronx.trace): no Python state, which would become
-            # a guard or a constant of the graph
+        if recording():  # no Python state, which would become a guard or a constant of the graph
             return self._inject(computed, replacement, mask, rank, leading_rows)
         if type(computed) is torch.Tensor:
-            entry = self.checked.get(computed.shape)
+            entry = self._checked.get(computed.shape)
             if (entry is not None and entry.replacement is replacement and entry.mask is mask
                     and entry.leading_rows is leading_rows and entry.dtype is computed.dtype
                     and entry.device == computed.get_device()):
@@ -124,9 +127,9 @@ class Injection:
         # the host mask's bytes, compared with all-True and all-False bytes (no call per forward)
         host_mask = memoryview(mask[rows].numpy()).cast("B") if mask.device.type == "cpu" and leading_rows else None
         fed = self.fed is not None and self.fed[0] is replacement and self.fed[1] is mask and host_mask is not None
-        kept = {shape: c for shape, c in self.checked.items() if c.replacement is replacement}
-        self.checked = kept if len(kept) < _CHECKED_SHAPES else {}
-        entry = self.checked[computed.shape] = CheckedCall(
+        kept = {shape: c for shape, c in self._checked.items() if c.replacement is replacement}
+        self._checked = kept if len(kept) < _CHECKED_SHAPES else {}
+        entry = self._checked[computed.shape] = CheckedCall(
             replacement, mask, leading_rows, computed.dtype, computed.get_device(), mask[rows].unsqueeze(-1),
             replacement[rows], host_mask, b"\1" * tokens if fed else None, bytes(tokens))
         if fed:

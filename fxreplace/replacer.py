@@ -317,12 +317,10 @@ class TensorReplacer:
             positions = positions.tolist()
         elif not _is_int_list(positions):
             return False
-        stored = last.stored
-        n = len(stored)
-        # "p in range(rows)" is 0 <= p < rows, one C-level pass (unmatched requests hold range(0))
-        if len(positions) != n or checked[1] != n or not all(map(_contains, stored, positions)):
+        rows = self._decode_rows(last, positions)
+        if rows is None or checked[1] != len(rows):
             return False
-        rows = list(map(_add, last.offsets, positions))
+        n = len(rows)
         source_bits, storage_bits, mask_array = views
         for src, dst in zip(source_bits, storage_bits):
             # the method, positionally (np.take adds two Python layers); rows are in range by
@@ -336,9 +334,10 @@ class TensorReplacer:
     def _decode_rows(last: "_BatchLookup", positions: list[int]) -> list[int] | None:
         """Store rows of a decode step of ``last``'s requests (one position each), or None
         unless every request matched and holds a row at its position."""
-        if len(positions) != len(last.stored) or not all(map(operator.contains, last.stored, positions)):
+        # "p in range(rows)" is 0 <= p < rows, one C-level pass (unmatched requests hold range(0))
+        if len(positions) != len(last.stored) or not all(map(_contains, last.stored, positions)):
             return None
-        return list(map(operator.add, last.offsets, positions))
+        return list(map(_add, last.offsets, positions))
 
     def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray | list[int]):
         """Store row of every slot (the zero row where it holds none) and the mask, as a
