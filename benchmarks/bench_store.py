@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from fxreplace.store import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, TENSORS_FILE, _offsets
+from fxreplace.store import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, TENSORS_FILE
+from fxreplace.store.format import _offsets
 
 MODULES, WIDTH, DTYPE, PROMPTS, PREFILL, STEPS = 48, 128, torch.bfloat16, 2048, 300, 42
 GOAL_S, GOAL_MIB = 0.5, 64

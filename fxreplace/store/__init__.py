@@ -1,0 +1,37 @@
+"""Reference store: captured tensors flattened to one row per token position.
+
+Captures arrive step-wise, as the reference model produced them::
+
+    [ {capture_name: [step_0 [1, L, E], step_1 [1, L+1, E] or [1, 1, E], ...]}, ... ]   # one dict per prompt
+
+or already flat, ``{prompt_idx: {capture_name: Tensor[P, E]}}``. A *capture name* is
+the name a reference tensor is stored under (e.g. ``"model.layers.0.mlp.gate"``).
+The store flattens them into *groups*: the capture names of one (dtype, width) share
+one name-major tensor ``[capture names, rows + 1, E]``. Prompt ``p`` owns rows
+``offsets[p] : offsets[p] + lengths[p]`` of every capture name and the last row is
+zeros, so one ``index_select`` on the row dimension serves every capture name of a
+group for a whole batch (padding slots point at the zero row) and each name's result
+is a contiguous ``[T, E]`` tensor.
+
+A store is one or more *shards*. Each shard is a self-contained safetensors file:
+its groups, its prompts' row offsets/lengths, token ids and per-prompt extras (e.g.
+generated tokens and logits), and a JSON index in its header with a SHA-256 digest
+of every tensor. A directory store lists its shards in ``index.json``. Loading reads
+headers and the per-prompt tables only (O(index)) and memory-maps the groups; the
+index is validated against the tensors' metadata, never by reading the rows.
+:class:`StoreWriter` streams prompts into shards as they finish; :func:`merge_stores`
+combines stores captured by several engines.
+"""
+
+from .format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, SHARD_PATTERN, TENSORS_FILE, WRITER_MARKER, CaptureColumns,
+                     CaptureError, Group, Shard, StoreError)
+from .legacy import load_captures, load_legacy, load_token_ids
+from .merge import merge_stores
+from .reference_store import ReferenceStore
+from .writer import StoreWriter
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "SHARD_PATTERN", "TENSORS_FILE", "WRITER_MARKER",
+    "CaptureColumns", "CaptureError", "Group", "Shard", "StoreError", "ReferenceStore", "StoreWriter",
+    "merge_stores", "load_captures", "load_legacy", "load_token_ids",
+]

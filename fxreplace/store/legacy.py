@@ -1,0 +1,54 @@
+"""Legacy inputs: ``torch.save`` files of the existing tool (read safely) and token id files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .format import CaptureError
+from .reference_store import ReferenceStore
+
+def load_legacy(path: str | os.PathLike) -> Any:
+    """Read a ``torch.save`` file of the existing tool with ``weights_only=True``.
+
+    A pickle that needs anything beyond tensors and plain containers is refused
+    (never executed): reference files may be handed to a server by path.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CaptureError(
+            f"refusing to load {path}: it is not a plain tensors/containers pickle and loading it would run "
+            f"arbitrary code. Re-save it with fxreplace.save_reference (safetensors). Details: {str(e).splitlines()[0]}"
+        ) from None
+
+
+def load_captures(path: str | os.PathLike) -> ReferenceStore | Any:
+    """A reference store (directory or .safetensors) or legacy captures (torch.save)."""
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".safetensors":
+        return ReferenceStore.load(path)
+    return load_legacy(path)
+
+
+def load_token_ids(path: str | os.PathLike) -> list[list[int]]:
+    """Prompt token ids from JSON (a list of lists) or a legacy torch.save file."""
+    path = Path(path)
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+    elif path.is_dir() or path.suffix == ".safetensors":
+        data = ReferenceStore.load(path).prompt_token_ids
+        if data is None:
+            raise CaptureError(f"reference store {path} holds no prompt token ids")
+    else:
+        data = load_legacy(path)
+    if isinstance(data, torch.Tensor):
+        data = data.tolist()
+    if not isinstance(data, list):
+        raise CaptureError(f"{path}: expected a list of token id lists, got {type(data).__name__}")
+    return [ids.tolist() if isinstance(ids, torch.Tensor) else ids for ids in data]

@@ -1,0 +1,270 @@
+"""The :class:`ReferenceStore`: per (prompt, capture name) rows, built from captures,
+saved to and loaded from disk."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..matching import TokenTable
+from .builder import _align, _check_token_ids, _ShardBuilder
+from .format import (INDEX_FILE, SHARD_PATTERN, TENSORS_FILE, CaptureColumns, CaptureError, Group, Shard, StoreError,
+                     _describe, _file_digest, _offsets, _preview, _read_header, _shard_index, _write_index, _write_shard)
+from .reader import _assemble, _load_shard, _read_directory_index
+
+@dataclass
+class ReferenceStore:
+    """Flattened reference tensors plus what is needed to index and match them.
+
+    ``prompt_ids[i]`` is the user's index of internal prompt ``i`` (list position for
+    step-wise captures, the dict key for flat ones). Prompt ``i`` lives in shard
+    ``prompt_shard[i]`` at rows ``offsets[i] : offsets[i] + lengths[i]``.
+    ``finite_checked`` records that every row was checked for NaN/Inf where it was written.
+    """
+
+    groups: list[Group]
+    shards: list[Shard]
+    prompt_ids: list[int]
+    prompt_shard: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    prompt_token_ids: TokenTable | None = None
+    num_steps: list[int] | None = None
+    prefill: list[int | None] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    finite_checked: bool = True
+
+    def __post_init__(self):
+        if self.prompt_token_ids is not None:
+            self.prompt_token_ids = TokenTable.from_lists(self.prompt_token_ids)
+        self._by_prompt_id = {p: i for i, p in enumerate(self.prompt_ids)}
+        self.columns = {m: CaptureColumns(g, i) for g, grp in enumerate(self.groups) for i, m in enumerate(grp.capture_names)}
+        shard_of = self.prompt_shard.tolist()
+        self._local = [0] * len(shard_of)  # each prompt's position within its shard
+        seen = [0] * len(self.shards)
+        for i, s in enumerate(shard_of):
+            self._local[i] = seen[s]
+            seen[s] += 1
+
+    @property
+    def capture_names(self) -> list[str]:
+        return list(self.columns)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def packed(self) -> list[torch.Tensor]:
+        """Every shard's group tensors, shard by shard."""
+        return [t for s in self.shards for t in s.packed]
+
+    @property
+    def extra_names(self) -> list[str]:
+        return list(self.shards[0].extras) if self.shards else []
+
+    def feature_dim(self, name: str) -> int:
+        return self.groups[self.columns[name].group].width
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.groups[self.columns[name].group].dtype
+
+    def rows(self, prompt_idx: int, name: str) -> torch.Tensor:
+        """The ``[positions, E]`` reference of capture ``name`` for one prompt (by the user's index)."""
+        i = self.internal_index(prompt_idx)
+        col = self.columns[name]
+        start = int(self.offsets[i])
+        shard = self.shards[int(self.prompt_shard[i])]
+        return shard.packed[col.group][col.index, start : start + int(self.lengths[i])]
+
+    def extra(self, name: str, prompt_idx: int) -> torch.Tensor:
+        """Prompt ``prompt_idx``'s part of a per-prompt extra (e.g. its generated logits)."""
+        i = self.internal_index(prompt_idx)
+        shard = self.shards[int(self.prompt_shard[i])]
+        if name not in shard.extras:
+            raise KeyError(f"the store holds no extra {name!r} (extras: {self.extra_names})")
+        values, offsets = shard.extras[name]
+        j = self._local[i]
+        return values[int(offsets[j]) : int(offsets[j + 1])]
+
+    def internal_index(self, prompt_idx: int) -> int:
+        """Internal row of a prompt given by the user's index."""
+        try:
+            return self._by_prompt_id[prompt_idx]
+        except KeyError:
+            raise KeyError(f"prompt {prompt_idx} is not in the reference store (prompts: {_preview(self.prompt_ids)})") from None
+
+    def with_token_ids(self, token_ids: Sequence[Sequence[int]] | Mapping[int, Sequence[int]]) -> "ReferenceStore":
+        """The same rows matched by other token ids (checked like captured ones)."""
+        seqs = _align(token_ids, self.prompt_ids, "prompt_token_ids")
+        prefill = self.prefill or [None] * self.num_prompts
+        checked = [_check_token_ids(p, ids, pre) for p, ids, pre in zip(self.prompt_ids, seqs, prefill)]
+        return dataclasses.replace(self, prompt_token_ids=TokenTable.from_lists(checked))
+
+    def to(self, device: torch.device | str | None) -> "ReferenceStore":
+        if device is None or all(t.device == torch.device(device) for t in self.packed):
+            return self
+        shards = [Shard([t.to(device) for t in s.packed], s.rows, s.extras, s.path) for s in self.shards]
+        return dataclasses.replace(self, shards=shards)
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_captures(
+        cls,
+        captures: Sequence[Mapping[str, Any]] | Mapping[int, Mapping[str, Any]],
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | Mapping[int, Sequence[int]] | None = None,
+        allow_nonfinite: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+        extras: Mapping[str, Sequence[torch.Tensor] | Mapping[int, torch.Tensor]] | None = None,
+    ) -> "ReferenceStore":
+        """Validate and flatten step-wise (list) or flat (dict) captures.
+
+        ``extras``: per-prompt tensors, ``{name: [one tensor per prompt]}`` (or a dict by
+        prompt index); prompt ``p``'s tensor comes back from :meth:`extra`.
+        """
+        if isinstance(captures, Mapping):
+            items = list(captures.items())
+            for key, _ in items:
+                if isinstance(key, bool) or not isinstance(key, int):
+                    raise CaptureError(f"flat captures must be keyed by integer prompt index, got key {key!r}")
+        elif isinstance(captures, Sequence) and not isinstance(captures, (str, bytes)):
+            items = list(enumerate(captures))
+        else:
+            raise CaptureError(
+                f"captures must be a list of {{capture_name: [steps]}} dicts or a {{prompt_idx: {{capture_name: Tensor}}}} dict, "
+                f"got {type(captures).__name__}"
+            )
+        if not items:
+            raise CaptureError("captures are empty: no prompts")
+        prompt_ids = [p for p, _ in items]
+        token_ids = _align(prompt_token_ids, prompt_ids, "prompt_token_ids")
+        per_prompt_extras = {name: _align(values, prompt_ids, f"extras[{name!r}]") for name, values in (extras or {}).items()}
+        builder = _ShardBuilder(allow_nonfinite=allow_nonfinite)
+        for n, (prompt, per_name) in enumerate(items):
+            builder.add(prompt, per_name, None if token_ids is None else token_ids[n],
+                        {name: values[n] for name, values in per_prompt_extras.items()})
+        shard = builder.build_shard()
+        return cls(
+            groups=builder.groups,
+            shards=[shard],
+            prompt_ids=list(builder.prompt_ids),
+            prompt_shard=torch.zeros(len(builder.prompt_ids), dtype=torch.long),
+            offsets=_offsets(builder.lengths)[:-1],
+            lengths=torch.tensor(builder.lengths, dtype=torch.long),
+            prompt_token_ids=builder.token_ids if builder.has_token_ids else None,
+            num_steps=list(builder.num_steps),
+            prefill=list(builder.prefill),
+            metadata=dict(metadata or {}),
+            finite_checked=not allow_nonfinite,
+        )
+
+    def check_finite(self, chunk_rows: int = 4096) -> None:
+        """Read every row (in chunks); raise naming the first prompt, capture name and position holding NaN or Inf."""
+        shard_of = self.prompt_shard.tolist()
+        for s, shard in enumerate(self.shards):
+            members = [i for i, k in enumerate(shard_of) if k == s]
+            starts = self.offsets[members]
+            for grp, packed in zip(self.groups, shard.packed):
+                for a in range(0, shard.rows, chunk_rows):
+                    bad = (~torch.isfinite(packed[:, a : min(a + chunk_rows, shard.rows)])).any(dim=2).nonzero()
+                    if bad.numel():
+                        name, row = grp.capture_names[int(bad[0, 0])], a + int(bad[0, 1])
+                        j = int(torch.searchsorted(starts, torch.tensor(row), right=True)) - 1
+                        raise CaptureError(
+                            f"prompt {self.prompt_ids[members[j]]}, capture {name!r}, position {row - int(starts[j])}: "
+                            f"capture holds NaN or Inf (pass allow_nonfinite=True to accept it)"
+                        )
+
+    # ------------------------------------------------------------------ disk
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the shards (one: ``reference.safetensors``) and ``index.json`` listing them."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        single = len(self.shards) == 1
+        files = []
+        for s in range(len(self.shards)):
+            name = TENSORS_FILE if single else SHARD_PATTERN.format(s)
+            tensors, index = self._shard_content(s)
+            _write_shard(directory / name, tensors, index)
+            files.append((name, index))
+        _write_index(directory, files, self.groups, self.metadata)
+        return directory
+
+    def _shard_content(self, s: int) -> tuple[dict[str, torch.Tensor], dict]:
+        members = [i for i, k in enumerate(self.prompt_shard.tolist()) if k == s]
+        shard = self.shards[s]
+        tensors = {f"group.{g}": t.contiguous().cpu() for g, t in enumerate(shard.packed)}
+        tensors["prompt.offsets"] = self.offsets[members].cpu()
+        tensors["prompt.lengths"] = self.lengths[members].cpu()
+        if self.prompt_token_ids is not None:
+            ids = TokenTable.from_lists([self.prompt_token_ids.array(i) for i in members])
+            tensors["tokens.values"] = torch.from_numpy(ids.values)
+            tensors["tokens.offsets"] = torch.from_numpy(ids.offsets)
+        for name, (values, offsets) in shard.extras.items():
+            tensors[f"extra.{name}.values"] = values.contiguous().cpu()
+            tensors[f"extra.{name}.offsets"] = offsets.cpu()
+        index = _shard_index(
+            self.groups, [self.prompt_ids[i] for i in members],
+            [self.num_steps[i] for i in members] if self.num_steps else None,
+            [self.prefill[i] for i in members] if self.prefill else None,
+            self.prompt_token_ids is not None, list(shard.extras), self.metadata, self.finite_checked,
+        )
+        return tensors, index
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ReferenceStore":
+        """Memory-map a store: a directory (``index.json`` and its shards) or one shard file.
+
+        Reads headers and per-prompt tables only; every field of the index is checked
+        against the tensors' metadata and errors name the file and the field.
+        """
+        path = Path(path)
+        if path.is_dir():
+            index_file = path / INDEX_FILE
+            if index_file.exists():
+                shard_files, prompt_ids = _read_directory_index(index_file)
+            elif (path / TENSORS_FILE).exists():
+                shard_files, prompt_ids = [path / TENSORS_FILE], [None]
+            else:
+                raise FileNotFoundError(f"no reference store at {path} (expected {index_file} or {path / TENSORS_FILE})")
+        elif path.exists() or path.is_symlink():
+            shard_files, prompt_ids = [path], [None]
+        else:
+            raise FileNotFoundError(f"no reference store at {path} (expected a directory or a .safetensors file)")
+        return cls(**_assemble([_load_shard(f, ids) for f, ids in zip(shard_files, prompt_ids)]))
+
+    def verify(self) -> dict[str, Any]:
+        """Read every byte of every shard: compare each tensor's SHA-256 with the digest
+        recorded at write, then check every row is finite unless the writer allowed
+        otherwise. Raises :class:`StoreError` naming the file and tensor; returns a summary."""
+        if any(s.path is None for s in self.shards):
+            raise ValueError("verify() checks files on disk; this store was built in memory")
+        checked_bytes = 0
+        for shard in self.shards:
+            header, data_start, _ = _read_header(shard.path)
+            digests = json.loads(header["__metadata__"]["fxreplace_index"]).get("digests", {})
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = entry["data_offsets"]
+                got = _file_digest(shard.path, data_start + begin, end - begin)
+                if digests.get(name) != got:
+                    raise StoreError(
+                        f"{_describe(shard.path)}: tensor {name!r}: content digest {got[:16]}... differs from the "
+                        f"{str(digests.get(name))[:16]}... recorded when it was written: the file is corrupted"
+                    )
+                checked_bytes += end - begin
+        if self.finite_checked:
+            self.check_finite()
+        return {"shards": len(self.shards), "bytes": checked_bytes, "prompts": self.num_prompts,
+                "finite": self.finite_checked}
+
