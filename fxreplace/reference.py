@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from .store import GENERATED_LOGITS as LOGITS
+from .store import GENERATED_TOKENS as TOKENS
 from .store import ReferenceStore
-
-TOKENS, LOGITS = "generated.tokens", "generated.logits"
 
 
 class Reference:

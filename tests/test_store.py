@@ -267,13 +267,13 @@ def test_merge_keeps_disjoint_prompt_indices_and_renumbers_colliding_ones(tmp_pa
         assert torch.equal(merged.rows(p, "b"), expected.rows(p, "b"))
         assert merged.prompt_token_ids[merged.internal_index(p)] == ids[p]
 
-    for name in ("x", "y"):  # two writers numbering from 0
+    for name, first in (("x", 0), ("y", 3)):  # two writers of other prompts, both numbering from 0
         with StoreWriter(tmp_path / name) as w:
-            for p in range(3):
+            for p in range(first, first + 3):
                 w.add(ids[p], caps[p])
     again = ReferenceStore.load(merge_stores([tmp_path / "x", tmp_path / "y"], tmp_path / "xy"))
     assert again.prompt_ids == list(range(6))
-    assert torch.equal(again.rows(4, "a"), expected.rows(1, "a"))
+    assert torch.equal(again.rows(4, "a"), expected.rows(4, "a"))
     other = ReferenceStore.from_captures([{"a": [torch.randn(1, 2, 4)]}])
     other.save(tmp_path / "other")
     with pytest.raises(CaptureError, match="other: capture names/dtypes/widths differ"):

@@ -23,15 +23,15 @@ index is validated against the tensors' metadata, never by reading the rows.
 combines stores captured by several engines.
 """
 
-from .format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, SHARD_PATTERN, TENSORS_FILE, WRITER_MARKER, CaptureColumns,
-                     CaptureError, Group, Shard, StoreError)
+from .format import (FORMAT_NAME, FORMAT_VERSION, GENERATED_LOGITS, GENERATED_TOKENS, INDEX_FILE, PER_PROMPT_METADATA,
+                     SHARD_PATTERN, TENSORS_FILE, WRITER_MARKER, CaptureColumns, CaptureError, Group, Shard, StoreError)
 from .legacy import load_captures, load_legacy, load_token_ids
 from .merge import merge_stores
 from .reference_store import ReferenceStore
 from .writer import StoreWriter
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "SHARD_PATTERN", "TENSORS_FILE", "WRITER_MARKER",
+    "FORMAT_NAME", "FORMAT_VERSION", "GENERATED_LOGITS", "GENERATED_TOKENS", "PER_PROMPT_METADATA", "INDEX_FILE", "SHARD_PATTERN", "TENSORS_FILE", "WRITER_MARKER",
     "CaptureColumns", "CaptureError", "Group", "Shard", "StoreError", "ReferenceStore", "StoreWriter",
     "merge_stores", "load_captures", "load_legacy", "load_token_ids",
 ]

@@ -8,18 +8,24 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .format import CaptureError, Group, Shard, _offsets, _preview
+from .format import (CaptureError, Group, Shard, _offsets, _preview, check_extra_against_metadata, extra_layout,
+                     token_key)
 
 class _ShardBuilder:
     """Accumulates validated prompts; packs them into a :class:`Shard`.
 
-    The first prompt fixes the layout (capture names, dtypes, widths); every later prompt
-    must match it. Used by :meth:`ReferenceStore.from_captures` (one shard in memory)
+    The first prompt fixes the layout (capture names, dtypes, widths, each extra's dtype and
+    trailing shape); every later prompt must match it and the store's ``metadata`` (token ids
+    below its ``vocab_size``, logits as wide), and no two prompts may have the same token ids.
+    A refused prompt leaves nothing behind. Used by :meth:`ReferenceStore.from_captures` (one shard in memory)
     and :class:`StoreWriter` (one shard per file).
     """
 
-    def __init__(self, allow_nonfinite: bool = False):
+    def __init__(self, allow_nonfinite: bool = False, metadata: Mapping[str, Any] | None = None):
         self.allow_nonfinite = allow_nonfinite
+        self.metadata = dict(metadata or {})
+        self.extra_layouts: dict[str, tuple] | None = None
+        self.token_keys: dict[bytes, int] = {}  # every shard's prompts' token ids -> prompt (shared by successors)
         self.groups: list[Group] | None = None  # fixed by the first prompt (of the first shard)
         self.first_prompt: int | None = None
         self.has_token_ids: bool | None = None
@@ -35,9 +41,9 @@ class _ShardBuilder:
 
     def successor(self) -> "_ShardBuilder":
         """An empty builder for the next shard, bound to this one's layout."""
-        nxt = _ShardBuilder(self.allow_nonfinite)
-        nxt.groups, nxt.first_prompt, nxt.has_token_ids, nxt.extra_names = (
-            self.groups, self.first_prompt, self.has_token_ids, self.extra_names)
+        nxt = _ShardBuilder(self.allow_nonfinite, self.metadata)
+        nxt.groups, nxt.first_prompt, nxt.has_token_ids, nxt.extra_names, nxt.extra_layouts, nxt.token_keys = (
+            self.groups, self.first_prompt, self.has_token_ids, self.extra_names, self.extra_layouts, self.token_keys)
         return nxt
 
     def __len__(self) -> int:
@@ -68,21 +74,40 @@ class _ShardBuilder:
                     )
         if self.has_token_ids is not None and (token_ids is not None) != self.has_token_ids:
             raise CaptureError(f"prompt {prompt}: token ids must be given for every prompt or for none")
-        ids = None
+        ids = key = None
         if token_ids is not None:
             ids = _check_token_ids(prompt, token_ids, prefill)
+            vocab = self.metadata.get("vocab_size")
+            if isinstance(vocab, int) and int(ids.max()) >= vocab:
+                raise CaptureError(f"prompt {prompt}: token id {int(ids.max())} is not below the store's vocab_size {vocab}")
+            key = token_key(ids)
+            if key in self.token_keys:
+                raise CaptureError(f"prompt {prompt} has the same token ids as prompt {self.token_keys[key]}: a request "
+                                   f"with these tokens could only ever get one of them; capture each prompt once")
+        if not isinstance(extras, Mapping):
+            raise CaptureError(f"prompt {prompt}: extras must be a dict {{name: tensor}}, got {type(extras).__name__}")
         extras = dict(extras)
         if self.extra_names is not None and set(extras) != self.extra_names:
             raise CaptureError(f"prompt {prompt}: extras {sorted(extras)} differ from the first prompt's {sorted(self.extra_names)}")
+        layouts = {}
         for name, t in extras.items():
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 raise CaptureError(f"prompt {prompt}: extra {name!r} must be a tensor with a leading per-item dim, got {t!r:.60}")
+            layouts[name] = extra_layout(t.dtype, t.shape)
+            if self.extra_layouts is not None and layouts[name] != self.extra_layouts[name]:
+                (dtype, shape), (want_dtype, want_shape) = layouts[name], self.extra_layouts[name]
+                raise CaptureError(f"prompt {prompt}: extra {name!r} has {dtype} rows of shape {list(shape)} but prompt "
+                                   f"{self.first_prompt} has {want_dtype} {list(want_shape)}")
+            check_extra_against_metadata(name, layouts[name], self.metadata, f"prompt {prompt}")
         # all checks passed: record the prompt
         if self.groups is None:
             self.groups, self.first_prompt = groups, prompt
         self.has_token_ids, self.extra_names = ids is not None, set(extras)
+        if self.extra_layouts is None:
+            self.extra_layouts = layouts
         if ids is not None:
             self.token_ids.append(ids)
+            self.token_keys[key] = prompt
         for name, t in extras.items():
             self.extras.setdefault(name, []).append(t.detach().cpu())
             self.nbytes += t.numel() * t.element_size()  # extras (e.g. logits) count toward the shard size
@@ -110,7 +135,10 @@ class _ShardBuilder:
                 )
 
     def build_shard(self) -> Shard:
+        """Pack the prompts (each capture's rows are released as they are packed: a shard is held once)."""
         total = sum(self.lengths)
+        # every prompt's extras have one dtype and trailing shape (checked in add), so they concatenate
+        extras = {name: (torch.cat(values), _offsets([v.shape[0] for v in values])) for name, values in self.extras.items()}
         packed = []
         for g in self.groups:
             out = torch.empty(len(g.capture_names), total + 1, g.width, dtype=g.dtype)
@@ -118,12 +146,6 @@ class _ShardBuilder:
                 torch.cat(self.rows.pop(m), out=out[i, :total])  # pop: hold each capture's rows once
             out[:, total].zero_()
             packed.append(out)
-        extras = {}
-        for name, values in self.extras.items():
-            try:
-                extras[name] = (torch.cat(values), _offsets([v.shape[0] for v in values]))
-            except RuntimeError as e:
-                raise CaptureError(f"extra {name!r}: per-prompt tensors do not concatenate: {e}") from None
         return Shard(packed, total, extras)
 
 

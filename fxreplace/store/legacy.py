@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .format import CaptureError
+from .format import CaptureError, _describe, as_path
 from .reference_store import ReferenceStore
 
 def load_legacy(path: str | os.PathLike) -> Any:
@@ -19,18 +18,28 @@ def load_legacy(path: str | os.PathLike) -> Any:
     A pickle that needs anything beyond tensors and plain containers is refused
     (never executed): reference files may be handed to a server by path.
     """
+    path = as_path(path, "path")
+    where = _describe(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{where}: no such file")
+    if not path.is_file():
+        raise CaptureError(f"{where}: not a file (a legacy reference is one torch.save file; a store is a directory "
+                           f"or a .safetensors file)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CaptureError(
-            f"refusing to load {path}: it is not a plain tensors/containers pickle and loading it would run "
+            f"refusing to load {where}: it is not a plain tensors/containers pickle and loading it would run "
             f"arbitrary code. Re-save it with fxreplace.save_reference (safetensors). Details: {str(e).splitlines()[0]}"
         ) from None
+    except Exception as e:  # torch reports a file that is no torch.save archive with bare KeyError/IndexError/...
+        raise CaptureError(f"{where}: not a torch.save file, a .safetensors store or a store directory "
+                           f"({type(e).__name__}: {e})") from None
 
 
 def load_captures(path: str | os.PathLike) -> ReferenceStore | Any:
     """A reference store (directory or .safetensors) or legacy captures (torch.save)."""
-    path = Path(path)
+    path = as_path(path, "path")
     if path.is_dir() or path.suffix == ".safetensors":
         return ReferenceStore.load(path)
     return load_legacy(path)
@@ -38,9 +47,12 @@ def load_captures(path: str | os.PathLike) -> ReferenceStore | Any:
 
 def load_token_ids(path: str | os.PathLike) -> list[list[int]]:
     """Prompt token ids from JSON (a list of lists) or a legacy torch.save file."""
-    path = Path(path)
+    path = as_path(path, "path")
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CaptureError(f"{_describe(path)}: cannot read token ids as JSON ({e})") from None
     elif path.is_dir() or path.suffix == ".safetensors":
         data = ReferenceStore.load(path).prompt_token_ids
         if data is None:

@@ -11,8 +11,9 @@ import torch
 from safetensors import safe_open
 
 from ..matching import TokenTable
-from .format import (FORMAT_NAME, FORMAT_VERSION, _TOKEN_DTYPES, Group, Shard, StoreError, _check_tensor_entries,
-                     _describe, _offsets, _preview, _read_header)
+from .format import (FORMAT_NAME, FORMAT_VERSION, _TOKEN_DTYPES, CaptureError, Group, Shard, StoreError,
+                     _check_tensor_entries, _describe, _offsets, _preview, _read_header, check_extra_against_metadata, check_extras_agree,
+                     combine_metadata, extra_layout, first_duplicate)
 
 def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, dict]:
     """Validate one shard from its metadata and per-prompt tables, then memory-map it."""
@@ -128,6 +129,10 @@ def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, 
             eoffs = f.get_tensor(ofld)
             need(int(eoffs[0]) == 0 and int(eoffs[-1]) == vshape[0] and bool((eoffs.diff() >= 0).all()), ofld,
                  lambda: f"must rise from 0 to {vshape[0]}, got {_preview(eoffs.tolist())}")
+            try:
+                check_extra_against_metadata(name, extra_layout(vdtype, vshape), index["metadata"], where)
+            except CaptureError as e:
+                raise StoreError(str(e)) from None
             extras[name] = (f.get_tensor(vfld), eoffs)
         packed = [f.get_tensor(f"group.{g}") for g in range(len(groups))]
 
@@ -173,14 +178,15 @@ def _assemble(loaded: list[tuple[dict, Shard, dict]]) -> dict:
     """The fields of one :class:`~fxreplace.store.ReferenceStore` from its loaded shards, checked to agree."""
     first, _, _ = loaded[0]
     first_file = loaded[0][1].path
+    metadata = combine_metadata([(_describe(s.path), t["metadata"], len(t["prompts"])) for t, s, _ in loaded])
     for table, shard, _ in loaded[1:]:
         where = _describe(shard.path)
         if table["groups"] != first["groups"]:
             raise StoreError(f"{where}: field 'groups': capture names, dtypes or widths differ from {first_file}")
         if (table["token_ids"] is None) != (first["token_ids"] is None):
             raise StoreError(f"{where}: field 'has_token_ids' differs from {first_file}")
-        if set(shard.extras) != set(loaded[0][1].extras):
-            raise StoreError(f"{where}: field 'extras' {sorted(shard.extras)} differs from {first_file}'s {sorted(loaded[0][1].extras)}")
+        check_extras_agree(where, {e: v for e, (v, _) in shard.extras.items()}, str(first_file),
+                           {e: v for e, (v, _) in loaded[0][1].extras.items()})
     prompt_ids = [p for t, _, _ in loaded for p in t["prompts"]]
     if len(set(prompt_ids)) != len(prompt_ids):
         seen, dup = set(), None
@@ -192,6 +198,11 @@ def _assemble(loaded: list[tuple[dict, Shard, dict]]) -> dict:
         raise StoreError(f"{first_file.parent}: prompt {dup} appears in more than one shard")
     token_ids = None
     if first["token_ids"] is not None:
+        duplicate = first_duplicate([(_describe(s.path), t["prompts"], t["token_ids"]) for t, s, _ in loaded])
+        if duplicate is not None:
+            (where_a, a), (where_b, b) = duplicate
+            raise StoreError(f"{where_b}: prompt {b} has the same token ids as prompt {a} of {where_a}: a request with "
+                             f"these tokens could only ever get one of them")
         tables = [t["token_ids"] for t, _, _ in loaded]
         starts = np.cumsum([0] + [tb.values.size for tb in tables[:-1]])
         token_ids = TokenTable(np.concatenate([tb.values for tb in tables]),
@@ -206,7 +217,7 @@ def _assemble(loaded: list[tuple[dict, Shard, dict]]) -> dict:
         prompt_token_ids=token_ids,
         num_steps=[n for t, _, _ in loaded for n in t["num_steps"]],
         prefill=[n for t, _, _ in loaded for n in t["prefill"]],
-        metadata=first["metadata"],
+        metadata=metadata,
         finite_checked=all(t["finite_checked"] for t, _, _ in loaded),
     )
 

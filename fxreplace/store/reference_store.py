@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -15,7 +17,9 @@ import torch
 from ..matching import TokenTable
 from .builder import _align, _check_token_ids, _ShardBuilder
 from .format import (INDEX_FILE, SHARD_PATTERN, TENSORS_FILE, CaptureColumns, CaptureError, Group, Shard, StoreError,
-                     _describe, _file_digest, _offsets, _preview, _read_header, _shard_index, _write_index, _write_shard)
+                     _describe, _file_digest, _offsets, _preview, _read_header, _shard_index, _write_index, _write_shard,
+                     as_path, check_metadata, check_per_prompt_metadata, first_duplicate, per_prompt_slice,
+                     publish_directory, staging_directory)
 from .reader import _assemble, _load_shard, _read_directory_index
 
 @dataclass
@@ -104,8 +108,13 @@ class ReferenceStore:
         """The same rows matched by other token ids (checked like captured ones)."""
         seqs = _align(token_ids, self.prompt_ids, "prompt_token_ids")
         prefill = self.prefill or [None] * self.num_prompts
-        checked = [_check_token_ids(p, ids, pre) for p, ids, pre in zip(self.prompt_ids, seqs, prefill)]
-        return dataclasses.replace(self, prompt_token_ids=TokenTable.from_lists(checked))
+        checked = TokenTable.from_lists([_check_token_ids(p, ids, pre) for p, ids, pre in zip(self.prompt_ids, seqs, prefill)])
+        duplicate = first_duplicate([("", self.prompt_ids, checked)])
+        if duplicate is not None:
+            (_, a), (_, b) = duplicate
+            raise CaptureError(f"prompt_token_ids: prompts {a} and {b} have the same token ids: a request with these "
+                               f"tokens could only ever get one of them")
+        return dataclasses.replace(self, prompt_token_ids=checked)
 
     def to(self, device: torch.device | str | None) -> "ReferenceStore":
         if device is None or all(t.device == torch.device(device) for t in self.packed):
@@ -129,7 +138,15 @@ class ReferenceStore:
 
         ``extras``: per-prompt tensors, ``{name: [one tensor per prompt]}`` (or a dict by
         prompt index); prompt ``p``'s tensor comes back from :meth:`extra`.
+
+        Two prompts with the same token ids are refused (even with equal tensors: a request
+        could only ever get the first, and its prompt index would silently stand for both).
         """
+        if not isinstance(allow_nonfinite, bool):
+            raise TypeError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
+        metadata = check_metadata(metadata)
+        if extras is not None and not isinstance(extras, Mapping):
+            raise CaptureError(f"extras must be a dict {{name: [one tensor per prompt]}}, got {type(extras).__name__}")
         if isinstance(captures, Mapping):
             items = list(captures.items())
             for key, _ in items:
@@ -147,7 +164,8 @@ class ReferenceStore:
         prompt_ids = [p for p, _ in items]
         token_ids = _align(prompt_token_ids, prompt_ids, "prompt_token_ids")
         per_prompt_extras = {name: _align(values, prompt_ids, f"extras[{name!r}]") for name, values in (extras or {}).items()}
-        builder = _ShardBuilder(allow_nonfinite=allow_nonfinite)
+        check_per_prompt_metadata(metadata, len(items))
+        builder = _ShardBuilder(allow_nonfinite=allow_nonfinite, metadata=metadata)
         for n, (prompt, per_name) in enumerate(items):
             builder.add(prompt, per_name, None if token_ids is None else token_ids[n],
                         {name: values[n] for name, values in per_prompt_extras.items()})
@@ -162,12 +180,14 @@ class ReferenceStore:
             prompt_token_ids=builder.token_ids if builder.has_token_ids else None,
             num_steps=list(builder.num_steps),
             prefill=list(builder.prefill),
-            metadata=dict(metadata or {}),
+            metadata=metadata,
             finite_checked=not allow_nonfinite,
         )
 
     def check_finite(self, chunk_rows: int = 4096) -> None:
         """Read every row (in chunks); raise naming the first prompt, capture name and position holding NaN or Inf."""
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
         shard_of = self.prompt_shard.tolist()
         for s, shard in enumerate(self.shards):
             members = [i for i, k in enumerate(shard_of) if k == s]
@@ -186,17 +206,26 @@ class ReferenceStore:
     # ------------------------------------------------------------------ disk
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write the shards (one: ``reference.safetensors``) and ``index.json`` listing them."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        single = len(self.shards) == 1
-        files = []
-        for s in range(len(self.shards)):
-            name = TENSORS_FILE if single else SHARD_PATTERN.format(s)
-            tensors, index = self._shard_content(s)
-            _write_shard(directory / name, tensors, index)
-            files.append((name, index))
-        _write_index(directory, files, self.groups, self.metadata)
+        """Write the shards (one: ``reference.safetensors``) and ``index.json`` listing them.
+
+        Atomic per directory: the store is written into a new sibling directory, then renamed
+        into place, so of concurrent savers each leaves a complete store and the directory
+        holds one of them, never a mix. An existing directory is replaced when it holds only
+        a store's files; one holding anything else is refused."""
+        directory = as_path(directory, "directory")
+        staging = staging_directory(directory)
+        try:
+            single = len(self.shards) == 1
+            files = []
+            for s in range(len(self.shards)):
+                name = TENSORS_FILE if single else SHARD_PATTERN.format(s)
+                tensors, index = self._shard_content(s)
+                _write_shard(staging / name, tensors, index)
+                files.append((name, index))
+            _write_index(staging, files, self.groups, self.metadata)
+            publish_directory(staging, directory, replace=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone after a rename; a failed save's part otherwise
         return directory
 
     def _shard_content(self, s: int) -> tuple[dict[str, torch.Tensor], dict]:
@@ -216,7 +245,8 @@ class ReferenceStore:
             self.groups, [self.prompt_ids[i] for i in members],
             [self.num_steps[i] for i in members] if self.num_steps else None,
             [self.prefill[i] for i in members] if self.prefill else None,
-            self.prompt_token_ids is not None, list(shard.extras), self.metadata, self.finite_checked,
+            self.prompt_token_ids is not None, list(shard.extras), per_prompt_slice(self.metadata, members),
+            self.finite_checked,
         )
         return tensors, index
 
@@ -227,8 +257,12 @@ class ReferenceStore:
         Reads headers and per-prompt tables only; every field of the index is checked
         against the tensors' metadata and errors name the file and the field.
         """
-        path = Path(path)
-        if path.is_dir():
+        path = as_path(path, "path")
+        try:
+            is_dir = stat.S_ISDIR(os.stat(path).st_mode)  # one look: a store being replaced may come and go
+        except OSError:
+            is_dir = False
+        if is_dir:
             index_file = path / INDEX_FILE
             if index_file.exists():
                 shard_files, prompt_ids = _read_directory_index(index_file)

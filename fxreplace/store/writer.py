@@ -9,8 +9,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .builder import _ShardBuilder
-from .format import SHARD_PATTERN, WRITER_MARKER, CaptureError, _offsets, _write_index, _write_shard
+from .format import (PER_PROMPT_METADATA, SHARD_PATTERN, WRITER_MARKER, CaptureError, _offsets, _write_index,
+                     _write_shard, as_path, check_metadata, combine_metadata)
 from .reference_store import ReferenceStore
+
 
 class StoreWriter:
     """Streams prompts into a directory store as they finish: memory holds at most one
@@ -20,17 +22,37 @@ class StoreWriter:
     ``{capture_name: [steps]}`` (or flat ``{capture_name: Tensor[P, E]}``), its token ids and its
     per-prompt extras (e.g. generated tokens and logits); ``close()`` writes the last
     shard and ``index.json``. The result loads with :meth:`ReferenceStore.load`.
+
+    Every ``add()`` is checked against the first prompt (capture names, dtypes and widths,
+    each extra's dtype and trailing shape), the ``metadata`` (token ids below its
+    ``vocab_size``, ``generated.logits`` that wide) and the prompts added before (no two with
+    the same token ids); a refused ``add()`` changes nothing, so every prompt accepted before
+    it is still written. A per-prompt metadata key (``prompt_texts``) is a list indexed by
+    prompt index. ``close()`` again, or after a failed write, is harmless.
     """
 
     def __init__(self, directory: str | os.PathLike, *, shard_bytes: int = 256 << 20,
                  metadata: Mapping[str, Any] | None = None, allow_nonfinite: bool = False):
-        self.directory = Path(directory)
+        self.directory = as_path(directory, "directory")
+        if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+            raise ValueError(f"shard_bytes must be a positive int (bytes held before a shard is written), got {shard_bytes!r}")
+        if not isinstance(allow_nonfinite, bool):
+            raise TypeError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
+        metadata = check_metadata(metadata)
+        for key in PER_PROMPT_METADATA:
+            if key in metadata and not isinstance(metadata[key], list):
+                raise CaptureError(f"metadata[{key!r}] must be a list indexed by prompt index, got {metadata[key]!r:.60}")
+        if self.directory.exists() and not self.directory.is_dir():
+            raise NotADirectoryError(f"{self.directory} is a file; a store writer needs a new or empty directory")
         if self.directory.exists() and any(self.directory.iterdir()):
             if (self.directory / WRITER_MARKER).exists():
                 raise FileExistsError(f"another store writer is writing {self.directory} (or one died there: "
                                       "capture again into a new directory)")
             raise FileExistsError(f"{self.directory} is not empty; a store writer needs a new or empty directory")
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"cannot write the store to {self.directory}: {e.strerror or e}") from None
         # Created exclusively, so of two writers started on one directory at once (e.g. two
         # engines given the same out) one fails here instead of both writing shard-00000.
         self._marker = self.directory / WRITER_MARKER
@@ -41,10 +63,11 @@ class StoreWriter:
         except OSError as e:
             raise OSError(f"cannot write the store to {self.directory}: {e}") from None
         self.shard_bytes = shard_bytes
-        self.metadata = dict(metadata or {})
+        self.metadata = metadata
         self.allow_nonfinite = allow_nonfinite
         self._shards: list[tuple[str, dict]] = []
-        self._builder = _ShardBuilder(allow_nonfinite)
+        self._builder = _ShardBuilder(allow_nonfinite, metadata)
+        self._packed = None  # the current shard once packed, until it is on disk (a failed write loses nothing)
         self._next_prompt = 0
         self._seen: set[int] = set()
         self._closed = False
@@ -59,6 +82,12 @@ class StoreWriter:
             raise CaptureError(f"prompt_idx must be an int, got {prompt!r}")
         if prompt in self._seen:
             raise CaptureError(f"prompt {prompt} was already added to {self.directory}")
+        if self._packed is not None:
+            raise CaptureError(f"the last shard of {self.directory} could not be written; close() again to retry")
+        for key in PER_PROMPT_METADATA:
+            if key in self.metadata and not 0 <= prompt < len(self.metadata[key]):
+                raise CaptureError(f"prompt {prompt} has no entry in metadata[{key!r}] ({len(self.metadata[key])} entries, "
+                                   f"one per prompt index)")
         self._builder.add(prompt, captures, prompt_token_ids, extras or {})
         self._seen.add(prompt)
         self._next_prompt = max(self._next_prompt, prompt + 1)
@@ -75,16 +104,23 @@ class StoreWriter:
         b = self._builder
         if not len(b):
             return
-        shard = b.build_shard()
+        if self._packed is None:
+            self._packed = b.build_shard()  # releases the builder's rows: from here the shard lives in _packed
         name = SHARD_PATTERN.format(len(self._shards))
-        store = ReferenceStore(b.groups, [shard], b.prompt_ids, torch.zeros(len(b), dtype=torch.long),
+        metadata = {k: ([v[p] for p in b.prompt_ids] if k in PER_PROMPT_METADATA else v) for k, v in self.metadata.items()}
+        store = ReferenceStore(b.groups, [self._packed], b.prompt_ids, torch.zeros(len(b), dtype=torch.long),
                                _offsets(b.lengths)[:-1], torch.tensor(b.lengths, dtype=torch.long),
                                b.token_ids if b.has_token_ids else None,
-                               b.num_steps, b.prefill, self.metadata, not self.allow_nonfinite)
+                               b.num_steps, b.prefill, metadata, not self.allow_nonfinite)
         tensors, index = store._shard_content(0)
         _write_shard(self.directory / name, tensors, index)
         self._shards.append((name, index))
+        self._packed = None
         self._builder = b.successor()
+
+    def _written_metadata(self) -> dict:
+        """The metadata of the shards written so far, as the loader combines them (per-prompt keys in store order)."""
+        return combine_metadata([(name, index["metadata"], len(index["prompts"])) for name, index in self._shards])
 
     def sync(self) -> None:
         """Write the prompts added so far as a shard and rewrite ``index.json``: the
@@ -94,7 +130,7 @@ class StoreWriter:
             raise ValueError(f"the store writer for {self.directory} is closed")
         self._flush()
         if self._shards:
-            _write_index(self.directory, self._shards, self._builder.groups, self.metadata)
+            _write_index(self.directory, self._shards, self._builder.groups, self._written_metadata())
 
     def close(self) -> Path:
         """Write the last shard and ``index.json``; returns the store directory."""
@@ -102,7 +138,7 @@ class StoreWriter:
             self._flush()
             if not self._shards:
                 raise CaptureError(f"no prompts were added to {self.directory}: nothing to write")
-            _write_index(self.directory, self._shards, self._builder.groups, self.metadata)
+            _write_index(self.directory, self._shards, self._builder.groups, self._written_metadata())
             self._marker.unlink(missing_ok=True)
             self._closed = True
         return self.directory
