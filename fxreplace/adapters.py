@@ -27,13 +27,20 @@ _REGISTRY: dict[str, Adapter] = {}
 _ROUTING: set[str] = set()
 
 
-def register_adapter(name: str, fn: Adapter, *, routing: bool = False) -> Adapter:
+def register_adapter(name: str, fn: Adapter, *, routing: bool = False, replace: bool = False) -> Adapter:
     """Make ``fn(logits, module)`` available to ``Target(adapter=name)``.
     ``routing=True``: it turns logits into routing weights, so it must never be
-    applied at a point that computes the logits themselves (checked at instrument)."""
+    applied at a point that computes the logits themselves (checked at instrument).
+    A name already registered is an error unless ``replace=True`` (two packages must
+    not silently take each other's adapter)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"an adapter name must be a non-empty string, got {name!r}")
     if not callable(fn):
         raise TypeError(f"adapter {name!r} must be callable")
+    if name in _REGISTRY and not replace and _REGISTRY[name] is not fn:
+        raise ValueError(f"adapter {name!r} is already registered; pass replace=True to replace it")
     _REGISTRY[name] = fn
+    _ROUTING.discard(name)
     if routing:
         _ROUTING.add(name)
     return fn
@@ -53,14 +60,17 @@ def get_adapter(adapter: Union[str, Adapter, None]) -> Adapter:
         return identity
     if callable(adapter):
         return adapter
+    failures = []
     if adapter not in _REGISTRY:
         from .extensions import load_extensions
 
-        load_extensions()  # an installed package may register it
+        failures = load_extensions()  # an installed package may register it
     try:
         return _REGISTRY[adapter]
     except KeyError:
-        raise KeyError(f"unknown adapter {adapter!r}; registered: {sorted(_REGISTRY)}") from None
+        from .extensions import describe_failures
+
+        raise KeyError(f"unknown adapter {adapter!r}; registered: {sorted(_REGISTRY)}{describe_failures(failures)}") from None
 
 
 def identity(logits: torch.Tensor, module: nn.Module) -> torch.Tensor:

@@ -19,21 +19,27 @@ from importlib.metadata import entry_points
 from types import ModuleType
 
 GROUP = "fxreplace.families"
-_loaded = False
+_failures: list[str] | None = None  # one message per entry point that failed, once they were loaded
 
 
-def load_extensions() -> bool:
-    """Load every ``fxreplace.families`` entry point once; returns whether this call loaded them."""
-    global _loaded
-    if _loaded:
-        return False
-    _loaded = True
-    for ep in entry_points(group=GROUP):
-        try:
-            obj = ep.load()
-            if not isinstance(obj, ModuleType):
-                obj()
-        except Exception as exc:
-            raise ImportError(f"fxreplace: the {GROUP!r} entry point {ep.name!r} = {ep.value!r} "
-                              f"failed to register: {type(exc).__name__}: {exc}") from exc
-    return True
+def load_extensions() -> list[str]:
+    """Load every ``fxreplace.families`` entry point (once), each on its own, so a broken one
+    never keeps the others from registering. Returns, at every call, one message per entry
+    point that failed, naming it: the callers put them into their "not found" errors."""
+    global _failures
+    if _failures is None:
+        _failures = []
+        for ep in entry_points(group=GROUP):
+            try:
+                obj = ep.load()
+                if not isinstance(obj, ModuleType):
+                    obj()
+            except Exception as exc:
+                _failures.append(f"the {GROUP!r} entry point {ep.name!r} = {ep.value!r} failed to register: "
+                                 f"{type(exc).__name__}: {exc}")
+    return list(_failures)
+
+
+def describe_failures(failures: list[str]) -> str:
+    """The failures as the tail of a "not found" message ("" when there are none)."""
+    return "".join(f"; {f}" for f in failures)

@@ -30,14 +30,17 @@ from fxreplace.targets import Target
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from fxreplace.capture import architecture  # noqa: F401  (the registry key of a model's config)
-from fxreplace.extensions import load_extensions
+from fxreplace.extensions import describe_failures, load_extensions
 from fxreplace.targets import Target
+
+logger = logging.getLogger("fxreplace")
 
 
 @dataclass(frozen=True)
@@ -70,23 +73,36 @@ class Family:
 _FAMILIES: dict[str, Family] = {}
 
 
-def register_family(family: Family) -> Family:
+def register_family(family: Family, *, replace: bool = False) -> Family:
+    """Make ``family`` known by its architecture name. A name already registered (a built-in
+    one included) is an error unless ``replace=True``: an extension must not silently take
+    over another family's targets."""
+    if not isinstance(family, Family):
+        raise TypeError(f"register_family needs a Family, got {type(family).__name__}")
+    if not isinstance(family.architecture, str) or not family.architecture:
+        raise TypeError(f"Family.architecture must be a non-empty string, got {family.architecture!r}")
+    if family.architecture in _FAMILIES and not replace:
+        raise ValueError(f"a family for {family.architecture!r} is already registered; pass replace=True to replace it")
     _FAMILIES[family.architecture] = family
     return family
 
 
 def get_family(architecture: str) -> Family:
+    failures = []
     if architecture not in _FAMILIES:
-        load_extensions()  # an installed package may register it (entry-point group fxreplace.families)
+        failures = load_extensions()  # an installed package may register it (entry-point group fxreplace.families)
     try:
         return _FAMILIES[architecture]
     except KeyError:
         missing = "" if _HF_AVAILABLE else " (the HF families need transformers: pip install 'fxreplace[hf]')"
-        raise KeyError(f"no fxreplace family for {architecture!r}; registered: {sorted(_FAMILIES)}{missing}") from None
+        raise KeyError(f"no fxreplace family for {architecture!r}; registered: {sorted(_FAMILIES)}{missing}"
+                       f"{describe_failures(failures)}") from None
 
 
 def families() -> list[str]:
-    load_extensions()
+    """Every registered family; an entry point that failed to load is logged, by name, at every call."""
+    for failure in load_extensions():
+        logger.warning("fxreplace: %s", failure)
     return sorted(_FAMILIES)
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 PYPROJECT = textwrap.dedent("""
     [build-system]
     requires = ["setuptools>=68"]
@@ -85,3 +87,78 @@ def test_broken_entry_point_is_named(tmp_path):
     assert proc.returncode != 0
     assert ("'fxreplace.families' entry point 'testfamily' = 'fxreplace_testfamily:register' failed to register: "
             "RuntimeError: boom") in proc.stderr
+
+
+MULTI_ENTRY_POINTS = textwrap.dedent("""
+    [fxreplace.families]
+    a_broken = fxreplace_testfamilies:broken
+    b_takeover = fxreplace_testfamilies:takeover
+    c_good = fxreplace_testfamilies:good
+""")
+
+MULTI_PACKAGE = textwrap.dedent("""
+    from fxreplace import Target
+    from fxreplace.models import Family, register_family
+    from fxreplace.models.qwen3_moe import tiny_config
+
+    def broken():
+        raise RuntimeError("boom")
+
+    def takeover():  # a built-in family's name, without replace=True
+        register_family(Family(architecture="Qwen3MoeForCausalLM", tiny_config=tiny_config,
+                               targets=(Target("model.layers.*.self_attn"),)))
+
+    def good():
+        register_family(Family(architecture="GoodFamilyForCausalLM", tiny_config=tiny_config,
+                               targets=(Target("model.layers.*.mlp.gate"),)))
+""")
+
+MULTI_USE = textwrap.dedent("""
+    import logging
+    from fxreplace.models import families, get_family
+    logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+    assert get_family("GoodFamilyForCausalLM").architecture == "GoodFamilyForCausalLM"  # not hidden by the broken one
+    assert [t.pattern for t in get_family("Qwen3MoeForCausalLM").targets] == ["model.layers.*.mlp.gate"]
+    for attempt in range(2):  # reported every time, by name
+        try:
+            get_family("MissingForCausalLM")
+        except KeyError as e:
+            print("MISSING", attempt, e)
+    assert "GoodFamilyForCausalLM" in families() and "GoodFamilyForCausalLM" in families()
+""")
+
+
+def test_every_broken_entry_point_is_named_every_time_and_hides_no_other(tmp_path):
+    target = tmp_path / "site"  # an installed distribution's layout, written directly (pip is slow here)
+    (target / "fxreplace_testfamilies").mkdir(parents=True)
+    (target / "fxreplace_testfamilies" / "__init__.py").write_text(MULTI_PACKAGE)
+    info = target / "fxreplace_testfamilies-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fxreplace-testfamilies\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(MULTI_ENTRY_POINTS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", MULTI_USE], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    broken = "entry point 'a_broken' = 'fxreplace_testfamilies:broken' failed to register: RuntimeError: boom"
+    takeover = ("entry point 'b_takeover' = 'fxreplace_testfamilies:takeover' failed to register: ValueError: a family "
+                "for 'Qwen3MoeForCausalLM' is already registered; pass replace=True to replace it")
+    missing = [line for line in proc.stdout.splitlines() if line.startswith("MISSING")]
+    assert len(missing) == 2 and all(broken in line and takeover in line for line in missing), proc.stdout
+    logged = [line for line in proc.stderr.splitlines() if line.startswith("LOG")]
+    assert sum(broken in line for line in logged) == 2 and sum(takeover in line for line in logged) == 2, proc.stderr
+
+
+def test_registering_a_taken_name_needs_replace():
+    from fxreplace import get_adapter, register_adapter
+    from fxreplace.models import get_family, register_family
+
+    qwen = get_family("Qwen3MoeForCausalLM")
+    with pytest.raises(ValueError, match="a family for 'Qwen3MoeForCausalLM' is already registered; pass replace=True"):
+        register_family(qwen.__class__(architecture="Qwen3MoeForCausalLM", tiny_config=qwen.tiny_config, targets=()))
+    assert get_family("Qwen3MoeForCausalLM") is qwen
+    assert register_family(qwen, replace=True) is qwen
+    with pytest.raises(TypeError, match="register_family needs a Family, got str"):
+        register_family("Qwen3MoeForCausalLM")
+    with pytest.raises(ValueError, match="adapter 'identity' is already registered; pass replace=True"):
+        register_adapter("identity", lambda logits, module: logits)
+    assert get_adapter("identity").__name__ == "identity"
