@@ -14,7 +14,9 @@ torch.compile builds one graph for on, off and new values.
 
 from __future__ import annotations
 
+import copy
 import functools
+import threading
 from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Callable, Iterable
@@ -26,12 +28,17 @@ from .context import ReplacementContext
 from .passes import Injection, InjectionSpec, _is_dynamo_compiling, insert_replacements, recording
 from .points import InjectionPoint, check_adapter_fits, computes_linear_output, locate_injection_point
 from .sharding import ShapeError
-from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
+from .targets import ResolvedTarget, Target, TargetError, TargetLike, closest_names, resolve_targets
 
 
 class TargetNotHitError(RuntimeError):
     """A target's injection point ran zero or several times in one forward,
     e.g. because a kernel-replaced forward skips the router."""
+
+
+class ConcurrentForwardError(RuntimeError):
+    """An instrumented model was called while it was running a forward (from another thread):
+    its targets' slots hold one forward's replacements at a time."""
 
 
 # _FED: armed eagerly with the fed buffers the slot holds between forwards; _ARMED: any other arming
@@ -176,6 +183,7 @@ class Instrumentation:
         self.max_tokens = max_tokens
         self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # per target (values, mask) feed buffers, once fed
         self.overridden = False  # whether the slots hold a forward's own replacements (not the fed buffers)
+        self.running = threading.Lock()  # held by the one eager forward in progress
 
     def buffer_names(self, i: int) -> tuple[str, str]:
         return f"_fxreplace_feed_{i}", f"_fxreplace_feed_mask_{i}"
@@ -257,16 +265,54 @@ class InstrumentedModel:
     def forward(self, *args, replacements=None, **kwargs):
         """The model's forward; ``replacements`` is a ReplacementContext (its mask
         selects rows), a dict ``{name: Tensor[T, E]}`` (all rows replaced), or
-        None (plain model, or the fed buffers after :meth:`feed`)."""
+        None (plain model, or the fed buffers after :meth:`feed`).
+
+        One forward at a time: the targets' slots hold that forward's replacements, so a
+        call while another thread's eager forward runs raises :class:`ConcurrentForwardError`
+        (give each thread its own ``copy.deepcopy(model)``). Inside a compiled graph the
+        check is not traced: callers of a compiled model serialize their calls themselves."""
         state = self._fxreplace
+        exclusive = not _is_dynamo_compiling()
+        if exclusive and not state.running.acquire(blocking=False):
+            raise ConcurrentForwardError(
+                f"this instrumented {type(self).__name__} is already running a forward (in another thread): one "
+                "instrumented model runs one forward at a time; give each thread its own copy.deepcopy(model)")
         try:
-            state.arm(self, replacements)
-            output = super().forward(*args, **kwargs)
-        except BaseException:
-            state.reset()  # a failed forward must leave no replacement armed for later calls
-            raise
-        state.finish()
+            try:
+                state.arm(self, replacements)
+                output = super().forward(*args, **kwargs)
+            except BaseException:
+                state.reset()  # a failed forward must leave no replacement armed for later calls
+                raise
+            state.finish()
+        finally:
+            if exclusive:
+                state.running.release()
         return output
+
+    def __deepcopy__(self, memo):
+        """A copy with its own slots: the plain model is copied (the targets' instance forwards,
+        which read this model's slots, left out) and instrumented anew with the same targets;
+        fed buffers are copied and stay fed."""
+        state = self._fxreplace
+        cls = type(self).__bases__[1]
+        twin = cls.__new__(cls)
+        memo[id(self)] = twin
+        own_forwards = {id(self.get_submodule(t.module_name).__dict__["forward"]) for t in state.targets}
+        for key, value in self.__dict__.items():
+            if key != "_fxreplace":
+                twin.__dict__[key] = copy.deepcopy(value, memo)
+        for target in state.targets:
+            module = twin.get_submodule(target.module_name)
+            if id(module.__dict__.get("forward")) in own_forwards:
+                del module.__dict__["forward"]
+        instrument(twin, [Target(t.module_name, point=t.point, adapter=t.adapter, shard=t.shard, name=t.capture_name)
+                          for t in state.targets], max_tokens=state.max_tokens)
+        if state.fed:
+            twin._fxreplace.remember_buffers(twin)
+            for injection in twin._fxreplace.injections:
+                injection.share_fed(None)
+        return twin
 
     @property
     def targets(self) -> list[str]:
@@ -293,29 +339,43 @@ class InstrumentedModel:
         state = self._fxreplace
         if state.max_tokens is None:
             raise ValueError("feed() needs instrument(..., max_tokens=N) to size its buffers")
+        if not isinstance(replacements, Mapping):
+            raise TypeError(f"feed() needs a ReplacementContext or a dict of tensors, got {type(replacements).__name__}")
         tensors = {name: replacements[name] for name in replacements}
         mask = replacements.mask if isinstance(replacements, ReplacementContext) else None
+        names = [t.capture_name for t in state.targets]
+        # Every check comes before the first write: a refused feed leaves the previous one in force.
+        unknown = [] if mask is not None else [n for n in tensors if n not in names]
+        if unknown or (tensors and not any(n in tensors for n in names)):
+            raise KeyError(f"feed(): replacement name(s) {unknown or sorted(tensors)} match no target; capture names: {names}")
         if bind:
             if mask is None or tuple(mask.shape) != (state.max_tokens,):
                 raise ShapeError(f"feed(bind=True) needs a ReplacementContext of max_tokens={state.max_tokens} rows")
-            for i, target in enumerate(state.targets):
-                value = tensors.get(target.capture_name)
+            for name in names:
+                value = tensors.get(name)
                 if value is None or value.shape[0] != state.max_tokens:
-                    raise ShapeError(f"feed(bind=True): {target.capture_name!r} is missing or not "
-                                     f"{state.max_tokens} rows")
+                    raise ShapeError(f"feed(bind=True): {name!r} is missing or not {state.max_tokens} rows")
+            for i, name in enumerate(names):
                 values_name, mask_name = state.buffer_names(i)
-                self.register_buffer(values_name, value, persistent=False)
-                self.register_buffer(mask_name, replacements.mask_for(target.capture_name), persistent=False)
+                self.register_buffer(values_name, tensors[name], persistent=False)
+                self.register_buffer(mask_name, replacements.mask_for(name), persistent=False)
             state.remember_buffers(self)
             for injection, (values, mask) in zip(state.injections, state.fed):
                 injection.share_fed(values, mask)
             return
-        for i, target in enumerate(state.targets):
+        for i, name in enumerate(names):
+            value = tensors.get(name)
+            if not state.fed and value is None:
+                raise KeyError(f"the first feed() must hold every target; {name!r} is missing")
+            if value is None:
+                continue
+            shape = (state.max_tokens, *value.shape[1:]) if not state.fed else tuple(state.fed[i][0].shape)
+            if value.shape[0] > state.max_tokens or tuple(value.shape[1:]) != shape[1:]:
+                raise ShapeError(f"feed for {name}: shape {tuple(value.shape)} does not fit the buffer {shape}")
+        for i, name in enumerate(names):
             values_name, mask_name = state.buffer_names(i)
-            value = tensors.get(target.capture_name)
+            value = tensors.get(name)
             if not state.fed:
-                if value is None:
-                    raise KeyError(f"the first feed() must hold every target; {target.capture_name!r} is missing")
                 self.register_buffer(values_name, value.new_zeros(state.max_tokens, *value.shape[1:]), persistent=False)
                 self.register_buffer(mask_name, torch.zeros(state.max_tokens, dtype=torch.bool, device=value.device),
                                      persistent=False)
@@ -324,9 +384,6 @@ class InstrumentedModel:
             if value is None:
                 continue
             tokens = value.shape[0]
-            if tokens > state.max_tokens or value.shape[1:] != values_buf.shape[1:]:
-                raise ShapeError(f"feed for {target.capture_name}: shape {tuple(value.shape)} does not fit the "
-                                 f"buffer {tuple(values_buf.shape)}")
             values_buf[:tokens].copy_(value)
             mask_buf[:tokens].copy_(mask if mask is not None else torch.ones(tokens, dtype=torch.bool, device=value.device))
         state.remember_buffers(self)
@@ -366,6 +423,11 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
     if isinstance(model, InstrumentedModel):
         raise ValueError("model is already instrumented")
     resolved = resolve_targets(model, targets)
+    if not resolved:
+        raise ValueError("instrument() needs at least one target: a model instrumented at none would ignore every "
+                         "replacement it is given")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int (rows of the feed buffers), got {max_tokens!r}")
     hook = model.__dict__.pop(_REFUSE_HOOK, None)
     if hook is not None:
         hook.remove()
