@@ -37,8 +37,8 @@ def capture_reference(
     too, ``[T, H]`` rows per layer and kind, for :func:`fxreplace.blame`; the
     metadata's ``"components"`` names each one's kind and layer.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     prompts = check_prompts(prompt_token_ids, model.config.vocab_size)
     from tqdm.auto import tqdm  # the hf extra; fxreplace.models imports this module without it
 

@@ -76,16 +76,14 @@ class ReplacementConfig:
         _exactly_one("tensors", self.tensors, "tensors_path", self.tensors_path, required=True)
         _exactly_one("prompt_token_ids", self.prompt_token_ids, "prompt_token_ids_path", self.prompt_token_ids_path,
                      required=False)
+        for key in ("tensors", "prompt_token_ids"):
+            value = getattr(self, key)
+            if isinstance(value, (str, bytes, os.PathLike)):
+                raise ConfigError(f"{key} holds the data itself, got the path {value!r}; give a path as {key}_path")
         for key in ("tensors_path", "prompt_token_ids_path"):
             path = getattr(self, key)
-            if path is None:
-                continue
-            if not isinstance(path, (str, os.PathLike)):
-                raise ConfigError(f"{key} must be a path, got {type(path).__name__} {path!r}")
-            path = os.fspath(path)
-            if not os.path.exists(path):
-                raise ConfigError(f"{key}: {path!r} does not exist")
-            setattr(self, key, path)
+            if path is not None:
+                setattr(self, key, _existing_path(key, path))
         if self.targets is not None:
             self.targets = parse_targets(self.targets)
         if self.on_unknown not in ON_UNKNOWN:
@@ -268,10 +266,38 @@ def _capture_section(capture: Any, config: ReplacementConfig) -> dict:
     out = capture.get("out")
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
         raise ConfigError(f"capture needs 'out': the directory the reference is written to, got {out!r}")
-    section = {"out": os.fspath(out)}
+    out = os.fspath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"capture 'out': {out!r} is a file; the reference is written into a new or empty directory")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"capture 'out': {out!r} cannot be created ({parent!r} is not a writable directory)")
+    section = {"out": out}
     if capture.get("targets") is not None:
         section["targets"] = parse_targets(capture["targets"])
     return section
+
+
+def _existing_path(key: str, path: Any) -> str:
+    """``path`` as a string after checking it names a store directory or a readable file."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigError(f"{key} must be a path, got {type(path).__name__} {path!r}")
+    path = os.fspath(path)
+    shown = f"{path!r}" + (f" (a link to {os.path.realpath(path)!r})" if os.path.islink(path) else "")
+    if not os.path.exists(path):
+        raise ConfigError(f"{key}: {shown} does not exist")
+    if os.path.isdir(path):
+        from .store import INDEX_FILE, TENSORS_FILE
+
+        if key == "tensors_path" and not any(os.path.exists(os.path.join(path, f)) for f in (INDEX_FILE, TENSORS_FILE)):
+            raise ConfigError(f"{key}: the directory {shown} holds no reference store (no index.json or reference.safetensors)")
+    elif not os.path.isfile(path):
+        raise ConfigError(f"{key}: {shown} is not a regular file or a store directory")
+    elif not os.access(path, os.R_OK):
+        raise ConfigError(f"{key}: {shown} is not readable")
+    return path
 
 
 def _exactly_one(name_a: str, a: Any, name_b: str, b: Any, required: bool) -> None:

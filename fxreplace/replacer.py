@@ -72,6 +72,8 @@ class TensorReplacer:
     ):
         if on_unknown not in ("error", "passthrough"):
             raise ValueError(f"on_unknown must be 'error' or 'passthrough', got {on_unknown!r}")
+        if not isinstance(allow_nonfinite, bool):
+            raise TypeError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
         if isinstance(reference_captures, ReferenceStore):
             store = reference_captures
             if prompt_token_ids is not None and prompt_token_ids is not store.prompt_token_ids:

@@ -424,3 +424,33 @@ def test_random_stores_merge_bit_exact_and_inconsistent_ones_never_do(tmp_path_f
     with pytest.raises(StoreError):
         merge_stores(inputs, root / "refused")
     assert not (root / "refused").exists()
+
+
+# ---------------------------------------------------------------- config and replacer arguments
+
+
+def test_config_checks_paths_and_sections_where_they_enter(tmp_path):
+    from fxreplace import TensorReplacementConfig
+    from fxreplace.config import ConfigError
+
+    (tmp_path / "notes.txt").write_text("hello\n")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"tensors_path: the directory .*empty' holds no reference store"):
+        TensorReplacementConfig(tensors_path=tmp_path / "empty")
+    with pytest.raises(ConfigError, match=r"tensors holds the data itself, got the path '.*notes.txt'; give a path as tensors_path"):
+        TensorReplacementConfig(tensors=str(tmp_path / "notes.txt"))
+    with pytest.raises(ConfigError, match="tensors_path must be a path, got int 3"):
+        TensorReplacementConfig(tensors_path=3)
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError, match=r"tensors_path: '.*link' \(a link to '.*gone'\) does not exist"):
+        TensorReplacementConfig(tensors_path=tmp_path / "link")
+    with pytest.raises(ConfigError, match=r"capture 'out': '.*notes.txt' is a file"):
+        TensorReplacementConfig(capture={"out": str(tmp_path / "notes.txt")})
+    with pytest.raises(ConfigError, match=r"capture 'out': '.*notes.txt/sub' cannot be created"):
+        TensorReplacementConfig(capture={"out": str(tmp_path / "notes.txt" / "sub")})
+    assert TensorReplacementConfig(capture={"out": str(tmp_path / "new" / "ref")}).capture["out"].endswith("ref")
+
+
+def test_replacer_checks_its_arguments():
+    with pytest.raises(TypeError, match="allow_nonfinite must be True or False, got 'yes'"):
+        TensorReplacer([prompt(0)[1]], allow_nonfinite="yes")
