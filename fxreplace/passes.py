@@ -22,9 +22,9 @@ from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 from torch.compiler import is_dynamo_compiling as _is_dynamo_compiling
 
 from .adapters import Adapter, get_adapter, identity
-from .points import Point, find_injection_node
+from .points import find_injection_node
 from .sharding import ShapeError, ShardSpec, layout_hint, require, rows_before_sharding, shard_columns, shard_rows
-from .targets import TargetError
+from .targets import Point, TargetError
 
 
 _CHECKED_SHAPES = 8  # batch shapes whose checked views an Injection keeps (an engine's common batch sizes)
