@@ -51,9 +51,8 @@ def selection(sampling_params):
 
 
 class VllmReplacement:
-    """fxreplace state of one model runner: the replacer and the instrumented model."""
-
-    whole_mask = True  # every target reads the one mask the replacer writes
+    """fxreplace state of one model runner: the replacer and the instrumented model, whose
+    buffers are bound to one context: every target reads its one mask."""
 
     def __init__(self, runner, config: ReplacementConfig):
         from fxreplace.models import architecture  # configured engines only: unconfigured start-up stays light
@@ -70,9 +69,8 @@ class VllmReplacement:
         # Bind before warmup compiles: the graph reads these buffers from its first trace.
         # Each step gathers straight into their first rows (no second copy).
         self.feed = self.replacer.warmup_context(self.max_tokens)
-        self.model.feed(self._bound_context(), bind=True)
+        self.model.feed(self.feed, bind=True)
         self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
-        self._decode_views = self._views if self.whole_mask else {}  # the views decode_into may fill
         self.steps = 0  # forwards that held at least one request matched to the reference
         self.host_tokens_replaced = 0
         self.device_tokens_replaced = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -130,10 +128,6 @@ class VllmReplacement:
                            len(missing), missing[:4])
         return out
 
-    def _bound_context(self) -> ReplacementContext:
-        """What the model's buffers become: the feed itself, so every target reads its one mask."""
-        return self.feed
-
     def check_points(self, runner) -> None:
         """Run every target's injection point once (an eager dummy forward, replacement
         off) before the engine serves, so a wrong point (e.g. a tuple output) or a
@@ -187,34 +181,22 @@ class VllmReplacement:
         """Fill the buffers for this forward from the batch vLLM actually runs: every
         row it reads, the padding after the scheduled tokens included (mask off there).
 
-        The hot path: a steady decode step (the same requests as the last step, one
-        token each) is one :meth:`TensorReplacer.decode_into` into the bound buffers'
-        leading rows; nothing is allocated but the rows' index list."""
+        One build per step: a steady decode step (the same requests as the last step, one
+        token each) takes the replacer's decode path into the bound buffers' leading rows."""
         try:
-            req_ids = internals.batch_requests(self.runner)
-            n = len(req_ids)
-            # as many positions as requests is one token each, no padding (vLLM drops unscheduled
-            # requests from the batch and schedules at least one token per request): decode_into
-            # checks that, and every request's row
-            out = self._decode_views.get(n)
-            if out is not None and self.replacer.decode_into(req_ids, positions, out):
-                self.armed = True
-                self.steps += 1
-                self.host_tokens_replaced += n
-                return
-            self._fill(req_ids, scheduler_output, positions)
+            self._fill(internals.batch_requests(self.runner), scheduler_output, positions)
         except Exception as exc:
             self.errors += 1
             self.clear()
             logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
 
     def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
-        """:meth:`prepare`'s general path; returns the batch's scheduled token counts and
+        """Fill the buffers for ``req_ids``; returns the batch's scheduled token counts and
         the rows written (padding included), or None when nothing is replaced."""
         if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
             self.clear()
             return None
-        if scheduler_output.total_num_scheduled_tokens == len(req_ids):
+        if scheduler_output.total_num_scheduled_tokens == len(req_ids):  # one token each: a decode step
             counts = [1] * len(req_ids)
         else:
             counts = list(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids))
@@ -264,16 +246,17 @@ class SelectingReplacement(VllmReplacement):
     compiled graph serves them all.
     """
 
-    whole_mask = False  # every step writes per-target masks: no decode_into shortcut
-
-    def _bound_context(self) -> ReplacementContext:
+    def __init__(self, runner, config: ReplacementConfig):
+        super().__init__(runner, config)
         self.capture_names = list(dict.fromkeys(t.name for t in self.targets))
         bound = self.feed.select(self.capture_names)
         self.masks = [bound.mask_for(name) for name in self.capture_names]
         self.all_selected = torch.ones(len(self.capture_names), dtype=torch.bool)
         self.none_selected = torch.zeros(len(self.capture_names), dtype=torch.bool)
         self.selections: dict[str, torch.Tensor] = {}  # request id -> [captures] bool, when it selected
-        return bound
+        # bound again before warmup compiles, now each target to a mask of its own; the feed's
+        # mask stays the batch's, which each step narrows into these
+        self.model.feed(bound, bind=True)
 
     def update_requests(self, scheduler_output) -> None:
         for req_id in scheduler_output.finished_req_ids:
