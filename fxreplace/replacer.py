@@ -365,7 +365,8 @@ class TensorReplacer:
         replaced = mask.count(True) if type(mask) is list else int(np.count_nonzero(mask))
         if out is None:
             ctx = self._fresh_context(n)
-            self._run(plan, ctx.storage, ctx.storage_bits() if self._source_bits is not None else None)
+            self._run(plan, ctx.storage, ctx.storage_bits() if self._source_bits is not None and n <= _SMALL_BATCH
+                      else None)
             ctx.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
             ctx.num_replaced = replaced
             return ctx.to(device)
@@ -388,22 +389,25 @@ class TensorReplacer:
 
     def _run(self, plan, storage: tuple[torch.Tensor, ...], storage_bits: tuple[np.ndarray, ...] | None) -> None:
         """Carry out a plan of :meth:`_slot_rows` into ``storage`` (``storage_bits``: its numpy
-        views, given for a host context of a one-shard host store). One primitive per batch
-        shape: a batch of a few runs of consecutive rows (a prefill chunk, its padding) copies
-        them as blocks, at memcpy speed; scattered rows are gathered, by numpy over the bits on
-        the host (it costs less than a torch call for a few rows, and as much for many), else
-        by ``index_select``."""
+        views, given for a host context of a one-shard host store). The gather is chosen by
+        batch shape: a batch of a few runs of consecutive rows (a prefill chunk, its padding)
+        copies them as blocks, at memcpy speed; a small batch (a decode step) is gathered by
+        numpy over the bits, which costs less than a torch call for a few rows; other
+        scattered rows by ``index_select`` (numpy would stage a copy of a strided ``out=``)."""
         for s, rows, slots in plan:
             if slots is None:
-                runs = _runs(rows, self._zero_rows_list[s]) if len(rows) > _SMALL_BATCH else None
-                if runs is not None:
-                    self._copy_runs(self._sources[s], storage, runs)
-                elif storage_bits is not None:
-                    take_rows(self._source_bits, storage_bits, rows)
+                if len(rows) <= _SMALL_BATCH:
+                    if storage_bits is not None:
+                        take_rows(self._source_bits, storage_bits, rows)
+                        continue
                 else:
-                    rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
-                    for src, dst in zip(self._sources[s], storage):
-                        torch.index_select(src, 1, rows, out=dst)
+                    runs = _runs(rows, self._zero_rows_list[s])
+                    if runs is not None:
+                        self._copy_runs(self._sources[s], storage, runs)
+                        continue
+                rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
+                for src, dst in zip(self._sources[s], storage):
+                    torch.index_select(src, 1, rows, out=dst)
                 continue
             rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
             slots = torch.from_numpy(slots).to(self._device)  # multi-shard batches: not the decode hot path
