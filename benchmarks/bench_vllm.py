@@ -86,7 +86,7 @@ def child(args) -> None:
     plugin = {"on": False, "pending": 0.0, "decode": [], "other": []}  # seconds per forward: all-decode steps, the rest
     if args.config == "active":
         from fxreplace.vllm import FxReplaceConfig
-        from fxreplace.vllm.plugin import VllmReplacement
+        from fxreplace.vllm.replacement import VllmReplacement
 
         extra["additional_config"] = {"fxreplace": FxReplaceConfig(tensors=data["captures"],
                                                                    prompt_token_ids=data["prompts"])}

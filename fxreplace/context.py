@@ -5,13 +5,25 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Mapping
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_UNCHECKED = (None, 0, False, None)  # checked_by of a context no TensorReplacer checked
+
+
+class CheckedOut(NamedTuple):
+    """How a :class:`~fxreplace.TensorReplacer` checked a context as ``out=`` (its shapes
+    and device never change, so once is enough)."""
+
+    replacer: Any  # the TensorReplacer that checked it (None: none did)
+    slots: int
+    on_device: bool  # on the replacer's device: it gathers straight into the context
+    views: Any  # fastpath.HostViews of a host context of a one-shard host store, else None
+
+
+_UNCHECKED = CheckedOut(None, 0, False, None)
 
 
 def host_bits(tensor: torch.Tensor) -> np.ndarray:
@@ -53,8 +65,7 @@ class ReplacementContext(Mapping):
         self.places = dict(places or {})
         self._mask_array = None
         self._storage_bits = None
-        # (replacer, slots, on its device, numpy views or None) once a TensorReplacer checked it as out=
-        self.checked_by = _UNCHECKED
+        self.checked_by = _UNCHECKED  # a CheckedOut once a TensorReplacer checked it as out=
         self.num_replaced: int | None = None  # mask's True rows as its TensorReplacer build wrote them (None: not built)
 
     @classmethod

@@ -15,6 +15,7 @@ torch.compile builds one graph for on, off and new values.
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import threading
 from collections.abc import Mapping
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from .context import ReplacementContext
-from .passes import Injection, InjectionSpec, _is_dynamo_compiling, insert_replacements, recording
+from .passes import Injection, InjectionSpec, _is_dynamo_compiling, insert_replacements, recording, with_element
 from .points import InjectionPoint, check_adapter_fits, computes_linear_output, locate_injection_point
 from .sharding import ShapeError
 from .targets import ResolvedTarget, Target, TargetError, TargetLike, closest_names, resolve_targets
@@ -41,27 +42,32 @@ class ConcurrentForwardError(RuntimeError):
     its targets' slots hold one forward's replacements at a time."""
 
 
-# _FED: armed eagerly with the fed buffers the slot holds between forwards; _ARMED: any other arming
-_IDLE, _FED, _ARMED, _TAKEN = "idle", "fed", "armed", "taken"
+class SlotState(enum.Enum):
+    """Where a slot stands in its model's forward."""
+
+    IDLE = "idle"  # outside an instrumented forward: the target passes through
+    FED = "fed"  # armed eagerly with the fed buffers (output points may take the fast path)
+    ARMED = "armed"  # armed with a forward's own replacements, or while the forward is recorded
+    TAKEN = "taken"  # consumed: a second take in the same forward is an error
 
 
 class _Slot:
     """Hands one forward's replacement to one target and records that the target
-    consumed it. States: idle (outside an instrumented call: pass through),
-    fed (armed eagerly with the fed buffers), armed (any other arming), taken (a
-    second take in the same forward is an error). Between forwards
-    it holds the fed buffers (or nothing), so a fed forward only flips its state.
-    Under Dynamo, ``take`` is traced: its state is the same string at every forward,
-    so it is no recompile reason."""
+    consumed it. Between forwards it holds the fed buffers (or nothing), so a fed
+    forward only sets its state. Under Dynamo, ``take`` is traced: its state is the
+    same at every forward, so it is no recompile reason."""
 
     def __init__(self, target: ResolvedTarget):
         self.target = target
         self.fed = (None, None, False)  # (values, mask, leading_rows) that a forward without replacements= reads
-        self.state = _IDLE
+        self.state = SlotState.IDLE
+        self.hold_fed()
+
+    def hold_fed(self) -> None:
         self.replacement, self.mask, self.leading_rows = self.fed
 
     def arm(self, replacement, mask, leading_rows=False):
-        self.state = _ARMED
+        self.state = SlotState.ARMED
         self.replacement = replacement
         self.mask = mask
         self.leading_rows = leading_rows
@@ -69,11 +75,11 @@ class _Slot:
     def take(self) -> bool:
         """True when called inside an instrumented forward."""
         state = self.state
-        if state is _IDLE:
+        if state is SlotState.IDLE:
             return False
-        if state is _TAKEN:
+        if state is SlotState.TAKEN:
             raise TargetNotHitError(f"target {self.target.module_name!r} was hit twice in one forward")
-        self.state = _TAKEN
+        self.state = SlotState.TAKEN
         return True
 
 
@@ -105,39 +111,31 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
 def _output_point_forward(original, point: InjectionPoint, injection: Injection, slot: _Slot):
     """The forward of a target whose injection point is its output (or ``output[i]``).
 
-    Eager engines call it once per target per forward, so their common case comes first,
-    written out inline: a slot armed eagerly with its fed buffers (``_FED``), a tensor at
-    ``output`` or ``output[i]`` of a tuple, a shape the Injection has checked with the fed
-    buffers, and a host mask whose rows are all replaced: the feed's leading rows are
-    returned (no copy). Anything else, and any tracing, goes through the Injection."""
+    Eager engines call it once per target per forward, so their common case comes first:
+    a slot armed eagerly with its fed buffers, a plain tensor at ``output`` or ``output[i]``
+    of a tuple and a call the Injection has checked with those buffers take the fast path
+    (:meth:`~fxreplace.fastpath.CheckedCalls.fed_entry`). Anything else, and any
+    tracing, goes through the Injection."""
     index = point.output_index
     module_name, where = point.module_name, point.point
-    inject = injection.__call__  # bound once: calling the instance looks __call__ up per call
-    fed_rows = injection.fed_rows  # shape -> checked entry of the fed buffers, kept in place by the Injection
-    observers = injection.observers  # observe() adds to and removes from this list
-    tensor = torch.Tensor
-    kind = tensor if index is None else tuple
-    head, tail = slice(None, index), slice(None if index is None else index + 1, None)
+    kind = torch.Tensor if index is None else tuple
 
     def forward(*args, **kwargs):
-        output = original(*args, **kwargs) if kwargs else original(*args)  # (no dict built per call)
+        output = original(*args, **kwargs)
         # (Dynamo may start tracing inside an eager forward: then the Injection decides)
-        if slot.state is _FED and type(output) is kind and not observers and not _is_dynamo_compiling():
+        if (slot.state is SlotState.FED and type(output) is kind and not injection.observers
+                and not _is_dynamo_compiling()):
             value = output if index is None else output[index]
-            if type(value) is tensor:  # (not a subclass, e.g. a FakeTensor)
-                entry = fed_rows.get(value.shape)
-                # fed entries are host buffers' (their mask is read on the host)
-                if (entry is not None and entry.dtype is value.dtype and value.is_cpu
-                        and entry.host_mask == entry.all_replaced):
-                    slot.state = _TAKEN
-                    return entry.rows if index is None else output[head] + (entry.rows,) + output[tail]
+            if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
+                entry = injection.checked.fed_entry(value)
+                if entry is not None:
+                    slot.state = SlotState.TAKEN
+                    return with_injected(output, value, entry.inject(value))
         return inject_at_point(output)
 
     def inject_at_point(output):
-        state = slot.state
-        if state is not _FED and state is not _ARMED and not slot.take():  # take() inline in the common cases
+        if not slot.take():
             return output
-        slot.state = _TAKEN
         if index is None:
             value = output
         elif isinstance(output, (tuple, list)):
@@ -147,16 +145,14 @@ def _output_point_forward(original, point: InjectionPoint, injection: Injection,
                               f"{type(output).__name__} (indexing would pick a row): use point='output'")
         if type(value) is not torch.Tensor:
             _check_point_value(value, module_name, where)
-        injected = inject(value, slot.replacement, slot.mask, None, slot.leading_rows)
+        return with_injected(output, value, injection(value, slot.replacement, slot.mask, None, slot.leading_rows))
+
+    def with_injected(output, value, injected):
         if index is None:
             return injected
         if injected is value:  # nothing replaced: the module's own output
             return output
-        if type(output) is tuple:
-            return (*output[:index], injected, *output[index + 1:])
-        parts = list(output)
-        parts[index] = injected
-        return type(output)(*parts) if hasattr(output, "_fields") else type(output)(parts)  # namedtuple or not
+        return with_element(output, index, injected)
 
     return forward
 
@@ -194,13 +190,13 @@ class Instrumentation:
         self.fed = [(getattr(model, v), getattr(model, m)) for v, m in map(self.buffer_names, range(len(self.targets)))]
         for slot, (values, mask) in zip(self.slots, self.fed):
             slot.fed = (values, mask, True)
-            slot.replacement, slot.mask, slot.leading_rows = slot.fed
+            slot.hold_fed()
 
     def arm(self, model: nn.Module, replacements) -> None:
         if replacements is None:  # the fed buffers (or nothing), which the slots hold between forwards
-            # _FED: armed eagerly (no make_fx/export/jit tracer records this forward), which lets
-            # output points read checked rows directly; recorded forwards go through the Injection
-            state = _ARMED if recording() else _FED
+            # FED only eagerly: a forward that make_fx/export/jit.trace records must reach the
+            # Injection, which keeps Python state out of the recorded graph
+            state = SlotState.ARMED if recording() else SlotState.FED
             for slot in self.slots:
                 slot.state = state
             return
@@ -232,21 +228,22 @@ class Instrumentation:
     def reset(self) -> list[str]:
         """Back to idle (the slots holding the fed buffers again); returns the targets armed
         but not reached since :meth:`arm`."""
-        missed = [slot.target.module_name for slot in self.slots if slot.state is _FED or slot.state is _ARMED]
+        missed = [slot.target.module_name for slot in self.slots
+                  if slot.state is SlotState.FED or slot.state is SlotState.ARMED]
         for slot in self.slots:
-            slot.state = _IDLE
+            slot.state = SlotState.IDLE
         if self.overridden:  # a forward's own replacements: not kept past it
             for slot in self.slots:
-                slot.replacement, slot.mask, slot.leading_rows = slot.fed
+                slot.hold_fed()
             self.overridden = False
         return missed
 
     def finish(self) -> None:
         """:meth:`reset` after a forward that returned; every armed target must have been reached."""
         for slot in self.slots:
-            if slot.state is not _TAKEN:
+            if slot.state is not SlotState.TAKEN:
                 break
-            slot.state = _IDLE
+            slot.state = SlotState.IDLE
         else:  # the common case: every target taken, nothing overridden
             if not self.overridden:
                 return

@@ -13,7 +13,7 @@ arrive as new graph inputs, so one compiled graph serves replacement on, off
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import fx, nn
@@ -22,35 +22,16 @@ from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 from torch.compiler import is_dynamo_compiling as _is_dynamo_compiling
 
 from .adapters import Adapter, get_adapter, identity
-from .points import Point, find_injection_node
+from .fastpath import CheckedCalls
+from .points import find_injection_node
 from .sharding import ShapeError, ShardSpec, layout_hint, require, rows_before_sharding, shard_columns, shard_rows
-from .targets import TargetError
-
-
-_CHECKED_SHAPES = 8  # batch shapes whose checked views an Injection keeps (an engine's common batch sizes)
+from .targets import Point, TargetError
 
 
 def recording() -> bool:
     """Whether the running code is traced into a graph by Dynamo, or recorded by
     make_fx/export/AOTAutograd (a dispatch mode) or torch.jit.trace (torch_neuronx.trace)."""
     return _is_dynamo_compiling() or bool(_dispatch_modes()) or _jit_tracing()
-
-
-class CheckedCall(NamedTuple):
-    """What an eager call of an :class:`Injection` checked, for one computed shape: the
-    buffers it was called with, the computed dtype and device, and views of the buffers'
-    rows it reads (``all_replaced`` is None unless the rows may be returned as they are)."""
-
-    replacement: torch.Tensor
-    mask: torch.Tensor
-    leading_rows: bool
-    dtype: torch.dtype
-    device: int
-    mask_column: torch.Tensor
-    rows: torch.Tensor
-    host_mask: memoryview | None
-    all_replaced: bytes | None
-    none_replaced: bytes
 
 
 class Injection:
@@ -63,9 +44,10 @@ class Injection:
     only their leading rows (as many as the tokens of this call) are read. ``observers`` see the
     computed value first (reference capture, router agreement).
 
-    Eagerly, with such buffers on the host, a call that replaces no row returns
-    ``computed`` and, with the buffers of :meth:`share_fed`, a call that replaces every
-    row returns the buffer's leading rows themselves (no copy, no kernel).
+    Eager calls with buffers it checked before take the fast path of
+    :mod:`fxreplace.fastpath` (``checked``): with such buffers on the host, a call that
+    replaces no row returns ``computed`` and, with the buffers of :meth:`share_fed`, a call
+    that replaces every row returns the buffer's leading rows themselves (no copy, no kernel).
     """
 
     def __init__(self, module_name: str, module: nn.Module, adapter=None, shard: ShardSpec | None = None):
@@ -75,22 +57,12 @@ class Injection:
         self.shard = shard
         self.observers: list[Callable[[torch.Tensor], None]] = []
         self.__name__ = "fxreplace_inject"  # name hint for FX code generation
-        # Eager engines call this once per target per forward with the same bound buffers, at
-        # batch sizes that vary from step to step: per computed shape, the checked views of a
-        # call with the current replacement, reused while the buffers stay the same.
-        self._checked: dict[torch.Size, CheckedCall] = {}
-        self.fed: tuple[torch.Tensor, torch.Tensor] | None = None
-        # the entries of calls with the fed buffers (read directly by instrument's output-point
-        # forwards, which skip this call while nothing observes)
-        self.fed_rows: dict[torch.Size, CheckedCall] = {}
+        # eager engines call this once per target per forward with the same bound buffers
+        self.checked = CheckedCalls()
 
     def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
-        """``values``/``mask`` are buffers that their feeder rewrites before every forward
-        (``feed(bind=True)``): a call with them whose rows are all replaced may return the
-        values' rows themselves. None: no buffers are shared."""
-        self.fed = None if values is None else (values, mask)
-        self._checked.clear()
-        self.fed_rows.clear()
+        """See :meth:`~fxreplace.fastpath.CheckedCalls.share_fed`."""
+        self.checked.share_fed(values, mask)
 
     def __call__(self, computed, replacement=None, mask=None, rank=None, leading_rows=False):
         if self.observers:
@@ -101,41 +73,14 @@ class Injection:
         if recording():  # no Python state, which would become a guard or a constant of the graph
             return self._inject(computed, replacement, mask, rank, leading_rows)
         if type(computed) is torch.Tensor:
-            entry = self._checked.get(computed.shape)
-            if (entry is not None and entry.replacement is replacement and entry.mask is mask
-                    and entry.leading_rows is leading_rows and entry.dtype is computed.dtype
-                    and entry.device == computed.get_device()):
-                if entry.host_mask is not None:  # a host mask is read without a kernel: none or all replaced is common
-                    if entry.host_mask == entry.all_replaced:
-                        return entry.rows
-                    if entry.host_mask == entry.none_replaced:
-                        return computed
-                return torch.where(entry.mask_column, entry.rows, computed)
+            entry = self.checked.lookup(computed, replacement, mask, leading_rows)
+            if entry is not None:
+                return entry.inject(computed)
         out = self._inject(computed, replacement, mask, rank, leading_rows)
         if (self.adapter is identity and self.shard is None and type(computed) is torch.Tensor and computed.dim() == 2
                 and replacement.dtype == computed.dtype):
-            self._remember(computed, replacement, mask, leading_rows)
+            self.checked.remember(computed, replacement, mask, leading_rows)
         return out
-
-    def _remember(self, computed: torch.Tensor, replacement, mask, leading_rows) -> None:
-        """Keep the checked views of a call that :meth:`_inject` accepted: everything it checked
-        depends only on these buffers and shapes, and the views are of the buffers, so later
-        calls read their current contents. Entries of other replacements are dropped (none
-        holds a tensor of an earlier call), and at most ``_CHECKED_SHAPES`` are kept."""
-        tokens = computed.shape[0]
-        rows = slice(0, tokens) if leading_rows else slice(None)
-        # the host mask's bytes, compared with all-True and all-False bytes (no call per forward)
-        host_mask = memoryview(mask[rows].numpy()).cast("B") if mask.device.type == "cpu" and leading_rows else None
-        fed = self.fed is not None and self.fed[0] is replacement and self.fed[1] is mask and host_mask is not None
-        kept = {shape: c for shape, c in self._checked.items() if c.replacement is replacement}
-        self._checked = kept if len(kept) < _CHECKED_SHAPES else {}
-        entry = self._checked[computed.shape] = CheckedCall(
-            replacement, mask, leading_rows, computed.dtype, computed.get_device(), mask[rows].unsqueeze(-1),
-            replacement[rows], host_mask, b"\1" * tokens if fed else None, bytes(tokens))
-        if fed:
-            if len(self.fed_rows) >= _CHECKED_SHAPES:
-                self.fed_rows.clear()  # in place: output-point forwards hold this dict
-            self.fed_rows[computed.shape] = entry
 
     def _inject(self, computed, replacement, mask, rank, leading_rows):
         name, spec = self.module_name, self.shard
@@ -178,9 +123,21 @@ class Injection:
                 + layout_hint(spec, full_value.shape, flat.shape),
             )
             out.append(torch.where(mask, value.to(flat.dtype), flat).reshape(part.shape))
-        if not isinstance(computed, (tuple, list)):
-            return out[0]
-        return type(computed)(*out) if hasattr(computed, "_fields") else type(computed)(out)  # namedtuple or not
+        return rebuild(computed, out) if isinstance(computed, (tuple, list)) else out[0]
+
+
+def rebuild(like: tuple | list, parts: list):
+    """``parts`` as a sequence of ``like``'s type (a namedtuple takes its fields as arguments)."""
+    return type(like)(*parts) if hasattr(like, "_fields") else type(like)(parts)
+
+
+def with_element(sequence: tuple | list, index: int, value):
+    """``sequence`` with element ``index`` replaced by ``value``, of the same type."""
+    if type(sequence) is tuple:
+        return sequence[:index] + (value,) + sequence[index + 1:]
+    parts = list(sequence)
+    parts[index] = value
+    return rebuild(sequence, parts)
 
 
 def _check_dtype_and_device(name: str, replacement: torch.Tensor, mask: torch.Tensor, computed: torch.Tensor) -> None:

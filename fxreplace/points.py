@@ -21,18 +21,14 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from .adapters import routing_adapter_name
-from .targets import TargetError, closest_names
-
-#: ``"auto"``, ``"output"``, ``"output[i]"``, or ``fn(nodes) -> Node`` picking the
-#: injection node among the FX nodes computed inside the module.
-Point = Union[str, Callable]
+from .targets import Point, TargetError, closest_names
 
 _aten = torch.ops.aten
 LINEAR_FUNCTIONS = {

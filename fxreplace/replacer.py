@@ -14,14 +14,14 @@ is the caller's race.
 
 from __future__ import annotations
 
-import operator
 import threading
-from typing import Any, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from .context import ReplacementContext, host_bits, same_device
+from .context import CheckedOut, ReplacementContext, host_bits, same_device
+from .fastpath import INT_DTYPES, BatchLookup, HostViews, decode_rows, is_int_list, step_positions, take_rows
 from .matching import PromptIndex
 from .store import CaptureError, ReferenceStore
 
@@ -29,8 +29,6 @@ OnUnknown = Literal["error", "passthrough"]
 _UNMATCHED = -1  # a registered request whose prompt is not in the reference
 _MISSING = -2  # a request that was never registered
 _SMALL_BATCH = 64  # slots up to which the row arithmetic runs in plain Python (decode steps)
-_Tensor, _add, _contains = torch.Tensor, operator.add, operator.contains  # module globals: one lookup each on the hot path
-_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 _SPARE_BUFFERS = 4  # context buffers kept for reuse once their context is dropped
 
 
@@ -110,7 +108,7 @@ class TensorReplacer:
         self._spare: list[tuple[torch.Tensor, ...]] = []
         self._generation = 0  # bumped by every registration and release: invalidates _last_batch
         # the last batch looked up: an engine's consecutive decode steps run the same requests
-        self._last_batch = _BatchLookup([], -1, [], False, [], [])
+        self._last_batch = BatchLookup([], -1, [], False, [], [])
 
     @property
     def capture_names(self) -> list[str]:
@@ -252,7 +250,7 @@ class TensorReplacer:
                 and self.decode_into(req_ids, positions, out)):
             return out
         positions = _as_index_array(positions, "positions")
-        if not _is_int_list(counts):  # engines pass a list of ints: used as it is
+        if not is_int_list(counts):  # engines pass a list of ints: used as it is
             counts = _as_index_array(counts, "num_scheduled_tokens").tolist()
         if len(counts) != len(req_ids):
             raise ValueError(f"got {len(counts)} num_scheduled_tokens for {len(req_ids)} requests")
@@ -287,11 +285,11 @@ class TensorReplacer:
         prompts.append(_UNMATCHED)
         # per request: first store row and stored rows (0 where unmatched), for decode steps
         spans = [self._spans[p] if p >= 0 else (0, 0) for p in prompts[:-1]]
-        self._last_batch = _BatchLookup(list(req_ids), generation, prompts, max(prompts) >= 0,
+        self._last_batch = BatchLookup(list(req_ids), generation, prompts, max(prompts) >= 0,
                                         [o for o, _ in spans], [range(length) for _, length in spans])
         return prompts
 
-    def _last_lookup(self, req_ids: Sequence[str]) -> "_BatchLookup | None":
+    def _last_lookup(self, req_ids: Sequence[str]) -> BatchLookup | None:
         """The last batch's lookup when ``req_ids`` is that batch and nothing was registered
         or released since."""
         last = self._last_batch
@@ -302,73 +300,45 @@ class TensorReplacer:
     def decode_into(self, req_ids: list[str], positions: torch.Tensor | list[int], out: ReplacementContext) -> bool:
         """An engine's steady decode step, request ``i`` decoding one token at ``positions[i]``,
         written straight into ``out`` (rows, mask, ``num_replaced``): the common case of
-        :meth:`build_context_for_batch`, at a handful of Python operations and one numpy
-        ``take`` per dtype group. It applies only when the step is exactly that case: the batch
-        of the last lookup (nothing registered or released since), every request with a stored
-        row at its position, no padding, a one-shard host store and a host ``out`` of
-        ``len(req_ids)`` slots that an earlier build checked. Otherwise it returns False having
-        written nothing: :meth:`build_context_for_batch` handles, checks and explains every case."""
+        :meth:`build_context_for_batch`, which tries it first. It applies only when the step is
+        exactly that case: the batch of the last lookup (nothing registered or released since),
+        every request with a stored row at its position, no padding, a one-shard host store and
+        a host ``out`` of ``len(req_ids)`` slots that an earlier build checked. Otherwise it
+        returns False having written nothing, and the general path handles, checks and
+        explains every case."""
         last = self._last_batch
         checked = out.checked_by
-        views = checked[3]
-        if checked[0] is not self or views is None or last.generation != self._generation or last.req_ids != req_ids:
+        views = checked.views
+        if checked.replacer is not self or views is None or last.generation != self._generation or last.req_ids != req_ids:
             return False
-        if type(positions) is _Tensor:
-            if positions.dtype not in _INT_DTYPES or positions.ndim != 1:
-                return False
-            positions = positions.tolist()
-        elif not _is_int_list(positions):
+        positions = step_positions(positions)
+        rows = None if positions is None else decode_rows(last, positions)
+        if rows is None or checked.slots != len(rows):
             return False
-        rows = self._decode_rows(last, positions)
-        if rows is None or checked[1] != len(rows):
-            return False
-        n = len(rows)
-        source_bits, storage_bits, mask_array = views
-        for src, dst in zip(source_bits, storage_bits):
-            # the method, positionally (np.take adds two Python layers); rows are in range by
-            # construction, so "clip" (no buffered bounds check)
-            src.take(rows, 1, dst, "clip")
-        mask_array.fill(True)
-        out.num_replaced = n
+        take_rows(views.sources, views.storage, rows)
+        views.mask.fill(True)
+        out.num_replaced = len(rows)
         return True
-
-    @staticmethod
-    def _decode_rows(last: "_BatchLookup", positions: list[int]) -> list[int] | None:
-        """Store rows of a decode step of ``last``'s requests (one position each), or None
-        unless every request matched and holds a row at its position."""
-        # "p in range(rows)" is 0 <= p < rows, one C-level pass (unmatched requests hold range(0))
-        if len(positions) != len(last.stored) or not all(map(_contains, last.stored, positions)):
-            return None
-        return list(map(_add, last.offsets, positions))
 
     def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray | list[int]):
         """Store row of every slot (the zero row where it holds none) and the mask, as a
         plan ``[(shard, rows, slots or None for all)]``. Request ``i`` owns the next
         ``counts[i]`` slots; the slots after them are padding.
 
-        Batches of up to ``_SMALL_BATCH`` slots in one shard (decode steps) run as a plain
-        Python loop, which costs a fraction of the dozen numpy calls of the general case."""
+        Batches of up to ``_SMALL_BATCH`` slots in one shard run as a plain Python loop,
+        which costs a fraction of the dozen numpy calls of the general case."""
         n = len(positions)
         if len(self._sources) == 1 and n <= _SMALL_BATCH:
             pos = positions if type(positions) is list else positions.tolist()
-            last = self._last_batch
-            if prompts is last.prompts and counts.count(1) == n == len(counts):  # a decode step
-                rows = self._decode_rows(last, pos)
-                if rows is not None:  # every request matched and stored
-                    return [(0, rows, None)], [True] * n
             spans = self._spans
             rows, mask = [self._zero_rows_list[0]] * n, [False] * n
             s = 0
             for p, c in zip(prompts, counts):
                 if p >= 0:
                     offset, length = spans[p]
-                    if c == 1:  # a decode step
-                        if 0 <= pos[s] < length:
-                            rows[s], mask[s] = offset + pos[s], True
-                    else:
-                        for j in range(s, s + c):
-                            if 0 <= pos[j] < length:
-                                rows[j], mask[j] = offset + pos[j], True
+                    for j in range(s, s + c):
+                        if 0 <= pos[j] < length:
+                            rows[j], mask[j] = offset + pos[j], True
                 s += c
             return [(0, rows, None)], mask
         positions = np.asarray(positions, dtype=np.int64)
@@ -397,54 +367,59 @@ class TensorReplacer:
         replaced = mask.count(True) if type(mask) is list else int(np.count_nonzero(mask))
         if out is None:
             ctx = self._fresh_context(n)
-            self._run(plan, ctx.storage)
+            self._run(plan, ctx.storage, ctx.storage_bits() if self._source_bits is not None and n <= _SMALL_BATCH
+                      else None)
             ctx.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
             ctx.num_replaced = replaced
             return ctx.to(device)
-        direct = self._checked_out(out, n)
+        checked = self._checked_out(out, n)
         if device is not None and not same_device(out.mask.device, device):
             raise ValueError(f"out= is on {out.mask.device}; it cannot also move the context to {device}")
-        if direct and self._on_host and type(plan[0][1]) is list:  # a small host batch: numpy copies its rows
-            for src, dst in zip(self._source_bits, out.storage_bits()):
-                np.take(src, plan[0][1], axis=1, out=dst)
-        elif direct:
-            self._run(plan, out.storage)
+        if checked.on_device:
+            self._run(plan, out.storage, None if checked.views is None else checked.views.storage)
         else:  # gather where the reference lives, then one copy per group
             staged = self._fresh_context(n)
-            self._run(plan, staged.storage)
+            self._run(plan, staged.storage, None)
             for src, dst in zip(staged.storage, out.storage):
                 dst.copy_(src, non_blocking=True)
-        if self._on_host and direct:
-            out.mask_array()[:] = mask  # no tensor made for a handful of flags
+        if checked.views is not None:
+            checked.views.mask[:] = mask  # no tensor made for a handful of flags
         else:
             out.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
         out.num_replaced = replaced
         return out
 
-    def _run(self, plan, storage: tuple[torch.Tensor, ...]) -> None:
+    def _run(self, plan, storage: tuple[torch.Tensor, ...], storage_bits: tuple[np.ndarray, ...] | None) -> None:
+        """Carry out a plan of :meth:`_slot_rows` into ``storage`` (``storage_bits``: its numpy
+        views, given for a host context of a one-shard host store). The gather is chosen by
+        batch shape: a batch of a few runs of consecutive rows (a prefill chunk, its padding)
+        copies them as blocks, at memcpy speed; a small batch (a decode step) is gathered by
+        numpy over the bits, which costs less than a torch call for a few rows; other
+        scattered rows by ``index_select`` (numpy would stage a copy of a strided ``out=``)."""
         for s, rows, slots in plan:
-            rows = np.asarray(rows, dtype=np.int64)
-            if slots is None and rows.shape[0] > _SMALL_BATCH:
-                runs = _runs(rows, self._zero_rows[s])
-                if runs is not None:
-                    self._copy_runs(self._sources[s], storage, runs)
-                    continue
-            rows = torch.from_numpy(rows)
-            if self._on_host is False:
-                rows = rows.to(self._device)
             if slots is None:
+                if len(rows) <= _SMALL_BATCH:
+                    if storage_bits is not None:
+                        take_rows(self._source_bits, storage_bits, rows)
+                        continue
+                else:
+                    runs = _runs(rows, self._zero_rows_list[s])
+                    if runs is not None:
+                        self._copy_runs(self._sources[s], storage, runs)
+                        continue
+                rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
                 for src, dst in zip(self._sources[s], storage):
                     torch.index_select(src, 1, rows, out=dst)
-            else:
-                slots = torch.from_numpy(slots).to(self._device)  # multi-shard batches: not the decode hot path
-                for src, dst in zip(self._sources[s], storage):
-                    dst.index_copy_(1, slots, src.index_select(1, rows))
+                continue
+            rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
+            slots = torch.from_numpy(slots).to(self._device)  # multi-shard batches: not the decode hot path
+            for src, dst in zip(self._sources[s], storage):
+                dst.index_copy_(1, slots, src.index_select(1, rows))
 
     @staticmethod
     def _copy_runs(sources, storage, runs) -> None:
         """Block copies of runs of consecutive store rows (zeros for padding runs): a
-        prefill chunk is one run, and a block copy moves it at memcpy speed where a
-        gather pays per row."""
+        block copy moves a run at memcpy speed where a gather pays per row."""
         for src, dst in zip(sources, storage):
             for start, stop, row in runs:
                 if row is None:
@@ -467,11 +442,10 @@ class TensorReplacer:
             del self._spare[:-_SPARE_BUFFERS]
             return ReplacementContext.from_storage(bufs, mask, self._places)
 
-    def _checked_out(self, out: ReplacementContext, n: int) -> bool:
-        """Check ``out`` once (remembered on it: a context's shapes and device never change);
-        returns whether it is on the store's device."""
+    def _checked_out(self, out: ReplacementContext, n: int) -> CheckedOut:
+        """Check ``out`` once (remembered on it: a context's shapes and device never change)."""
         checked = out.checked_by
-        if checked[0] is not self or checked[1] != n:
+        if checked.replacer is not self or checked.slots != n:
             want = [(m, n, e, dt) for m, e, dt in self._shapes]
             got = [(*s.shape, s.dtype) for s in out.storage]
             if got != want or out.mask.shape[0] != n or out.places != self._places:
@@ -480,22 +454,10 @@ class TensorReplacer:
                     f"slots; got {out!r}"
                 )
             on_device = out.mask.device == self._device
-            # what decode_into reads: the store's and the context's numpy views (one-shard host stores)
-            views = (self._source_bits, out.storage_bits(), out.mask_array()) if (
+            views = HostViews(self._source_bits, out.storage_bits(), out.mask_array()) if (
                 on_device and self._source_bits is not None) else None
-            checked = out.checked_by = (self, n, on_device, views)
-        return checked[2]
-
-
-class _BatchLookup(NamedTuple):
-    """One batch's request lookup (see ``TensorReplacer._request_prompts``)."""
-
-    req_ids: list[str]
-    generation: int  # the replacer's registration generation it was made at
-    prompts: list[int]  # internal prompt per request (-1 unmatched), then -1 for padding
-    matched: bool  # any request matched
-    offsets: list[int]  # per request: first store row (0 where unmatched)
-    stored: list[range]  # per request: the positions it has rows for (none where unmatched)
+            checked = out.checked_by = CheckedOut(self, n, on_device, views)
+        return checked
 
 
 _MAX_RUNS = 32  # above this many runs of consecutive rows, one gather beats block copies
@@ -515,21 +477,14 @@ def _runs(rows: np.ndarray, zero_row: int) -> list[tuple[int, int, int | None]] 
     return [(a, b, None if zero[a] else int(rows[a])) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _is_int_list(values) -> bool:
-    return type(values) is list and set(map(type, values)) <= _INT_ONLY
-
-
-_INT_ONLY = {int}
-
-
 def _as_index_array(values, what: str) -> np.ndarray | list[int]:
     """A 1-D int64 array, or for at most ``_SMALL_BATCH`` values a list of Python ints
     (engines' decode steps: numpy costs more than the work for a handful of values);
     floats and bools are refused (a fractional position has no row)."""
-    if type(values) is list and len(values) <= _SMALL_BATCH and _is_int_list(values):
+    if type(values) is list and len(values) <= _SMALL_BATCH and is_int_list(values):
         return values
     if isinstance(values, torch.Tensor):
-        if values.dtype not in _INT_DTYPES:
+        if values.dtype not in INT_DTYPES:
             raise ValueError(f"{what} must be integers, got a {values.dtype} tensor")
         if values.dim() == 1 and values.shape[0] <= _SMALL_BATCH:
             return values.tolist()

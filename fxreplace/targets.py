@@ -6,14 +6,15 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Union
+from typing import Callable, Iterable, Union
 
 from torch import nn
 
 from .sharding import ShardSpec
 
-if TYPE_CHECKING:
-    from .points import Point
+#: ``"auto"``, ``"output"``, ``"output[i]"``, or ``fn(nodes) -> Node`` picking the
+#: injection node among the FX nodes computed inside the module (see :mod:`fxreplace.points`).
+Point = Union[str, Callable]
 
 
 class TargetError(ValueError):

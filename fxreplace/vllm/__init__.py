@@ -21,7 +21,9 @@ through vLLM (``fxreplace validate --engine vllm``).
 
 from .config import CONFIG_KEY, ConfigError, FxReplaceConfig, parse_config
 from .engine import VllmEngine
-from .plugin import VllmReplacement, get_state, register
+from .internals import get_state
+from .plugin import register
+from .replacement import VllmReplacement
 
 __all__ = ["CONFIG_KEY", "ConfigError", "FxReplaceConfig", "VllmEngine", "VllmReplacement", "get_state",
            "parse_config", "register"]

@@ -389,9 +389,7 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
 
 
 def _worker_state(worker):
-    from .plugin import get_state
-
-    state = get_state(worker.model_runner)
+    state = internals.get_state(worker.model_runner)
     return state if isinstance(state, VllmCapture) and state.writes else None
 
 

@@ -181,6 +181,17 @@ def wrap_steps(runner, *, begin_step, before_forward=None, after_forward=None, d
         setattr(runner, SAMPLE_TOKENS, sample_tokens)
 
 
+#: the model runner attribute that holds fxreplace's state of that runner (set at model load)
+STATE_ATTR = "_fxreplace_state"
+
+
+def get_state(runner):
+    """The fxreplace state of a model runner: a
+    :class:`~fxreplace.vllm.replacement.VllmReplacement`, a
+    :class:`~fxreplace.vllm.capture.VllmCapture`, or None when not configured."""
+    return getattr(runner, STATE_ATTR, None)
+
+
 def batch_requests(runner) -> list[str]:
     """Request ids of the step being run, in the order its tokens are laid out: the
     persistent batch's own list (read it, never keep or change it). Read through the
