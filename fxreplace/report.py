@@ -77,6 +77,13 @@ def _plot_errors(result, path: Path) -> None:
 
 
 def _plot_router(result, path: Path) -> None:
+    fig = router_figure(result)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def router_figure(result):
+    """Bars per target and mode: the fraction of tokens whose top-k routing matches the reference."""
     modules = sorted({m for mode in result.modes for m in result.router.get(mode, {})}, key=_natural)
     fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(modules) + 2), 3.5))
     width = 0.8 / max(1, len(result.modes))
@@ -93,8 +100,7 @@ def _plot_router(result, path: Path) -> None:
     ax.set_title("Target's own top-k routing equals the reference's")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the bars, never on them
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def _html(result, has_router: bool) -> str:
