@@ -208,7 +208,9 @@ def logit_validation(
         covered = {p: 0 for p in indices}
         stopped: set[int] = set()
         rounds = 0
-        bar = tqdm(total=sum(reference.num_generated(p) for p in indices), desc=f"validate ({mode})", disable=not progress)
+        # smoothing=0: the rate is the average since the bar (re)started, which leaves out the first call's compile
+        bar = tqdm(total=sum(reference.num_generated(p) for p in indices), desc=f"validate ({mode})", disable=not progress,
+                   smoothing=0)
         while True:
             todo = [p for p in indices if p not in stopped and covered[p] < reference.num_generated(p)]
             if not todo:
@@ -226,7 +228,6 @@ def logit_validation(
                     step = start + j
                     m = compare_logits(ref_logits[step], logits, tolerances)
                     result.steps.append(StepRecord(**asdict(m), mode=mode, prompt=p, step=step, round=rounds, req_id=gen.req_id))
-                    bar.update(1)
                     covered[p] = step + 1
                     if m.nan:
                         stopped.add(p)
@@ -235,6 +236,13 @@ def logit_validation(
                         break
                 if router_topk and getattr(gen, "observed", None):
                     _router_agreement(router, reference, p, gen, start, covered[p], router_topk)
+            done = sum(covered.values())
+            if rounds == 0:  # the first call compiles: time the ETA from the calls after it
+                bar.reset()
+                bar.initial = bar.n = done
+                bar.refresh()
+            else:
+                bar.update(done - bar.n)
             rounds += 1
         bar.close()
     result.num_steps = len(result.steps)
