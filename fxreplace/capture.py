@@ -4,11 +4,15 @@ The targets are resolved and located exactly as :func:`fxreplace.instrument` doe
 (for MoE routers: the logits node inside the router, not the returned tuple), by
 instrumenting the model for the duration of the capture and observing what each
 injection point computes. The model is restored afterwards.
+
+Prompts are token ids, text, or chat conversations (lists of ``{"role", "content"}``
+messages); text goes through the checkpoint's own tokenizer (its chat template for
+conversations), and the text is recorded beside the ids (``metadata["prompt_texts"]``).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 import torch
 
@@ -17,14 +21,19 @@ from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .reference import Reference
 from .targets import TargetError, TargetLike, resolve_targets
 
+#: One prompt: token ids (a list or a 1-D tensor), a text, or a chat conversation.
+Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[Mapping[str, Any]]]
+
 
 @torch.no_grad()
 def capture_reference(
     model: torch.nn.Module,
-    prompt_token_ids: Sequence[Sequence[int]],
+    prompts: Sequence[Prompt],
     targets: Iterable[TargetLike],
     max_new_tokens: int,
     *,
+    tokenizer=None,
+    chat: bool = False,
     components: Mapping[str, TargetLike] | None = None,
     progress: bool = True,
 ) -> Reference:
@@ -33,13 +42,19 @@ def capture_reference(
     ``[1, L, E]``, then ``[1, 1, E]`` per decode step), the logits of every
     generated step, and the generated tokens.
 
+    ``prompts`` may mix token ids, texts and conversations; texts need ``tokenizer``
+    (the checkpoint's, e.g. ``AutoTokenizer.from_pretrained(checkpoint)``), and
+    ``chat=True`` sends each plain text as one user message through its chat template
+    (see :func:`tokenize_prompts`).
+
     ``components`` (``{kind: Target}``, e.g. a family's ``components``) are recorded
     too, ``[T, H]`` rows per layer and kind, for :func:`fxreplace.blame`; the
     metadata's ``"components"`` names each one's kind and layer.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    prompts = check_prompts(prompt_token_ids, model.config.vocab_size)
+    token_ids, texts = tokenize_prompts(prompts, tokenizer, chat=chat)
+    prompts = check_prompts(token_ids, model.config.vocab_size)
     from tqdm.auto import tqdm  # the hf extra; fxreplace.models imports this module without it
 
     owned = not isinstance(model, InstrumentedModel)
@@ -95,6 +110,7 @@ def capture_reference(
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "targets": names,
         "max_new_tokens": max_new_tokens,
+        "prompt_texts": texts,
     }
     if found:
         metadata["components"] = {c.capture_name: {"kind": c.kind, "layer": c.layer} for c in found}
@@ -104,6 +120,49 @@ def capture_reference(
 def architecture(config, default: str) -> str:
     """The architecture a model config names first (the family registry key), else ``default``."""
     return (getattr(config, "architectures", None) or [default])[0]
+
+
+def tokenize_prompts(prompts: Sequence[Prompt], tokenizer=None, *, chat: bool = False
+                     ) -> tuple[list, list[str | None]]:
+    """Each prompt as token ids, and its text (None for a prompt given as ids).
+
+    A text is tokenized as the tokenizer does by default (its special tokens added); a
+    conversation, or a text when ``chat``, is rendered with the tokenizer's chat template
+    (with the generation prompt) and the rendered text is what gets recorded.
+    A ValueError names the first prompt that cannot be turned into ids.
+    """
+    ids, texts = [], []
+    for i, prompt in enumerate(prompts):
+        conversation = _conversation(prompt)
+        if isinstance(prompt, str) and chat:
+            conversation = [{"role": "user", "content": prompt}]
+        if conversation is None and not isinstance(prompt, str):
+            ids.append(prompt)
+            texts.append(None)
+            continue
+        if tokenizer is None:
+            raise ValueError(f"prompt {i} is text but no tokenizer was given: pass the checkpoint's tokenizer "
+                             "(AutoTokenizer.from_pretrained(checkpoint)) or token id lists")
+        if conversation is not None:
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError(f"prompt {i} is a chat conversation but the tokenizer has no chat template: "
+                                 "give plain text or token ids")
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template wrote them
+        else:
+            text = prompt
+            ids.append(tokenizer(text)["input_ids"])
+        texts.append(text)
+    return ids, texts
+
+
+def _conversation(prompt) -> list | None:
+    """``prompt`` as a list of chat messages, or None when it is not one."""
+    if isinstance(prompt, (str, torch.Tensor)) or not isinstance(prompt, Sequence) or not prompt:
+        return None
+    if not all(isinstance(m, Mapping) for m in prompt):
+        return None
+    return list(prompt)
 
 
 def check_prompts(prompt_token_ids: Sequence, vocab_size: int) -> list[list[int]]:

@@ -1,4 +1,10 @@
-"""The ``fxreplace`` command: demo, capture, validate, blame, inspect."""
+"""The ``fxreplace`` command: demo, capture, validate, blame, inspect.
+
+Exit codes: 0 success (every ``--fail-on`` gate passed); 1 a ``--fail-on`` gate failed,
+``inspect --verify`` found a damaged store, or the ``hf`` extra is missing; 2 a usage
+error (a bad argument, a missing file, a wrong target): one ``error:`` line that names
+the problem and the fix, with the traceback only under ``--debug``.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,32 @@ import argparse
 import copy
 import json
 import sys
+import traceback
 from pathlib import Path
 
 HF_EXTRA = {"transformers", "tqdm", "matplotlib"}  # the `hf` extra: every command needs it
+EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE = 0, 1, 2
+DTYPES = ["float32", "bfloat16", "float16"]
+#: Files that make a directory hold a tokenizer (transformers 5 builds an empty one from a bare config).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class UsageError(SystemExit):
+    """A user's mistake: the command exits 2 after one ``error: ... hint: ...`` line."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(EXIT_USAGE)
+        self.message = message if hint is None else f"{message}; hint: {hint}"
+
+    def __str__(self) -> str:
+        return f"error: {self.message}"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``error:`` line (exit 2) like every other mistake."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}", None if "hint:" in message else f"see `{self.prog} --help`")
 
 
 def load_model(spec: str):
@@ -24,15 +53,87 @@ def load_model(spec: str):
     try:
         return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
     except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"error: cannot load the model in {spec}: {e}") from None
+        raise UsageError(f"cannot load the model in {spec}: {e}",
+                         "a checkpoint directory holds config.json and its weights (save_pretrained)") from None
 
 
-def check_model_dir(spec: str) -> None:
+def model_spec(spec: str) -> str:
+    """The MODEL argument, checked before anything loads: ``builtin:ARCH`` of a registered
+    family, or a local Hugging Face directory."""
+    if spec.startswith("builtin:"):
+        from fxreplace.models import families
+
+        if spec.removeprefix("builtin:") not in families():
+            raise argparse.ArgumentTypeError(f"no builtin model {spec!r}; hint: builtin:ARCH with ARCH one of "
+                                             f"{', '.join(families())}")
+        return spec
+    check_model_dir(spec, argparse.ArgumentTypeError)
+    return spec
+
+
+def check_model_dir(spec: str, error=UsageError) -> None:
     """A local model directory must at least hold a Hugging Face ``config.json``."""
-    if not Path(spec).is_dir():
-        raise SystemExit(f"error: model {spec!r} is neither builtin:ARCH nor a local directory")
-    if not (Path(spec) / "config.json").is_file():
-        raise SystemExit(f"error: {spec} holds no config.json: not a Hugging Face model directory")
+    path = Path(spec)
+    if not path.is_dir():
+        raise error(f"model {spec!r} is neither builtin:ARCH nor a local directory; hint: "
+                    "give a checkpoint directory (config.json and weights) or builtin:ARCH")
+    if not (path / "config.json").is_file():
+        from .store import INDEX_FILE, TENSORS_FILE
+
+        if (path / INDEX_FILE).is_file() or (path / TENSORS_FILE).is_file():
+            raise error(f"{spec} is a reference store, not a model directory; hint: "
+                        f"`fxreplace inspect --verify {spec}` checks a store")
+        raise error(f"{spec} holds no config.json: not a Hugging Face model directory; hint: "
+                    "save the model with save_pretrained(DIR)")
+
+
+def reference_path(path: str) -> str:
+    """``--reference``: checked to exist before any model loads."""
+    if not Path(path).exists():
+        raise argparse.ArgumentTypeError(f"no reference store at {path}; hint: write one with "
+                                         f"`fxreplace capture MODEL --prompts FILE --out {path}`")
+    return path
+
+
+def existing_file(path: str) -> str:
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"no file {path}")
+    return path
+
+
+def junit_path(path: str) -> str:
+    if not Path(path).resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: its folder {Path(path).resolve().parent} does not exist")
+    return path
+
+
+def load_reference_arg(path: str):
+    """The reference a command line names; a damaged or foreign file is a usage error."""
+    from .reference import load_reference
+    from .store import CaptureError
+
+    try:
+        return load_reference(path)
+    except (CaptureError, ValueError, OSError) as e:
+        raise UsageError(f"cannot read the reference {path}: {e}",
+                         f"`fxreplace inspect --verify {path}` checks it; `fxreplace capture` writes one") from None
+
+
+def load_tokenizer(spec: str, *, required_by: str | None = None):
+    """The checkpoint's own tokenizer (``AutoTokenizer`` from the model directory), or None
+    where it has none; ``required_by`` (what needs it) turns its absence into an error."""
+    if spec.startswith("builtin:") or not any((Path(spec) / f).is_file() for f in TOKENIZER_FILES):
+        if required_by is None:
+            return None
+        raise UsageError(f"{required_by} needs a tokenizer but {spec} has none ({' / '.join(TOKENIZER_FILES[:2])})",
+                         "give --prompts as token id lists, e.g. [[1, 2, 3]], or save the tokenizer into the "
+                         "checkpoint (tokenizer.save_pretrained(DIR))")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot load the tokenizer in {spec}: {e}", "give --prompts as token id lists") from None
 
 
 def model_architecture(spec: str) -> str:
@@ -42,7 +143,7 @@ def model_architecture(spec: str) -> str:
     try:
         config = json.loads((Path(spec) / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"error: cannot read {Path(spec) / 'config.json'}: {e}") from None
+        raise UsageError(f"cannot read {Path(spec) / 'config.json'}: {e}") from None
     return (config.get("architectures") or ["unknown"])[0]
 
 
@@ -55,7 +156,7 @@ def check_writable_dir(path: str, option: str) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise SystemExit(f"error: {option} {path} is not a writable directory: {e}") from None
+        raise UsageError(f"{option} {path} is not a writable directory: {e}", f"choose another {option}") from None
 
 
 def check_reference_matches(reference, reference_path: str, model_name: str, arch: str) -> None:
@@ -63,8 +164,9 @@ def check_reference_matches(reference, reference_path: str, model_name: str, arc
     modules (or the same names with another meaning) without any shape error."""
     recorded = reference.metadata.get("architecture")
     if recorded and recorded != arch:
-        raise SystemExit(f"error: the reference {reference_path} was captured from {recorded} "
-                         f"(captures {reference.store.capture_names[:2]} ...) but {model_name} is {arch}")
+        raise UsageError(f"the reference {reference_path} was captured from {recorded} "
+                         f"(captures {reference.store.capture_names[:2]} ...) but {model_name} is {arch}",
+                         "validate the model the reference was captured from, or capture a new one")
 
 
 def default_targets(model) -> list:
@@ -73,20 +175,66 @@ def default_targets(model) -> list:
     return list(get_family(architecture(model.config, type(model).__name__)).targets)
 
 
-def read_prompts(path: str, vocab_size: int) -> list[list[int]]:
-    """The prompts file (a JSON list of token id lists), checked against the model's vocabulary."""
+def read_prompts(path: str) -> list:
+    """The prompts file, parsed before any model loads: a JSON list whose items are texts,
+    token id lists, ``{"prompt": text or ids}`` or ``{"messages": [...]}`` (a chat), or the
+    same items one per line (JSONL)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UsageError(f"cannot read prompts file {path}: {e}") from None
+    try:
+        data = json.loads(text)
+        items = [(f"item {i}", item) for i, item in enumerate(data)] if isinstance(data, list) else None
+    except json.JSONDecodeError:
+        items = None
+    if items is None:  # JSONL: one prompt per line
+        items = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    items.append((f"line {n}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise UsageError(f"{path} line {n} is not JSON: {e}", PROMPTS_HINT) from None
+    if not items:
+        raise UsageError(f"{path} holds no prompts", PROMPTS_HINT)
+    return [_prompt(path, where, item) for where, item in items]
+
+
+PROMPTS_HINT = ('a JSON list of texts or token id lists, or JSONL lines {"prompt": "..."} or '
+                '{"messages": [{"role": "user", "content": "..."}]}')
+
+
+def _prompt(path: str, where: str, item):
+    if isinstance(item, dict):
+        if "messages" in item and isinstance(item["messages"], list):
+            return item["messages"]
+        item = item.get("prompt")
+    if isinstance(item, str) or (isinstance(item, list) and all(isinstance(t, int) for t in item)):
+        return item
+    raise UsageError(f"{path} {where}: not a prompt", PROMPTS_HINT)
+
+
+def tokenize_args(prompts: list, model_spec: str, path: str, chat: bool = False) -> tuple[list, list]:
+    """Token ids and texts of parsed prompts, text through the checkpoint's tokenizer
+    (loaded before the model, so a missing one fails fast)."""
+    from .capture import tokenize_prompts
+
+    texts_given = chat or any(not (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompts)
+    tokenizer = load_tokenizer(model_spec, required_by=f"text prompts in {path}") if texts_given else None
+    try:
+        return tokenize_prompts(prompts, tokenizer, chat=chat)
+    except ValueError as e:
+        raise UsageError(f"{path}: {e}") from None
+
+
+def checked_ids(ids: list, vocab_size: int, path: str) -> list[list[int]]:
     from .capture import check_prompts
 
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"error: cannot read prompts file {path}: {e}") from None
-    if not isinstance(data, list) or not all(isinstance(p, list) for p in data):
-        raise SystemExit(f"error: {path} must hold a JSON list of token id lists")
-    try:
-        return check_prompts(data, vocab_size)
+        return check_prompts(ids, vocab_size)
     except ValueError as e:
-        raise SystemExit(f"error: {path}: {e}") from None
+        raise UsageError(f"{path}: {e}", "token ids must be below the model's vocab_size") from None
 
 
 def _demo(args) -> int:
@@ -99,19 +247,23 @@ def _demo(args) -> int:
 def _capture(args) -> int:
     if args.engine == "vllm":
         if args.components or args.component:
-            raise SystemExit("error: --components/--component are for --engine hf (blame components are captured "
+            raise UsageError("--components/--component are for --engine hf (blame components are captured "
                              "from the HF reference)")
         return _capture_vllm(args)
     from .blame import family_components
     from .capture import capture_reference
 
+    ids, texts = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)
+    components = _components(args.component) if args.component else None
     check_writable_dir(args.out, "--out")
     model = load_model(args.model)
-    prompts = read_prompts(args.prompts, model.config.vocab_size)
+    prompts = checked_ids(ids, model.config.vocab_size, args.prompts)
     targets = args.target or default_targets(model)
-    components = _components(args.component) if args.component else family_components(model) if args.components else None
+    if args.components and not args.component:
+        components = family_components(model)
     reference = capture_reference(model, prompts, targets, args.max_new_tokens, components=components)
     reference.metadata["source_model"] = args.model
+    reference.metadata["prompt_texts"] = texts
     reference.save(args.out)
     print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.capture_names)} targets -> {args.out}")
     return 0
@@ -120,16 +272,17 @@ def _capture(args) -> int:
 def _capture_vllm(args) -> int:
     """Capture through a vLLM engine in capture mode (see :mod:`fxreplace.vllm.capture`)."""
     if not Path(args.model).is_dir():
-        raise SystemExit(f"error: --engine vllm needs a local checkpoint directory, got {args.model!r}")
+        raise UsageError(f"--engine vllm needs a local checkpoint directory, got {args.model!r}")
     try:
         engine_args = json.loads(args.engine_args)
     except json.JSONDecodeError as e:
-        raise SystemExit(f"error: --engine-args is not JSON: {e}") from None
+        raise UsageError(f"--engine-args is not JSON: {e}") from None
     if not isinstance(engine_args, dict):
-        raise SystemExit("error: --engine-args must be a JSON object of vllm.LLM keyword arguments")
+        raise UsageError("--engine-args must be a JSON object of vllm.LLM keyword arguments")
     with open(Path(args.model) / "config.json") as f:
         vocab_size = json.load(f)["vocab_size"]
-    prompts = read_prompts(args.prompts, vocab_size)
+    ids = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)[0]
+    prompts = checked_ids(ids, vocab_size, args.prompts)
     from .vllm.capture import capture_with_vllm
 
     longest = max(len(p) for p in prompts) + args.max_new_tokens
@@ -143,8 +296,9 @@ def _capture_vllm(args) -> int:
 
 def _check_vocab(reference, model_name: str, vocab_size: int) -> None:
     if vocab_size != reference.vocab_size:
-        raise SystemExit(f"error: the reference has vocab size {reference.vocab_size} but {model_name} has "
-                         f"{vocab_size}: it was captured from another model")
+        raise UsageError(f"the reference has vocab size {reference.vocab_size} but {model_name} has "
+                         f"{vocab_size}: it was captured from another model",
+                         "validate the model the reference was captured from, or capture a new one")
 
 
 def _longest_sequence(reference) -> int:
@@ -159,18 +313,50 @@ def _replacement_config(args, **source):
     try:
         return ReplacementConfig(targets=args.target, **source)
     except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise UsageError(str(e), "`fxreplace inspect MODEL` lists the injection points") from None
 
 
-def _report(result, report_dir: str, extra: str = "") -> int:
+def _report(result, args, extra: str = "") -> int:
+    """Write the report, print the summary and verdict; with a gate, the exit code says whether it passed."""
     from .report import print_summary
+    from .validation import Gate
 
-    result.write_report(report_dir)
+    result.write_report(args.report_dir)
     print_summary(result)
     if extra:
         print(extra)
-    print(f"report: {Path(report_dir).resolve() / 'report.html'}")
-    return 0
+    print(f"report: {Path(args.report_dir).resolve() / 'report.html'}")
+    gate = Gate.parse(args.fail_on or [])
+    if args.junit:
+        from .junit import write_validation_junit
+
+        print(f"junit: {write_validation_junit(result, gate, args.junit).resolve()}")
+    if not args.fail_on:
+        return EXIT_OK
+    failed = {p: reasons for p, reasons in gate.failures(result).items() if reasons}
+    if failed:
+        print(f"gate failed (--fail-on {' '.join(args.fail_on)}): {len(failed)} of {result.num_prompts} prompts: "
+              + "; ".join(f"prompt {p}: {', '.join(r)}" for p, r in list(failed.items())[:5]))
+        return EXIT_GATE_FAILED
+    print(f"gate passed (--fail-on {' '.join(args.fail_on)}): every prompt")
+    return EXIT_OK
+
+
+def gate_condition(text: str) -> str:
+    """One ``--fail-on`` condition, checked when the command line is parsed."""
+    from .validation import Gate
+
+    try:
+        Gate.parse([text])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _targets_label(targets) -> str:
+    """What mode "on" replaces, in the verdict's words."""
+    names = [getattr(t, "pattern", t) for t in targets]
+    return f"the targets ({', '.join(map(str, names[:3]))}{' ...' if len(names) > 3 else ''})"
 
 
 def _validate(args) -> int:
@@ -178,14 +364,12 @@ def _validate(args) -> int:
         return _validate_vllm(args)
     import torch
 
-    from .config import ReplacementConfig
     from .instrument import instrument
     from .models import architecture
-    from .reference import load_reference
     from .runner import Runner, RunnerConfig
     from .validation import logit_validation
 
-    reference = load_reference(args.reference)
+    reference = load_reference_arg(args.reference)
     check_writable_dir(args.report_dir, "--report-dir")
     model = load_model(args.model)
     check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
@@ -196,8 +380,12 @@ def _validate(args) -> int:
     target = instrument(copy.deepcopy(model).to(dtype), targets)
     missing = [t for t in (t.capture_name for t in target._fxreplace.targets) if t not in reference.store.columns]
     if missing:
-        raise SystemExit(f"error: the reference holds no captures for targets {missing}; it has {reference.store.capture_names}")
-    bucket = 1 << (_longest_sequence(reference) - 1).bit_length()
+        raise UsageError(f"the reference holds no captures for targets {missing}; it has {reference.store.capture_names}",
+                         "give --target patterns the reference captured, or capture them (`fxreplace capture --target`)")
+    bucket = args.bucket or 1 << (_longest_sequence(reference) - 1).bit_length()
+    if bucket < _longest_sequence(reference):
+        raise UsageError(f"--bucket {bucket} is shorter than the longest reference sequence "
+                         f"({_longest_sequence(reference)} tokens)", "leave --bucket out to fit it")
     runner = Runner(
         target,
         model.config,
@@ -207,24 +395,38 @@ def _validate(args) -> int:
         observed=target,
         compile="inductor" if args.compile else None,
     )
-    result = logit_validation(runner, reference, router_topk=getattr(model.config, "num_experts_per_tok", None))
-    return _report(result, args.report_dir, f"graphs compiled: {runner.graphs_compiled}" if args.compile else "")
+    print(f"target: {args.model} in {args.dtype}, {'compiled (inductor)' if args.compile else 'eager'}, "
+          f"prefill bucket {bucket} tokens, decode batch {runner.cfg.batch_buckets[0]}; {reference.num_prompts} prompts")
+    result = logit_validation(runner, reference, router_topk=getattr(model.config, "num_experts_per_tok", None),
+                              tokenizer=_decoder(args.model, reference))
+    result.replaced = _targets_label(targets)
+    return _report(result, args, f"graphs compiled: {runner.graphs_compiled}" if args.compile else "")
+
+
+def _decoder(model: str, reference):
+    """A tokenizer to decode the tokens at divergences: the target checkpoint's, else the
+    reference model's (its directory recorded at capture); None when neither has one."""
+    for spec in (model, str(reference.metadata.get("source_model") or "")):
+        if spec and not spec.startswith("builtin:") and Path(spec).is_dir():
+            tokenizer = load_tokenizer(spec)
+            if tokenizer is not None:
+                return tokenizer
+    return None
 
 
 def _validate_vllm(args) -> int:
     """Teacher-forced validation through a real vLLM engine (the fxreplace plugin
     configured with the reference; see :mod:`fxreplace.vllm.engine`)."""
-    from .reference import load_reference
     from .validation import logit_validation
 
     if args.model.startswith("builtin:"):
-        raise SystemExit(f"error: --engine vllm needs a local checkpoint directory, got {args.model!r}")
+        raise UsageError(f"--engine vllm needs a local checkpoint directory, got {args.model!r}")
     check_model_dir(args.model)
     if args.compile:
-        raise SystemExit("error: --compile is for --engine runner; vLLM compiles by default (--eager to disable)")
+        raise UsageError("--compile is for --engine runner; vLLM compiles by default (--eager to disable)")
     if args.logprobs == 0 or args.logprobs < -1:
-        raise SystemExit(f"error: --logprobs must be -1 (whole vocabulary) or a positive count, got {args.logprobs}")
-    reference = load_reference(args.reference)
+        raise UsageError(f"--logprobs must be -1 (whole vocabulary) or a positive count, got {args.logprobs}")
+    reference = load_reference_arg(args.reference)
     check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
     check_writable_dir(args.report_dir, "--report-dir")
     from .vllm.engine import VllmEngine
@@ -238,10 +440,11 @@ def _validate_vllm(args) -> int:
         _check_vocab(reference, args.model, engine.vocab_size)
         with open(Path(args.model) / "config.json") as f:
             topk = json.load(f).get("num_experts_per_tok")
-        result = logit_validation(engine, reference, router_topk=topk)
+        result = logit_validation(engine, reference, router_topk=topk, tokenizer=_decoder(args.model, reference))
     finally:
         engine.close()
-    return _report(result, args.report_dir)
+    result.replaced = _targets_label(args.target or reference.metadata.get("targets") or [])
+    return _report(result, args)
 
 
 def _components(specs: list[str]) -> dict:
@@ -252,7 +455,7 @@ def _components(specs: list[str]) -> dict:
     for spec in specs:
         kind, sep, rest = spec.partition("=")
         if not sep or not kind or not rest:
-            raise SystemExit(f"error: --component {spec!r}: expected KIND=PATTERN[@POINT], e.g. "
+            raise UsageError(f"--component {spec!r}: expected KIND=PATTERN[@POINT], e.g. "
                              "attention=model.layers.*.self_attn@output[0]")
         pattern, _, point = rest.partition("@")
         out[kind] = Target(pattern, point=point or "auto")
@@ -264,17 +467,16 @@ def _blame(args) -> int:
     import torch
 
     from .blame import blame
-    from .reference import load_reference
 
-    reference = load_reference(args.reference)
+    reference = load_reference_arg(args.reference)
     check_writable_dir(args.report_dir, "--report-dir")
     if args.engine == "vllm":
         if args.model.startswith("builtin:"):
-            raise SystemExit(f"error: --engine vllm needs a local checkpoint directory, got {args.model!r}")
+            raise UsageError(f"--engine vllm needs a local checkpoint directory, got {args.model!r}")
         check_model_dir(args.model)
         check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
         if args.compile or args.component:
-            raise SystemExit("error: --compile and --component are for --engine runner (vLLM compiles unless --eager; "
+            raise UsageError("--compile and --component are for --engine runner (vLLM compiles unless --eager; "
                              "its components come from the family's vllm_components)")
         from .vllm.engine import VllmBlameEngine
 
@@ -300,6 +502,10 @@ def _blame(args) -> int:
     print(result.table())
     print(f"verdict: {result.verdict}")
     print(f"report: {report.resolve()}   ranking: {Path(args.report_dir).resolve() / 'blame.json'}")
+    if args.junit:
+        from .junit import write_blame_junit
+
+        print(f"junit: {write_blame_junit(result, args.junit).resolve()}")
     return 0
 
 
@@ -309,7 +515,7 @@ def _inspect(args) -> int:
     if args.verify:
         return _verify_store(args.verify)
     if args.model is None:
-        raise SystemExit("error: inspect needs a model (builtin:ARCH or a directory) or --verify REF")
+        raise UsageError("inspect needs a model (builtin:ARCH or a directory) or --verify REF")
     model = load_model(args.model)
     shapes: dict[str, tuple] = {}
     hooks = []
@@ -354,76 +560,133 @@ def positive_int(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fxreplace", description="Tensor replacement for accuracy debugging of compiled LLMs.")
-    sub = parser.add_subparsers(dest="command", required=True)
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` states every default that has a value (not the None or False of unset options)."""
 
-    demo = sub.add_parser("demo", help="capture, run compiled bf16 with and without router replacement, validate, report")
-    demo.add_argument("--prompts", type=positive_int, default=8)
-    demo.add_argument("--new-tokens", type=positive_int, default=32)
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> Parser:
+    """The command line (also what docs/cli.md is generated from)."""
+    parser = Parser(prog="fxreplace", formatter_class=DefaultsFormatter,
+                    description="Tensor replacement for accuracy debugging of compiled LLMs.",
+                    epilog="exit codes: 0 success; 1 a --fail-on gate failed (or inspect --verify found damage); "
+                           "2 usage error (one 'error:' line; --debug shows the traceback)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="print the traceback of an error too")
+
+    def command(name: str, help: str) -> Parser:
+        return sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=DefaultsFormatter)
+
+    demo = command("demo", "capture, run compiled bf16 with and without router replacement, validate, blame, report")
+    demo.add_argument("--prompts", type=positive_int, default=8, help="random prompts of 8-24 tokens")
+    demo.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated per prompt")
     demo.add_argument("--eager", action="store_true", help="do not torch.compile the target")
-    demo.add_argument("--report-dir", default="fxreplace-report")
+    demo.add_argument("--report-dir", default="fxreplace-report", help="folder for report.html and blame.html")
     demo.set_defaults(func=_demo)
 
-    capture = sub.add_parser("capture", help="capture reference tensors and logits from an HF model")
-    capture.add_argument("model", help="builtin:ARCH or a local HF directory")
-    capture.add_argument("--prompts", required=True, help="JSON file: a list of token id lists")
-    capture.add_argument("--target", action="append", help="target pattern (default: the family's routers); repeatable")
-    capture.add_argument("--max-new-tokens", type=positive_int, default=32)
+    capture = command("capture", "capture reference tensors and logits from an HF model")
+    capture.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF checkpoint directory")
+    capture.add_argument("--prompts", required=True, type=existing_file,
+                         help="JSON list of texts or token id lists, or JSONL lines {\"prompt\": ...} / "
+                              "{\"messages\": [...]}; text goes through the checkpoint's tokenizer")
+    capture.add_argument("--chat", action="store_true",
+                         help="send each text prompt as one user message through the tokenizer's chat template")
+    capture.add_argument("--target", action="append",
+                         help="target pattern, repeatable (default: the family's routers)")
+    capture.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy tokens per prompt")
     capture.add_argument("--out", required=True, help="reference directory to write")
     capture.add_argument("--components", action="store_true",
                          help="also record the family's blame components (attention, router, experts, layer outputs)")
     capture.add_argument("--component", action="append", metavar="KIND=PATTERN[@POINT]",
                          help="record this component instead of the family's (repeatable)")
     capture.add_argument("--engine", choices=["hf", "vllm"], default="hf",
-                         help="hf: the HF model in this process; vllm: a vLLM engine in capture mode (MODEL: a checkpoint directory)")
-    capture.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="--engine vllm")
+                         help="hf: the HF model in this process (fp32); vllm: a vLLM engine in capture mode "
+                              "(MODEL: a checkpoint directory)")
+    capture.add_argument("--dtype", choices=DTYPES, default="float32", help="--engine vllm: the engine's dtype")
     capture.add_argument("--eager", action="store_true", help="--engine vllm: enforce eager mode (no vLLM compile)")
     capture.add_argument("--engine-args", default="{}",
                          help='--engine vllm: JSON of vllm.LLM arguments, e.g. \'{"tensor_parallel_size": 2}\'')
     capture.set_defaults(func=_capture)
 
-    validate = sub.add_parser("validate", help="teacher-forced logit validation of a target against a reference")
-    validate.add_argument("model", help="builtin:ARCH or a local HF directory (the target's weights)")
-    validate.add_argument("--reference", required=True, help="directory written by `fxreplace capture`")
+    validate = command("validate", "teacher-forced logit validation of a target against a reference")
+    validate.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF directory (the target's weights)")
+    validate.add_argument("--reference", required=True, type=reference_path, help="directory written by `fxreplace capture`")
     validate.add_argument("--engine", choices=["runner", "vllm"], default="runner",
                           help="runner: fxreplace's static-shape runner; vllm: a vLLM engine with the fxreplace plugin")
-    validate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    validate.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the target's dtype")
     validate.add_argument("--compile", action="store_true", help="torch.compile the target (inductor; --engine runner)")
+    validate.add_argument("--bucket", type=positive_int,
+                          help="--engine runner: prefill bucket in tokens (default: the longest reference sequence "
+                               "rounded up to a power of two); decode batch: min(8, prompts)")
     validate.add_argument("--eager", action="store_true", help="--engine vllm: enforce eager mode (no vLLM compile)")
     validate.add_argument("--logprobs", type=int, default=-1,
                           help="--engine vllm: log-probs per step, -1 = whole vocabulary (exact metrics); "
                                "k > 0 fills the rest with the smallest returned value")
-    validate.add_argument("--target", action="append")
-    validate.add_argument("--report-dir", default="fxreplace-report")
+    validate.add_argument("--target", action="append", help="target pattern, repeatable (default: the family's routers)")
+    validate.add_argument("--report-dir", default="fxreplace-report",
+                          help="folder for report.html, result.json and the plots")
+    validate.add_argument("--fail-on", action="append", type=gate_condition, metavar="{diverged,kl=X,top5=Y}",
+                          help="exit 1 when a prompt of the target without replacement fails: its top-1 token "
+                               "differs (diverged), its mean KL > X, its mean top-5 error > Y (repeatable)")
+    validate.add_argument("--junit", type=junit_path, metavar="FILE",
+                          help="write JUnit XML: one test case per prompt, failed by --fail-on")
     validate.set_defaults(func=_validate)
 
-    blame = sub.add_parser("blame", help="find the component that explains the divergence (bisection over layers, "
-                                          "then each kind alone)")
-    blame.add_argument("model", help="builtin:ARCH or a local HF directory (the target's weights)")
-    blame.add_argument("--reference", required=True, help="directory written by `fxreplace capture --components`")
-    blame.add_argument("--engine", choices=["runner", "vllm"], default="runner")
-    blame.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    blame = command("blame", "find the component that explains the divergence (bisection over layers, then each "
+                             "kind alone)")
+    blame.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF directory (the target's weights)")
+    blame.add_argument("--reference", required=True, type=reference_path,
+                       help="directory written by `fxreplace capture --components`")
+    blame.add_argument("--engine", choices=["runner", "vllm"], default="runner",
+                       help="runner: fxreplace's static-shape runner; vllm: a vLLM engine with the fxreplace plugin")
+    blame.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the target's dtype")
     blame.add_argument("--compile", action="store_true", help="torch.compile the target (inductor; --engine runner)")
     blame.add_argument("--eager", action="store_true", help="--engine vllm: enforce eager mode")
     blame.add_argument("--component", action="append", metavar="KIND=PATTERN[@POINT]",
                        help="candidate component for a family that declares none (repeatable)")
-    blame.add_argument("--report-dir", default="fxreplace-blame")
+    blame.add_argument("--report-dir", default="fxreplace-blame", help="folder for blame.html and blame.json "
+                       "(the validation's folder links the two reports)")
+    blame.add_argument("--junit", type=junit_path, metavar="FILE",
+                       help="write JUnit XML: one test case per ranked component, failed when it accounts for a share "
+                            "of the divergence")
     blame.set_defaults(func=_blame)
 
-    inspect = sub.add_parser("inspect", help="list candidate injection points with their shapes, or --verify a reference")
-    inspect.add_argument("model", nargs="?", help="builtin:ARCH or a local HF directory")
-    inspect.add_argument("--verify", metavar="REF", help="check a reference store byte by byte against its recorded digests")
-    inspect.add_argument("--tokens", type=positive_int, default=4)
+    inspect = command("inspect", "list candidate injection points with their shapes, or --verify a reference")
+    inspect.add_argument("model", nargs="?", type=model_spec, help="builtin:ARCH or a local HF directory")
+    inspect.add_argument("--verify", metavar="REF", type=reference_path,
+                         help="check a reference store byte by byte against its recorded digests")
+    inspect.add_argument("--tokens", type=positive_int, default=4, help="tokens of the probe forward")
     inspect.set_defaults(func=_inspect)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; a user's mistake raises :class:`UsageError` (exit 2) after its one line."""
+    from .config import ConfigError
+    from .targets import TargetError
+
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
-        return args.func(args)
+        args = build_parser().parse_args(argv)
+        try:
+            return args.func(args)
+        except (TargetError, ConfigError) as e:  # a --target that names no module, a bad replacement config
+            raise UsageError(str(e), f"`fxreplace inspect {getattr(args, 'model', None) or 'MODEL'}` lists the "
+                             "injection points") from e
+    except UsageError as error:
+        if debug:
+            traceback.print_exc()
+        print(error, file=sys.stderr)
+        raise
     except ModuleNotFoundError as error:
         if error.name not in HF_EXTRA:
             raise
-        sys.exit(f"fxreplace {args.command} needs {error.name}: pip install 'fxreplace[hf]'")
+        sys.exit(f"fxreplace {sys.argv[1] if argv is None else argv[0]} needs {error.name}: pip install 'fxreplace[hf]'")
 
 
 if __name__ == "__main__":

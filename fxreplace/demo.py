@@ -79,8 +79,9 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
     print(f"target: the same weights in bf16, instrumented at {len(target_model.targets)} routers, "
           f"{'compiled (inductor)' if cfg.compile else 'eager'}, embedded runner")
     result = logit_validation(runner, reference, router_topk=getattr(config, "num_experts_per_tok", None), progress=progress)
+    result.replaced = "the router logits"
     report = result.write_report(cfg.report_dir)
-    print_summary(result, "the router logits")
+    print_summary(result)
     if cfg.compile:
         print(f"graphs compiled: {runner.graphs_compiled} (one per bucket; replacement on and off share them)")
     print()

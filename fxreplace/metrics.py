@@ -71,3 +71,83 @@ def topk_agreement(reference: torch.Tensor, target: torch.Tensor, k: int) -> tor
     ref = reference.float().topk(k, dim=-1).indices.sort(-1).values
     tgt = target.float().topk(k, dim=-1).indices.sort(-1).values
     return (ref == tgt).all(-1)
+
+
+#: A replacement *explains* a divergence when it removes at least EXPLAINS of both the mean
+#: KL(reference || target) and the mean top-5 log-prob error; it *contributes* from CONTRIBUTES.
+#: Counts of diverged prompts and top-1 agreement are reported beside them but decide nothing:
+#: one flipped near-tie keeps a prompt "diverged" while the error itself shrinks 18-fold.
+EXPLAINS, CONTRIBUTES = 0.9, 0.25
+
+#: What a validation can conclude (:attr:`Verdict.outcome`). With both modes: the target
+#: did not diverge at all, or replacing the tensors explains / contributes to / does not
+#: cause its divergence; with one mode: it passed or diverged.
+NO_DIVERGENCE, EXPLAINED, CONTRIBUTES_TO, NOT_THE_CAUSE, PASSED = (
+    "no_divergence", "explained", "contributes", "not_the_cause", "passed")
+
+
+def explained(off: dict, on: dict) -> dict:
+    """The fraction of ``off``'s divergence that replacement removes (one mode's
+    validation summary each): ``{"kl", "top5", "explained"}``, the last the smaller
+    of the two (None when ``off`` has no error to remove)."""
+
+    def removed(key):
+        before, after = off[key], on[key]
+        if before is None or after is None or before <= 0:
+            return None
+        return max(0.0, 1.0 - after / before)
+
+    kl, top5 = removed("mean_kl"), removed("mean_top5_error")
+    known = [v for v in (kl, top5) if v is not None]
+    return {"kl": kl, "top5": top5, "explained": min(known) if known else None}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a validation concludes: ``outcome`` (one of the constants above) for programs,
+    ``sentence`` for people (the line the CLI prints, the top of report.html)."""
+
+    outcome: str
+    sentence: str
+    explained: float | None = None  # the smaller of explained_kl and explained_top5
+    explained_kl: float | None = None
+    explained_top5: float | None = None
+
+    def __str__(self) -> str:
+        return self.sentence
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def verdict(summary: dict, what: str = "the replaced tensors") -> Verdict:
+    """The verdict on one validation summary (per mode, as ``ValidationResult.summary()``):
+    with modes "off" and "on", whether replacing ``what`` removes the divergence (from the
+    continuous measures, see :data:`EXPLAINS`); with one mode, whether the target diverged."""
+    if set(summary) != {"off", "on"}:
+        mode, s = next(iter(summary.items()))
+        label = "without" if mode == "off" else "with"
+        figures = (f"{label} replacement the target diverges on {s['prompts_diverged']} of {len(s['prompts'])} prompts "
+                   f"(top-1 agreement {s['top1_agreement']:.3g}, mean KL {s['mean_kl']:.3g})")
+        if s["status_counts"][DIVERGED]:
+            return Verdict(DIVERGED, f"{figures}: it diverged from the reference.")
+        return Verdict(PASSED, f"{figures}: every step is within tolerance.")
+    off, on = summary["off"], summary["on"]
+    if off["status_counts"][DIVERGED] == 0:
+        return Verdict(NO_DIVERGENCE, "the target did not diverge even without replacement; nothing to isolate here.")
+    e = explained(off, on)
+    numbers = dict(explained=e["explained"], explained_kl=e["kl"], explained_top5=e["top5"])
+    figures = (f"replacing {what} removes {_pct(e['kl'])} of the mean KL ({off['mean_kl']:.3g} -> {on['mean_kl']:.3g}) "
+               f"and {_pct(e['top5'])} of the mean top-5 error; diverged prompts {off['prompts_diverged']} -> "
+               f"{on['prompts_diverged']}, top-1 agreement {off['top1_agreement']:.3g} -> {on['top1_agreement']:.3g}")
+    if e["explained"] is not None and e["explained"] >= EXPLAINS:
+        return Verdict(EXPLAINED, f"{figures}: they explain the divergence (>= {EXPLAINS:.0%} of both removed).", **numbers)
+    if e["explained"] is not None and e["explained"] >= CONTRIBUTES:
+        return Verdict(CONTRIBUTES_TO, f"{figures}: they are part of the cause (>= {CONTRIBUTES:.0%} of both removed); "
+                       "the rest arises elsewhere: `fxreplace blame` searches for it.", **numbers)
+    return Verdict(NOT_THE_CAUSE, f"{figures}: they are not the cause (< {CONTRIBUTES:.0%} of the error removed); look "
+                   "elsewhere: `fxreplace blame` searches layer by layer.", **numbers)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"

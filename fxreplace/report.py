@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 
 import matplotlib
@@ -24,7 +25,28 @@ def write_report(result, directory: str | Path) -> Path:
     if has_router:
         _plot_router(result, directory / "router_agreement.png")
     (directory / "report.html").write_text(_html(result, has_router))
+    _link_pages(directory)
     return directory / "report.html"
+
+
+#: The pages one investigation writes into one folder, each linking to the others present.
+PAGES = {"report.html": "validation report", "blame.html": "blame report"}
+_NAV = re.compile(r"<nav id='fxreplace-pages'>.*?</nav>", re.S)
+STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"
+         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}td.text{text-align:left}"
+         ".verdict{font-size:1.15em;padding:.8em 1em;border-left:6px solid #555;background:#f4f4f4}"
+         ".diverged{background:#fdd}.within_tolerance{background:#ffd}.matched{background:#dfd}"
+         "nav{margin-bottom:1em}</style>")
+
+
+def _link_pages(directory: Path) -> None:
+    """Rewrite each page's navigation to link to the other pages now in ``directory``
+    (validate and blame write theirs at different times, in either order)."""
+    present = [name for name in PAGES if (directory / name).is_file()]
+    for name in present:
+        links = " | ".join(f"<b>{PAGES[n]}</b>" if n == name else f"<a href='{n}'>{PAGES[n]}</a>" for n in present)
+        page = directory / name
+        page.write_text(_NAV.sub(lambda _: f"<nav id='fxreplace-pages'>{links}</nav>", page.read_text(), count=1))
 
 
 def _plot_errors(result, path: Path) -> None:
@@ -55,6 +77,13 @@ def _plot_errors(result, path: Path) -> None:
 
 
 def _plot_router(result, path: Path) -> None:
+    fig = router_figure(result)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def router_figure(result):
+    """Bars per target and mode: the fraction of tokens whose top-k routing matches the reference."""
     modules = sorted({m for mode in result.modes for m in result.router.get(mode, {})}, key=_natural)
     fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(modules) + 2), 3.5))
     width = 0.8 / max(1, len(result.modes))
@@ -69,22 +98,21 @@ def _plot_router(result, path: Path) -> None:
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("fraction of tokens")
     ax.set_title("Target's own top-k routing equals the reference's")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the bars, never on them
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def _html(result, has_router: bool) -> str:
     summary = result.summary()
+    tol = result.tolerances.to_dict()
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>fxreplace validation report</title>",
-        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}"
-        ".diverged{background:#fdd}.within_tolerance{background:#ffd}.matched{background:#dfd}</style></head><body>",
+        f"<!doctype html><html><head><meta charset='utf-8'><title>fxreplace validation report</title>{STYLE}</head><body>",
+        "<nav id='fxreplace-pages'></nav>",
         "<h1>fxreplace logit validation</h1>",
-        f"<p>{result.num_prompts} prompts, {result.num_steps} validated steps. Tolerances: "
-        f"{html.escape(str(result.tolerances.to_dict()))}</p>",
+        f"<p class='verdict' id='verdict'><b>Verdict:</b> {html.escape(result.verdict.sentence)}</p>",
+        f"<p>{result.num_prompts} prompts, {result.num_steps} validated steps (teacher forcing: after a divergence the "
+        "target continues from the reference's tokens).</p>",
         "<h2>Summary</h2><table><tr><th>mode</th><th>top-1 agreement</th><th>prompts diverged</th>"
         "<th>mean top-5 error</th><th>mean KL</th><th>router agreement</th><th>matched / within / diverged</th></tr>",
     ]
@@ -95,33 +123,64 @@ def _html(result, has_router: bool) -> str:
             f"<td>{fmt(s['mean_top5_error'])}</td><td>{fmt(s['mean_kl'])}</td><td>{fmt(s['router_agreement_mean'])}</td>"
             f"<td>{counts['matched']} / {counts['within_tolerance']} / {counts['diverged']}</td></tr>"
         )
-    parts.append("</table><img src='error_per_step.png' style='max-width:100%'>")
+    parts.append("</table>")
+    parts.append("<h3>Tolerances</h3><table id='tolerances'><tr><th>rule</th><th>value</th></tr>"
+                 f"<tr><td class='text'>matched: top-5 error at most</td><td>{tol['match_atol']:g}</td></tr>"
+                 f"<tr><td class='text'>diverged: top-5 error above</td><td>{tol['top5_atol']:g}</td></tr>"
+                 f"<tr><td class='text'>diverged: top-50 error above</td><td>{tol['top50_atol']:g}</td></tr>"
+                 f"<tr><td class='text'>diverged: KL above</td><td>{tol['kl_max']:g}</td></tr></table>"
+                 "<p>Errors are the largest |&Delta; log p| over the reference's top-k tokens; a step whose top-1 token "
+                 "differs is diverged too.</p>")
+    parts.append("<h2>Per step</h2><img src='error_per_step.png' style='max-width:100%' alt='top-5 error per step'>")
     if has_router:
-        parts.append("<h2>Router agreement per target</h2><img src='router_agreement.png' style='max-width:100%'>")
-    parts.append("<h2>First divergence per prompt</h2><table><tr><th>prompt</th>")
-    parts += [f"<th>{MODE_LABELS[m]}</th>" for m in summary]
+        parts.append("<h2>Router agreement per target</h2><img src='router_agreement.png' style='max-width:100%' "
+                     "alt='router agreement per target'>")
+    parts.append("<h2>First divergence per prompt</h2><table id='prompts'><tr><th>prompt</th><th>text</th>")
+    parts += [f"<th>{MODE_LABELS[m]}: step (reference &rarr; target token)</th>" for m in summary]
     parts.append("</tr>")
     for p in sorted({s.prompt for s in result.steps}):
-        cells = "".join(f"<td>{fmt(summary[m]['prompts'].get(p, {}).get('first_divergence'))}</td>" for m in summary)
-        parts.append(f"<tr><td>{p}</td>{cells}</tr>")
-    parts.append("</table><h2>Per-token table</h2><table><tr><th>mode</th><th>prompt</th><th>step</th><th>retry</th>"
-                 "<th>ref token</th><th>target token</th><th>top-5 err</th><th>top-50 err</th><th>KL</th><th>status</th></tr>")
+        text = result.prompt_texts.get(p)
+        cells = "".join(f"<td>{_divergence(result, summary[m]['prompts'].get(p, {}))}</td>" for m in summary)
+        parts.append(f"<tr><td>{p}</td><td class='text'>{_snippet(text)}</td>{cells}</tr>")
+    parts.append(f"</table><details id='per-token'><summary>Per-token table ({len(result.steps)} rows)</summary>"
+                 "<table><tr><th>mode</th><th>prompt</th><th>step</th><th>retry</th><th>ref token</th><th>target token</th>"
+                 "<th>top-5 err</th><th>top-50 err</th><th>KL</th><th>status</th></tr>")
     for s in result.steps:
         parts.append(
             f"<tr class='{s.status}'><td>{s.mode}</td><td>{s.prompt}</td><td>{s.step}</td><td>{s.round}</td>"
             f"<td>{s.reference_token}</td><td>{s.target_token}</td><td>{fmt(s.top5_error)}</td><td>{fmt(s.top50_error)}</td>"
             f"<td>{fmt(s.kl)}</td><td>{s.status}{' (NaN)' if s.nan else ''}</td></tr>"
         )
-    parts.append("</table></body></html>")
+    parts.append("</table></details></body></html>")
     return "\n".join(parts)
 
 
-def print_summary(result, what: str = "the targets") -> None:
-    """The terminal summary of a validation: per prompt and overall, without vs with
-    replacement of ``what``, and the verdict (:func:`fxreplace.validation.verdict`)."""
-    from .validation import verdict
+def _divergence(result, prompt: dict) -> str:
+    """A prompt's first divergence as "step (ref -> target)", tokens decoded where a tokenizer gave their text."""
+    step, tokens = prompt.get("first_divergence"), prompt.get("tokens_at_divergence")
+    if step is None or tokens is None:
+        return "-"
+    ref, tgt = (_token(result, t) for t in tokens)
+    return f"{step} ({ref} &rarr; {tgt})"
 
+
+def _token(result, token: int) -> str:
+    text = result.token_texts.get(token)
+    return f"{token}" if text is None else f"{token} <code>{html.escape(repr(text))}</code>"
+
+
+def _snippet(text: str | None, limit: int = 160) -> str:
+    if text is None:
+        return "<i>token ids</i>"
+    short = text if len(text) <= limit else text[:limit] + "..."
+    return f"<span title='{html.escape(text, quote=True)}'>{html.escape(short)}</span>"
+
+
+def print_summary(result) -> None:
+    """The terminal summary of a validation: per prompt and overall, without vs with
+    replacement of ``result.replaced``, and the verdict (:attr:`ValidationResult.verdict`)."""
     summary = result.summary()
+    what = result.replaced
     off, on = summary["off"], summary["on"]
     print()
     print(f"{'prompt':>6} | {'first divergence':^21} | {'mean top-5 error':^21}")
@@ -137,7 +196,7 @@ def print_summary(result, what: str = "the targets") -> None:
                        ("router agreement (top-k)", "router_agreement_mean")]:
         print(f"{label:<28}{fmt(off[key]):>10}{fmt(on[key]):>10}")
     print()
-    print("verdict: " + verdict(off, on, what))
+    print("verdict: " + result.verdict.sentence)
 
 
 def fmt(v) -> str:
@@ -165,11 +224,10 @@ def write_blame_report(result, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     result.write_json(directory / "blame.json")
     _plot_blame(result, directory / "blame_heatmap.png")
-    page = ["<!doctype html><html><head><meta charset='utf-8'><title>fxreplace blame</title>",
-            "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"
-            "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}</style></head><body>",
-            blame_section(result), "</body></html>"]
+    page = [f"<!doctype html><html><head><meta charset='utf-8'><title>fxreplace blame</title>{STYLE}</head><body>",
+            "<nav id='fxreplace-pages'></nav>", blame_section(result), "</body></html>"]
     (directory / "blame.html").write_text("\n".join(page))
+    _link_pages(directory)
     return directory / "blame.html"
 
 
@@ -178,7 +236,7 @@ def blame_section(result) -> str:
     t = result.thresholds
     parts = [
         "<h2>Blame: which component explains the divergence</h2>",
-        f"<p><b>{html.escape(result.verdict)}</b></p>",
+        f"<p class='verdict' id='verdict'><b>Verdict:</b> {html.escape(result.verdict)}</p>",
         f"<p>{len(result.passes)} validation passes, {result.seconds:.1f} s. A replacement <i>explains</i> the "
         f"divergence when it removes at least {t['explains']:.0%} of both the mean KL and the mean top-5 log-prob "
         f"error; a layer is the origin when at least {t['concentrated']:.0%} of the divergence arises there "

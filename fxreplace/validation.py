@@ -15,13 +15,18 @@ from which router agreement is measured.
 from __future__ import annotations
 
 import json
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Collection, Protocol, Sequence
 
 import torch
 
-from .metrics import DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, compare_logits, topk_agreement
+# EXPLAINS and explained are read from here by blame; they live in metrics with the verdict
+from .metrics import (DIVERGED, EXPLAINS, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_logits,  # noqa: F401
+                      explained, topk_agreement, verdict)
 from .reference import Reference
 
 
@@ -48,6 +53,14 @@ class ValidationResult:
     tolerances: Tolerances = field(default_factory=Tolerances)
     num_prompts: int = 0
     num_steps: int = 0
+    prompt_texts: dict[int, str | None] = field(default_factory=dict)  # per prompt, when given as text
+    token_texts: dict[int, str] = field(default_factory=dict)  # decoded tokens at the first divergences
+    replaced: str = "the targets"  # what mode "on" replaces, in the verdict's words
+
+    @property
+    def verdict(self) -> Verdict:
+        """What this validation concludes (:func:`fxreplace.metrics.verdict`)."""
+        return verdict(self.summary(), self.replaced)
 
     @property
     def modes(self) -> list[str]:
@@ -64,13 +77,17 @@ class ValidationResult:
             prompts = {}
             for p in sorted({s.prompt for s in rows}):
                 mine = [s for s in rows if s.prompt == p]
-                diverged = [s.step for s in mine if not s.top1_agree]
+                diverged = [s for s in mine if not s.top1_agree]
+                first = min(diverged, key=lambda s: s.step) if diverged else None
                 prompts[p] = {
-                    "first_divergence": min(diverged) if diverged else None,
+                    "first_divergence": first.step if first else None,
                     "divergences": len(diverged),
                     "retries": max(s.round for s in mine),
                     "nan": any(s.nan for s in mine),
                     "mean_top5_error": _mean([s.top5_error for s in mine]),
+                    "mean_kl": _mean([s.kl for s in mine]),
+                    # the tokens at the first divergence: what the reference and the target picked
+                    "tokens_at_divergence": [first.reference_token, first.target_token] if first else None,
                 }
             router = self.router.get(mode, {})
             out[mode] = {
@@ -89,7 +106,10 @@ class ValidationResult:
     def to_json(self) -> str:
         return json.dumps(
             {
+                "verdict": self.verdict.to_dict(),
                 "tolerances": self.tolerances.to_dict(),
+                "prompt_texts": self.prompt_texts,
+                "token_texts": self.token_texts,
                 "summary": self.summary(),
                 "steps": [asdict(s) for s in self.steps],
             },
@@ -102,6 +122,54 @@ class ValidationResult:
         return write_report(self, directory)
 
 
+@dataclass(frozen=True)
+class Gate:
+    """A pass/fail rule for CI, checked per prompt on the target *without* replacement
+    (mode "off": the compiled model as it runs): ``diverged`` fails a prompt whose top-1
+    token differs from the reference at any step (or gives NaN), ``kl`` a prompt whose
+    mean KL exceeds it, ``top5`` one whose mean top-5 log-prob error exceeds it."""
+
+    diverged: bool = False
+    kl: float | None = None
+    top5: float | None = None
+
+    @classmethod
+    def parse(cls, conditions: Sequence[str]) -> "Gate":
+        """``["diverged", "kl=0.05", "top5=0.1"]`` (the CLI's ``--fail-on``); ValueError names a bad one."""
+        fields: dict = {}
+        for condition in conditions:
+            key, sep, value = condition.partition("=")
+            if key == "diverged" and not sep:
+                fields["diverged"] = True
+            elif key in ("kl", "top5") and sep:
+                try:
+                    fields[key] = float(value)
+                except ValueError:
+                    raise ValueError(f"{condition!r}: {key}= needs a number, e.g. {key}=0.05") from None
+            else:
+                raise ValueError(f"{condition!r}: expected diverged, kl=X or top5=Y")
+        return cls(**fields)
+
+    def failures(self, result: ValidationResult) -> dict[int, list[str]]:
+        """Per validated prompt, why it fails the gate (an empty list: it passes)."""
+        summary = result.summary().get("off")
+        if summary is None:
+            raise ValueError("the gate checks the target without replacement: validate with mode 'off'")
+        out = {}
+        for p, s in summary["prompts"].items():
+            reasons = []
+            if self.diverged and s["nan"]:
+                reasons.append("NaN logits")
+            elif self.diverged and s["first_divergence"] is not None:
+                reasons.append(f"diverged at step {s['first_divergence']}")
+            if self.kl is not None and (s["mean_kl"] is None or s["mean_kl"] > self.kl):
+                reasons.append(f"mean KL {_fmt(s['mean_kl'])} > {self.kl:g}")
+            if self.top5 is not None and (s["mean_top5_error"] is None or s["mean_top5_error"] > self.top5):
+                reasons.append(f"mean top-5 error {_fmt(s['mean_top5_error'])} > {self.top5:g}")
+            out[p] = reasons
+        return out
+
+
 def logit_validation(
     engine: Engine,
     reference: Reference,
@@ -111,6 +179,7 @@ def logit_validation(
     prompts: Sequence[int] | None = None,
     router_topk: int | None = None,
     replace: Collection[str] | None = None,
+    tokenizer=None,
     progress: bool = True,
 ) -> ValidationResult:
     """Teacher-forced validation of ``engine`` against ``reference``.
@@ -119,13 +188,18 @@ def logit_validation(
     selects reference prompts (default: all). ``router_topk``: compare each
     target's top-k set (the experts it picks) with the reference's where the
     engine reports what its targets computed. ``replace``: the capture names "on"
-    replaces (default: every target of the engine).
+    replaces (default: every target of the engine). ``tokenizer`` (the checkpoint's)
+    decodes the tokens at each first divergence for the reports.
+
+    With ``progress``, a bar counts validated steps, and while the engine works on a
+    call (a compile, a long wave) a line says so at least every :data:`HEARTBEAT_S` seconds.
     """
     for mode in modes:
         if mode not in ("off", "on"):
             raise ValueError(f"modes must be 'off' and/or 'on', got {mode!r}")
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
-    result = ValidationResult(tolerances=tolerances, num_prompts=len(indices))
+    texts = reference.metadata.get("prompt_texts") or [None] * reference.num_prompts
+    result = ValidationResult(tolerances=tolerances, num_prompts=len(indices), prompt_texts={p: texts[p] for p in indices})
     from tqdm.auto import tqdm  # the hf extra; `import fxreplace` (blame) imports this module without it
 
     for mode in modes:
@@ -134,7 +208,9 @@ def logit_validation(
         covered = {p: 0 for p in indices}
         stopped: set[int] = set()
         rounds = 0
-        bar = tqdm(total=sum(reference.num_generated(p) for p in indices), desc=f"validate ({mode})", disable=not progress)
+        # smoothing=0: the rate is the average since the bar (re)started, which leaves out the first call's compile
+        bar = tqdm(total=sum(reference.num_generated(p) for p in indices), desc=f"validate ({mode})", disable=not progress,
+                   smoothing=0)
         while True:
             todo = [p for p in indices if p not in stopped and covered[p] < reference.num_generated(p)]
             if not todo:
@@ -143,7 +219,8 @@ def logit_validation(
             # each call already batches every prompt still running
             inputs = [reference.prompt_tokens(p) + reference.tokens(p)[: covered[p]] for p in todo]
             max_new = max(reference.num_generated(p) - covered[p] for p in todo)
-            gens = engine.generate(inputs, max_new, replace=(mode == "on" if replace is None or mode == "off" else replace))
+            with _heartbeat(bar, progress, f"round {rounds}: {len(todo)} prompts, up to {max_new} steps"):
+                gens = engine.generate(inputs, max_new, replace=(mode == "on" if replace is None or mode == "off" else replace))
             for p, gen in zip(todo, gens):
                 start = covered[p]
                 ref_logits = reference.logits(p)
@@ -151,7 +228,6 @@ def logit_validation(
                     step = start + j
                     m = compare_logits(ref_logits[step], logits, tolerances)
                     result.steps.append(StepRecord(**asdict(m), mode=mode, prompt=p, step=step, round=rounds, req_id=gen.req_id))
-                    bar.update(1)
                     covered[p] = step + 1
                     if m.nan:
                         stopped.add(p)
@@ -160,51 +236,47 @@ def logit_validation(
                         break
                 if router_topk and getattr(gen, "observed", None):
                     _router_agreement(router, reference, p, gen, start, covered[p], router_topk)
+            done = sum(covered.values())
+            if rounds == 0:  # the first call compiles: time the ETA from the calls after it
+                bar.reset()
+                bar.initial = bar.n = done
+                bar.refresh()
+            else:
+                bar.update(done - bar.n)
             rounds += 1
         bar.close()
     result.num_steps = len(result.steps)
+    if tokenizer is not None:
+        at_divergence = {t for s in result.steps if not s.top1_agree and not s.nan for t in (s.reference_token, s.target_token)}
+        result.token_texts = {t: tokenizer.decode([t]) for t in sorted(at_divergence)}
     return result
 
 
-#: A replacement *explains* a divergence when it removes at least EXPLAINS of both the mean
-#: KL(reference || target) and the mean top-5 log-prob error; it *contributes* from CONTRIBUTES.
-#: Counts of diverged prompts and top-1 agreement are reported beside them but decide nothing:
-#: one flipped near-tie keeps a prompt "diverged" while the error itself shrinks 18-fold.
-EXPLAINS, CONTRIBUTES = 0.9, 0.25
+#: Longest stretch without a progress line while the engine works (a compile takes 10-60 s).
+HEARTBEAT_S = 10.0
 
 
-def explained(off: dict, on: dict) -> dict:
-    """The fraction of ``off``'s divergence that replacement removes (one mode's
-    :meth:`ValidationResult.summary` each): ``{"kl", "top5", "explained"}``, the last
-    the smaller of the two (None when ``off`` has no error to remove)."""
+@contextmanager
+def _heartbeat(bar, enabled: bool, doing: str):
+    """While the engine runs one call, say every HEARTBEAT_S seconds that it still works
+    and for how long: its first calls compile, and a slow machine must not look hung."""
+    if not enabled:
+        yield
+        return
+    started, done = time.perf_counter(), threading.Event()
 
-    def removed(key):
-        before, after = off[key], on[key]
-        if before is None or after is None or before <= 0:
-            return None
-        return max(0.0, 1.0 - after / before)
+    def beat():
+        while not done.wait(HEARTBEAT_S):
+            bar.write(f"  {bar.desc}: engine busy for {time.perf_counter() - started:.0f} s ({doing}; "
+                      "its first calls compile)")
 
-    kl, top5 = removed("mean_kl"), removed("mean_top5_error")
-    known = [v for v in (kl, top5) if v is not None]
-    return {"kl": kl, "top5": top5, "explained": min(known) if known else None}
-
-
-def verdict(off: dict, on: dict, what: str = "the replaced tensors") -> str:
-    """One sentence on whether replacing ``what`` removes the divergence, from the
-    continuous measures (see :data:`EXPLAINS`)."""
-    if off["status_counts"][DIVERGED] == 0:
-        return "the target did not diverge even without replacement; nothing to isolate here."
-    e = explained(off, on)
-    figures = (f"replacing {what} removes {e['kl']:.0%} of the mean KL ({off['mean_kl']:.3g} -> {on['mean_kl']:.3g}) "
-               f"and {e['top5']:.0%} of the mean top-5 error; diverged prompts {off['prompts_diverged']} -> "
-               f"{on['prompts_diverged']}, top-1 agreement {off['top1_agreement']:.3g} -> {on['top1_agreement']:.3g}")
-    if e["explained"] is not None and e["explained"] >= EXPLAINS:
-        return f"{figures}: they explain the divergence (>= {EXPLAINS:.0%} of both removed)."
-    if e["explained"] is not None and e["explained"] >= CONTRIBUTES:
-        return (f"{figures}: they are part of the cause (>= {CONTRIBUTES:.0%} of both removed); the rest arises "
-                "elsewhere: `fxreplace blame` searches for it.")
-    return (f"{figures}: they are not the cause (< {CONTRIBUTES:.0%} of the error removed); look elsewhere: "
-            "`fxreplace blame` searches layer by layer.")
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _router_agreement(router, reference: Reference, p: int, gen, start: int, covered: int, k: int) -> None:
@@ -229,6 +301,10 @@ def _router_agreement(router, reference: Reference, p: int, gen, start: int, cov
         counts = router.setdefault(name, [0, 0])
         counts[0] += int(agree.sum())
         counts[1] += len(positions)
+
+
+def _fmt(value: float | None) -> str:
+    return "NaN" if value is None else f"{value:.3g}"
 
 
 def _mean(values) -> float | None:

@@ -4,28 +4,10 @@ A family module says which modules hold the tensors worth replacing in the HF
 implementation (and in vLLM's, which names and returns them differently) and
 gives a tiny config for tests and demos.
 
-Registering a family (``models/my_family.py``, then import it below; a package
-outside this repository declares the module in the ``fxreplace.families``
-entry-point group instead, see :mod:`fxreplace.extensions`)::
-
-    from transformers import MyMoeConfig
-    from fxreplace.capture import architecture  # noqa: F401  (the registry key of a model's config)
-from fxreplace.extensions import load_extensions
-from fxreplace.targets import Target
-    from . import Family, register_family
-
-    def tiny_config():
-        # few layers, head_dim in {32, 64, ...} (vLLM CPU attention), >= 8 experts
-        return MyMoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64,
-                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                           head_dim=32, num_experts=8, num_experts_per_tok=2)
-
-    register_family(Family(
-        architecture="MyMoeForCausalLM",
-        targets=(Target("model.layers.*.mlp.gate"),),          # router logits: first linear
-        vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
-        tiny_config=tiny_config,
-    ))
+Registering a family: a module in ``models/`` imported at the end of this file, or, for a
+package outside this repository, a module declared in the ``fxreplace.families`` entry-point
+group (see :mod:`fxreplace.extensions`). ``docs/examples/my_family.py`` is a complete, tested
+example (``docs/extending.md``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The README cannot rot: every ```python block runs as written (on the tiny
-models, in a fresh directory), and every ``fxreplace.<name>`` it mentions exists."""
+"""The README and the docs cannot rot: every ```python block runs as written (on the
+tiny models, in a fresh directory), and every ``fxreplace.<name>`` they mention exists."""
 
 import importlib
 import re
@@ -7,21 +7,31 @@ from pathlib import Path
 
 import pytest
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SNIPPET = re.compile(r'^--8<-- "(.+?)"$', re.M)  # pymdownx.snippets: the page shows that file
+
+
+def python_blocks(page: Path) -> list[str]:
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
+    return [SNIPPET.sub(lambda m: (ROOT / m.group(1)).read_text(), block) for block in blocks]
+
+
+BLOCKS = [(page.relative_to(ROOT), i, code) for page in PAGES for i, code in enumerate(python_blocks(page))]
 # dotted names in code spans, e.g. `fxreplace.uninstrument(model)`; entry-point groups are names, not attributes
-NAMES = sorted(set(re.findall(r"`[^`]*?\b(fxreplace(?:\.\w+)+)", README)) - {"fxreplace.families"})
+NAMES = sorted({name for page in PAGES for name in re.findall(r"`[^`]*?\b(fxreplace(?:\.\w+)+)", page.read_text())}
+               - {"fxreplace.families"})
 
 
-def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 5, "README lost its runnable examples"
+def test_readme_and_docs_have_python_blocks():
+    assert sum(str(page) == "README.md" for page, _, _ in BLOCKS) >= 1, "README lost its example"
+    assert len(BLOCKS) >= 8, "the docs lost their runnable examples"
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_block_runs(index, tmp_path, monkeypatch):
+@pytest.mark.parametrize("page,index,code", BLOCKS, ids=[f"{page}-{i}" for page, i, _ in BLOCKS])
+def test_python_block_runs(page, index, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # blocks write ref/, report/
-    code = compile(BLOCKS[index], f"README.md python block {index}", "exec")
-    exec(code, {"__name__": f"readme_block_{index}"})
+    exec(compile(code, f"{page} python block {index}", "exec"), {"__name__": f"docs_block_{index}"})
 
 
 def resolve(dotted: str):
@@ -39,5 +49,5 @@ def resolve(dotted: str):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_readme_names_exist(name):
+def test_names_exist(name):
     resolve(name)

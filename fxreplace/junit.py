@@ -1,0 +1,58 @@
+"""JUnit XML for CI: one test case per validated prompt, or per blamed component.
+
+CI servers (GitLab, Jenkins, GitHub test reporters) read this format, so an accuracy
+check shows up beside the unit tests of a compiler or kernel change.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def write_validation_junit(result, gate, path: str | Path) -> Path:
+    """One case per prompt: failed when :meth:`Gate.failures` names a reason."""
+    failures = gate.failures(result)
+    summary = result.summary()["off"]["prompts"]
+    suite = _suite("fxreplace.validate", len(failures), sum(bool(r) for r in failures.values()))
+    for p, reasons in failures.items():
+        s = summary[p]
+        case = ET.SubElement(suite, "testcase", classname="fxreplace.validate", name=f"prompt {p}")
+        out = (f"first divergence: {s['first_divergence']}; mean KL {_g(s['mean_kl'])}; "
+               f"mean top-5 error {_g(s['mean_top5_error'])}; text: {result.prompt_texts.get(p)!r}")
+        ET.SubElement(case, "system-out").text = out
+        if reasons:
+            ET.SubElement(case, "failure", message="; ".join(reasons), type="accuracy").text = result.verdict.sentence
+    return _write(suite, path)
+
+
+def write_blame_junit(result, path: str | Path) -> Path:
+    """One case per ranked component: failed when it accounts for at least the share that
+    counts as contributing (:data:`fxreplace.metrics.CONTRIBUTES`) of the divergence."""
+    from .metrics import CONTRIBUTES
+
+    guilty = [b for b in result.ranking if (b.share or 0) >= CONTRIBUTES]
+    suite = _suite("fxreplace.blame", len(result.ranking), len(guilty))
+    for b in result.ranking:
+        case = ET.SubElement(suite, "testcase", classname=f"fxreplace.blame.{b.kind}", name=b.component)
+        if b in guilty:
+            ET.SubElement(case, "failure", message=f"accounts for {b.share:.0%} of the divergence "
+                          f"(KL {_g(b.kl_off)} -> {_g(b.kl_on)} when replaced)", type="accuracy").text = result.verdict
+    return _write(suite, path)
+
+
+def _suite(name: str, tests: int, failures: int) -> ET.Element:
+    return ET.Element("testsuite", name=name, tests=str(tests), failures=str(failures), errors="0")
+
+
+def _write(suite: ET.Element, path: str | Path) -> Path:
+    path = Path(path)
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.indent(root)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    return path
+
+
+def _g(value: float | None) -> str:
+    return "NaN" if value is None else f"{value:.3g}"

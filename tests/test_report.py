@@ -1,0 +1,82 @@
+"""The validation page: verdict first, tolerances as a table, the long table folded, plots readable."""
+
+import json
+import re
+from html.parser import HTMLParser
+
+import matplotlib.pyplot as plt
+
+from fxreplace.metrics import DIVERGED, MATCHED, Verdict
+from fxreplace.report import router_figure, write_blame_report
+from fxreplace.validation import StepRecord, ValidationResult
+
+
+def step(mode, prompt, s, agree=True, kl=1e-3):
+    return StepRecord(agree, 5, 5 if agree else 7, kl, 2 * kl, kl, False, MATCHED if agree else DIVERGED,
+                      mode=mode, prompt=prompt, step=s, round=0, req_id="r")
+
+
+def result() -> ValidationResult:
+    steps = [step("off", 0, 0), step("off", 0, 1, agree=False, kl=0.5), step("off", 1, 0),
+             step("on", 0, 0), step("on", 0, 1), step("on", 1, 0)]
+    return ValidationResult(steps=steps, router={"off": {"model.layers.0.mlp.gate": [3, 4]},
+                                                 "on": {"model.layers.0.mlp.gate": [4, 4]}},
+                            num_prompts=2, num_steps=6, prompt_texts={0: "the <router>", 1: None},
+                            token_texts={5: " red", 7: " blue"}, replaced="the router logits")
+
+
+class Outline(HTMLParser):
+    """The page's elements in order, with ids and classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.tags = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+def test_verdict_tolerances_details_and_texts(tmp_path):
+    r = result()
+    assert isinstance(r.verdict, Verdict) and r.verdict.outcome == "explained"
+    assert r.verdict.sentence.startswith("replacing the router logits removes 99% of the mean KL")
+    page = (r.write_report(tmp_path) and (tmp_path / "report.html").read_text())
+    outline = Outline()
+    outline.feed(page)
+    order = [attrs.get("id") or tag for tag, attrs in outline.tags]
+    assert order.index("verdict") < order.index("h2"), "the verdict comes before every section"
+    assert "tolerances" in order and "per-token" in order
+    assert re.search(r"<details id='per-token'><summary>Per-token table \(6 rows\)</summary><table>", page)
+    assert "<td class='text'>diverged: KL above</td><td>0.05</td>" in page and "{'match_atol'" not in page
+    assert "the &lt;router&gt;" in page and "<i>token ids</i>" in page
+    assert "1 (5 <code>&#x27; red&#x27;</code> &rarr; 7 <code>&#x27; blue&#x27;</code>)" in page
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["verdict"] == r.verdict.to_dict() and saved["summary"]["off"]["prompts"]["0"]["tokens_at_divergence"] == [5, 7]
+    assert "<nav id='fxreplace-pages'><b>validation report</b></nav>" in page
+
+
+def test_router_legend_sits_beside_the_bars():
+    fig = router_figure(result())
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    assert not ax.get_legend().get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+    plt.close(fig)
+
+
+class Blamed:
+    """The fields of a BlameResult that the blame page reads."""
+
+    verdict = "model.layers.1.mlp.gate (router, layer 1) is the cause"
+    thresholds = {"explains": 0.9, "concentrated": 0.75}
+    passes, seconds, ranking, layers, kinds = [], 1.0, [], [0], ["router"]
+
+    def write_json(self, path):
+        path.write_text("{}")
+
+
+def test_the_two_pages_link_to_each_other_whichever_is_written_first(tmp_path):
+    write_blame_report(Blamed(), tmp_path)
+    assert "<a href='report.html'>" not in (tmp_path / "blame.html").read_text()
+    result().write_report(tmp_path)
+    assert "<a href='blame.html'>blame report</a>" in (tmp_path / "report.html").read_text()
+    assert "<a href='report.html'>validation report</a>" in (tmp_path / "blame.html").read_text()
