@@ -38,6 +38,8 @@ from fxreplace.reference import load_reference
 from fxreplace.store import ReferenceStore, StoreError, StoreWriter
 from fxreplace.vllm.capture import merge_stages, stage_dirs
 from ray_cluster import NODE_IPS, RayCluster, write_platform_plugin
+from test_blame import PLANTED
+from test_blame_vllm import planted_checkpoint, reference_dir  # noqa: F401  (reference_dir: a fixture)
 from test_vllm_capture import NEW as CAPTURE_NEW, Setup, compare
 from test_vllm_tp import NEW as TP_NEW, Ref, check_against_hf
 from vllm_engines import engine_env, result_line, run_python
@@ -117,15 +119,20 @@ def cluster(tmp_path_factory):
           + ", ".join(f"{k} {v:.0f} s" for k, v in TIMINGS.items()))
 
 
+def ray_env(cluster: RayCluster) -> dict:
+    """What an engine process needs to use the cluster: its address, the driver's node
+    address, the platform plugin on its path."""
+    return dict(RAY_ADDRESS=cluster.address, VLLM_HOST_IP=NODE_IPS[0], PYTHONPATH=cluster.env["PYTHONPATH"])
+
+
 def run_on_ray(cluster: RayCluster, name: str, ckpt: str, prompts_path, fxreplace: dict, engine: dict, new: int,
                compiled: bool) -> dict:
     """One engine on the cluster: the script's RESULT (outputs, worker states, capture counts)."""
     script = cluster.directory / "engine.py"
     script.write_text(SCRIPT)
-    env = dict(RAY_ADDRESS=cluster.address, VLLM_HOST_IP=NODE_IPS[0], PYTHONPATH=cluster.env["PYTHONPATH"])
     started = time.monotonic()
     stdout = run_python([str(script), ckpt, str(prompts_path), json.dumps(fxreplace), json.dumps(engine), str(new)],
-                        timeout_s=TIMEOUT_S, tp=2, compiled=compiled, env=env)
+                        timeout_s=TIMEOUT_S, tp=2, compiled=compiled, env=ray_env(cluster))
     TIMINGS[name] = time.monotonic() - started
     return result_line(stdout)
 
@@ -178,7 +185,7 @@ def test_capture_on_ray_equals_hf(cluster, setup, layout, mode):
         assert [p.name for p in stages] == ["pp0", "pp1"] and len(counts) == 2  # each stage wrote its store
         assert all(c["completed"] == len(setup.prompts) for c in counts), counts
         first, last = (ReferenceStore.load(p) for p in stages)
-        assert first.prompt_ids == last.prompt_ids  # the stages number requests alike
+        assert sorted(first.prompt_ids) == sorted(last.prompt_ids)  # the stages number requests alike
         assert not first.extra_names and last.extra_names  # the last stage writes the generation
         assert first.capture_names + last.capture_names == setup.hf.store.capture_names  # each its own layers
         assert first.capture_names and last.capture_names
@@ -240,3 +247,22 @@ def test_unsupported_layouts_are_refused_before_any_worker_starts(ref, setup):
         engine_config(capture, pipeline_parallel_size=2,
                       speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     assert not (setup.dir / "refused").exists()
+
+
+def test_blame_through_a_ray_engine_ranks_the_planted_router_first(cluster, reference_dir, tmp_path):
+    """``fxreplace blame --engine vllm --engine-args '{"distributed_executor_backend": "ray", ...}'``:
+    one engine (a TP=2 worker on each node) serves the whole search and finds the fault."""
+    checkpoint = planted_checkpoint(tmp_path / "ckpt", "router")
+    out = tmp_path / "blame"
+    engine = {"distributed_executor_backend": "ray", "tensor_parallel_size": 2, "enable_prefix_caching": False}
+    started = time.monotonic()
+    stdout = run_python(["-m", "fxreplace", "blame", str(checkpoint), "--reference", str(reference_dir), "--engine",
+                         "vllm", "--dtype", "float32", "--eager", "--report-dir", str(out), "--engine-args",
+                         json.dumps(engine)], timeout_s=TIMEOUT_S, tp=2, env=ray_env(cluster))
+    TIMINGS["blame tp=2 eager"] = time.monotonic() - started
+    data = json.loads((out / "blame.json").read_text())
+    component, layer = PLANTED["router"]
+    top = data["ranking"][0]
+    assert (top["component"], top["kind"], top["layer"]) == (component, "router", layer), stdout[-3000:]
+    assert data["confident"] and data["origin_layer"] == layer
+    assert f"{component} (router, layer {layer}) is the cause" in stdout

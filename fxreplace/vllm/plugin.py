@@ -57,7 +57,7 @@ from ..matching import PromptIndex
 from ..replacer import TensorReplacer
 from ..targets import Target, TargetError, resolve_targets
 from . import internals
-from .config import parse_config, wrap_in_place
+from .config import parse_config, refuse_unsupported, wrap_in_place
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -129,6 +129,8 @@ def _create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
         wrap_in_place(getattr(self, "additional_config", None))
         config = parse_config(getattr(self, "additional_config", None))
+        if config is not None:
+            refuse_unsupported(self)
         if config is not None and config.config.capture is not None:
             from .capture import prepare_engine_args
 
