@@ -273,12 +273,7 @@ def _capture_vllm(args) -> int:
     """Capture through a vLLM engine in capture mode (see :mod:`fxreplace.vllm.capture`)."""
     if not Path(args.model).is_dir():
         raise UsageError(f"--engine vllm needs a local checkpoint directory, got {args.model!r}")
-    try:
-        engine_args = json.loads(args.engine_args)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--engine-args is not JSON: {e}") from None
-    if not isinstance(engine_args, dict):
-        raise UsageError("--engine-args must be a JSON object of vllm.LLM keyword arguments")
+    engine_args = _engine_args(args.engine_args)
     with open(Path(args.model) / "config.json") as f:
         vocab_size = json.load(f)["vocab_size"]
     ids = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)[0]
@@ -292,6 +287,17 @@ def _capture_vllm(args) -> int:
     print(f"captured {counts.get('completed', 0)} prompts x {args.max_new_tokens} tokens with vLLM "
           f"({counts.get('dropped', 0)} dropped) -> {args.out}")
     return 0 if counts.get("completed") == len(prompts) else 1
+
+
+def _engine_args(text: str) -> dict:
+    """``--engine-args``: a JSON object of ``vllm.LLM`` keyword arguments."""
+    try:
+        engine_args = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--engine-args is not JSON: {e}") from None
+    if not isinstance(engine_args, dict):
+        raise UsageError("--engine-args must be a JSON object of vllm.LLM keyword arguments")
+    return engine_args
 
 
 def _check_vocab(reference, model_name: str, vocab_size: int) -> None:
@@ -480,9 +486,10 @@ def _blame(args) -> int:
                              "its components come from the family's vllm_components)")
         from .vllm.engine import VllmBlameEngine
 
+        engine_args = {"max_model_len": max(_longest_sequence(reference) + 8, 128),
+                       "max_num_seqs": min(8, reference.num_prompts), **_engine_args(args.engine_args)}
         engine = VllmBlameEngine(args.model, args.reference, dtype=args.dtype, logprobs=-1, enforce_eager=args.eager,
-                                 max_model_len=max(_longest_sequence(reference) + 8, 128),
-                                 max_num_seqs=min(8, reference.num_prompts))
+                                 **engine_args)
         try:
             _check_vocab(reference, args.model, engine.vocab_size)
             result = blame(engine, reference)
@@ -647,6 +654,9 @@ def build_parser() -> Parser:
     blame.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the target's dtype")
     blame.add_argument("--compile", action="store_true", help="torch.compile the target (inductor; --engine runner)")
     blame.add_argument("--eager", action="store_true", help="--engine vllm: enforce eager mode")
+    blame.add_argument("--engine-args", default="{}",
+                       help="--engine vllm: JSON object of vllm.LLM keyword arguments (e.g. tensor_parallel_size, "
+                            "distributed_executor_backend)")
     blame.add_argument("--component", action="append", metavar="KIND=PATTERN[@POINT]",
                        help="candidate component for a family that declares none (repeatable)")
     blame.add_argument("--report-dir", default="fxreplace-blame", help="folder for blame.html and blame.json "

@@ -37,13 +37,19 @@ def reference_dir(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_vllm_blame_ranks_the_planted_fault_first(reference_dir, tmp_path, fault):
-    checkpoint = save_tiny_checkpoint(ARCH, tmp_path / "ckpt", num_hidden_layers=LAYERS)
+def planted_checkpoint(directory, fault: str):
+    """The reference's tiny checkpoint with one weight scaled: the planted fault."""
+    checkpoint = save_tiny_checkpoint(ARCH, directory, num_hidden_layers=LAYERS)
     weights = load_file(str(checkpoint / "model.safetensors"))
     key, scale = FAULTS[fault]
     weights[key] = weights[key] * scale
     save_file(weights, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    return checkpoint
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_vllm_blame_ranks_the_planted_fault_first(reference_dir, tmp_path, fault):
+    checkpoint = planted_checkpoint(tmp_path / "ckpt", fault)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
     env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = tmp_path / "out"

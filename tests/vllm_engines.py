@@ -32,10 +32,11 @@ def engine_env(tp: int = 1, compiled: bool = False) -> dict:
     return env
 
 
-def run_python(args: list[str], *, timeout_s: float, tp: int = 1, compiled: bool = False) -> str:
-    """``python *args`` in its own session with :func:`engine_env`; its stdout (fails the test
-    on a non-zero exit or a timeout, showing stderr)."""
-    proc = subprocess.Popen([sys.executable, *args], env=engine_env(tp, compiled), stdout=subprocess.PIPE,
+def run_python(args: list[str], *, timeout_s: float, tp: int = 1, compiled: bool = False,
+               env: dict | None = None) -> str:
+    """``python *args`` in its own session with :func:`engine_env` (updated with ``env``); its
+    stdout (fails the test on a non-zero exit or a timeout, showing stderr)."""
+    proc = subprocess.Popen([sys.executable, *args], env={**engine_env(tp, compiled), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)

@@ -25,6 +25,16 @@ end sees) is dropped and counted.
 Prefix caching would skip the cached tokens' forwards, so their rows would be
 missing: capture refuses it. Only tensor-parallel rank 0 records and writes
 (every rank computes the same replicated router logits).
+
+Pipeline parallelism: each stage observes the targets of its own layers and writes
+its own store, ``out/pp<rank>``; only the last stage computes logits and samples, so
+it alone knows when a request meets its stop rule and writes the generated tokens
+and logits. A stage before it writes a request's rows when the scheduler reports the
+request finished (with the next step it schedules) or when :func:`finish_capture`
+closes the store. Every stage numbers requests in the order the scheduler hands
+them out (the same on every stage), and :func:`merge_stages` joins the stages'
+stores into one by that number, checking that prompts and row counts agree; a
+request a stage holds but the last stage did not complete (an abort) is left out.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from ..config import ConfigError
 from ..context import host_bits
 from ..instrument import instrument, observe
 from ..reference import Reference
-from ..store import StoreWriter
+from ..store import ReferenceStore, StoreError, StoreWriter
 from ..targets import Target, TargetError, resolve_targets
 from . import internals
 
@@ -55,6 +65,10 @@ STATS_FILE = "capture.json"
 PREFIX_CACHE_HINT = ("capture needs every prompt token computed: turn prefix caching off with "
                      "enable_prefix_caching=False (LLM/EngineArgs) or --no-enable-prefix-caching (server)")
 ASYNC_HINT = "capture reads each step's sampled tokens: turn async scheduling off (async_scheduling=False / --no-async-scheduling)"
+PP_SPECULATIVE_HINT = ("capture under pipeline parallelism cannot tell a stage before the last which speculative "
+                       "tokens were accepted: drop speculative_config, or capture with tensor parallelism")
+STAGE_DIR = "pp{}"
+MERGED_DIR = "merged"  # capture_with_vllm's join of the stage stores, beside them
 DATA_PARALLEL_KEY = "_data_parallel_size"  # set by the front end (prepare_engine_args), not by users
 
 
@@ -66,6 +80,9 @@ def prepare_engine_args(engine_args, capture: dict) -> None:
     could not tell it has siblings writing beside it."""
     if engine_args.data_parallel_size > 1:
         capture[DATA_PARALLEL_KEY] = int(engine_args.data_parallel_size)
+    if engine_args.pipeline_parallel_size > 1 and engine_args.speculative_config:
+        raise ConfigError(f"fxreplace capture with pipeline_parallel_size={engine_args.pipeline_parallel_size} "
+                          f"and speculative_config: {PP_SPECULATIVE_HINT}")
     if engine_args.enable_prefix_caching:
         raise ConfigError(f"fxreplace capture with prefix caching on: {PREFIX_CACHE_HINT}")
     if getattr(engine_args, "async_scheduling", None):
@@ -102,10 +119,12 @@ class _RequestRows:
     step, so a request holds only the logits it has generated so far). Held as numpy
     arrays: a small slice copy costs a fifteenth of torch's, and this runs every step."""
 
-    def __init__(self, prompt: list[int], sampling_params, width: int, capacity: int, bits):
+    def __init__(self, prompt: list[int], sampling_params, width: int, capacity: int, bits, arrival: int):
         self.prompt = prompt
+        self.arrival = arrival  # the request's number in the scheduler's order (the same on every stage)
         self.stop = _StopView(sampling_params, len(prompt), int(sampling_params.max_tokens))
         self.rows = np.zeros((capacity, width), dtype=bits)
+        self.computed = 0  # positions computed so far (a pipeline stage before the last writes these)
         self.logits: dict[int, np.ndarray] = {}
 
     def put_rows(self, start: int, rows: np.ndarray) -> None:
@@ -114,6 +133,7 @@ class _RequestRows:
             self.rows = np.concatenate([self.rows, np.zeros((end - self.rows.shape[0], self.rows.shape[1]),
                                                             dtype=self.rows.dtype)])
         self.rows[start:end] = rows
+        self.computed = max(self.computed, end)
 
     def put_logits(self, position: int, row: np.ndarray) -> None:
         j = position - (len(self.prompt) - 1)
@@ -134,14 +154,17 @@ class VllmCapture:
             raise ConfigError(f"fxreplace capture with prefix caching on: {PREFIX_CACHE_HINT}")
         if runner.use_async_scheduling:
             raise ConfigError(f"fxreplace capture with async scheduling on: {ASYNC_HINT}")
-        if get_pp_group().world_size > 1:
-            raise ConfigError("fxreplace capture does not support pipeline parallelism; use tensor parallelism")
+        pp = get_pp_group()
+        self.stage = pp.rank_in_group if pp.world_size > 1 else None  # None: no pipeline
+        self.samples = pp.is_last_rank  # computes logits and samples: knows when a request is complete
         self.runner = runner
         self.model = runner.model
         self.out = Path(capture["out"])
         parallel = runner.vllm_config.parallel_config
         if max(capture.get(DATA_PARALLEL_KEY, 1), parallel.data_parallel_size) > 1:
             self.out = self.out / f"dp{internals.data_parallel_rank(runner)}"  # each engine its own store
+        if self.stage is not None:
+            self.out = self.out / STAGE_DIR.format(self.stage)  # each stage its own layers
         self.writes = get_tensor_model_parallel_rank() == 0
         self.max_tokens = int(runner.max_num_tokens)
         self.max_model_len = int(runner.model_config.max_model_len)
@@ -173,6 +196,7 @@ class VllmCapture:
         self.spec_tokens = int(getattr(runner, "num_spec_tokens", 0) or 0)
         self.check_stop = internals.check_stop()
         self.active: dict[str, _RequestRows] = {}
+        self.arrivals = 0  # requests registered so far
         self.step = None  # this step's (request ids, token offsets, positions), from the forward to the logits
         self.completed = 0
         self.closed = False  # finish_capture() closed the store
@@ -191,10 +215,18 @@ class VllmCapture:
     # ------------------------------------------------------------ per step
 
     def begin_step(self, scheduler_output) -> None:
-        """Drop requests the scheduler finished before they completed; register new ones."""
+        """Drop requests the scheduler finished before they completed (a stage before the
+        last: write them); register new ones."""
         if not self.writes:
             return
-        dropped = [r for r in scheduler_output.finished_req_ids if self.active.pop(r, None) is not None]
+        finished = [r for r in scheduler_output.finished_req_ids if r in self.active]
+        if not self.samples:  # a stage before the last: finished means its rows are all computed
+            for req_id in finished:
+                self._complete(req_id, self.active[req_id])
+            if finished and not self.active:
+                self.sync()
+            finished = []
+        dropped = [r for r in finished if self.active.pop(r, None) is not None]
         for req_id in dropped:
             self.dropped += 1
             logger.warning("fxreplace: request %s ended before its stop condition (aborted, or a stop string, "
@@ -218,7 +250,8 @@ class VllmCapture:
             capacity = len(prompt) + int(new.sampling_params.max_tokens) + self.spec_tokens
             self.active[new.req_id] = _RequestRows(prompt, new.sampling_params, self.width,
                                                    min(capacity, self.max_model_len + self.spec_tokens),
-                                                   self.buffer_bits.dtype)
+                                                   self.buffer_bits.dtype, self.arrivals)
+            self.arrivals += 1
 
     def after_forward(self, scheduler_output, positions: torch.Tensor) -> None:
         """Copy this forward's observed rows to their requests, by position."""
@@ -281,18 +314,29 @@ class VllmCapture:
     # ------------------------------------------------------------ writing
 
     def _complete(self, req_id: str, record: _RequestRows) -> None:
-        """Stream one finished request to the store (its rows leave memory with the shard)."""
+        """Stream one request that met its stop rule to the store."""
         del self.active[req_id]
         if self.closed:
             self.dropped += 1
             logger.error("fxreplace: request %s completed after finish_capture() closed %s: not captured", req_id, self.out)
             return
-        tokens = record.stop.output_token_ids
-        length = len(record.prompt) + len(tokens) - 1  # the last token is never fed back
+        self._write(record)
+
+    def _write(self, record: _RequestRows) -> None:
+        """One request's rows (the last stage: and its generation) to the store; they
+        leave memory with the shard. Under pipeline parallelism the request's number
+        is its prompt index, so the stages' stores join by it."""
+        if self.samples:
+            tokens = record.stop.output_token_ids
+            length = len(record.prompt) + len(tokens) - 1  # the last token is never fed back
+            logits = torch.from_numpy(np.stack([record.logits[j] for j in range(len(tokens))]))
+            extras = Reference.extras(tokens, logits)
+        else:
+            length, extras = record.computed, None
         rows = torch.from_numpy(record.rows[:length]).view(self.dtype)
         captures = {name: rows[:, columns] for name, columns in self.columns.items()}
-        logits = torch.from_numpy(np.stack([record.logits[j] for j in range(len(tokens))]))
-        self.writer.add(record.prompt, captures, extras=Reference.extras(tokens, logits))
+        self.writer.add(record.prompt, captures, extras=extras,
+                        prompt_idx=None if self.stage is None else record.arrival)
         self.completed += 1
 
     def sync(self) -> None:
@@ -304,8 +348,15 @@ class VllmCapture:
         logger.info("fxreplace: %d captured request(s) in %s (%d dropped)", self.completed, self.out, self.dropped)
 
     def close(self) -> None:
-        """Write the last shard and the index (:func:`finish_capture`); no request may follow."""
+        """Write the last shard and the index (:func:`finish_capture`); no request may follow.
+        A pipeline stage before the last writes every request it still holds: the engine is
+        idle, so their rows are complete (one the last stage did not complete is left out
+        when the stages are merged)."""
         if self.writes and not self.closed:
+            if not self.samples:
+                for record in self.active.values():
+                    self._write(record)
+                self.active.clear()
             self.sync()
             if self.completed:
                 self.writer.close()
@@ -363,12 +414,54 @@ def attach(runner, capture: VllmCapture) -> None:
                          end_step=capture.end_step, after_sample=capture.after_sample)
 
 
+def merge_stages(stages, out) -> Path:
+    """Join the stores of a pipeline's stages (``[out/pp0, out/pp1, ...]``, in stage
+    order) into one store at ``out``: every request the last stage completed, with
+    every stage's captures and the last stage's generation. The stages number
+    requests alike; a stage whose prompt or row count for a request differs from the
+    last stage's, or that lacks the request, is an error naming both."""
+    paths = [Path(p) for p in stages]
+    if not paths:
+        raise ValueError("merge_stages needs at least one stage store")
+    loaded = [ReferenceStore.load(p) for p in paths]
+    names = [n for store in loaded for n in store.capture_names]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise StoreError(f"captures {twice[:4]} are in more than one of {[str(p) for p in paths]}: not stages of one pipeline")
+    last, last_path = loaded[-1], paths[-1]
+    with StoreWriter(out, metadata=dict(last.metadata, targets=names)) as writer:
+        for p in sorted(last.prompt_ids):
+            prompt = last.prompt_token_ids[last.internal_index(p)]
+            length = int(last.lengths[last.internal_index(p)])
+            captures = {}
+            for path, store in zip(paths, loaded):
+                if p not in store.prompt_ids:
+                    raise StoreError(f"{path} holds no request {p}, which {last_path} completed")
+                i = store.internal_index(p)
+                if store.prompt_token_ids[i] != prompt or int(store.lengths[i]) != length:
+                    raise StoreError(f"request {p}: {path} holds {len(store.prompt_token_ids[i])} prompt tokens and "
+                                     f"{int(store.lengths[i])} rows, {last_path} {len(prompt)} and {length}: "
+                                     "not stages of one capture")
+                captures.update({n: store.rows(p, n) for n in store.capture_names})
+            writer.add(prompt, captures, extras={e: last.extra(e, p) for e in last.extra_names})
+    return Path(out)
+
+
+def stage_dirs(out) -> list[Path]:
+    """The stage stores a pipeline-parallel capture wrote under ``out``, in stage order (empty: none)."""
+    found = {int(p.name[2:]): p for p in Path(out).glob(STAGE_DIR.format("*")) if p.name[2:].isdigit()}
+    return [found[k] for k in sorted(found)]
+
+
 def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int, targets=None,
                       dtype: str = "float32", **llm_kwargs) -> dict:
     """Greedy-generate ``max_new_tokens`` per prompt with a vLLM engine in capture
     mode and write the reference to ``out``; returns the writing worker's counts
-    (``completed``, ``dropped``, ``in_flight``, ``preemptions``, ``drafts_accepted``). ``llm_kwargs`` go to ``vllm.LLM``
-    (``enforce_eager``, ``tensor_parallel_size``, ``speculative_config``, ...)."""
+    (``completed``, ``dropped``, ``in_flight``, ``preemptions``, ``drafts_accepted``; the last
+    pipeline stage's). ``llm_kwargs`` go to ``vllm.LLM`` (``enforce_eager``,
+    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``speculative_config``, ...).
+    Under pipeline parallelism the stages write ``out/pp<rank>`` and their join goes to
+    ``out/merged`` (:func:`merge_stages`)."""
     from vllm import LLM, SamplingParams
 
     capture: dict[str, Any] = {"out": os.fspath(out)}
@@ -385,7 +478,10 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
             llm.llm_engine.engine_core.shutdown()
         except Exception:
             pass
-    return counts[0] if counts else {}
+    stages = stage_dirs(out)
+    if stages:
+        merge_stages(stages, Path(out) / MERGED_DIR)
+    return counts[-1] if counts else {}  # workers in rank order: the last stage's writer is last
 
 
 def _worker_state(worker):

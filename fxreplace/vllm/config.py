@@ -25,6 +25,34 @@ from ..config import ConfigError, ReplacementConfig
 
 CONFIG_KEY = "fxreplace"
 NEURON_KEYS = ("neuron_config", "tensor_replacement")
+CLUSTER_DOCS = "docs/cluster.md"
+
+
+def refuse_unsupported(engine_args) -> None:
+    """Front end, when fxreplace is configured: refuse an engine layout fxreplace (or
+    vLLM on this platform) cannot run, naming the setting, before any worker starts;
+    otherwise the failure surfaces deep in a worker as an engine-start error.
+
+    * the Ray executor on a platform without a Ray device key (vLLM's CPU build: it
+      would fail placing its workers, after starting Ray);
+    * prefill context parallelism: each rank computes a slice of a prompt's tokens,
+      while fxreplace maps every rank's rows from the whole scheduled batch.
+    """
+    backend = engine_args.distributed_executor_backend
+    if backend == "ray" or getattr(backend, "uses_ray", False):
+        from vllm.platforms import current_platform
+
+        if not current_platform.ray_device_key:
+            raise ConfigError(
+                f"distributed_executor_backend={backend!r}: vLLM's {current_platform.device_name} platform has no Ray "
+                "device key (ray_device_key is empty), so vLLM cannot place its workers on a Ray cluster; use "
+                f"distributed_executor_backend='mp' on one machine, or a platform plugin that names the Ray resource "
+                f"of each node's devices (see {CLUSTER_DOCS})")
+    pcp = getattr(engine_args, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        raise ConfigError(f"prefill_context_parallel_size={pcp}: fxreplace feeds and observes each rank's rows from "
+                          "the whole scheduled batch, and under prefill context parallelism a rank computes only a "
+                          "slice of it; use tensor, pipeline or data parallelism")
 
 
 def as_config(spec: Any) -> ReplacementConfig:

@@ -35,7 +35,7 @@ import logging
 
 from ..matching import PromptIndex
 from . import internals
-from .config import parse_config, wrap_in_place
+from .config import parse_config, refuse_unsupported, wrap_in_place
 from .replacement import SelectingReplacement, VllmReplacement, selection, switched_off
 
 logger = logging.getLogger("fxreplace.vllm")
@@ -102,6 +102,8 @@ def _create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
         wrap_in_place(getattr(self, "additional_config", None))
         config = parse_config(getattr(self, "additional_config", None))
+        if config is not None:
+            refuse_unsupported(self)
         if config is not None and config.config.capture is not None:
             from .capture import prepare_engine_args
 
