@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Collection, Protocol, Sequence
+from typing import Collection, Mapping, Protocol, Sequence
 
 import torch
 
+from .context import PerRequest
 from .metrics import DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, compare_logits, topk_agreement
 from .reference import Reference
 
@@ -110,7 +111,7 @@ def logit_validation(
     tolerances: Tolerances = Tolerances(),
     prompts: Sequence[int] | None = None,
     router_topk: int | None = None,
-    replace: Collection[str] | None = None,
+    replace: Collection[str] | Mapping[int, Collection[str]] | None = None,
     progress: bool = True,
 ) -> ValidationResult:
     """Teacher-forced validation of ``engine`` against ``reference``.
@@ -119,7 +120,8 @@ def logit_validation(
     selects reference prompts (default: all). ``router_topk``: compare each
     target's top-k set (the experts it picks) with the reference's where the
     engine reports what its targets computed. ``replace``: the capture names "on"
-    replaces (default: every target of the engine).
+    replaces (default: every target of the engine), or ``{prompt: capture names}`` per
+    prompt (one engine call serves them all: see :class:`~fxreplace.context.PerRequest`).
     """
     for mode in modes:
         if mode not in ("off", "on"):
@@ -143,7 +145,11 @@ def logit_validation(
             # each call already batches every prompt still running
             inputs = [reference.prompt_tokens(p) + reference.tokens(p)[: covered[p]] for p in todo]
             max_new = max(reference.num_generated(p) - covered[p] for p in todo)
-            gens = engine.generate(inputs, max_new, replace=(mode == "on" if replace is None or mode == "off" else replace))
+            if replace is None or mode == "off":
+                selection = mode == "on"
+            else:
+                selection = PerRequest(replace[p] for p in todo) if isinstance(replace, Mapping) else replace
+            gens = engine.generate(inputs, max_new, replace=selection)
             for p, gen in zip(todo, gens):
                 start = covered[p]
                 ref_logits = reference.logits(p)
