@@ -469,41 +469,47 @@ def _components(specs: list[str]) -> dict:
 
 
 def _blame(args) -> int:
-    """Search for the component that explains the divergence (see :mod:`fxreplace.blame`)."""
+    """Search for the components that explain the divergence (see :mod:`fxreplace.blame`)."""
     import torch
 
-    from .blame import blame
+    from .blame import BlameError, blame
 
     reference = load_reference_arg(args.reference)
     check_writable_dir(args.report_dir, "--report-dir")
-    if args.engine == "vllm":
-        if args.model.startswith("builtin:"):
-            raise UsageError(f"--engine vllm needs a local checkpoint directory, got {args.model!r}")
-        check_model_dir(args.model)
-        check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
-        if args.compile or args.component:
-            raise UsageError("--compile and --component are for --engine runner (vLLM compiles unless --eager; "
-                             "its components come from the family's vllm_components)")
-        from .vllm.engine import VllmBlameEngine
+    try:
+        if args.engine == "vllm":
+            if args.model.startswith("builtin:"):
+                raise UsageError(f"--engine vllm needs a local checkpoint directory, got {args.model!r}")
+            check_model_dir(args.model)
+            check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
+            if args.compile or args.component or args.clean:
+                raise UsageError("--compile, --component and --clean are for --engine runner (vLLM compiles unless "
+                                 "--eager; its components come from the family's vllm_components)",
+                                 "capture the components into the reference with `fxreplace capture --components`")
+            from .vllm.engine import VllmBlameEngine
 
-        engine_args = {"max_model_len": max(_longest_sequence(reference) + 8, 128),
-                       "max_num_seqs": min(8, reference.num_prompts), **_engine_args(args.engine_args)}
-        engine = VllmBlameEngine(args.model, args.reference, dtype=args.dtype, logprobs=-1, enforce_eager=args.eager,
-                                 **engine_args)
-        try:
-            _check_vocab(reference, args.model, engine.vocab_size)
-            result = blame(engine, reference)
-        finally:
-            engine.close()
-    else:
-        from .models import architecture
+            engine_args = {"max_model_len": max(_longest_sequence(reference) + 8, 128),
+                           "max_num_seqs": min(64, reference.num_prompts * 5), **_engine_args(args.engine_args)}
+            engine = VllmBlameEngine(args.model, args.reference, dtype=args.dtype, logprobs=-1,
+                                     enforce_eager=args.eager, **engine_args)
+            try:
+                _check_vocab(reference, args.model, engine.vocab_size)
+                result = blame(engine, reference, budget=args.budget)
+            finally:
+                engine.close()
+        else:
+            from .models import architecture
 
-        model = load_model(args.model)
-        check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
-        _check_vocab(reference, args.model, model.config.vocab_size)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-        result = blame(model, reference, components=_components(args.component) if args.component else None,
-                       dtype=dtype, compile="inductor" if args.compile else None)
+            model = load_model(args.model)
+            check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
+            _check_vocab(reference, args.model, model.config.vocab_size)
+            clean = load_model(args.clean) if args.clean else None
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+            result = blame(model, args.reference, clean=clean,
+                           components=_components(args.component) if args.component else None,
+                           dtype=dtype, compile="inductor" if args.compile else None, budget=args.budget)
+    except BlameError as e:
+        raise UsageError(str(e)) from None
     report = result.write_report(args.report_dir)
     print()
     print(result.table())
@@ -644,8 +650,8 @@ def build_parser() -> Parser:
                           help="write JUnit XML: one test case per prompt, failed by --fail-on")
     validate.set_defaults(func=_validate)
 
-    blame = command("blame", "find the component that explains the divergence (bisection over layers, then each "
-                             "kind alone)")
+    blame = command("blame", "find every component that explains the divergence (split over the layers' streams, "
+                             "then each kind of the origin layer, origin after origin)")
     blame.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF directory (the target's weights)")
     blame.add_argument("--reference", required=True, type=reference_path,
                        help="directory written by `fxreplace capture --components`")
@@ -659,6 +665,12 @@ def build_parser() -> Parser:
                             "distributed_executor_backend)")
     blame.add_argument("--component", action="append", metavar="KIND=PATTERN[@POINT]",
                        help="candidate component for a family that declares none (repeatable)")
+    blame.add_argument("--clean", metavar="CKPT", type=model_spec,
+                       help="the clean model the reference came from (builtin:ARCH or an HF directory): components the "
+                            "reference lacks are captured from it as the search needs them, stored under the reference "
+                            "directory and reused (--engine runner)")
+    blame.add_argument("--budget", type=positive_int, help="the most validation passes the search may run "
+                       "(default: enough for 4 origins and the diffuse heat map)")
     blame.add_argument("--report-dir", default="fxreplace-blame", help="folder for blame.html and blame.json "
                        "(the validation's folder links the two reports)")
     blame.add_argument("--junit", type=junit_path, metavar="FILE",

@@ -101,7 +101,8 @@ class ReplacementContext(Mapping):
         return self.mask
 
     def select(self, names) -> "SelectedContext":
-        """These rows, replaced only at the capture names in ``names`` (see :class:`SelectedContext`)."""
+        """These rows, replaced only at the capture names in ``names`` (see :class:`SelectedContext`);
+        a mapping ``{name: rows}`` (bool ``[num_tokens]``) narrows each name to its own rows."""
         return SelectedContext(self, names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -149,16 +150,22 @@ class SelectedContext(ReplacementContext):
     (the search of :mod:`fxreplace.blame` replaces a different set each pass).
     """
 
-    __slots__ = ("selected", "masks")
+    __slots__ = ("selected", "rows", "masks")
 
     def __init__(self, context: ReplacementContext, names):
         super().__init__(dict(context.items()), context.mask, context.storage, context.places)
         self.selected = frozenset(names)
+        # per name the rows it replaces (requests of one batch testing different selections)
+        self.rows = dict(names) if isinstance(names, Mapping) else {}
         unknown = sorted(self.selected - set(context))
         if unknown:
             raise KeyError(f"select(): no replacement tensors for {unknown}; the context holds {sorted(context)}")
-        self.masks = {m: context.mask.clone() if m in self.selected else torch.zeros_like(context.mask)
-                      for m in context}
+        for m, rows in self.rows.items():
+            if rows.dtype != torch.bool or rows.shape != context.mask.shape:
+                raise ValueError(f"select(): the rows of {m!r} must be a bool tensor of shape {tuple(context.mask.shape)}, "
+                                 f"got {rows.dtype} of shape {tuple(rows.shape)}")
+        self.masks = {m: (context.mask & self.rows[m].to(context.mask.device) if m in self.rows else context.mask.clone())
+                      if m in self.selected else torch.zeros_like(context.mask) for m in context}
 
     def mask_for(self, name: str) -> torch.Tensor:
         return self.masks[name]
@@ -167,7 +174,15 @@ class SelectedContext(ReplacementContext):
         if device is None or same_device(self.mask.device, device):
             return self
         plain = ReplacementContext(dict(self.items()), self.mask, self.storage, self.places)
-        return SelectedContext(plain.to(device), self.selected)
+        return SelectedContext(plain.to(device), self.rows or self.selected)
+
+
+class PerRequest(tuple):
+    """One selection of capture names per request of a ``generate`` call: copies of the same
+    prompts test different hypotheses side by side in one batch (see :mod:`fxreplace.blame`)."""
+
+    def __new__(cls, selections=()):
+        return super().__new__(cls, (frozenset(s) for s in selections))
 
 
 _active: contextvars.ContextVar[ReplacementContext | None] = contextvars.ContextVar(

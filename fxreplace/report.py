@@ -232,48 +232,69 @@ def write_blame_report(result, directory: str | Path) -> Path:
 
 
 def blame_section(result) -> str:
-    """The blame report's HTML section: verdict, ranking table, heat map (``blame_heatmap.png`` beside it)."""
+    """The blame report's HTML section: verdict, components table, per-layer shares, heat map
+    (``blame_heatmap.png`` beside it)."""
+    from .blame.result import pct
+
     t = result.thresholds
     parts = [
-        "<h2>Blame: which component explains the divergence</h2>",
+        "<h2>Blame: which components explain the divergence</h2>",
         f"<p class='verdict' id='verdict'><b>Verdict:</b> {html.escape(result.verdict)}</p>",
-        f"<p>{len(result.passes)} validation passes, {result.seconds:.1f} s. A replacement <i>explains</i> the "
-        f"divergence when it removes at least {t['explains']:.0%} of both the mean KL and the mean top-5 log-prob "
-        f"error; a layer is the origin when at least {t['concentrated']:.0%} of the divergence arises there "
-        "(share = explained with the stream after the layer replaced, minus with the stream before it).</p>",
+        f"<p>{len(result.passes)} validation passes in {result.rounds} rounds (passes of one round run side by side "
+        f"as copies of the prompts; budget {result.budget}), {len(result.captured)} components captured on demand, "
+        f"{result.seconds:.1f} s.</p>",
         "<img src='blame_heatmap.png' style='max-width:100%'>",
         "<table><tr><th>#</th><th>component</th><th>kind</th><th>layer</th><th>KL off</th><th>KL on</th>"
-        "<th>top-1 off</th><th>top-1 on</th><th>first div. off</th><th>first div. on</th><th>explained</th>"
-        "<th>share</th></tr>",
+        "<th>top-5 error off</th><th>top-5 error on</th><th>top-1 off</th><th>top-1 on</th><th>explained</th>"
+        "<th>share</th><th>origin</th><th>replaced beside it</th></tr>",
     ]
     for i, b in enumerate(result.ranking, 1):
         parts.append(f"<tr><td>{i}</td><td style='text-align:left'>{html.escape(b.component)}</td><td>{b.kind}</td>"
-                     f"<td>{fmt(b.layer)}</td><td>{fmt(b.kl_off)}</td><td>{fmt(b.kl_on)}</td><td>{fmt(b.top1_off)}</td>"
-                     f"<td>{fmt(b.top1_on)}</td><td>{fmt(b.first_divergence_off)}</td><td>{fmt(b.first_divergence_on)}</td>"
-                     f"<td>{fmt(b.explained)}</td><td>{fmt(b.share)}</td></tr>")
+                     f"<td>{fmt(b.layer)}</td><td>{fmt(b.kl_off)}</td><td>{fmt(b.kl_on)}</td><td>{fmt(b.top5_off)}</td>"
+                     f"<td>{fmt(b.top5_on)}</td><td>{fmt(b.top1_off)}</td><td>{fmt(b.top1_on)}</td>"
+                     f"<td>{pct(b.explained)}</td><td>{pct(b.share)}</td><td>{'yes' if b.origin else ''}</td>"
+                     f"<td style='text-align:left'>{html.escape(', '.join(b.with_replaced))}</td></tr>")
     parts.append("</table>")
+    parts.append(
+        f"<p><i>explained</i>: the part of the divergence gone with the component replaced (the smaller of the mean "
+        f"KL and the mean top-5 log-prob error removed; the origins found before it stay replaced beside it); it "
+        f"explains the divergence from {t['explains']:.0%}. <i>share</i>: the part the component accounts for itself "
+        f"(explained minus what the components beside it explain). Order: the origins first, in layer order, then by "
+        f"share. An origin needs {t['significant']:.0%} of the divergence; the drift is diffuse when no origin holds "
+        f"{t['concentrated']:.0%}, more than {t['max_origins']} are needed, or a significant part is spread over the "
+        "layers.</p>")
+    if result.layer_shares:
+        parts.append("<h3>Arising per layer (localisation evidence: the residual stream after the layer replaced)</h3>"
+                     "<table><tr><th>layer</th><th>explained with its stream</th><th>arising there</th></tr>")
+        parts += [f"<tr><td>{s.layer}</td><td>{pct(s.explained)}</td><td>{pct(s.share)}</td></tr>"
+                  for s in result.layer_shares]
+        parts.append("</table>")
     return "\n".join(parts)
 
 
 def _plot_blame(result, path: Path) -> None:
     import numpy as np
 
-    layers, kinds = result.layers or [0], result.kinds
-    grid = np.full((len(kinds), len(layers)), np.nan)
+    layers, rows = result.layers or [0], result.kinds + ["arises here"]
+    grid = np.full((len(rows), len(layers)), np.nan)
     for b in result.ranking:
         if b.layer in layers and b.share is not None:
-            grid[kinds.index(b.kind), layers.index(b.layer)] = b.share
-    fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(layers) + 2.5), 0.55 * len(kinds) + 1.6))
+            grid[rows.index(b.kind), layers.index(b.layer)] = b.share
+    for s in result.layer_shares:
+        if s.layer in layers and s.share is not None:
+            grid[-1, layers.index(s.layer)] = s.share
+    fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(layers) + 2.5), 0.55 * len(rows) + 1.6))
     cmap = plt.get_cmap("Reds").with_extremes(bad="#eeeeee")
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
     for (i, j), v in np.ndenumerate(grid):
         if not np.isnan(v):
             ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=7, color="white" if v > 0.6 else "black")
+    ax.axhline(len(rows) - 1.5, color="black", linewidth=0.8)
     ax.set_xticks(range(len(layers)), [str(k) for k in layers], fontsize=8)
-    ax.set_yticks(range(len(kinds)), kinds, fontsize=8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
     ax.set_xlabel("layer")
     fig.colorbar(image, ax=ax, label="share of the divergence")
-    ax.set_title("Share explained per layer x kind (grey: not measured)", fontsize=9)
+    ax.set_title("Share per component (kind x layer) and arising per layer (grey: not measured)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -32,6 +32,7 @@ from transformers import StaticCache
 
 from .instrument import observe
 from .config import ReplacementConfig
+from .context import PerRequest
 from .replacer import TensorReplacer
 
 
@@ -95,6 +96,9 @@ class Runner:
     the graphs it builds in ``graphs_compiled`` (one per bucket is expected).
     """
 
+    #: each request of one call may replace its own selection (``replace=PerRequest(...)``)
+    per_request_selection = True
+
     def __init__(self, model: Callable, config, replacer: TensorReplacer | ReplacementConfig | None = None,
                  runner_config: RunnerConfig | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", observed: torch.nn.Module | None = None,
@@ -126,10 +130,14 @@ class Runner:
         """Greedy continuation of each prompt; ``replace=False`` runs the same graphs with an all-off mask.
 
         ``replace`` may also name the capture names to replace (the others stay off, in the
-        same graphs: see :meth:`ReplacementContext.select`). ``prompt_hints[i]`` registers
-        request i with an explicit reference prompt index.
+        same graphs: see :meth:`ReplacementContext.select`), or be a
+        :class:`~fxreplace.context.PerRequest` selection for each prompt. ``prompt_hints[i]``
+        registers request i with an explicit reference prompt index.
         """
-        if isinstance(replace, str) or not isinstance(replace, Collection):
+        if isinstance(replace, PerRequest):
+            if len(replace) != len(prompts):
+                raise ValueError(f"replace holds {len(replace)} selections for {len(prompts)} prompts")
+        elif isinstance(replace, str) or not isinstance(replace, Collection):
             replace = bool(replace)
         if replace is not False and self.replacer is None:
             raise ValueError("replace=True needs a Runner built with a replacer")
@@ -138,7 +146,8 @@ class Runner:
         results = []
         for start in range(0, len(prompts), wave):
             chunk = [list(map(int, p)) for p in prompts[start : start + wave]]
-            results += self._run_wave(chunk, hints[start : start + wave], max_new_tokens, replace)
+            selection = PerRequest(replace[start : start + wave]) if isinstance(replace, PerRequest) else replace
+            results += self._run_wave(chunk, hints[start : start + wave], max_new_tokens, selection)
         return results
 
     # ------------------------------------------------------------------ internals
@@ -160,7 +169,7 @@ class Runner:
             cache = self._cache("decode", batch)
             valid = torch.zeros(batch, self.cfg.max_len, dtype=torch.bool)
             for row, g in enumerate(gens):
-                self._prefill(g, replace, cache, row, write, valid)
+                self._prefill(g, replace[row] if isinstance(replace, PerRequest) else replace, cache, row, write, valid)
             positions = torch.tensor([len(g.prompt) for g in gens] + [0] * (batch - len(gens)))
             while any(len(g.tokens) < max_new_tokens for g in gens):
                 drafts = [propose_ngram(g.prompt + g.tokens, self.cfg.ngram, k) for g in gens]
@@ -224,6 +233,13 @@ class Runner:
         if replace is False:
             return self.replacer.warmup_context(positions.shape[0], device=self.device)
         ctx = self.replacer.build_context(req_ids, positions, is_prefill, device=self.device, tokens_per_req=tokens_per_req)
+        if isinstance(replace, PerRequest):  # request i owns slots i*tokens_per_req ...; the rest is padding
+            rows = {}
+            for name in set().union(*replace):
+                owned = torch.tensor([name in s for s in replace]).repeat_interleave(tokens_per_req)
+                rows[name] = torch.zeros(ctx.num_tokens, dtype=torch.bool)
+                rows[name][: owned.shape[0]] = owned
+            return ctx.select(rows)
         return ctx if replace is True else ctx.select(replace)
 
     def _forward(self, inputs, positions, mask_bool, cache: StaticCache, write: int, ctx):

@@ -20,10 +20,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Collection, Protocol, Sequence
+from typing import Collection, Mapping, Protocol, Sequence
 
 import torch
 
+from .context import PerRequest
 # EXPLAINS and explained are read from here by blame; they live in metrics with the verdict
 from .metrics import (DIVERGED, EXPLAINS, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_logits,  # noqa: F401
                       explained, topk_agreement, verdict)
@@ -178,7 +179,7 @@ def logit_validation(
     tolerances: Tolerances = Tolerances(),
     prompts: Sequence[int] | None = None,
     router_topk: int | None = None,
-    replace: Collection[str] | None = None,
+    replace: Collection[str] | Mapping[int, Collection[str]] | None = None,
     tokenizer=None,
     progress: bool = True,
 ) -> ValidationResult:
@@ -188,8 +189,9 @@ def logit_validation(
     selects reference prompts (default: all). ``router_topk``: compare each
     target's top-k set (the experts it picks) with the reference's where the
     engine reports what its targets computed. ``replace``: the capture names "on"
-    replaces (default: every target of the engine). ``tokenizer`` (the checkpoint's)
-    decodes the tokens at each first divergence for the reports.
+    replaces (default: every target of the engine), or ``{prompt: capture names}`` per
+    prompt (one engine call serves them all: see :class:`~fxreplace.context.PerRequest`).
+    ``tokenizer`` (the checkpoint's) decodes the tokens at each first divergence for the reports.
 
     With ``progress``, a bar counts validated steps, and while the engine works on a
     call (a compile, a long wave) a line says so at least every :data:`HEARTBEAT_S` seconds.
@@ -219,8 +221,12 @@ def logit_validation(
             # each call already batches every prompt still running
             inputs = [reference.prompt_tokens(p) + reference.tokens(p)[: covered[p]] for p in todo]
             max_new = max(reference.num_generated(p) - covered[p] for p in todo)
+            if replace is None or mode == "off":
+                selection = mode == "on"
+            else:
+                selection = PerRequest(replace[p] for p in todo) if isinstance(replace, Mapping) else replace
             with _heartbeat(bar, progress, f"round {rounds}: {len(todo)} prompts, up to {max_new} steps"):
-                gens = engine.generate(inputs, max_new, replace=(mode == "on" if replace is None or mode == "off" else replace))
+                gens = engine.generate(inputs, max_new, replace=selection)
             for p, gen in zip(todo, gens):
                 start = covered[p]
                 ref_logits = reference.logits(p)

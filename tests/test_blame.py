@@ -1,7 +1,9 @@
-"""``fxreplace blame`` on planted faults: a tiny 4-layer Qwen3-MoE in float32 is the
-reference; the target is the same checkpoint with one fault planted (or the whole
-model in bf16: diffuse drift). The search must rank the planted component first, with
-its kind and layer, in fewer passes than replacing every component one by one."""
+"""``fxreplace blame`` on planted faults in tiny float32 models of two families (a 4-layer
+Qwen3-MoE: attention, router, experts; a 4-layer dense Llama: attention, mlp). The clean
+model is the reference; the target is the same checkpoint with faults planted (or the
+whole model in bf16: diffuse drift). The search must name every planted component with
+its kind and layer, first, in few rounds; NaN must be located; a reference lacking
+components must be refused, or completed from the clean model on demand."""
 
 from __future__ import annotations
 
@@ -12,15 +14,17 @@ import math
 import pytest
 import torch
 
-from fxreplace import Target
-from fxreplace.blame import LAYER, blame, resolve_components
+from fxreplace.blame import LAYER, PROBES, BlameError, blame, resolve_components
+from fxreplace.blame.ondemand import OnDemand
 from fxreplace.capture import capture_reference
 from fxreplace.cli import main as cli
-from fxreplace.context import ReplacementContext
+from fxreplace.context import PerRequest, ReplacementContext
 from fxreplace.models import get_family, tiny_model
+from fxreplace.reference import load_reference
 from fxreplace.validation import EXPLAINS, explained, verdict
 
 ARCH = "Qwen3MoeForCausalLM"
+DENSE = "LlamaForCausalLM"
 LAYERS = 4
 NEW = 6
 KINDS = ["attention", "router", "experts", "layer"]
@@ -31,57 +35,87 @@ def prompts(n=2):
     return [torch.randint(4, 128, (length,), generator=g).tolist() for length in (6, 9, 12)[:n]]
 
 
-def plant(model, fault: str):
-    """A copy of ``model`` with one planted fault (the acceptance scenarios of issue 12)."""
+def attention(layer):
+    return lambda m: m.model.layers[layer].self_attn.o_proj.weight.mul_(1.5)
+
+
+def router(layer):
+    return lambda m: m.model.layers[layer].mlp.gate.weight.mul_(-1.0)
+
+
+def experts(layer):
+    return lambda m: m.model.layers[layer].mlp.experts.gate_up_proj[0].mul_(3.0)  # expert 0 only
+
+
+def mlp(layer):
+    return lambda m: m.model.layers[layer].mlp.down_proj.weight.mul_(2.0)
+
+
+def nan_in_attention(layer):
+    return lambda m: m.model.layers[layer].self_attn.o_proj.weight[0, 0].fill_(float("nan"))
+
+
+def plant(model, *faults):
+    """A copy of ``model`` with the faults planted."""
     model = copy.deepcopy(model)
-    layers = model.model.layers
     with torch.no_grad():
-        if fault == "attention":
-            layers[1].self_attn.o_proj.weight.mul_(1.5)
-        elif fault == "router":
-            layers[2].mlp.gate.weight.mul_(-1.0)
-        elif fault == "experts":
-            layers[3].mlp.experts.gate_up_proj[0].mul_(3.0)  # expert 0 only
+        for fault in faults:
+            fault(model)
     return model
 
 
-PLANTED = {"attention": ("model.layers.1.self_attn", 1), "router": ("model.layers.2.mlp.gate", 2),
-           "experts": ("model.layers.3.mlp", 3)}
+# (family, faults) -> the origins the search must name, in layer order
+SCENARIOS = {
+    "attention": (ARCH, [attention(1)], [("model.layers.1.self_attn", "attention", 1)]),
+    "router": (ARCH, [router(2)], [("model.layers.2.mlp.gate", "router", 2)]),
+    "experts": (ARCH, [experts(3)], [("model.layers.3.mlp", "experts", 3)]),
+    "two": (ARCH, [attention(0), router(3)], [("model.layers.0.self_attn", "attention", 0),
+                                              ("model.layers.3.mlp.gate", "router", 3)]),
+    "dense-attention": (DENSE, [attention(2)], [("model.layers.2.self_attn", "attention", 2)]),
+    "dense-mlp": (DENSE, [mlp(1)], [("model.layers.1.mlp", "mlp", 1)]),
+    "dense-two": (DENSE, [mlp(0), attention(2)], [("model.layers.0.mlp", "mlp", 0),
+                                                  ("model.layers.2.self_attn", "attention", 2)]),
+}
 
 
 @pytest.fixture(scope="module")
-def clean():
-    return tiny_model(ARCH, num_hidden_layers=LAYERS)
+def cleans():
+    return {arch: tiny_model(arch, num_hidden_layers=LAYERS) for arch in (ARCH, DENSE)}
 
 
 @pytest.fixture(scope="module")
-def reference(clean):
-    return capture_reference(clean, prompts(), [], NEW, components=get_family(ARCH).components, progress=False)
+def references(cleans):
+    return {arch: capture_reference(model, prompts(), [], NEW, components=get_family(arch).components, progress=False)
+            for arch, model in cleans.items()}
 
 
 @pytest.fixture(scope="module")
-def blamed(clean, reference):
+def blamed(cleans, references):
     cache = {}
 
-    def get(fault):
-        if fault not in cache:
-            if fault == "bf16":
-                cache[fault] = blame(clean, reference, dtype=torch.bfloat16, progress=False)
+    def get(name):
+        if name not in cache:
+            if name == "bf16":
+                cache[name] = blame(cleans[ARCH], references[ARCH], dtype=torch.bfloat16, progress=False)
+            elif name == "nan":
+                cache[name] = blame(plant(cleans[ARCH], nan_in_attention(1)), references[ARCH], progress=False)
             else:
-                cache[fault] = blame(plant(clean, fault), reference, progress=False)
-        return cache[fault]
+                arch, faults, _ = SCENARIOS[name]
+                cache[name] = blame(plant(cleans[arch], *faults), references[arch], progress=False)
+        return cache[name]
 
     return get
 
 
-def test_store_holds_every_kind_as_rows_per_layer(clean, reference):
+def test_store_holds_every_kind_as_rows_per_layer(cleans, references):
+    clean, reference = cleans[ARCH], references[ARCH]
     components = reference.metadata["components"]
     assert len(components) == LAYERS * len(KINDS)
-    hidden, experts = clean.config.hidden_size, clean.config.num_experts
+    hidden, experts_ = clean.config.hidden_size, clean.config.num_experts
     for name, info in components.items():
         assert info["kind"] in KINDS and 0 <= info["layer"] < LAYERS
         rows = reference.store.rows(0, name)
-        assert rows.shape == (len(prompts()[0]) + NEW - 1, experts if info["kind"] == "router" else hidden), name
+        assert rows.shape == (len(prompts()[0]) + NEW - 1, experts_ if info["kind"] == "router" else hidden), name
     # the stream after the last layer, normed and projected, gives the reference's logits
     stream = reference.store.rows(0, f"model.layers.{LAYERS - 1}")
     with torch.no_grad():
@@ -103,47 +137,137 @@ def test_families_declare_components_that_resolve():
     assert get_family(ARCH).vllm_components["layer"].adapter == "residual_stream_pair"
 
 
-@pytest.mark.parametrize("fault", ["attention", "router", "experts"])
-def test_planted_fault_is_ranked_first(blamed, fault):
-    result = blamed(fault)
-    component, layer = PLANTED[fault]
+@pytest.mark.parametrize("name", ["attention", "router", "experts", "dense-attention", "dense-mlp"])
+def test_single_fault_is_ranked_first(blamed, name):
+    result = blamed(name)
+    (component, kind, layer), = SCENARIOS[name][2]
     top = result.ranking[0]
-    assert (top.component, top.kind, top.layer) == (component, fault, layer), result.table()
-    assert result.confident and not result.diffuse and result.origin_layer == layer
-    assert top.explained >= EXPLAINS and top.kl_on < 1e-3 * top.kl_off and top.kl_off > 1e-3
-    assert result.guilty is top and component in result.verdict
-    # fewer passes than one by one (off + every component), and logarithmic in the layers
-    assert len(result.passes) < 1 + LAYERS * len(KINDS)
-    assert len(result.passes) <= 1 + math.ceil(math.log2(LAYERS)) + 1 + (len(KINDS) - 1)
-    # components of the layers before the fault explain nothing
-    for b in result.ranking:
-        if b.layer < layer:
-            assert b.explained < 0.1, b
+    assert (top.component, top.kind, top.layer) == (component, kind, layer), result.table()
+    assert result.confident and not result.diffuse and result.origin_layer == layer and result.guilty is top
+    assert [(o.component, o.kind, o.layer) for o in result.origins] == [(component, kind, layer)]
+    assert top.explained >= EXPLAINS and top.kl_on < 1e-3 * top.kl_off and top.kl_off > 1e-3 and top.origin
+    assert result.verdict.startswith("1 source: ") and component in result.verdict
+    # the ranking lists components only; the layers' streams are the per-layer shares
+    assert all(b.kind != LAYER for b in result.ranking)
+    shares = {s.layer: s.share for s in result.layer_shares}
+    assert shares[layer] > 0.9 and all(abs(v) < 0.1 for k, v in shares.items() if k != layer)
+    # one round localises 4 layers (off beside 4 streams), one more tries the origin layer's kinds
+    kinds = len(result.kinds)
+    assert result.rounds == 2 and len(result.passes) == 1 + LAYERS + kinds < 1 + LAYERS * (kinds + 1)
+
+
+@pytest.mark.parametrize("name", ["two", "dense-two"])
+def test_two_independent_faults_are_both_named_first(blamed, name):
+    result = blamed(name)
+    expected = SCENARIOS[name][2]
+    assert [(o.component, o.kind, o.layer) for o in result.origins] == expected, result.table()
+    assert [(b.component, b.kind, b.layer) for b in result.ranking[:2]] == expected
+    assert all(b.origin for b in result.ranking[:2]) and not any(b.origin for b in result.ranking[2:])
+    assert result.confident and not result.diffuse and result.explained >= EXPLAINS
+    assert result.verdict.startswith("2 independent sources: ")
+    assert all(f"layer {layer} {kind} {component}" in result.verdict for component, kind, layer in expected)
+    assert all(o.share >= 0.1 for o in result.origins) and sum(o.share for o in result.origins) >= EXPLAINS
+    # the second origin's row was measured with the first replaced beside it
+    assert result.ranking[1].with_replaced == [expected[0][0]]
+    assert result.rounds <= 4 and len(result.passes) < 1 + LAYERS * (len(result.kinds) + 1)
+
+
+def test_nan_is_located_at_its_first_component(blamed):
+    result = blamed("nan")
+    where = result.nonfinite
+    assert (where.component, where.kind, where.layer) == ("model.layers.1.self_attn", "attention", 1), result.verdict
+    assert (where.prompt, where.position, where.step) == (0, 0, None)
+    assert result.verdict.startswith("non-finite values (NaN/inf) first appear in model.layers.1.self_attn")
+    assert not result.diffuse and not result.confident and result.rounds == 2  # the first round, then one observing pass
 
 
 def test_bf16_drift_is_reported_as_diffuse(blamed):
     result = blamed("bf16")
     assert result.diffuse and not result.confident and result.guilty is None
-    assert result.verdict.startswith("diffuse drift")
-    assert all((b.share or 0) < EXPLAINS for b in result.ranking)
-    assert {(b.kind, b.layer) for b in result.ranking} == {(k, n) for k in KINDS for n in range(LAYERS)}
+    assert result.verdict.startswith("diffuse drift"), result.verdict
+    components = {(k, n) for k in KINDS if k != LAYER for n in range(LAYERS)}
+    assert {(b.kind, b.layer) for b in result.ranking} == components  # the heat map: every component measured
+    assert [s.layer for s in result.layer_shares] == list(range(LAYERS))
 
 
-def test_blame_json_and_heat_map(blamed, tmp_path):
-    result = blamed("router")
+def test_blame_json_table_and_heat_map(blamed, tmp_path):
+    result = blamed("two")
     html = result.write_report(tmp_path)
     data = json.loads((tmp_path / "blame.json").read_text())
-    assert data["passes"] == len(result.passes) and data["ranking"][0]["component"] == "model.layers.2.mlp.gate"
-    assert {"component", "kind", "layer", "kl_off", "kl_on", "explained"} <= set(data["ranking"][0])
+    assert data["passes"] == len(result.passes) and data["rounds"] == result.rounds
+    assert [o["component"] for o in data["origins"]] == ["model.layers.0.self_attn", "model.layers.3.mlp.gate"]
+    row = data["ranking"][0]
+    assert {"component", "kind", "layer", "kl_off", "kl_on", "top5_off", "top5_on", "top1_off", "top1_on",
+            "explained_kl", "explained_top5", "explained", "share", "with_replaced", "origin"} <= set(row)
+    assert {"layer", "explained", "share"} <= set(data["layer_shares"][0]) and data["budget"] >= data["passes"]
     assert (tmp_path / "blame_heatmap.png").stat().st_size > 1000
-    assert "blame_heatmap.png" in html.read_text() and "model.layers.2.mlp.gate" in html.read_text()
+    page = html.read_text()
+    assert "blame_heatmap.png" in page and "model.layers.3.mlp.gate" in page and "arising there" in page
+    table = result.table()
+    assert "top-5 off" in table and "explained: the part of the divergence" in table and "Order: the origins first" in table
+    assert f"{len(result.passes)} validation passes in {result.rounds} rounds" in table
 
 
-def test_cli_blame_with_explicit_components(clean, tmp_path, capsys):
+def test_checks_before_the_first_pass(cleans, references):
+    target = plant(cleans[ARCH], router(2))
+    mixtral = tiny_model("MixtralForCausalLM", num_hidden_layers=2)
+    other = capture_reference(mixtral, prompts(1), [], 2, components=get_family("MixtralForCausalLM").components,
+                              progress=False)
+    with pytest.raises(BlameError, match="captured from MixtralForCausalLM .* the target \\(Qwen3MoeForCausalLM\\)"):
+        blame(target, other, progress=False)
+    with pytest.raises(BlameError, match="no prompts to validate"):
+        blame(target, references[ARCH], prompts=[], progress=False)
+    with pytest.raises(BlameError, match="prompts \\[5\\] are not in the reference"):
+        blame(target, references[ARCH], prompts=[5], progress=False)
+    wide = tiny_model(ARCH, num_hidden_layers=LAYERS, vocab_size=160)
+    with pytest.raises(BlameError, match="vocab size 128 but the target .* has 160"):
+        blame(wide, references[ARCH], progress=False)
+
+
+@pytest.fixture(scope="module")
+def routers_only(cleans, tmp_path_factory):
+    """The README's capture: the family's targets (routers), no components."""
+    directory = tmp_path_factory.mktemp("routers_only") / "reference"
+    capture_reference(cleans[ARCH], prompts(), get_family(ARCH).targets, NEW, progress=False).save(directory)
+    return directory
+
+
+def test_reference_without_components_is_refused(cleans, routers_only, tmp_path, capsys):
+    target = plant(cleans[ARCH], router(2))
+    with pytest.raises(BlameError, match="lacks 12 of the 16 components .*kinds attention, experts, layer.*"
+                                         "`fxreplace capture .* --components"):
+        blame(target, routers_only, progress=False)
+    target.save_pretrained(tmp_path / "target")
+    with pytest.raises(SystemExit, match="error: the reference lacks .*--clean"):
+        cli(["blame", str(tmp_path / "target"), "--reference", str(routers_only), "--dtype", "float32",
+             "--report-dir", str(tmp_path / "out")])
+
+
+def test_clean_captures_on_demand_and_reuses(cleans, references, routers_only, blamed):
+    target = plant(cleans[ARCH], router(2))
+    result = blame(target, routers_only, clean=cleans[ARCH], progress=False)
+    full = blamed("router")
+    assert result.verdict == full.verdict and [b.component for b in result.ranking] == [b.component for b in full.ranking]
+    # the streams the localisation probes (log_5 L rounds of PROBES) plus the origin layer's kinds (its router
+    # is in the reference already), of 16
+    kinds = len(result.kinds)
+    assert len(result.captured) == LAYERS + kinds - 1 <= PROBES * math.ceil(math.log(LAYERS, PROBES + 1)) + kinds
+    assert set(result.captured) == {f"model.layers.{k}" for k in range(LAYERS)} | {
+        "model.layers.2.self_attn", "model.layers.2.mlp"}  # the router is in the reference already
+    # appended under the reference as stores of their own, read back next time instead of captured
+    comps = resolve_components(cleans[ARCH], get_family(ARCH).components)
+    again = OnDemand(cleans[ARCH], load_reference(routers_only), comps, routers_only)
+    assert set(result.captured) <= set(again.rows) and not again.ensure(result.captured)
+    for name in result.captured:
+        torch.testing.assert_close(again.rows[name][1], references[ARCH].store.rows(1, name))
+
+
+def test_cli_blame_with_explicit_components(cleans, tmp_path, capsys):
     """A family-less workflow: components given as KIND=PATTERN[@POINT]."""
+    clean = cleans[ARCH]
     clean_dir, faulty_dir = tmp_path / "clean", tmp_path / "faulty"
     clean.save_pretrained(clean_dir)
-    plant(clean, "attention").save_pretrained(faulty_dir)
+    plant(clean, attention(1)).save_pretrained(faulty_dir)
     (tmp_path / "prompts.json").write_text(json.dumps(prompts()))
     components = ["--component", "attention=model.layers.*.self_attn@output[0]", "--component", "layer=model.layers.*@output"]
     assert cli(["capture", str(clean_dir), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", str(NEW),
@@ -153,23 +277,31 @@ def test_cli_blame_with_explicit_components(clean, tmp_path, capsys):
     out = capsys.readouterr().out
     data = json.loads((tmp_path / "out" / "blame.json").read_text())
     assert data["ranking"][0]["component"] == "model.layers.1.self_attn" and data["confident"]
-    assert "model.layers.1.self_attn (attention, layer 1) is the cause" in out
-    assert data["passes"] <= 1 + 2 + 1  # off, bisection over 4 layers, the attention alone
+    assert "1 source: layer 1 attention model.layers.1.self_attn" in out and "explained: the part" in out
+    assert data["passes"] == 1 + LAYERS + 1 and data["rounds"] == 2  # off beside 4 streams, then the attention
 
 
-def test_selection_keeps_one_compiled_graph(clean, reference):
-    """Replacing different sets of components reuses the same graphs (per-module masks)."""
+def test_selection_keeps_one_compiled_graph(cleans, references):
+    """Replacing different sets of components, per call or per request, reuses the same graphs."""
     from fxreplace.instrument import instrument
     from fxreplace.replacer import TensorReplacer
     from fxreplace.runner import Runner, RunnerConfig
 
+    clean, reference = cleans[ARCH], references[ARCH]
     model = instrument(copy.deepcopy(clean), [c.target for c in resolve_components(clean, get_family(ARCH).components)])
     runner = Runner(model, clean.config, TensorReplacer(reference.store),
-                    RunnerConfig(prefill_buckets=(16,), batch_buckets=(2,), max_len=32), compile="eager")
+                    RunnerConfig(prefill_buckets=(16,), batch_buckets=(4,), max_len=32), compile="eager")
+    faulty = ("model.layers.2.mlp.gate", "model.layers.0.self_attn")
+    ids = reference.store.prompt_token_ids
     outputs = {}
-    for selection in [(), ("model.layers.1",), ("model.layers.2.mlp.gate", "model.layers.0.self_attn"), ()]:
-        outputs[selection] = runner.generate(reference.store.prompt_token_ids, 2, replace=selection)
+    for selection in [(), ("model.layers.1",), faulty, ()]:
+        outputs[selection] = runner.generate(ids, 2, replace=selection)
+    # the same two selections side by side, as copies of the prompts in one call
+    both = runner.generate(list(ids) * 2, 2, replace=PerRequest([()] * len(ids) + [faulty] * len(ids)))
     assert runner.graphs_compiled == 2  # the prefill bucket and the decode bucket, whatever is replaced
+    for got, want in zip(both, outputs[()] + outputs[faulty]):
+        assert got.tokens == want.tokens
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
     with pytest.raises(KeyError, match="no replacement tensors for"):
         ReplacementContext({"a": torch.zeros(2, 3)}, torch.ones(2, dtype=torch.bool)).select(["b"])
 

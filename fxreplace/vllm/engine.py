@@ -29,6 +29,7 @@ from typing import Collection, Sequence
 import torch
 
 from ..config import ReplacementConfig
+from ..context import PerRequest
 from ..runner import Generation
 
 OFF = {"fxreplace": "off"}
@@ -54,22 +55,22 @@ class VllmEngine:
         self._ids = itertools.count()
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 replace: bool | Collection[str]) -> list[Generation]:
-        """``replace``: True (every target), False (none) or the capture names to replace."""
+                 replace: bool | Collection[str] | PerRequest) -> list[Generation]:
+        """``replace``: True (every target), False (none), the capture names to replace, or a
+        :class:`~fxreplace.context.PerRequest` selection per prompt (one batch serves them all)."""
         from vllm import SamplingParams
 
-        if isinstance(replace, bool):
-            extra, salt = (None, "fxreplace-on") if replace else (dict(OFF), "fxreplace-off")
-        else:
-            names = sorted(replace)
-            extra = {"fxreplace": {"captures": names}}
-            salt = "fxreplace-" + hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
-        sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=self.logprobs,
-                            extra_args=extra)
-        inputs = [{"prompt_token_ids": list(p), "cache_salt": salt} for p in prompts]
-        outs = self.llm.generate(inputs, sp, use_tqdm=False)
+        selections = replace if isinstance(replace, PerRequest) else [replace] * len(prompts)
+        params, salts = [], []
+        for selection in selections:
+            extra, salt = _request_selection(selection)
+            params.append(SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True,
+                                         logprobs=self.logprobs, extra_args=extra))
+            salts.append(salt)
+        inputs = [{"prompt_token_ids": list(p), "cache_salt": salt} for p, salt in zip(prompts, salts)]
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
         gens = []
-        for prompt, out in zip(prompts, outs):
+        for prompt, out, salt in zip(prompts, outs, salts):
             completion = out.outputs[0]
             gens.append(Generation(req_id=f"{out.request_id}:{salt}", prompt=list(prompt),
                                    tokens=list(completion.token_ids),
@@ -104,7 +105,7 @@ class VllmBlameEngine:
     """
 
     def __init__(self, model: str, reference_dir: str, *, dtype: str = "float32", vllm_components=None, **llm_kwargs):
-        from ..blame import Component, recorded_components
+        from ..blame import BlameError, Component, recorded_components
         from ..reference import load_reference
         from ..targets import Target
 
@@ -112,7 +113,12 @@ class VllmBlameEngine:
         if vllm_components is None:
             vllm_components = _family_vllm_components(model)
         self.components = []
-        for name, info in recorded_components(reference).items():
+        recorded = recorded_components(reference)
+        if not recorded:
+            raise BlameError(f"the reference {reference_dir} records no components: capture them with `fxreplace capture "
+                             f"{reference.metadata.get('source_model') or 'CLEAN_MODEL'} --prompts PROMPTS.json "
+                             "--components --out NEW_REFERENCE` (vLLM replays only what the reference holds)")
+        for name, info in recorded.items():
             declared = vllm_components.get(info["kind"])
             if declared is None or info["layer"] is None:
                 continue
@@ -125,9 +131,11 @@ class VllmBlameEngine:
                                         select_captures=True)
         self.engine: VllmEngine | None = VllmEngine(model, replacement, dtype=dtype, **llm_kwargs)
 
+    #: each request of one batch may replace its own selection (hypotheses side by side)
+    per_request_selection = True
+
     def generate(self, prompts, max_new_tokens: int, replace) -> list[Generation]:
-        selection = replace if isinstance(replace, bool) else frozenset(replace) or False
-        return self.engine.generate(prompts, max_new_tokens, replace=selection)
+        return self.engine.generate(prompts, max_new_tokens, replace=replace)
 
     @property
     def vocab_size(self) -> int:
@@ -143,6 +151,16 @@ class VllmBlameEngine:
             from vllm.distributed import cleanup_dist_env_and_memory
 
             cleanup_dist_env_and_memory()
+
+
+def _request_selection(replace: bool | Collection[str]) -> tuple[dict | None, str]:
+    """A request's ``extra_args`` and ``cache_salt`` for one selection (an empty one: off)."""
+    if not isinstance(replace, bool) and not replace:
+        replace = False
+    if isinstance(replace, bool):
+        return (None, "fxreplace-on") if replace else (dict(OFF), "fxreplace-off")
+    names = sorted(replace)
+    return {"fxreplace": {"captures": names}}, "fxreplace-" + hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
 
 
 def _family_vllm_components(model_dir: str) -> dict:

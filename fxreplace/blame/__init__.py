@@ -1,0 +1,222 @@
+"""``fxreplace.blame``: find every component that makes a target drift from its reference.
+
+:func:`blame` checks its inputs, builds the engine (the embedded runner for an HF model,
+or any engine whose ``generate(prompts, n, replace)`` takes capture names, e.g.
+:class:`fxreplace.vllm.engine.VllmBlameEngine`) and runs the search of
+:mod:`fxreplace.blame.search`; :mod:`fxreplace.blame.result` holds what it finds and
+:mod:`fxreplace.blame.ondemand` captures missing components from the clean model.
+
+Measures are continuous (see :data:`fxreplace.validation.EXPLAINS`): a replacement
+*explains* the divergence when it removes at least 90% of both the mean KL and the mean
+top-5 log-prob error.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..metrics import Tolerances
+from ..targets import Target, TargetLike, resolve_targets
+from .result import CONCENTRATED, MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass
+from .search import LAYER, PROBES, Search, default_budget
+
+__all__ = ["blame", "search", "Component", "resolve_components", "family_components", "recorded_components",
+           "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "LAYER",
+           "CONCENTRATED", "SIGNIFICANT", "MAX_ORIGINS", "PROBES", "default_budget", "layer_of"]
+
+
+class BlameError(ValueError):
+    """Inputs blame refuses before its first pass (both sides named)."""
+
+
+@dataclass(frozen=True)
+class Component:
+    """One candidate: a module's value (``capture_name`` in the reference) of a kind, in a layer."""
+
+    kind: str
+    layer: int | None
+    module_name: str
+    capture_name: str
+    target: Target  # the exact module, for instrument()
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index of a qualified name: its first numeric component (``model.layers.3.mlp`` -> 3)."""
+    m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
+    return int(m.group(1)) if m else None
+
+
+def resolve_components(model: nn.Module, components: Mapping[str, TargetLike]) -> list[Component]:
+    """``{kind: Target}`` (the family's ``components`` or your own, same Target syntax)
+    resolved on ``model``, in layer order then the declared kind order."""
+    found = []
+    for order, (kind, target) in enumerate(components.items()):
+        for r in resolve_targets(model, [target]):
+            exact = Target(r.module_name, point=r.point, adapter=r.adapter, shard=r.shard, name=r.capture_name)
+            found.append((layer_of(r.capture_name), order, Component(kind, layer_of(r.capture_name), r.module_name,
+                                                                     r.capture_name, exact)))
+    return [c for _, _, c in sorted(found, key=lambda t: (-1 if t[0] is None else t[0], t[1]))]
+
+
+def family_components(model: nn.Module) -> dict[str, Target]:
+    """The components the model's family declares (``fxreplace.models``)."""
+    from fxreplace.models import architecture, get_family
+
+    arch = architecture(model.config, type(model).__name__)
+    try:
+        declared = get_family(arch).components
+    except KeyError as exc:
+        raise BlameError(f"{exc.args[0]}; pass components={{kind: Target}}") from None
+    if not declared:
+        raise BlameError(f"the {arch} family declares no components; pass components={{kind: Target}}")
+    return dict(declared)
+
+
+def recorded_components(reference) -> dict[str, dict]:
+    """``{capture name: {"kind", "layer"}}`` as capture_reference recorded them (empty: none)."""
+    return dict(reference.metadata.get("components") or {})
+
+
+def check_inputs(reference, *, architecture: str | None, vocab_size: int | None, what: str,
+                 prompts: Sequence[int] | None = None) -> list[int]:
+    """Refuse, before any pass, a reference from another architecture or vocabulary, or no
+    prompts; returns the prompt indices to validate."""
+    recorded = reference.metadata.get("architecture")
+    if architecture and recorded and recorded != architecture:
+        raise BlameError(f"the reference was captured from {recorded} (captures {reference.store.capture_names[:2]} "
+                         f"...) but {what} is {architecture}")
+    if vocab_size is not None and vocab_size != reference.vocab_size:
+        raise BlameError(f"the reference has vocab size {reference.vocab_size} but {what} has {vocab_size}: it was "
+                         "captured from another model")
+    indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
+    if not indices:
+        raise BlameError(f"no prompts to validate: give at least one of the reference's {reference.num_prompts} "
+                         "prompts (prompts=None: all)")
+    unknown = [p for p in indices if not isinstance(p, int) or not 0 <= p < reference.num_prompts]
+    if unknown:
+        raise BlameError(f"prompts {unknown[:5]} are not in the reference (it holds prompts 0-{reference.num_prompts - 1})")
+    return indices
+
+
+def missing_components(reference, components: Sequence[Component]) -> list[Component]:
+    return [c for c in components if c.capture_name not in reference.store.columns]
+
+
+def refuse_missing(reference, components: Sequence[Component], model_hint: str = "CLEAN_MODEL") -> None:
+    """A reference lacking the components the search needs is refused, naming the missing
+    kinds and the capture command that records them (or ``--clean`` to capture on demand)."""
+    missing = missing_components(reference, components)
+    if not missing:
+        return
+    kinds = sorted({c.kind for c in missing})
+    source = reference.metadata.get("source_model") or model_hint
+    steps = max(reference.num_generated(p) for p in range(reference.num_prompts))
+    raise BlameError(
+        f"the reference lacks {len(missing)} of the {len(components)} components the search needs (kinds "
+        f"{', '.join(kinds)}; e.g. {missing[0].capture_name}); capture them with `fxreplace capture {source} "
+        f"--prompts PROMPTS.json --max-new-tokens {steps} --components --out NEW_REFERENCE` (the reference's prompts), "
+        f"or give the clean model to capture only what each pass needs: `fxreplace blame TARGET --reference REF "
+        f"--clean {source}` (blame(..., clean=model))")
+
+
+def search(engine, reference, components: Sequence[Component], *, tolerances: Tolerances = Tolerances(),
+           prompts: Sequence[int] | None = None, budget: int | None = None, probes: int = PROBES,
+           progress: bool = True, supply=None, observe=None) -> BlameResult:
+    """The search of :mod:`fxreplace.blame.search` over ``components`` through ``engine``."""
+    if not components:
+        raise BlameError("no components to search: give the family's components or your own")
+    indices = check_inputs(reference, architecture=None, vocab_size=None, what="the target", prompts=prompts)
+    if supply is None:
+        refuse_missing(reference, components)
+    result = Search(engine, reference, components, tolerances=tolerances, prompts=indices, budget=budget,
+                    probes=probes, progress=progress, supply=supply, observe=observe).run()
+    return result
+
+
+def blame(target, reference, *, clean: nn.Module | None = None, components: Mapping[str, TargetLike] | None = None,
+          dtype: torch.dtype | None = None, compile: str | None = None, tolerances: Tolerances = Tolerances(),
+          prompts: Sequence[int] | None = None, budget: int | None = None, probes: int = PROBES,
+          progress: bool = True) -> BlameResult:
+    """Which components of ``target`` make it drift from ``reference``?
+
+    ``target``: an HF causal LM with the weights under test (copied, converted to ``dtype``,
+    instrumented at every component and run by the embedded
+    :class:`~fxreplace.runner.Runner`, compiled with ``compile`` as backend if given), or an
+    engine whose ``generate(prompts, n, replace)`` takes capture names and whose
+    ``components`` lists what it can replace. ``reference``: a
+    :class:`~fxreplace.reference.Reference` or its directory. ``clean``: the clean HF model
+    the reference came from; components the reference lacks are then captured from it as
+    the search needs them (appended under the reference directory and reused next time).
+    ``components``: ``{kind: Target}`` for models whose family declares none.
+    ``budget``: the most validation passes (default :func:`default_budget`); ``probes``:
+    streams tested side by side per localisation round.
+    """
+    from ..capture import architecture
+    from ..reference import load_reference
+
+    directory = None
+    if isinstance(reference, (str, Path)):
+        directory, reference = Path(reference), load_reference(reference)
+    if not isinstance(target, nn.Module):
+        check_inputs(reference, architecture=None, vocab_size=getattr(target, "vocab_size", None),
+                     what="the target engine", prompts=prompts)
+        return search(target, reference, target.components, tolerances=tolerances, prompts=prompts, budget=budget,
+                      probes=probes, progress=progress)
+    arch = architecture(target.config, type(target).__name__)
+    indices = check_inputs(reference, architecture=arch, vocab_size=target.config.vocab_size,
+                           what=f"the target ({type(target).__name__})", prompts=prompts)
+    if clean is not None:
+        check_inputs(reference, architecture=architecture(clean.config, type(clean).__name__),
+                     vocab_size=clean.config.vocab_size, what=f"the clean model ({type(clean).__name__})",
+                     prompts=prompts)
+    from ..instrument import instrument
+    from ..replacer import TensorReplacer
+    from ..runner import Runner, RunnerConfig
+    from .ondemand import OnDemand
+
+    model = copy.deepcopy(target)
+    if dtype is not None:
+        model = model.to(dtype)
+    comps = resolve_components(model, components if components is not None else family_components(model))
+    if not comps:
+        raise BlameError(f"the components {dict(components or {})} match no module of the target")
+    on_demand = None
+    if clean is not None:
+        on_demand = OnDemand(clean, reference, comps, directory, progress=progress)
+    else:
+        refuse_missing(reference, comps, model_hint="CLEAN_MODEL")
+    instrument(model, [c.target for c in comps])
+    longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in indices)
+    bucket = 1 << (longest - 1).bit_length()
+    # one decode bucket holds a round: every hypothesis's copy of the prompts side by side
+    wave = len(indices) * (max(probes, len([k for k in dict.fromkeys(c.kind for c in comps) if k != LAYER])) + 1)
+    store = on_demand.store() if on_demand else reference.store
+    engine = Runner(model, target.config, replacer=TensorReplacer(store),
+                    runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(wave, 64),),
+                                               max_len=2 * bucket),
+                    dtype=next(model.parameters()).dtype, compile=compile)
+
+    def supply(names):
+        if on_demand.ensure(names):
+            engine.replacer = TensorReplacer(on_demand.store())
+
+    def observe(prompt_ids, max_new_tokens):
+        """One pass observing what every component computes (nothing replaced)."""
+        engine.observed = model
+        try:
+            return engine.generate(prompt_ids, max_new_tokens, replace=False)
+        finally:
+            engine.observed = None
+
+    result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
+                    progress=progress, supply=supply if on_demand else None, observe=observe)
+    if on_demand:
+        result.captured = list(on_demand.captured)
+    return result

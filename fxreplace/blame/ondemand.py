@@ -1,0 +1,92 @@
+"""Reference on demand: capture from the clean model only the components a pass needs.
+
+A reference captured without components (or with some) is completed as the search goes:
+before a round, the components it replaces that the reference lacks are captured from the
+clean model for every prompt (one greedy generation, checked to reproduce the
+reference's tokens), so a search costs O(rounds) captures instead of O(layers x kinds).
+Under a reference directory each capture is appended as a store of its own in
+``blame-components/NNNNN/`` (written by :class:`~fxreplace.store.StoreWriter`) and the next
+run reads it back instead of capturing again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Collection, Sequence
+
+import torch
+
+from ..reference import LOGITS, TOKENS
+from ..store import ReferenceStore, StoreWriter
+
+SUBDIR = "blame-components"
+
+
+class OnDemand:
+    def __init__(self, clean, reference, components: Sequence, directory: Path | None, *, progress: bool = False):
+        self.clean, self.reference, self.progress = clean, reference, progress
+        self.by_name = {c.capture_name: c for c in components}
+        self.root = None if directory is None else Path(directory) / SUBDIR
+        self.rows: dict[str, dict[int, torch.Tensor]] = {}  # capture name -> prompt -> [positions, E]
+        self.captured: list[str] = []  # captured in this run
+        self._store: ReferenceStore | None = None
+        if self.root is not None and self.root.is_dir():
+            for part in sorted(p for p in self.root.iterdir() if (p / "index.json").exists()):
+                saved = ReferenceStore.load(part)
+                for name in saved.capture_names:
+                    self.rows[name] = {p: saved.rows(p, name) for p in saved.prompt_ids}
+
+    def present(self, name: str) -> bool:
+        return name in self.reference.store.columns or name in self.rows
+
+    def ensure(self, names: Collection[str]) -> bool:
+        """Capture the ``names`` not yet present; True when something was captured."""
+        need = [n for n in sorted(names) if not self.present(n)]
+        if not need:
+            return False
+        from ..capture import capture_reference
+
+        ref = self.reference
+        prompts = [ref.prompt_tokens(p) for p in range(ref.num_prompts)]
+        steps = max(ref.num_generated(p) for p in range(ref.num_prompts))
+        fresh = capture_reference(self.clean, prompts, [self.by_name[n].target for n in need], steps, progress=False)
+        for p in range(ref.num_prompts):
+            n = ref.num_generated(p)
+            if fresh.tokens(p)[:n] != ref.tokens(p):
+                raise ValueError(f"the clean model does not reproduce the reference's tokens for prompt {p} "
+                                 f"({fresh.tokens(p)[:n][:8]} ... vs {ref.tokens(p)[:8]} ...): it is not the model "
+                                 "the reference was captured from")
+        new = {name: {p: fresh.store.rows(p, name)[: len(prompts[p]) + ref.num_generated(p) - 1].clone()
+                      for p in range(ref.num_prompts)} for name in need}
+        if self.root is not None:
+            self._append(new)
+        self.rows.update(new)
+        self.captured += need
+        self._store = None
+        if self.progress:
+            print(f"  captured {len(need)} components from the clean model: {', '.join(need)[:200]}")
+        return True
+
+    def _append(self, new: dict[str, dict[int, torch.Tensor]]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        part = self.root / f"{len([p for p in self.root.iterdir() if p.is_dir()]):05d}"
+        info = {name: {"kind": self.by_name[name].kind, "layer": self.by_name[name].layer} for name in new}
+        with StoreWriter(part, metadata={"components": info}) as writer:
+            for p in range(self.reference.num_prompts):
+                writer.add(self.reference.prompt_tokens(p), {name: rows[p] for name, rows in new.items()}, prompt_idx=p)
+
+    def store(self) -> ReferenceStore:
+        """The components present (the reference's and the captured ones) as one store for the replacer."""
+        if self._store is None:
+            ref = self.reference
+            names = [n for n in self.by_name if self.present(n)]
+            if not names:  # nothing yet: the reference's own store (its rows are never selected)
+                return ref.store
+            flat = {p: {n: (self.rows[n][p] if n in self.rows else ref.store.rows(p, n)) for n in names}
+                    for p in range(ref.num_prompts)}
+            extras = {TOKENS: [ref.store.extra(TOKENS, p) for p in range(ref.num_prompts)],
+                      LOGITS: [ref.logits(p) for p in range(ref.num_prompts)]}
+            self._store = ReferenceStore.from_captures(
+                flat, prompt_token_ids=[ref.prompt_tokens(p) for p in range(ref.num_prompts)],
+                metadata=dict(ref.metadata), extras=extras)
+        return self._store

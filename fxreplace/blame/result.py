@@ -1,0 +1,187 @@
+"""What a blame search found: passes, measured components, per-layer shares, origins, verdict."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..validation import EXPLAINS
+
+#: A layer is where a divergence arises when at least this share of it appears there; when no
+#: origin reaches it the drift is diffuse.
+CONCENTRATED = 0.5
+#: A part of the divergence that matters: more than what a replacement that explains it may leave.
+SIGNIFICANT = round(1 - EXPLAINS, 6)
+#: More independent origins than this and the drift is called diffuse (the search stops there).
+MAX_ORIGINS = 3
+
+
+@dataclass
+class Pass:
+    """One teacher-forced validation with ``replaced`` (capture names) replaced."""
+
+    replaced: tuple[str, ...]
+    mean_kl: float | None
+    mean_top5_error: float | None
+    top1_agreement: float | None
+    prompts_diverged: int
+    steps_diverged: int
+    first_divergence: int | None  # earliest diverged step over all prompts
+    nonfinite: bool  # some prompt's logits held NaN/inf
+    round: int  # the batched validation it ran in (hypotheses of one round run side by side)
+    seconds: float  # that round's wall time
+
+
+@dataclass
+class Blame:
+    """A measured component: the divergence without / with its replacement.
+
+    ``explained``: the fraction of the divergence gone with this component replaced, together
+    with ``with_replaced`` (the origins found before it); ``share``: the part it accounts for
+    itself (``explained`` minus what ``with_replaced`` alone explains)."""
+
+    component: str
+    kind: str
+    layer: int | None
+    kl_off: float | None
+    kl_on: float | None
+    top5_off: float | None
+    top5_on: float | None
+    top1_off: float | None
+    top1_on: float | None
+    first_divergence_off: int | None
+    first_divergence_on: int | None
+    prompts_diverged_off: int
+    prompts_diverged_on: int
+    explained_kl: float | None
+    explained_top5: float | None
+    explained: float | None  # the smaller of the two
+    share: float | None
+    with_replaced: list[str] = field(default_factory=list)
+    origin: bool = False  # an origin of the divergence (the verdict names it)
+
+
+@dataclass
+class LayerShare:
+    """Localisation evidence: the residual stream after ``layer`` replaced (nothing else)."""
+
+    layer: int
+    stream: str  # its capture name
+    explained: float | None  # of the divergence, with the stream replaced
+    share: float | None  # arising in this layer: explained minus the nearest measured layer below (or 0)
+
+
+@dataclass
+class Origin:
+    """Where a part of the divergence arises: a component, or the layer itself when none of
+    its declared kinds explains that part."""
+
+    layer: int
+    share: float  # of the whole divergence (beyond the origins found before)
+    component: str | None
+    kind: str | None
+    kinds_tried: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        if self.component is None:
+            return (f"layer {self.layer} ({self.share:.0%}): none of {'/'.join(self.kinds_tried) or 'its kinds'} "
+                    "explains it; look at the norms or the residual path")
+        return f"layer {self.layer} {self.kind} {self.component} ({self.share:.0%})"
+
+
+@dataclass
+class NonFinite:
+    """Where NaN/inf first appear, in forward order: position first, then layer and kind."""
+
+    prompt: int
+    position: int  # in the prompt + generated sequence
+    step: int | None  # generated step whose logits it feeds (None: inside the prompt's prefill)
+    component: str | None  # None: the logits are the first non-finite value observed
+    kind: str | None
+    layer: int | None
+
+    def describe(self) -> str:
+        where = f"prompt {self.prompt}, position {self.position} " + (
+            f"(step {self.step})" if self.step is not None else "(in the prompt)")
+        if self.component is None:
+            return (f"non-finite values (NaN/inf) first appear in the logits, {where}; every declared component is "
+                    "finite before them: look at the final norm and lm_head")
+        return f"non-finite values (NaN/inf) first appear in {self.component} ({self.kind}, layer {self.layer}), {where}"
+
+
+@dataclass
+class BlameResult:
+    ranking: list[Blame]  # components only: the origins first (in layer order), then by share
+    layer_shares: list[LayerShare]  # per measured layer: localisation evidence
+    origins: list[Origin]
+    passes: list[Pass]
+    rounds: int
+    verdict: str
+    confident: bool  # components explain the divergence, each origin named
+    diffuse: bool
+    nonfinite: NonFinite | None
+    kinds: list[str]  # component kinds, in forward order within a layer
+    layers: list[int]
+    seconds: float
+    budget: int  # the most passes the search may run
+    budget_spent: bool  # it stopped there
+    captured: list[str] = field(default_factory=list)  # components captured on demand from the clean model
+    explained: float | None = None  # of the divergence, by every origin replaced together
+    thresholds: dict = field(default_factory=lambda: {"explains": EXPLAINS, "concentrated": CONCENTRATED,
+                                                      "significant": SIGNIFICANT, "max_origins": MAX_ORIGINS})
+
+    @property
+    def guilty(self) -> Blame | None:
+        """The first origin's component when the verdict is confident."""
+        return self.ranking[0] if self.confident else None
+
+    @property
+    def origin_layer(self) -> int | None:
+        return self.origins[0].layer if self.origins else None
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, "confident": self.confident, "diffuse": self.diffuse,
+                "origin_layer": self.origin_layer, "origins": [asdict(o) for o in self.origins],
+                "explained": self.explained, "nonfinite": asdict(self.nonfinite) if self.nonfinite else None,
+                "passes": len(self.passes), "rounds": self.rounds, "budget": self.budget,
+                "budget_spent": self.budget_spent, "captured": self.captured, "seconds": self.seconds,
+                "thresholds": self.thresholds, "kinds": self.kinds, "layers": self.layers,
+                "ranking": [asdict(b) for b in self.ranking], "layer_shares": [asdict(s) for s in self.layer_shares],
+                "pass_log": [asdict(p) for p in self.passes]}
+
+    def write_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    def write_report(self, directory: str | Path) -> Path:
+        """``blame.json``, ``blame_heatmap.png`` and ``blame.html`` in ``directory``."""
+        from ..report import write_blame_report
+
+        return write_blame_report(self, directory)
+
+    def table(self, limit: int | None = 12) -> str:
+        """The ranking, the per-layer shares and what the columns mean, as text."""
+        from ..report import fmt
+
+        head = (f"{'#':>3} {'component':<28} {'kind':<9} {'layer':>5} {'KL off':>9} {'KL on':>9} {'top-5 off':>9} "
+                f"{'top-5 on':>9} {'explained':>9} {'share':>6}  origin")
+        lines = [head, "-" * len(head)]
+        for i, b in enumerate(self.ranking[:limit], 1):
+            lines.append(f"{i:>3} {b.component:<28} {b.kind:<9} {fmt(b.layer):>5} {fmt(b.kl_off):>9} {fmt(b.kl_on):>9} "
+                         f"{fmt(b.top5_off):>9} {fmt(b.top5_on):>9} {pct(b.explained):>9} {pct(b.share):>6}  "
+                         f"{'yes' if b.origin else ''}")
+        lines.append(f"explained: the part of the divergence gone with the component replaced (the smaller of the mean KL "
+                     f"and the mean top-5 error removed; with the origins above it replaced too); share: the part it "
+                     f"accounts for itself. Order: the origins first, in layer order, then by share.")
+        if self.layer_shares:
+            lines.append("arising per layer (the residual stream after the layer replaced): " + ", ".join(
+                f"{s.layer}: {pct(s.share)}" for s in self.layer_shares))
+        lines.append(f"{len(self.passes)} validation passes in {self.rounds} rounds (budget {self.budget}), "
+                     f"{len(self.captured)} components captured on demand, {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def pct(v) -> str:
+    return "-" if v is None else f"{0.0 if abs(v) < 0.005 else v:.0%}"  # no "-0%" for rounding noise

@@ -1,0 +1,359 @@
+"""The blame search: localise by the residual streams, attribute by kind, repeat for every origin.
+
+Every *pass* is one teacher-forced validation with a set of components replaced; the
+passes of one *round* run side by side as copies of the prompts in one batch (each copy
+selects its own components) when the engine supports it (``per_request_selection``).
+
+``E(S)``: the fraction of the divergence removed with the captures ``S`` replaced
+(:func:`fxreplace.validation.explained`). Replacing the stream after layer ``k`` removes
+every error arising at or before ``k``, so ``E(B + stream k)`` grows with ``k``. With the
+origins found so far ``B`` kept replaced, the search
+
+1. finds the first layer whose stream adds at least :data:`SIGNIFICANT` to ``E(B)``, by a
+   ``(probes + 1)``-ary split (``probes`` streams per round);
+2. replaces each kind of that layer (one round); kinds are declared in forward order and
+   replacing a component also hides what went wrong upstream of it inside its layer (the
+   experts' output carries a faulty router's routing), so the *earliest* kind explaining
+   the layer's part is its origin; when none does, the layer itself is;
+3. keeps that origin replaced and goes on after it, until the rest is below the thresholds,
+   no later layer adds a significant part, more than :data:`MAX_ORIGINS` origins are needed
+   (diffuse drift: then every stream and component is measured for the heat map), or the
+   pass budget is spent.
+
+When the target's logits hold NaN/inf, one observing pass finds where they first appear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Collection, Sequence
+
+from ..context import PerRequest
+from ..metrics import DIVERGED, Tolerances
+from ..validation import EXPLAINS, ValidationResult, explained, logit_validation
+from .result import (CONCENTRATED, MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass,
+                     pct)
+
+LAYER = "layer"
+#: streams probed per localisation round
+PROBES = 4
+
+
+def default_budget(layers: int, kinds: int, probes: int = PROBES) -> int:
+    """Passes enough for MAX_ORIGINS + 1 origins (localise + kinds each) plus the diffuse heat map."""
+    localise = probes * max(1, math.ceil(math.log(max(layers, 2), probes + 1)))
+    return 1 + (MAX_ORIGINS + 1) * (localise + kinds + 1) + layers * (kinds + 1)
+
+
+class BudgetSpent(Exception):
+    pass
+
+
+class _Copies:
+    """``copies`` times the reference prompts ``indices``: prompt ``i`` is ``indices[i % len(indices)]``."""
+
+    def __init__(self, reference, indices: Sequence[int], copies: int):
+        self.reference, self.indices, self.store = reference, list(indices), reference.store
+        self.num_prompts = copies * len(self.indices)
+
+    def _p(self, i: int) -> int:
+        return self.indices[i % len(self.indices)]
+
+    def prompt_tokens(self, i):
+        return self.reference.prompt_tokens(self._p(i))
+
+    def num_generated(self, i):
+        return self.reference.num_generated(self._p(i))
+
+    def tokens(self, i):
+        return self.reference.tokens(self._p(i))
+
+    def logits(self, i):
+        return self.reference.logits(self._p(i))
+
+
+class Search:
+    """One search's state: the passes measured (by selection), rounds, budget."""
+
+    def __init__(self, engine, reference, components, *, tolerances: Tolerances, prompts: Sequence[int],
+                 budget: int | None, probes: int, progress: bool, supply: Callable[[Collection[str]], None] | None,
+                 observe: Callable | None):
+        self.engine, self.reference, self.components = engine, reference, list(components)
+        self.tolerances, self.indices, self.progress = tolerances, list(prompts), progress
+        self.probes, self.supply, self.observe = probes, supply, observe
+        self.streams = {c.layer: c for c in self.components if c.kind == LAYER and c.layer is not None}
+        self.stream_layers = sorted(self.streams)
+        self.kinds = list(dict.fromkeys(c.kind for c in self.components if c.kind != LAYER))
+        self.layers = sorted({c.layer for c in self.components if c.layer is not None})
+        self.budget = budget if budget is not None else default_budget(len(self.layers), len(self.kinds), probes)
+        self.cache: dict[frozenset, tuple[Pass, dict]] = {}
+        self.passes: list[Pass] = []
+        self.rounds = 0
+        self.batched = getattr(engine, "per_request_selection", False)
+
+    # ------------------------------------------------------------------ measuring
+
+    def measure(self, selections: Sequence[Collection[str]]) -> list[tuple[Pass, dict]]:
+        """Each selection's (pass, summary); the unmeasured ones run as one round."""
+        keys = [frozenset(s) for s in selections]
+        todo = [k for k in dict.fromkeys(keys) if k not in self.cache]
+        if todo:
+            if len(self.passes) + len(todo) > self.budget:
+                raise BudgetSpent
+            if self.supply is not None:
+                self.supply(set().union(*todo))
+            for group in ([todo] if self.batched else [[k] for k in todo]):
+                self._round(group)
+        return [self.cache[k] for k in keys]
+
+    def _round(self, todo: list[frozenset]) -> None:
+        t0 = time.perf_counter()
+        n = len(self.indices)
+        copies = _Copies(self.reference, self.indices, len(todo))
+        replace = {i: todo[i // n] for i in range(copies.num_prompts)}
+        result = logit_validation(self.engine, copies, modes=("on",), replace=replace, tolerances=self.tolerances,
+                                  progress=False)
+        seconds = time.perf_counter() - t0
+        self.rounds += 1
+        for h, key in enumerate(todo):
+            steps = [dataclasses.replace(s, prompt=self.indices[s.prompt % n]) for s in result.steps if s.prompt // n == h]
+            s = ValidationResult(steps=steps, tolerances=self.tolerances, num_prompts=n).summary()["on"]
+            firsts = [p["first_divergence"] for p in s["prompts"].values() if p["first_divergence"] is not None]
+            done = Pass(tuple(sorted(key)), s["mean_kl"], s["mean_top5_error"], s["top1_agreement"], s["prompts_diverged"],
+                        s["status_counts"][DIVERGED], min(firsts) if firsts else None,
+                        any(p["nan"] for p in s["prompts"].values()), self.rounds, seconds)
+            self.passes.append(done)
+            self.cache[key] = (done, s)
+        if self.progress:
+            print(f"  round {self.rounds}: {len(todo)} passes side by side ({seconds:.1f} s): " + "; ".join(
+                f"{', '.join(self.cache[k][0].replaced) or 'nothing'}: KL {_g(self.cache[k][0].mean_kl)}"
+                for k in todo)[:400])
+
+    def E(self, selection: Collection[str]) -> float:
+        """Explained by ``selection`` (0 for nothing replaced; unknown counts as 0)."""
+        key = frozenset(selection)
+        if not key or key not in self.cache:
+            return 0.0
+        return explained(self.off_summary, self.cache[key][1])["explained"] or 0.0
+
+    # ------------------------------------------------------------------ the search
+
+    def run(self) -> BlameResult:
+        started = time.perf_counter()
+        first_probes = self._probe_points(0, len(self.stream_layers) - 1, known_last=False)
+        (off, self.off_summary), *_ = self.measure([()] + [[self.streams[self.stream_layers[i]].capture_name]
+                                                            for i in first_probes])
+        self.off = off
+        origins: list[Origin] = []
+        nonfinite = None
+        spent = diffuse = False
+        after_layers = None  # the stream after the last layer leaves a part: it arises after the layers
+        if off.steps_diverged == 0 and not off.nonfinite:
+            return self._result([], None, False, False, started, "the target does not diverge from the reference "
+                                "(every step within tolerance); nothing to blame.")
+        if off.nonfinite:
+            nonfinite = self._first_nonfinite()
+            return self._result([], nonfinite, False, False, started, nonfinite.describe() + "." if nonfinite else
+                                "the target's logits hold NaN/inf; no observing engine to say where they first appear.")
+        try:
+            base: list[str] = []
+            start = 0  # index into stream_layers
+            while True:
+                found = self._localise(base, start)
+                if found is None:
+                    break
+                origin = self._attribute(base, found)
+                origins.append(origin)
+                base = base + [origin.component or self.streams[origin.layer].capture_name]
+                remainder, _ = self.measure([base])[0]
+                if remainder.steps_diverged == 0 or self.E(base) >= EXPLAINS or len(origins) > MAX_ORIGINS:
+                    break
+                start = self.stream_layers.index(origin.layer) + 1
+                if start >= len(self.stream_layers):
+                    break
+            last = self.stream_layers[-1] if self.stream_layers else None
+            if last is not None:  # probed in the first round
+                after_layers = self.E([self.streams[last].capture_name])
+            together = self.E(base) if base else 0.0
+            # what arises inside the layers but in no layer significantly: spread thinly over them
+            spread = (after_layers or 0.0) - together
+            diffuse = bool(origins) and (len(origins) > MAX_ORIGINS or max(o.share for o in origins) < CONCENTRATED
+                                         or (together < EXPLAINS and spread >= SIGNIFICANT))
+            if diffuse:  # where does the drift build up: every stream and kind, for the heat map
+                self.measure([[c.capture_name] for c in self.components])
+        except BudgetSpent:
+            spent = True
+        return self._result(origins, None, diffuse, spent, started, None, after_layers)
+
+    def _probe_points(self, a: int, b: int, known_last: bool) -> list[int]:
+        """Up to ``probes`` indices splitting [a, b] evenly, ending at b (b - 1 when b is known)."""
+        last = b - 1 if known_last else b
+        size = last - a + 1
+        if size <= 0:
+            return []
+        m = min(self.probes, size)
+        return sorted({a - 1 + math.ceil(j * size / m) for j in range(1, m + 1)})
+
+    def _localise(self, base: list[str], start: int) -> int | None:
+        """The first layer (from stream index ``start``) whose stream adds SIGNIFICANT to E(base)."""
+        if not self.stream_layers:
+            return None
+        a, b, known = start, len(self.stream_layers) - 1, False
+        e_base = self.E(base) if base else 0.0
+        while True:
+            if known and a == b:
+                return self.stream_layers[a]
+            points = self._probe_points(a, b, known)
+            sels = [base + [self.streams[self.stream_layers[i]].capture_name] for i in points]
+            self.measure(sels + ([base] if base else []))
+            e_base = self.E(base) if base else 0.0
+            hits = [i for i, s in zip(points, sels) if self.E(s) - e_base >= SIGNIFICANT]
+            if hits:
+                j = points.index(hits[0])
+                a, b, known = (points[j - 1] + 1 if j else a), hits[0], True
+            elif not known:
+                return None
+            else:
+                a = points[-1] + 1
+
+    def _attribute(self, base: list[str], layer: int) -> Origin:
+        """The earliest kind of ``layer`` explaining its part (beyond ``base``), else the layer itself."""
+        e_base = self.E(base) if base else 0.0
+        idx = self.stream_layers.index(layer)
+        stream = base + [self.streams[layer].capture_name]
+        below = [base + [self.streams[self.stream_layers[i]].capture_name] for i in range(idx - 1, -1, -1)
+                 if frozenset(base + [self.streams[self.stream_layers[i]].capture_name]) in self.cache]
+        part = self.E(stream) - (self.E(below[0]) if below else e_base)
+        candidates = [c for c in self.components if c.layer == layer and c.kind != LAYER]
+        self.measure([base + [c.capture_name] for c in candidates])
+        for c in candidates:
+            gain = self.E(base + [c.capture_name]) - e_base
+            if gain >= SIGNIFICANT and gain >= EXPLAINS * part:
+                return Origin(layer, gain, c.capture_name, c.kind, [x.kind for x in candidates])
+        return Origin(layer, self.E(stream) - e_base, None, None, [x.kind for x in candidates])
+
+    def _first_nonfinite(self) -> NonFinite | None:
+        """Observe every declared component in one pass; the first non-finite value in forward order."""
+        if self.observe is None:
+            return None
+        order = {c.capture_name: (c.layer if c.layer is not None else -1, i) for i, c in enumerate(self.components)}
+        by_name = {c.capture_name: c for c in self.components}
+        n = max(self.reference.num_generated(p) for p in self.indices)
+        gens = self.observe([self.reference.prompt_tokens(p) for p in self.indices], n)
+        self.rounds += 1
+        best = None
+        for p, gen in zip(self.indices, gens):
+            plen = len(self.reference.prompt_tokens(p))
+            for name, per_position in gen.observed.items():
+                if name not in order:
+                    continue
+                for pos, value in per_position.items():
+                    if not bool(value.isfinite().all()):
+                        key = (pos, order[name])
+                        if best is None or key < best[0]:
+                            best = (key, p, pos, name)
+            bad = [j for j, lg in enumerate(gen.logits) if not bool(lg.isfinite().all())]
+            if bad:
+                pos = plen - 1 + bad[0]
+                key = (pos, (math.inf, 0))
+                if best is None or key < best[0]:
+                    best = (key, p, pos, None)
+        if best is None:
+            return None
+        _, p, pos, name = best
+        plen = len(self.reference.prompt_tokens(p))
+        step = pos - plen + 1 if pos >= plen - 1 else None
+        c = by_name.get(name)
+        return NonFinite(p, pos, step, name, c.kind if c else None, c.layer if c else None)
+
+    # ------------------------------------------------------------------ the result
+
+    def _result(self, origins, nonfinite, diffuse, spent, started, verdict=None, after_layers=None) -> BlameResult:
+        ranking = self._ranking(origins)
+        shares = self._layer_shares()
+        chosen = frozenset(o.component or self.streams[o.layer].capture_name for o in origins)
+        together = self.E(chosen) if chosen in self.cache else None
+        confident = (not diffuse and not spent and bool(origins) and all(o.component for o in origins)
+                     and (together or 0) >= EXPLAINS)
+        if verdict is None:
+            verdict = _verdict(origins, together, diffuse, spent, self.budget, ranking, shares, after_layers)
+        return BlameResult(ranking, shares, origins, self.passes, self.rounds, verdict, confident, diffuse, nonfinite,
+                           self.kinds, self.layers, time.perf_counter() - started, self.budget, spent,
+                           explained=together)
+
+    def _ranking(self, origins: list[Origin]) -> list[Blame]:
+        """One row per measured component (its most informative pass: the attribution that named it,
+        else the pass with the most origins replaced beside it)."""
+        off, off_s = self.off, self.off_summary
+        named = {o.component for o in origins if o.component}
+        chosen = [o.component or self.streams[o.layer].capture_name for o in origins]
+        kept = set(chosen)
+        # an origin's row is its attribution: the origins found before it replaced beside it
+        attributed = {o.component: frozenset(chosen[:i]) for i, o in enumerate(origins) if o.component}
+        rows: dict[str, Blame] = {}
+        for key, (on, on_s) in self.cache.items():
+            for c in self.components:
+                if c.kind == LAYER or c.capture_name not in key:
+                    continue
+                others = sorted(key - {c.capture_name})
+                if not set(others) <= kept or attributed.get(c.capture_name, frozenset(others)) != frozenset(others):
+                    continue
+                e = explained(off_s, on_s)
+                share = None if e["explained"] is None else e["explained"] - self.E(others)
+                row = Blame(c.capture_name, c.kind, c.layer, off.mean_kl, on.mean_kl, off.mean_top5_error,
+                            on.mean_top5_error, off.top1_agreement, on.top1_agreement, off.first_divergence,
+                            on.first_divergence, off.prompts_diverged, on.prompts_diverged, e["kl"], e["top5"],
+                            e["explained"], share, others, c.capture_name in named)
+                held = rows.get(c.capture_name)
+                if held is None or len(others) > len(held.with_replaced):
+                    rows[c.capture_name] = row
+        order = {c.capture_name: i for i, c in enumerate(self.components)}
+        return sorted(rows.values(), key=lambda b: (not b.origin, order[b.component] if b.origin else 0,
+                                                    -(b.share if b.share is not None else -1)))
+
+    def _layer_shares(self) -> list[LayerShare]:
+        out, below = [], 0.0
+        for k in self.stream_layers:
+            key = frozenset([self.streams[k].capture_name])
+            if key not in self.cache:
+                continue
+            e = self.E(key)
+            out.append(LayerShare(k, self.streams[k].capture_name, e, e - below))
+            below = e
+        return out
+
+
+def _verdict(origins, together, diffuse, spent, budget, ranking, shares, after_layers) -> str:
+    tail = ""
+    if after_layers is not None and after_layers < EXPLAINS and not diffuse:
+        tail = (f" Replacing the stream after the last layer removes {pct(after_layers)}: the rest arises after the "
+                "decoder layers (final norm, lm_head).")
+    if spent:
+        found = "; ".join(o.describe() for o in origins) or "nothing yet"
+        return f"the search stopped at its budget of {budget} passes; found so far: {found}."
+    if diffuse:
+        per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
+        largest = max(origins, key=lambda o: o.share)
+        return (f"diffuse drift: the divergence arises across the layers, not in a few components (largest part: "
+                f"{largest.describe()}; the origins found explain {pct(together)} together, and a concentrated "
+                f"source needs {CONCENTRATED:.0%} in at most {MAX_ORIGINS} origins explaining {EXPLAINS:.0%}); share "
+                f"arising per layer: {per_layer}.")
+    if not origins:
+        return ("no layer's residual stream explains a significant part of the divergence (threshold "
+                f"{SIGNIFICANT:.0%})." + tail)
+    sources = "1 source" if len(origins) == 1 else f"{len(origins)} independent sources"
+    text = f"{sources}: " + "; ".join(o.describe() for o in origins)
+    if together is not None:
+        text += f"; together they explain {pct(together)} of the divergence" if len(origins) > 1 else \
+            f"; replacing it removes {pct(together)} of the divergence"
+    if len(origins) == 1 and origins[0].component:
+        top = next(b for b in ranking if b.component == origins[0].component)
+        text += (f" (mean KL {top.kl_off:.3g} -> {top.kl_on:.3g}, {pct(top.explained_kl)} of the KL and "
+                 f"{pct(top.explained_top5)} of the top-5 error)")
+    return text + "." + tail
+
+
+def _g(v) -> str:
+    return "-" if v is None else f"{v:.3g}"
