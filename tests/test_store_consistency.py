@@ -308,7 +308,7 @@ SAVER = textwrap.dedent("""
     import sys, torch
     from fxreplace import ReferenceStore, StoreWriter
     who, out, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    n = 2 + 3 * who  # the savers' stores differ in prompts, shards and values
+    n = 12  # the savers' stores have the same prompts and shard names, other values: a mix would load
     with StoreWriter(out + f".src{who}", shard_bytes=1, metadata={"who": who}) as w:  # a shard per prompt
         for p in range(n):
             w.add([who, p], {"a": [torch.full((1, 2, 4), float(100 * who + p))]})
@@ -322,9 +322,8 @@ SAVER = textwrap.dedent("""
 def test_concurrent_savers_never_interleave(tmp_path):
     out = tmp_path / "shared"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, "-c", SAVER, str(who), str(out), "10"], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", SAVER, str(who), str(out), "15"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for who in (0, 1)]
-    seen = set()
     while any(p.poll() is None for p in procs):  # meanwhile a reader finds a whole store or none
         try:
             store = ReferenceStore.load(out)
@@ -333,16 +332,16 @@ def test_concurrent_savers_never_interleave(tmp_path):
         finally:
             time.sleep(0.02)
         who = store.metadata["who"]
-        seen.add(who)
-        assert store.num_prompts == 2 + 3 * who
+        assert store.num_prompts == 12
         assert all(float(store.rows(p, "a")[0, 0]) == 100 * who + p for p in range(store.num_prompts))
     for p in procs:
         _, err = p.communicate()
         assert p.returncode == 0, err[-2000:]
     store = ReferenceStore.load(out)
     who = store.metadata["who"]
-    assert store.num_prompts == 2 + 3 * who and store.verify()["prompts"] == store.num_prompts
-    assert sorted(p.name for p in out.iterdir()) == ["index.json"] + [f"shard-{k:05d}.safetensors" for k in range(2 + 3 * who)]
+    assert all(float(store.rows(p, "a")[0, 0]) == 100 * who + p for p in range(12)), "the store mixes two saves"
+    assert store.verify()["prompts"] == 12
+    assert sorted(p.name for p in out.iterdir()) == ["index.json"] + [f"shard-{k:05d}.safetensors" for k in range(12)]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
@@ -454,3 +453,16 @@ def test_config_checks_paths_and_sections_where_they_enter(tmp_path):
 def test_replacer_checks_its_arguments():
     with pytest.raises(TypeError, match="allow_nonfinite must be True or False, got 'yes'"):
         TensorReplacer([prompt(0)[1]], allow_nonfinite="yes")
+
+
+def test_a_refused_registration_leaves_the_previous_one():
+    caps = [prompt(p)[1] for p in range(2)]
+    replacer = TensorReplacer(caps, prompt_token_ids=[prompt(p)[0] for p in range(2)])
+    assert replacer.register_request("r", prompt(0)[0] + [3]) == 0
+    with pytest.raises(ValueError, match="request 'r' is already registered"):
+        replacer.register_request("r", prompt(1)[0])
+    with pytest.raises(KeyError, match="request 's': its 2 tokens start with no stored prompt"):
+        replacer.register_request("s", [9, 9])
+    with pytest.raises(ValueError, match="request 't': token ids must be integers"):
+        replacer.register_request("t", [0.5, 1.5])
+    assert replacer.requests == {"r": 0}

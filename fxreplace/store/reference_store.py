@@ -255,7 +255,9 @@ class ReferenceStore:
         """Memory-map a store: a directory (``index.json`` and its shards) or one shard file.
 
         Reads headers and per-prompt tables only; every field of the index is checked
-        against the tensors' metadata and errors name the file and the field.
+        against the tensors' metadata and errors name the file and the field. Every shard
+        must agree with the first (capture names, dtypes, widths, extras, metadata; no two
+        prompts with the same token ids).
         """
         path = as_path(path, "path")
         try:
