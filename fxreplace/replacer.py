@@ -2,10 +2,12 @@
 
 Every builder reduces the batch to two per-slot arrays, the owning request of each
 slot and its position, computes the store row of every slot on the host (numpy: the
-scheduler's metadata lives there), then does one ``index_select`` per group of the
-:class:`~fxreplace.store.ReferenceStore` (per touched shard) on the store's device.
-Python loops over requests (to look up their prompt); over slots only in batches of
-at most ``_SMALL_BATCH`` slots (decode steps), where that costs less than numpy calls.
+scheduler's metadata lives there), then gathers those rows from each group of the
+:class:`~fxreplace.store.ReferenceStore` (per touched shard) on the store's device, with
+one primitive chosen by the batch's shape (see ``TensorReplacer._run``). Python loops over
+requests (to look up their prompt); over slots only in batches of at most ``_SMALL_BATCH``
+slots (decode steps), where that costs less than numpy calls. An engine's steady decode
+step takes the shorter path of :mod:`fxreplace.fastpath` (``decode_into``).
 
 Thread safety: registration, release, ``requests`` and building may be called from
 several threads; building into the same ``out=`` context from two threads at once

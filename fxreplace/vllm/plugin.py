@@ -36,7 +36,7 @@ import logging
 from ..matching import PromptIndex
 from . import internals
 from .config import parse_config, refuse_unsupported, wrap_in_place
-from .replacement import SelectingReplacement, VllmReplacement, selection, switched_off
+from .replacement import SelectingReplacement, VllmReplacement, selection_of, switched_off
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -120,7 +120,7 @@ def _process_inputs(original):
 
     def process_inputs(self, *args, **kwargs):
         request = original(self, *args, **kwargs)
-        _checkselection(self, request)
+        _check_selection(self, request)
         prompts = self.__dict__.get(_PROMPTS_ATTR, _UNSET)
         if prompts is _UNSET:
             prompts = _reference_prompts(self.vllm_config.additional_config)
@@ -150,10 +150,10 @@ def _reference_prompts(additional_config):
     return PromptIndex(list(token_ids.values()) if isinstance(token_ids, dict) else token_ids)
 
 
-def _checkselection(processor, request) -> None:
+def _check_selection(processor, request) -> None:
     """Front end: a selection ``{"captures": [names]}`` must be a list of capture names the
     reference holds, sent to an engine configured with ``select_captures``."""
-    selection = selection(request.sampling_params)
+    selection = selection_of(request.sampling_params)
     if selection is None:
         return
     config = parse_config(processor.vllm_config.additional_config)

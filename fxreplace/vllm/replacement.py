@@ -43,7 +43,7 @@ def switched_off(sampling_params) -> bool:
     return bool(extra) and extra.get("fxreplace") in OFF_VALUES
 
 
-def selection(sampling_params):
+def selection_of(sampling_params):
     """A request's ``extra_args["fxreplace"]`` when it is a selection (a dict), else None."""
     extra = getattr(sampling_params, "extra_args", None)
     value = extra.get("fxreplace") if extra else None
@@ -262,7 +262,7 @@ class SelectingReplacement(VllmReplacement):
         for req_id in scheduler_output.finished_req_ids:
             self.selections.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
-            selection = selection(new.sampling_params)
+            selection = selection_of(new.sampling_params)
             if selection is None:
                 continue
             wanted = set(selection["captures"])  # validated in the front end
