@@ -21,6 +21,7 @@ command line names a node's temp dir (``ray stop`` would stop every Ray on the m
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -76,10 +77,10 @@ class RayCluster:
         self.env = env  # the nodes' environment (PYTHONPATH with the plugin)
         self.nodes: list[tuple[subprocess.Popen, Path]] = []
         self.address = f"{NODE_IPS[0]}:{_free_port(NODE_IPS[0])}"
+        self.ray = Path(sys.executable).with_name("ray")  # the ray CLI of this environment
 
     def _ray(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        ray = Path(sys.executable).with_name("ray")
-        return subprocess.run([str(ray), *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([str(self.ray), *args], env=self.env, capture_output=True, text=True, timeout=timeout)
 
     def start(self) -> "RayCluster":
         started = time.monotonic()
@@ -88,16 +89,14 @@ class RayCluster:
             temp.mkdir(parents=True, exist_ok=True)
             # one vLLM worker per node, on that node's core (its workers keep node-local values)
             node_env = dict(self.env, VLLM_HOST_IP=ip, VLLM_CPU_OMP_THREADS_BIND=str(i))
+            # the head's fixed default ports (GCS 6379, Ray client 10001) could be another cluster's
             role = ["--head", f"--port={self.address.split(':')[1]}", "--include-dashboard=false",
-                    "--dashboard-host=127.0.0.1", "--ray-client-server-port", str(_free_port(ip))] if i == 0 \
-                else [f"--address={self.address}"]
-            log = open(temp / "ray_start.log", "w")
-            proc = subprocess.Popen(
-                [str(Path(sys.executable).with_name("ray")), "start", *role, f"--node-ip-address={ip}",
-                 "--num-cpus=1", "--num-gpus=1", f"--temp-dir={temp}", "--block", "--disable-usage-stats",
-                 f"--node-manager-port={_free_port(ip)}", f"--object-manager-port={_free_port(ip)}",
-                 f"--min-worker-port={20000 + 2000 * i}", f"--max-worker-port={21999 + 2000 * i}"],
-                env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                    f"--ray-client-server-port={_free_port(ip)}"] if i == 0 else [f"--address={self.address}"]
+            with open(temp / "ray_start.log", "w") as log:  # the child keeps its own descriptor
+                proc = subprocess.Popen(
+                    [str(self.ray), "start", *role, f"--node-ip-address={ip}", "--num-cpus=1", "--num-gpus=1",
+                     f"--temp-dir={temp}", "--block", "--disable-usage-stats"],
+                    env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             self.nodes.append((proc, temp))
             self._wait_for_nodes(i + 1)
         self.start_s = time.monotonic() - started
@@ -118,14 +117,12 @@ class RayCluster:
         raise RuntimeError(f"ray cluster at {self.address}: {count} node(s) not alive after {START_TIMEOUT_S} s")
 
     def node_ips(self) -> list[str]:
-        """The alive nodes' addresses as Ray reports them (``ray list nodes``-free: from ``ray.nodes()``)."""
+        """The alive nodes' addresses as Ray reports them (``ray.nodes()`` in a driver of its own)."""
         script = ("import json, ray; ray.init(address='auto', logging_level='ERROR'); "
                   "print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))")
         out = subprocess.run([sys.executable, "-c", script], env=dict(self.env, RAY_ADDRESS=self.address),
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
-        import json
-
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def rss_mib(self) -> float:

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,9 +101,6 @@ TIMINGS: dict[str, float] = {}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     # Ray's socket paths must stay short (a Unix socket path holds 107 bytes): a short temp dir
-    import tempfile
-    from pathlib import Path
-
     directory = Path(tempfile.mkdtemp(prefix="fxr-ray-"))
     plugin = write_platform_plugin(tmp_path_factory.mktemp("ray_platform_plugin"))
     env = engine_env(tp=1)
@@ -109,12 +109,12 @@ def cluster(tmp_path_factory):
     try:
         cluster.start()
         assert cluster.node_ips() == list(NODE_IPS)  # two nodes, each at its own loopback address
-        cluster.plugin = plugin
         cluster.idle_rss_mib = cluster.rss_mib()
         yield cluster
     finally:
         cluster.stop()
         assert not cluster.leftover_pids()
+        shutil.rmtree(directory, ignore_errors=True)
     print(f"\nRay cluster: start {cluster.start_s:.0f} s, idle RSS {cluster.idle_rss_mib:.0f} MiB; "
           + ", ".join(f"{k} {v:.0f} s" for k, v in TIMINGS.items()))
 
@@ -165,33 +165,44 @@ def setup(tmp_path_factory):
     return Setup(tmp_path_factory.mktemp("fxreplace_vllm_ray_capture"))
 
 
-@pytest.mark.parametrize("layout,mode", [("tp", "eager"), ("pp", "eager")])
-def test_capture_on_ray_equals_hf(cluster, setup, layout, mode):
-    out = setup.dir / f"ray_{layout}_{mode}"
-    engine = dict(ENGINE, enforce_eager=mode == "eager",
-                  **({"tensor_parallel_size": 2} if layout == "tp" else {"pipeline_parallel_size": 2}))
-    res = run_on_ray(cluster, f"capture {layout}=2 {mode}", setup.ckpt, setup.prompts_path,
-                     {"capture": {"out": str(out)}}, engine, CAPTURE_NEW, mode == "compiled")
+def test_tp2_capture_on_ray_equals_hf(cluster, setup):
+    out = setup.dir / "ray_tp"
+    res = run_on_ray(cluster, "capture tp=2 eager", setup.ckpt, setup.prompts_path, {"capture": {"out": str(out)}},
+                     dict(ENGINE, enforce_eager=True, tensor_parallel_size=2), CAPTURE_NEW, compiled=False)
     workers, counts = res["workers"], [c for c in res["counts"] if c is not None]
     assert sorted(w["host_ip"] for w in workers) == list(NODE_IPS)  # one worker on each node
+    assert [w["writes"] for w in workers] == [True, False]  # TP rank 0 writes out itself
+    assert counts == [dict(counts[0], completed=len(setup.prompts), dropped=0)]
     assert res["outs"] == [{"tokens": setup.hf.tokens(p)} for p in range(setup.hf.num_prompts)]
-    if layout == "tp":
-        assert [w["writes"] for w in workers] == [True, False]  # TP rank 0 writes out itself
-        assert counts == [dict(counts[0], completed=len(setup.prompts), dropped=0)]
-        assert not [p.name for p in out.iterdir() if p.is_dir()]
-        captured = load_reference(out)
-    else:
-        stages = stage_dirs(out)
-        assert [p.name for p in stages] == ["pp0", "pp1"] and len(counts) == 2  # each stage wrote its store
-        assert all(c["completed"] == len(setup.prompts) for c in counts), counts
-        first, last = (ReferenceStore.load(p) for p in stages)
-        assert sorted(first.prompt_ids) == sorted(last.prompt_ids)  # the stages number requests alike
-        assert not first.extra_names and last.extra_names  # the last stage writes the generation
-        assert first.capture_names + last.capture_names == setup.hf.store.capture_names  # each its own layers
-        assert first.capture_names and last.capture_names
-        captured = load_reference(merge_stages(stages, out / "merged"))
-    errors = compare(setup.hf, captured)
-    print(f"\nRay capture {layout.upper()}=2 {mode} vs HF: {errors}")
+    assert not [p.name for p in out.iterdir() if p.is_dir()]
+    errors = compare(setup.hf, load_reference(out))
+    print(f"\nRay capture TP=2 eager vs HF: {errors}")
+    assert errors["router"] < ATOL and errors["logits"] < ATOL, errors
+
+
+def test_pp2_capture_on_ray_writes_a_store_per_stage_that_joins_to_hf(cluster, setup):
+    """``fxreplace capture --engine vllm`` with PP=2 on Ray: ``out/pp0`` holds the first
+    layers' rows, ``out/pp1`` the last layers' and the generation, ``out/merged`` their
+    join, which equals HF capture."""
+    out = setup.dir / "ray_pp"
+    engine = dict(ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    started = time.monotonic()
+    stdout = run_python(["-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--eager", "--prompts",
+                         str(setup.prompts_path), "--out", str(out), "--max-new-tokens", str(CAPTURE_NEW),
+                         "--engine-args", json.dumps(engine)], timeout_s=TIMEOUT_S, tp=2, env=ray_env(cluster))
+    TIMINGS["capture pp=2 eager"] = time.monotonic() - started
+    assert f"captured {len(setup.prompts)} prompts" in stdout and "(0 dropped)" in stdout, stdout
+    stages = stage_dirs(out)
+    assert [p.name for p in stages] == ["pp0", "pp1"]  # each stage wrote its store
+    counts = [json.loads((p / "capture.json").read_text()) for p in stages]
+    assert all(c["completed"] == len(setup.prompts) and c["in_flight"] == 0 for c in counts), counts
+    first, last = (ReferenceStore.load(p) for p in stages)
+    assert sorted(first.prompt_ids) == sorted(last.prompt_ids)  # the stages number requests alike
+    assert not first.extra_names and last.extra_names  # the last stage writes the generation
+    assert first.capture_names and last.capture_names  # each stage its own layers, in order
+    assert first.capture_names + last.capture_names == setup.hf.store.capture_names
+    errors = compare(setup.hf, load_reference(out / "merged"))
+    print(f"\nRay capture PP=2 eager vs HF: {errors}")
     assert errors["router"] < ATOL and errors["logits"] < ATOL, errors
 
 
