@@ -15,6 +15,7 @@ from which router agreement is measured.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -225,7 +226,10 @@ def logit_validation(
                 selection = mode == "on"
             else:
                 selection = PerRequest(replace[p] for p in todo) if isinstance(replace, Mapping) else replace
-            with _heartbeat(bar, progress, f"round {rounds}: {len(todo)} prompts, up to {max_new} steps"):
+            doing = f"round {rounds}: {len(todo)} prompts, up to {max_new} steps"
+            if rounds == 0:
+                doing += "; a compiled engine compiles during its first call"
+            with _heartbeat(bar, progress, doing):
                 gens = engine.generate(inputs, max_new, replace=selection)
             for p, gen in zip(todo, gens):
                 start = covered[p]
@@ -273,8 +277,7 @@ def _heartbeat(bar, enabled: bool, doing: str):
 
     def beat():
         while not done.wait(HEARTBEAT_S):
-            bar.write(f"  {bar.desc}: engine busy for {time.perf_counter() - started:.0f} s ({doing}; "
-                      "its first calls compile)")
+            bar.write(f"  {bar.desc}: engine busy for {time.perf_counter() - started:.0f} s ({doing})", file=sys.stderr)
 
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()

@@ -314,7 +314,7 @@ def test_verdict_rests_on_kl_and_top5_error():
 
     off, on = summary(0.00406, 0.08, 0.9, 5), summary(0.000219, 0.04, 0.9, 5)
     assert explained(off, on)["kl"] == pytest.approx(1 - 0.000219 / 0.00406)
-    text = verdict(off, on, "the router logits")
-    assert "part of the cause" in text and "95% of the mean KL" in text
-    assert "explain the divergence" in verdict(off, summary(1e-6, 1e-4, 1.0, 0))
-    assert "not the cause" in verdict(off, summary(0.004, 0.079, 0.95, 4))
+    decided = verdict({"off": off, "on": on}, "the router logits")
+    assert decided.outcome == "contributes" and "95% of the mean KL" in decided.sentence
+    assert verdict({"off": off, "on": summary(1e-6, 1e-4, 1.0, 0)}).outcome == "explained"
+    assert verdict({"off": off, "on": summary(0.004, 0.079, 0.95, 4)}).outcome == "not_the_cause"

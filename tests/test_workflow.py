@@ -225,3 +225,21 @@ def test_cli_validate_refuses_a_reference_of_another_architecture(tmp_path, refe
     tiny_model("MixtralForCausalLM").save_pretrained(tmp_path / "mixtral")
     with pytest.raises(SystemExit, match=r"captured from Qwen3MoeForCausalLM .* is MixtralForCausalLM"):
         cli(["validate", str(tmp_path / "mixtral"), "--reference", str(tmp_path / "ref"), "--engine", "vllm"])
+
+
+class SlowEngine(PlantedEngine):
+    def generate(self, prompts, max_new_tokens, replace):
+        import time
+
+        time.sleep(0.5)  # a compile, or a long wave
+        return super().generate(prompts, max_new_tokens, replace)
+
+
+def test_a_busy_engine_still_prints_progress_lines(reference, monkeypatch, capsys):
+    import fxreplace.validation
+
+    monkeypatch.setattr(fxreplace.validation, "HEARTBEAT_S", 0.1)
+    logit_validation(SlowEngine(reference, prompt=1, step=3), reference, modes=("off",))
+    err = capsys.readouterr().err
+    assert "validate (off): engine busy for 0 s (round 0: 3 prompts, up to 8 steps; a compiled engine compiles" in err
+    assert "round 1: 1 prompts, up to 4 steps)" in err, "every call, not only the first"
