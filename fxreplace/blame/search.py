@@ -149,7 +149,7 @@ class Search:
         origins: list[Origin] = []
         nonfinite = None
         spent = diffuse = False
-        after_layers = None  # the stream after the last layer leaves a part: it arises after the layers
+        after_layers = None  # explained by the stream after the last layer: the rest arises after the layers
         if off.steps_diverged == 0 and not off.nonfinite:
             return self._result([], None, False, False, started, "the target does not diverge from the reference "
                                 "(every step within tolerance); nothing to blame.")
@@ -201,7 +201,6 @@ class Search:
         if not self.stream_layers:
             return None
         a, b, known = start, len(self.stream_layers) - 1, False
-        e_base = self.E(base) if base else 0.0
         while True:
             if known and a == b:
                 return self.stream_layers[a]
