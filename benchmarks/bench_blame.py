@@ -1,113 +1,132 @@
-"""Blame search cost against depth: passes and wall time for L = 4, 8, 16 layers, one planted fault.
+"""Blame search cost against depth: L = 4, 8, 16, 32 layers, one planted fault and two.
 
-Each depth: a tiny Qwen3-MoE in float32 is the reference (components captured); the
-target is the same weights with one attention output projection scaled in layer
-``0.6 L`` (the bisection then visits both halves). The search must find it and its
-passes must grow with log2(L), not with L: replacing every component one by one
-needs 1 + 4L passes.
+Each depth: a tiny Qwen3-MoE in float32 is the clean model; its reference holds the
+router logits only (the README's capture), so every component the search replaces is
+captured from the clean model on demand (``blame(..., clean=...)``). Targets: the same
+weights with one attention output projection scaled in layer ``0.6 L``, and with two
+faults (attention in layer ``L/4``, router in layer ``3L/4``). Per run: validation passes,
+rounds (batched validations: the passes of one round run side by side as copies of the
+prompts), components captured on demand (of 4L), wall time of the search with and without
+the captures, and that time divided by one validation pass of the target with nothing
+replaced (measured on an equal runner in the same run, median of 3).
 
-``--engine vllm``: the target is a checkpoint searched through one eager float32 vLLM
-engine (:class:`~fxreplace.vllm.engine.VllmBlameEngine`: every pass's requests select
-their captures); ``seconds`` is the search, ``start_seconds`` the engine's start.
+Goal: a single-fault search in <= 3 validation passes of wall time at L = 16 (captures
+excluded; they are the reference's cost, paid once), and passes and captures growing as
+log L, not as L (one by one: 1 + 4L passes, 4L captures).
 
-Prints a table and a final JSON line {"passes": {L: n}, "one_by_one": {L: n},
-"seconds": {L: s}, "found": {L: bool}, "passes_per_log2_layer": ..., "logarithmic": bool}
-(vLLM: also "start_seconds").
+Prints a table and a final JSON line {"passes": {fault: {L: n}}, "rounds": ..., "captured": ...,
+"seconds": ..., "per_pass": {fault: {L: search seconds / one pass}}, "found": ..., "goal_met": bool,
+"logarithmic": bool}.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
-import os
-import tempfile
+import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from fxreplace.blame import blame
+from fxreplace.blame import blame, blame_runner, resolve_components
 from fxreplace.capture import capture_reference
+from fxreplace.instrument import instrument
 from fxreplace.models import get_family, tiny_model
+from fxreplace.validation import logit_validation
 
 ARCH = "Qwen3MoeForCausalLM"
 
 
-def run(layers: int, prompts: list[list[int]], new_tokens: int, engine: str) -> dict:
-    family = get_family(ARCH)
-    reference_model = tiny_model(ARCH, num_hidden_layers=layers)
-    reference = capture_reference(reference_model, prompts, [], new_tokens, components=family.components, progress=False)
-    fault = int(0.6 * layers)
-    extra = {}
-    if engine == "vllm":
-        result, extra["start_seconds"] = blame_in_vllm(reference, layers, fault, prompts, new_tokens)
-    else:
-        target = tiny_model(ARCH, num_hidden_layers=layers)
-        with torch.no_grad():
-            target.model.layers[fault].self_attn.o_proj.weight.mul_(1.5)
-        result = blame(target, reference, progress=False)
-    top = result.ranking[0]
-    found = result.confident and (top.kind, top.layer) == ("attention", fault)
-    return {"layers": layers, "fault_layer": fault, "passes": len(result.passes), "one_by_one": 1 + 4 * layers,
-            "seconds": result.seconds, "found": found, "top": f"{top.component} ({top.kind})", **extra}
+def faults(layers: int, which: str) -> list[tuple[str, int]]:
+    return [("attention", int(0.6 * layers))] if which == "one" else [("attention", layers // 4),
+                                                                      ("router", 3 * layers // 4)]
 
 
-def blame_in_vllm(reference, layers: int, fault: int, prompts, new_tokens: int):
-    """The search through one vLLM engine on the faulty checkpoint; (result, engine start seconds)."""
-    from safetensors.torch import load_file, save_file
+def plant(model, planted):
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for kind, layer in planted:
+            if kind == "attention":
+                model.model.layers[layer].self_attn.o_proj.weight.mul_(1.5)
+            else:
+                model.model.layers[layer].mlp.gate.weight.mul_(-1.0)
+    return model
 
-    from fxreplace.vllm.engine import VllmBlameEngine
-    from fxreplace.vllm.testing import save_tiny_checkpoint
 
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = save_tiny_checkpoint(ARCH, Path(tmp) / "ckpt", num_hidden_layers=layers)
-        weights = load_file(str(ckpt / "model.safetensors"))
-        weights[f"model.layers.{fault}.self_attn.o_proj.weight"] *= 1.5
-        save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-        reference.save(Path(tmp) / "reference")
+def one_pass_seconds(target, reference, comps, repeats: int = 3) -> float:
+    """One teacher-forced validation with nothing replaced, on the runner blame builds."""
+    model = instrument(copy.deepcopy(target), [c.target for c in comps])
+    runner = blame_runner(model, target.config, reference.store, reference, range(reference.num_prompts), comps)
+    times = []
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        engine = VllmBlameEngine(str(ckpt), str(Path(tmp) / "reference"), enforce_eager=True, seed=0,
-                                 max_model_len=max(len(p) for p in prompts) + new_tokens + 8, max_num_seqs=len(prompts),
-                                 distributed_executor_backend="uni")
-        start = time.perf_counter() - t0
-        try:
-            return blame(engine, reference, progress=False), start
-        finally:
-            engine.close()
+        logit_validation(runner, reference, modes=("on",), replace=(), progress=False)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(layers: int, which: str, prompts, new_tokens: int, tmp) -> dict:
+    clean = tiny_model(ARCH, num_hidden_layers=layers)
+    directory = tmp / f"ref-{layers}-{which}"
+    capture_reference(clean, prompts, get_family(ARCH).targets, new_tokens, progress=False).save(directory)
+    planted = faults(layers, which)
+    target = plant(clean, planted)
+    comps = resolve_components(clean, get_family(ARCH).components)
+    from fxreplace.reference import load_reference
+
+    one = one_pass_seconds(target, load_reference(directory), comps)
+    result = blame(target, directory, clean=clean, progress=False)
+    named = [(o.kind, o.layer) for o in result.origins]
+    search_seconds = result.seconds - result.capture_seconds
+    return {"layers": layers, "fault": which, "planted": planted, "passes": len(result.passes), "rounds": result.rounds,
+            "captured": len(result.captured), "seconds": result.seconds, "search_seconds": search_seconds,
+            "one_pass": one, "per_pass": search_seconds / one, "found": result.confident and named == planted,
+            "verdict": result.verdict}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
-    ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16])
-    ap.add_argument("--engine", choices=["runner", "vllm"], default="runner")
+    ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
     args = ap.parse_args()
-    if args.engine == "vllm":  # in-process engine, small KV cache, vLLM's CPU thread cap (see DESIGN)
-        for key, value in (("OMP_NUM_THREADS", "1"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
-                           ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")):
-            os.environ.setdefault(key, value)
     g = torch.Generator().manual_seed(0)
     count, new_tokens = (2, 6) if args.quick else (4, 12)
     prompts = [torch.randint(4, 128, (int(n),), generator=g).tolist() for n in torch.randint(6, 16, (count,), generator=g)]
-    rows = [run(n, prompts, new_tokens, args.engine) for n in args.layers]
-    print(f"{count} prompts x {new_tokens} tokens, planted fault: attention o_proj x1.5 at layer 0.6 L, "
-          f"engine {args.engine}")
-    print(f"{'L':>4} {'fault':>6} {'passes':>7} {'1-by-1':>7} {'seconds':>8} {'start s':>8}  found  top")
+    import tempfile
+    from pathlib import Path
+
+    print(f"{count} prompts x {new_tokens} tokens; faults: one = attention x1.5 at layer 0.6 L, two = attention at L/4 "
+          "and router at 3L/4; reference: router logits only, components captured on demand")
+    print(f"{'fault':>5} {'L':>4} {'passes':>7} {'1-by-1':>7} {'rounds':>7} {'captured':>9} {'of':>5} {'total s':>8} "
+          f"{'search s':>9} {'1 pass s':>9} {'÷ pass':>7}  found", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for which in ("one", "two"):
+            for n in args.layers:
+                r = run(n, which, prompts, new_tokens, Path(tmp))
+                rows.append(r)
+                print(f"{r['fault']:>5} {r['layers']:>4} {r['passes']:>7} {1 + 4 * r['layers']:>7} {r['rounds']:>7} "
+                      f"{r['captured']:>9} {4 * r['layers']:>5} {r['seconds']:>8.1f} {r['search_seconds']:>9.1f} "
+                      f"{r['one_pass']:>9.2f} {r['per_pass']:>7.2f}  {r['found']}", flush=True)
     for r in rows:
-        print(f"{r['layers']:>4} {r['fault_layer']:>6} {r['passes']:>7} {r['one_by_one']:>7} {r['seconds']:>8.1f} "
-              f"{r.get('start_seconds', 0.0):>8.1f}  {str(r['found']):<5}  {r['top']}")
-    per_log = [r["passes"] / math.log2(r["layers"]) for r in rows]
-    # off + bisection (ceil log2 L, at most one more for the last layer) + the other kinds of the origin layer
-    bound_ok = all(r["passes"] <= 1 + math.ceil(math.log2(r["layers"])) + 1 + 3 for r in rows)
+        if not r["found"]:
+            print(f"  {r['fault']} L={r['layers']}: {r['verdict']}")
+
+    def by(key):
+        return {w: {r["layers"]: (round(r[key], 2) if isinstance(r[key], float) else r[key]) for r in rows
+                    if r["fault"] == w} for w in ("one", "two")}
+
+    # localisation: PROBES streams per round, ceil(log_5 L) rounds per origin, then its 3 kinds
+    bound = {r["layers"]: 1 + len(r["planted"]) * (4 * math.ceil(math.log(r["layers"], 5)) + 3 + 1) for r in rows}
+    single16 = [r for r in rows if r["fault"] == "one" and r["layers"] == 16]
     print(json.dumps({
-        "passes": {r["layers"]: r["passes"] for r in rows},
-        "one_by_one": {r["layers"]: r["one_by_one"] for r in rows},
-        "seconds": {r["layers"]: round(r["seconds"], 2) for r in rows},
-        "found": {r["layers"]: r["found"] for r in rows},
-        "passes_per_log2_layer": [round(v, 2) for v in per_log],
-        "logarithmic": bound_ok,
-        **({"start_seconds": {r["layers"]: round(r["start_seconds"], 2) for r in rows}} if args.engine == "vllm" else {}),
+        "passes": by("passes"), "rounds": by("rounds"), "captured": by("captured"), "seconds": by("seconds"),
+        "search_seconds": by("search_seconds"), "one_pass_seconds": by("one_pass"), "per_pass": by("per_pass"),
+        "found": by("found"),
+        "goal_met": bool(single16) and single16[0]["per_pass"] <= 3.0,
+        "logarithmic": all(r["passes"] <= bound[r["layers"]] for r in rows if r["fault"] == "one"),
     }))
 
 

@@ -3,13 +3,17 @@
 Reference: the fp32 model, eager. Target: the same weights in bf16, instrumented
 and compiled, run by the embedded runner. Both are validated with teacher forcing,
 without and with router-logit replacement, and a report is written. Then
-:func:`fxreplace.blame` searches the bf16 target for the component that explains
-what router replacement leaves (bf16 rounding: it reports diffuse drift).
+:func:`fxreplace.blame` searches the bf16 target for the components that explain
+what router replacement leaves (bf16 rounding: it reports diffuse drift), and a copy
+of the fp32 weights with two planted faults (it names both). The reference holds the
+router logits only: blame captures the components it needs from the clean model on
+demand, stores them beside the reference and the second search reuses them.
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
 import time
 import warnings
 from dataclasses import dataclass
@@ -62,9 +66,12 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
     ]
     targets = list(family.targets)
     print(f"reference: {cfg.architecture} ({cfg.layers} layers, {_experts(config)} experts, fp32, eager); "
-          f"{cfg.prompts} prompts x {cfg.new_tokens} new tokens; router logits and the blame components captured")
-    reference = capture_reference(reference_model, prompts, targets, cfg.new_tokens, components=family.components,
-                                  progress=progress)
+          f"{cfg.prompts} prompts x {cfg.new_tokens} new tokens; router logits captured")
+    reference = capture_reference(reference_model, prompts, targets, cfg.new_tokens, progress=progress)
+    reference_dir = Path(cfg.report_dir) / "reference"
+    if reference_dir.exists():  # a previous demo's reference and the components blame stored beside it
+        shutil.rmtree(reference_dir)
+    reference.save(reference_dir)
 
     target_model = instrument(copy.deepcopy(reference_model).to(torch.bfloat16), targets)
     runner = Runner(
@@ -85,15 +92,26 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
     if cfg.compile:
         print(f"graphs compiled: {runner.graphs_compiled} (one per bucket; replacement on and off share them)")
     print()
-    print(f"blame: which component makes the bf16 target drift? (prompts 0-{cfg.blame_prompts - 1}; bisection over "
-          "layers, then each kind alone)")
-    blamed = blame(reference_model, reference, dtype=torch.bfloat16, prompts=range(min(cfg.blame_prompts, cfg.prompts)),
+    blame_prompts = list(range(min(cfg.blame_prompts, cfg.prompts)))
+    print(f"blame: which components make the bf16 target drift? (prompts 0-{blame_prompts[-1]}; the layers' streams "
+          "split side by side, then each kind of the origin layer; components captured from the clean model on demand)")
+    blamed = blame(reference_model, reference_dir, clean=reference_model, dtype=torch.bfloat16, prompts=blame_prompts,
                    progress=progress)
     blamed.write_report(cfg.report_dir)
     print(blamed.table(limit=6))
     print(f"blame verdict: {blamed.verdict}")
-    print(f"report: {Path(report).resolve()}, {Path(cfg.report_dir).resolve() / 'blame.html'}   "
-          f"({time.perf_counter() - started:.0f} s)")
+    planted = copy.deepcopy(reference_model)
+    with torch.no_grad():  # two independent faults: layer 0's attention output and the last layer's router
+        planted.model.layers[0].self_attn.o_proj.weight.mul_(1.5)
+        planted.model.layers[cfg.layers - 1].mlp.gate.weight.mul_(-1.0)
+    print()
+    print("blame: the fp32 weights with two planted faults (layer 0 attention, last layer's router)")
+    found = blame(planted, reference_dir, clean=reference_model, prompts=blame_prompts, progress=progress)
+    found.write_report(Path(cfg.report_dir) / "blame-planted")
+    print(found.table(limit=6))
+    print(f"blame verdict (planted): {found.verdict}")
+    print(f"report: {Path(report).resolve()}, {Path(cfg.report_dir).resolve() / 'blame.html'}, "
+          f"{Path(cfg.report_dir).resolve() / 'blame-planted' / 'blame.html'}   ({time.perf_counter() - started:.0f} s)")
     return result
 
 

@@ -41,8 +41,7 @@ from fxreplace.reference import load_reference
 from fxreplace.store import ReferenceStore, StoreError, StoreWriter
 from fxreplace.vllm.capture import merge_stages, stage_dirs
 from ray_cluster import NODE_IPS, RayCluster, write_platform_plugin
-from test_blame import PLANTED
-from test_blame_vllm import planted_checkpoint, reference_dir  # noqa: F401  (reference_dir: a fixture)
+from test_blame_vllm import EXPECTED, planted_checkpoint, reference_dir  # noqa: F401  (reference_dir: a fixture)
 from test_vllm_capture import NEW as CAPTURE_NEW, Setup, compare
 from test_vllm_tp import NEW as TP_NEW, Ref, check_against_hf
 from vllm_engines import engine_env, result_line, run_python
@@ -272,8 +271,8 @@ def test_blame_through_a_ray_engine_ranks_the_planted_router_first(cluster, refe
                          json.dumps(engine)], timeout_s=TIMEOUT_S, tp=2, env=ray_env(cluster))
     TIMINGS["blame tp=2 eager"] = time.monotonic() - started
     data = json.loads((out / "blame.json").read_text())
-    component, layer = PLANTED["router"]
+    component, _, layer = EXPECTED["router"][0]
     top = data["ranking"][0]
     assert (top["component"], top["kind"], top["layer"]) == (component, "router", layer), stdout[-3000:]
     assert data["confident"] and data["origin_layer"] == layer
-    assert f"{component} (router, layer {layer}) is the cause" in stdout
+    assert data["verdict"].startswith("1 source: ") and f"layer {layer} router {component}" in stdout

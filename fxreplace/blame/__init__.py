@@ -29,7 +29,7 @@ from .search import LAYER, PROBES, Search, default_budget
 
 __all__ = ["blame", "search", "Component", "resolve_components", "family_components", "recorded_components",
            "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "LAYER",
-           "CONCENTRATED", "SIGNIFICANT", "MAX_ORIGINS", "PROBES", "default_budget", "layer_of"]
+           "CONCENTRATED", "SIGNIFICANT", "MAX_ORIGINS", "PROBES", "default_budget", "layer_of", "blame_runner"]
 
 
 class BlameError(ValueError):
@@ -178,7 +178,6 @@ def blame(target, reference, *, clean: nn.Module | None = None, components: Mapp
                      prompts=prompts)
     from ..instrument import instrument
     from ..replacer import TensorReplacer
-    from ..runner import Runner, RunnerConfig
     from .ondemand import OnDemand
 
     model = copy.deepcopy(target)
@@ -193,15 +192,8 @@ def blame(target, reference, *, clean: nn.Module | None = None, components: Mapp
     else:
         refuse_missing(reference, comps, model_hint="CLEAN_MODEL")
     instrument(model, [c.target for c in comps])
-    longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in indices)
-    bucket = 1 << (longest - 1).bit_length()
-    # one decode bucket holds a round: every hypothesis's copy of the prompts side by side
-    wave = len(indices) * (max(probes, len([k for k in dict.fromkeys(c.kind for c in comps) if k != LAYER])) + 1)
-    store = on_demand.store() if on_demand else reference.store
-    engine = Runner(model, target.config, replacer=TensorReplacer(store),
-                    runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(wave, 64),),
-                                               max_len=2 * bucket),
-                    dtype=next(model.parameters()).dtype, compile=compile)
+    engine = blame_runner(model, target.config, on_demand.store() if on_demand else reference.store, reference,
+                          indices, comps, probes=probes, compile=compile)
 
     def supply(names):
         if on_demand.ensure(names):
@@ -218,5 +210,22 @@ def blame(target, reference, *, clean: nn.Module | None = None, components: Mapp
     result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
                     progress=progress, supply=supply if on_demand else None, observe=observe)
     if on_demand:
-        result.captured = list(on_demand.captured)
+        result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds
     return result
+
+
+def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[int], components: Sequence[Component], *,
+                 probes: int = PROBES, compile: str | None = None):
+    """The embedded runner :func:`blame` searches with (``model`` instrumented at ``components``):
+    one prefill bucket for the longest sequence, one decode bucket holding a round (every
+    hypothesis's copy of the prompts side by side)."""
+    from ..replacer import TensorReplacer
+    from ..runner import Runner, RunnerConfig
+
+    longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in prompts)
+    bucket = 1 << (longest - 1).bit_length()
+    kinds = len({c.kind for c in components if c.kind != LAYER})
+    wave = len(prompts) * (max(probes, kinds) + 1)
+    return Runner(model, config, replacer=TensorReplacer(store),
+                  runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(wave, 64),), max_len=2 * bucket),
+                  dtype=next(model.parameters()).dtype, compile=compile)

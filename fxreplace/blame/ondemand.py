@@ -11,6 +11,7 @@ run reads it back instead of capturing again.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Collection, Sequence
 
@@ -29,6 +30,7 @@ class OnDemand:
         self.root = None if directory is None else Path(directory) / SUBDIR
         self.rows: dict[str, dict[int, torch.Tensor]] = {}  # capture name -> prompt -> [positions, E]
         self.captured: list[str] = []  # captured in this run
+        self.seconds = 0.0  # spent capturing
         self._store: ReferenceStore | None = None
         if self.root is not None and self.root.is_dir():
             for part in sorted(p for p in self.root.iterdir() if (p / "index.json").exists()):
@@ -46,6 +48,7 @@ class OnDemand:
             return False
         from ..capture import capture_reference
 
+        t0 = time.perf_counter()
         ref = self.reference
         prompts = [ref.prompt_tokens(p) for p in range(ref.num_prompts)]
         steps = max(ref.num_generated(p) for p in range(ref.num_prompts))
@@ -63,6 +66,7 @@ class OnDemand:
         self.rows.update(new)
         self.captured += need
         self._store = None
+        self.seconds += time.perf_counter() - t0
         if self.progress:
             print(f"  captured {len(need)} components from the clean model: {', '.join(need)[:200]}")
         return True

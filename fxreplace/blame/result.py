@@ -127,6 +127,7 @@ class BlameResult:
     budget: int  # the most passes the search may run
     budget_spent: bool  # it stopped there
     captured: list[str] = field(default_factory=list)  # components captured on demand from the clean model
+    capture_seconds: float = 0.0  # of ``seconds``, spent capturing them
     explained: float | None = None  # of the divergence, by every origin replaced together
     thresholds: dict = field(default_factory=lambda: {"explains": EXPLAINS, "concentrated": CONCENTRATED,
                                                       "significant": SIGNIFICANT, "max_origins": MAX_ORIGINS})
@@ -146,6 +147,7 @@ class BlameResult:
                 "explained": self.explained, "nonfinite": asdict(self.nonfinite) if self.nonfinite else None,
                 "passes": len(self.passes), "rounds": self.rounds, "budget": self.budget,
                 "budget_spent": self.budget_spent, "captured": self.captured, "seconds": self.seconds,
+                "capture_seconds": self.capture_seconds,
                 "thresholds": self.thresholds, "kinds": self.kinds, "layers": self.layers,
                 "ranking": [asdict(b) for b in self.ranking], "layer_shares": [asdict(s) for s in self.layer_shares],
                 "pass_log": [asdict(p) for p in self.passes]}

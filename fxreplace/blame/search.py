@@ -149,7 +149,7 @@ class Search:
         origins: list[Origin] = []
         nonfinite = None
         spent = diffuse = False
-        after_layers = None  # the stream after the last layer leaves a part: it arises after the layers
+        after_layers = None  # explained by the stream after the last layer: the rest arises after the layers
         if off.steps_diverged == 0 and not off.nonfinite:
             return self._result([], None, False, False, started, "the target does not diverge from the reference "
                                 "(every step within tolerance); nothing to blame.")
@@ -201,7 +201,6 @@ class Search:
         if not self.stream_layers:
             return None
         a, b, known = start, len(self.stream_layers) - 1, False
-        e_base = self.E(base) if base else 0.0
         while True:
             if known and a == b:
                 return self.stream_layers[a]
@@ -330,9 +329,6 @@ def _verdict(origins, together, diffuse, spent, budget, ranking, shares, after_l
     if after_layers is not None and after_layers < EXPLAINS and not diffuse:
         tail = (f" Replacing the stream after the last layer removes {pct(after_layers)}: the rest arises after the "
                 "decoder layers (final norm, lm_head).")
-    if spent:
-        found = "; ".join(o.describe() for o in origins) or "nothing yet"
-        return f"the search stopped at its budget of {budget} passes; found so far: {found}."
     if diffuse:
         per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
         largest = max(origins, key=lambda o: o.share)
@@ -340,6 +336,9 @@ def _verdict(origins, together, diffuse, spent, budget, ranking, shares, after_l
                 f"{largest.describe()}; the origins found explain {pct(together)} together, and a concentrated "
                 f"source needs {CONCENTRATED:.0%} in at most {MAX_ORIGINS} origins explaining {EXPLAINS:.0%}); share "
                 f"arising per layer: {per_layer}.")
+    if spent:
+        found = "; ".join(o.describe() for o in origins) or "nothing yet"
+        return f"the search stopped at its budget of {budget} passes; found so far: {found}."
     if not origins:
         return ("no layer's residual stream explains a significant part of the divergence (threshold "
                 f"{SIGNIFICANT:.0%})." + tail)
@@ -348,6 +347,8 @@ def _verdict(origins, together, diffuse, spent, budget, ranking, shares, after_l
     if together is not None:
         text += f"; together they explain {pct(together)} of the divergence" if len(origins) > 1 else \
             f"; replacing it removes {pct(together)} of the divergence"
+    if together is not None and together < EXPLAINS and not tail:
+        text += f"; the remaining {pct(1 - together)} arises in no single layer (each adds less than {SIGNIFICANT:.0%})"
     if len(origins) == 1 and origins[0].component:
         top = next(b for b in ranking if b.component == origins[0].component)
         text += (f" (mean KL {top.kl_off:.3g} -> {top.kl_on:.3g}, {pct(top.explained_kl)} of the KL and "
