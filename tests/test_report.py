@@ -63,19 +63,17 @@ def test_router_legend_sits_beside_the_bars():
     plt.close(fig)
 
 
-class Blamed:
-    """The fields of a BlameResult that the blame page reads."""
+def blamed():
+    """A blame result with nothing measured: the pages' links need no search."""
+    from fxreplace.blame import BlameResult
 
-    verdict = "model.layers.1.mlp.gate (router, layer 1) is the cause"
-    thresholds = {"explains": 0.9, "concentrated": 0.75}
-    passes, seconds, ranking, layers, kinds = [], 1.0, [], [0], ["router"]
-
-    def write_json(self, path):
-        path.write_text("{}")
+    return BlameResult(ranking=[], layer_shares=[], origins=[], passes=[], rounds=0,
+                       verdict="1 source: layer 1 router model.layers.1.mlp.gate (100%)", confident=True, diffuse=False,
+                       nonfinite=None, kinds=["router"], layers=[0, 1], seconds=1.0, budget=8, budget_spent=False)
 
 
 def test_the_two_pages_link_to_each_other_whichever_is_written_first(tmp_path):
-    write_blame_report(Blamed(), tmp_path)
+    write_blame_report(blamed(), tmp_path)
     assert "<a href='report.html'>" not in (tmp_path / "blame.html").read_text()
     result().write_report(tmp_path)
     assert "<a href='blame.html'>blame report</a>" in (tmp_path / "report.html").read_text()
