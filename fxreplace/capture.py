@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 
 import torch
 
-from .blame import resolve_components
+from .components import resolve_components
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .reference import Reference
 from .targets import TargetError, TargetLike, resolve_targets

@@ -137,8 +137,8 @@ def verdict(summary: dict, what: str = "the replaced tensors") -> Verdict:
         return Verdict(NO_DIVERGENCE, "the target did not diverge even without replacement; nothing to isolate here.")
     e = explained(off, on)
     numbers = dict(explained=e["explained"], explained_kl=e["kl"], explained_top5=e["top5"])
-    figures = (f"replacing {what} removes {_pct(e['kl'])} of the mean KL ({off['mean_kl']:.3g} -> {on['mean_kl']:.3g}) "
-               f"and {_pct(e['top5'])} of the mean top-5 error; diverged prompts {off['prompts_diverged']} -> "
+    figures = (f"replacing {what} removes {pct(e['kl'])} of the mean KL ({off['mean_kl']:.3g} -> {on['mean_kl']:.3g}) "
+               f"and {pct(e['top5'])} of the mean top-5 error; diverged prompts {off['prompts_diverged']} -> "
                f"{on['prompts_diverged']}, top-1 agreement {off['top1_agreement']:.3g} -> {on['top1_agreement']:.3g}")
     if e["explained"] is not None and e["explained"] >= EXPLAINS:
         return Verdict(EXPLAINED, f"{figures}: they explain the divergence (>= {EXPLAINS:.0%} of both removed).", **numbers)
@@ -149,5 +149,15 @@ def verdict(summary: dict, what: str = "the replaced tensors") -> Verdict:
                    "elsewhere: `fxreplace blame` searches layer by layer.", **numbers)
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
+def fmt(v) -> str:
+    """Compact number for tables: 3 significant digits, '-' for missing."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def pct(v) -> str:
+    """A fraction as a whole percentage for tables and verdicts, '-' for missing."""
+    return "-" if v is None else f"{0.0 if abs(v) < 0.005 else v:.0%}"  # no "-0%" for rounding noise

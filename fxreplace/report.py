@@ -6,6 +6,8 @@ import html
 import re
 from pathlib import Path
 
+from .metrics import fmt, pct
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -199,15 +201,6 @@ def print_summary(result) -> None:
     print("verdict: " + result.verdict.sentence)
 
 
-def fmt(v) -> str:
-    """Compact number for tables: 3 significant digits, '-' for missing."""
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
-
-
 def _short(module: str) -> str:
     return module.replace("model.layers.", "L").replace(".mlp.", ".")
 
@@ -234,7 +227,6 @@ def write_blame_report(result, directory: str | Path) -> Path:
 def blame_section(result) -> str:
     """The blame report's HTML section: verdict, components table, per-layer shares, heat map
     (``blame_heatmap.png`` beside it)."""
-    from .blame.result import pct
 
     t = result.thresholds
     parts = [

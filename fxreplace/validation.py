@@ -26,9 +26,8 @@ from typing import Collection, Mapping, Protocol, Sequence
 import torch
 
 from .context import PerRequest
-# EXPLAINS and explained are read from here by blame; they live in metrics with the verdict
-from .metrics import (DIVERGED, EXPLAINS, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_logits,  # noqa: F401
-                      explained, topk_agreement, verdict)
+from .metrics import (DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_logits,
+                      topk_agreement, verdict)
 from .reference import Reference
 
 

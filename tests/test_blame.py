@@ -21,7 +21,7 @@ from fxreplace.cli import main as cli
 from fxreplace.context import PerRequest, ReplacementContext
 from fxreplace.models import get_family, tiny_model
 from fxreplace.reference import load_reference
-from fxreplace.validation import EXPLAINS, explained, verdict
+from fxreplace.metrics import EXPLAINS, explained, verdict
 
 ARCH = "Qwen3MoeForCausalLM"
 DENSE = "LlamaForCausalLM"

@@ -14,8 +14,6 @@ top-5 log-prob error.
 from __future__ import annotations
 
 import copy
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -23,7 +21,8 @@ import torch
 from torch import nn
 
 from ..metrics import Tolerances
-from ..targets import Target, TargetLike, resolve_targets
+from ..components import Component, layer_of, resolve_components
+from ..targets import Target, TargetLike
 from .result import CONCENTRATED, MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass
 from .search import LAYER, PROBES, Search, default_budget
 
@@ -34,35 +33,6 @@ __all__ = ["blame", "search", "Component", "resolve_components", "family_compone
 
 class BlameError(ValueError):
     """Inputs blame refuses before its first pass (both sides named)."""
-
-
-@dataclass(frozen=True)
-class Component:
-    """One candidate: a module's value (``capture_name`` in the reference) of a kind, in a layer."""
-
-    kind: str
-    layer: int | None
-    module_name: str
-    capture_name: str
-    target: Target  # the exact module, for instrument()
-
-
-def layer_of(name: str) -> int | None:
-    """The layer index of a qualified name: its first numeric component (``model.layers.3.mlp`` -> 3)."""
-    m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
-    return int(m.group(1)) if m else None
-
-
-def resolve_components(model: nn.Module, components: Mapping[str, TargetLike]) -> list[Component]:
-    """``{kind: Target}`` (the family's ``components`` or your own, same Target syntax)
-    resolved on ``model``, in layer order then the declared kind order."""
-    found = []
-    for order, (kind, target) in enumerate(components.items()):
-        for r in resolve_targets(model, [target]):
-            exact = Target(r.module_name, point=r.point, adapter=r.adapter, shard=r.shard, name=r.capture_name)
-            found.append((layer_of(r.capture_name), order, Component(kind, layer_of(r.capture_name), r.module_name,
-                                                                     r.capture_name, exact)))
-    return [c for _, _, c in sorted(found, key=lambda t: (-1 if t[0] is None else t[0], t[1]))]
 
 
 def family_components(model: nn.Module) -> dict[str, Target]:

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..validation import EXPLAINS
+from ..metrics import EXPLAINS, fmt, pct
 
 #: A layer is where a divergence arises when at least this share of it appears there; when no
 #: origin reaches it the drift is diffuse.
@@ -165,7 +165,6 @@ class BlameResult:
 
     def table(self, limit: int | None = 12) -> str:
         """The ranking, the per-layer shares and what the columns mean, as text."""
-        from ..report import fmt
 
         head = (f"{'#':>3} {'component':<28} {'kind':<9} {'layer':>5} {'KL off':>9} {'KL on':>9} {'top-5 off':>9} "
                 f"{'top-5 on':>9} {'explained':>9} {'share':>6}  origin")
@@ -185,5 +184,3 @@ class BlameResult:
         return "\n".join(lines)
 
 
-def pct(v) -> str:
-    return "-" if v is None else f"{0.0 if abs(v) < 0.005 else v:.0%}"  # no "-0%" for rounding noise

@@ -30,9 +30,8 @@ import math
 import time
 from typing import Callable, Collection, Sequence
 
-from ..context import PerRequest
-from ..metrics import DIVERGED, Tolerances
-from ..validation import EXPLAINS, ValidationResult, explained, logit_validation
+from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained
+from ..validation import ValidationResult, logit_validation
 from .result import (CONCENTRATED, MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass,
                      pct)
 
@@ -72,6 +71,13 @@ class _Copies:
 
     def logits(self, i):
         return self.reference.logits(self._p(i))
+
+    @property
+    def metadata(self) -> dict:
+        """The reference's metadata with its per-prompt texts laid out as the copies."""
+        texts = self.reference.metadata.get("prompt_texts")
+        return {**self.reference.metadata,
+                "prompt_texts": texts and [texts[self._p(i)] for i in range(self.num_prompts)]}
 
 
 class Search:
