@@ -354,7 +354,8 @@ class Reference:
         filler_len, filler = 2048, 256
         for i in range(len(self.prompts), len(self.prompts) + filler):
             captures[i] = {n: torch.randn(filler_len, 8, generator=g) for n in NAMES}
-        token_ids = self.prompts + [[3] + [i % 100 + 4] * (filler_len - 1) for i in range(filler)]
+        # distinct token ids (a store refuses two prompts with the same tokens)
+        token_ids = self.prompts + [[3, i // 100 + 4] + [i % 100 + 4] * (filler_len - 2) for i in range(filler)]
         self.store = str(directory / "reference")
         ReferenceStore.from_captures(captures, prompt_token_ids=token_ids).save(self.store)
         self.store_mib = sum(f.stat().st_size for f in (directory / "reference").iterdir()) / 2**20
