@@ -409,9 +409,7 @@ class TensorReplacer:
                     if runs is not None:
                         self._copy_runs(self._sources[s], storage, runs)
                         continue
-                rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
-                for src, dst in zip(self._sources[s], storage):
-                    torch.index_select(src, 1, rows, out=dst)
+                _gather_rows(self._sources[s], storage, torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device))
                 continue
             rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
             slots = torch.from_numpy(slots).to(self._device)  # multi-shard batches: not the decode hot path
@@ -460,6 +458,18 @@ class TensorReplacer:
                 on_device and self._source_bits is not None) else None
             checked = out.checked_by = CheckedOut(self, n, on_device, views)
         return checked
+
+
+def _gather_rows(sources, storage, rows: torch.Tensor) -> None:
+    """``storage[g][:, i] = sources[g][:, rows[i]]``: scattered rows. A contiguous group is
+    gathered as one dim-0 ``index_select`` over its rows of all modules, which torch spreads
+    over its threads (a dim-1 gather runs on one; a random gather is latency-bound per core)."""
+    for src, dst in zip(sources, storage):
+        if src.is_contiguous() and dst.is_contiguous():
+            flat_rows = (torch.arange(src.shape[0], device=rows.device).unsqueeze(1) * src.shape[1] + rows).view(-1)
+            torch.index_select(src.view(-1, src.shape[2]), 0, flat_rows, out=dst.view(-1, dst.shape[2]))
+        else:
+            torch.index_select(src, 1, rows, out=dst)
 
 
 _MAX_RUNS = 32  # above this many runs of consecutive rows, one gather beats block copies
