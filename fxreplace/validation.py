@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Collection, Mapping, Protocol, Sequence
+from typing import Callable, Collection, Mapping, Protocol, Sequence
 
 import torch
 
@@ -228,7 +228,7 @@ def logit_validation(
             doing = f"round {rounds}: {len(todo)} prompts, up to {max_new} steps"
             if rounds == 0:
                 doing += "; a compiled engine compiles during its first call"
-            with _heartbeat(bar, progress, doing):
+            with heartbeat(lambda line: bar.write(f"  {bar.desc}: {line}", file=sys.stderr), progress, doing):
                 gens = engine.generate(inputs, max_new, replace=selection)
             for p, gen in zip(todo, gens):
                 start = covered[p]
@@ -266,8 +266,8 @@ HEARTBEAT_S = 10.0
 
 
 @contextmanager
-def _heartbeat(bar, enabled: bool, doing: str):
-    """While the engine runs one call, say every HEARTBEAT_S seconds that it still works
+def heartbeat(write: Callable[[str], None], enabled: bool, doing: str):
+    """While the engine runs one call, ``write`` every HEARTBEAT_S seconds that it still works
     and for how long: its first calls compile, and a slow machine must not look hung."""
     if not enabled:
         yield
@@ -276,7 +276,7 @@ def _heartbeat(bar, enabled: bool, doing: str):
 
     def beat():
         while not done.wait(HEARTBEAT_S):
-            bar.write(f"  {bar.desc}: engine busy for {time.perf_counter() - started:.0f} s ({doing})", file=sys.stderr)
+            write(f"engine busy for {time.perf_counter() - started:.0f} s ({doing})")
 
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
