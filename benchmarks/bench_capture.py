@@ -89,8 +89,8 @@ def hf_main(quick: bool) -> None:
 # --------------------------------------------------------------------------- vLLM
 
 
-def prompt_set(n: int, length: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
+def prompt_set(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(4, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
@@ -181,12 +181,15 @@ def child(args) -> None:
         return
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
     print("READY", flush=True)
-    for line in sys.stdin:
+    for turn, line in enumerate(sys.stdin, start=1):
         if line.strip() != "sample":
             break
+        # each turn its own prompts (the store refuses a prompt twice), the same in both engines
+        turn_prompts = [{"prompt_token_ids": p}
+                        for p in prompt_set(spec["prompts"], spec["prompt_len"], spec["vocab"], seed=turn)]
         hooks["s"] = 0.0
         t0 = time.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
+        llm.generate(turn_prompts, sp, use_tqdm=False)
         print("RESULT " + json.dumps({"s": time.perf_counter() - t0, "hooks_s": hooks["s"]}), flush=True)
 
 
