@@ -382,15 +382,16 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
         per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
         if after_layers is not None:
             per_layer += f", after the last layer: {pct(1 - after_layers)}"
-        largest = max(origins, key=lambda o: o.share)
         inside, after = spread
-        why = (f"more than {MAX_ORIGINS} origins would be needed" if len(origins) > MAX_ORIGINS else
-               f"{pct(inside + after)} of it arises where no origin is ({pct(inside)} in the layers holding none, "
-               f"{pct(after)} after the last layer), where a fault leaves ~0 (concentrated sources leave less than "
-               f"{SIGNIFICANT:.0%})")
-        return (f"diffuse drift: the divergence builds up across the layers, not in a few components: {why}; no "
-                f"component is the fix alone (the largest single part, {largest.describe()}, is where the drift "
-                f"accumulates most); share arising per layer: {per_layer}.")
+        parts = "; ".join(f"layer {o.layer}{' ' + o.kind if o.kind else ''} ({o.share:.0%})" for o in origins)
+        if len(origins) > MAX_ORIGINS:
+            why = f"more than {MAX_ORIGINS} places would each have to be fixed ({parts})"
+        else:
+            why = (f"the largest parts ({parts}) leave {pct(inside + after)} of it to the other layers "
+                   f"({pct(inside)}) and after the last layer ({pct(after)}), where a fault leaves ~0 (concentrated "
+                   f"sources leave less than {SIGNIFICANT:.0%}): fixing those components alone would not remove it")
+        return (f"diffuse drift: the divergence builds up across the layers, not in a few components: {why}; share "
+                f"arising per layer: {per_layer}.")
     if spent:
         found = "; ".join(o.describe() for o in origins) or "nothing yet"
         return f"the search stopped at its budget of {budget} passes; found so far: {found}."
