@@ -493,16 +493,11 @@ def _blame(args) -> int:
             engine = VllmBlameEngine(args.model, args.reference, dtype=args.dtype, logprobs=-1,
                                      enforce_eager=args.eager, **engine_args)
             try:
-                _check_vocab(reference, args.model, engine.vocab_size)
                 result = blame(engine, reference, budget=args.budget)
             finally:
                 engine.close()
         else:
-            from .models import architecture
-
-            model = load_model(args.model)
-            check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
-            _check_vocab(reference, args.model, model.config.vocab_size)
+            model = load_model(args.model)  # blame() checks it and the clean model against the reference
             clean = load_model(args.clean) if args.clean else None
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
             result = blame(model, args.reference, clean=clean,

@@ -252,9 +252,9 @@ def blame_section(result) -> str:
         f"KL and the mean top-5 log-prob error removed; the origins found before it stay replaced beside it); it "
         f"explains the divergence from {t['explains']:.0%}. <i>share</i>: the part the component accounts for itself "
         f"(explained minus what the components beside it explain). Order: the origins first, in layer order, then by "
-        f"share. An origin needs {t['significant']:.0%} of the divergence; the drift is diffuse when no origin holds "
-        f"{t['concentrated']:.0%}, more than {t['max_origins']} are needed, or a significant part is spread over the "
-        "layers.</p>")
+        f"share. An origin needs {t['significant']:.0%} of the divergence; the drift is diffuse when the layers holding "
+        f"no origin hold {t['significant']:.0%} of it together (a fault leaves them at ~0) or more than "
+        f"{t['max_origins']} origins are needed.</p>")
     if result.layer_shares:
         parts.append("<h3>Arising per layer (localisation evidence: the residual stream after the layer replaced)</h3>"
                      "<table><tr><th>layer</th><th>explained with its stream</th><th>arising there</th></tr>")

@@ -3,7 +3,9 @@
 Why it exists: the context builder must be exercised with the layouts real
 engines produce, not with hand-written positions. So this runner
 
-- prefills one request at a time, padded to the smallest fitting prefill bucket;
+- prefills one request at a time, padded to the smallest fitting prefill bucket (or, with
+  ``batched_prefill``, every request of a wave in one ``[batch, bucket]`` forward, as
+  static-batch engines do);
 - decodes all running requests in one forward, padded to a batch bucket, with
   ``tokens_per_req = 1 + k`` slots per request when speculating ``k`` n-gram drafts;
 - gives every request a fresh id, registers it with the replacer, and builds
@@ -43,6 +45,9 @@ class RunnerConfig:
     max_len: int = 256  # KV cache length per request
     speculative_tokens: int = 0  # n-gram drafts verified per decode step (k); tokens_per_req = 1 + k
     ngram: int = 2  # the proposer matches the last `ngram` tokens
+    # prefill a wave's requests in one forward (rows padded to the decode batch bucket): a batch of
+    # copies of the same prompts (blame's hypotheses side by side) then costs one prefill, not one each
+    batched_prefill: bool = False
 
 
 @dataclass
@@ -168,8 +173,12 @@ class Runner:
                                  f"{max_new_tokens} steps of {width} tokens needs {needed}")
             cache = self._cache("decode", batch)
             valid = torch.zeros(batch, self.cfg.max_len, dtype=torch.bool)
-            for row, g in enumerate(gens):
-                self._prefill(g, replace[row] if isinstance(replace, PerRequest) else replace, cache, row, write, valid)
+            if self.cfg.batched_prefill:
+                self._prefill_batch(gens, replace, batch, cache, write, valid)
+            else:
+                for row, g in enumerate(gens):
+                    self._prefill(g, replace[row] if isinstance(replace, PerRequest) else replace, cache, row, write,
+                                  valid)
             positions = torch.tensor([len(g.prompt) for g in gens] + [0] * (batch - len(gens)))
             while any(len(g.tokens) < max_new_tokens for g in gens):
                 drafts = [propose_ngram(g.prompt + g.tokens, self.cfg.ngram, k) for g in gens]
@@ -226,6 +235,33 @@ class Runner:
             dst.values[row, :, write - n : write] = src.values[0, :, :n]
         valid[row] = False
         valid[row, write - n : write] = True
+
+    def _prefill_batch(self, gens: list[Generation], replace, batch: int, batch_cache: StaticCache, write: int,
+                       valid: torch.Tensor):
+        """Every request's prompt in one forward: row ``r`` holds request ``r``'s prompt padded to the
+        bucket (a decode-style layout: slot ``s`` belongs to request ``s // bucket``)."""
+        bucket = smallest_bucket(self.cfg.prefill_buckets, max(len(g.prompt) for g in gens), "a prompt")
+        cache = self._cache("batched prefill", batch)
+        inputs = torch.zeros(batch, bucket, dtype=torch.long)
+        positions = torch.zeros(batch, bucket, dtype=torch.long)  # padding slots repeat position 0
+        for row, g in enumerate(gens):
+            inputs[row, : len(g.prompt)] = torch.tensor(g.prompt)
+            positions[row, : len(g.prompt)] = torch.arange(len(g.prompt))
+        mask4d = torch.zeros(batch, 1, bucket, self.cfg.max_len, dtype=torch.bool)
+        mask4d[:, 0, :, :bucket] = torch.ones(bucket, bucket, dtype=torch.bool).tril()
+        ctx = self._context([g.req_id for g in gens], positions.flatten(), False, bucket, replace)
+        logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx)
+        for row, g in enumerate(gens):
+            n = len(g.prompt)
+            for name, values in seen.items():
+                g.observed.setdefault(name, {}).update(zip(range(n), values[row * bucket : row * bucket + n]))
+            g.tokens.append(int(logits[row, n - 1].argmax()))
+            g.logits.append(logits[row, n - 1].float().clone())
+            for src, dst in zip(cache.layers, batch_cache.layers):
+                dst.keys[row, :, write - n : write] = src.keys[row, :, :n]
+                dst.values[row, :, write - n : write] = src.values[row, :, :n]
+            valid[row] = False
+            valid[row, write - n : write] = True
 
     def _context(self, req_ids, positions, is_prefill, tokens_per_req, replace):
         if self.replacer is None:

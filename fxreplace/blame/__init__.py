@@ -23,12 +23,12 @@ from torch import nn
 from ..metrics import Tolerances
 from ..components import Component, layer_of, resolve_components
 from ..targets import Target, TargetLike
-from .result import CONCENTRATED, MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass
+from .result import MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass
 from .search import LAYER, PROBES, Search, default_budget
 
 __all__ = ["blame", "search", "Component", "resolve_components", "family_components", "recorded_components",
            "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "LAYER",
-           "CONCENTRATED", "SIGNIFICANT", "MAX_ORIGINS", "PROBES", "default_budget", "layer_of", "blame_runner"]
+           "SIGNIFICANT", "MAX_ORIGINS", "PROBES", "default_budget", "layer_of", "blame_runner"]
 
 
 class BlameError(ValueError):
@@ -55,16 +55,17 @@ def recorded_components(reference) -> dict[str, dict]:
 
 
 def check_inputs(reference, *, architecture: str | None, vocab_size: int | None, what: str,
-                 prompts: Sequence[int] | None = None) -> list[int]:
+                 prompts: Sequence[int] | None = None, label: str = "the reference") -> list[int]:
     """Refuse, before any pass, a reference from another architecture or vocabulary, or no
-    prompts; returns the prompt indices to validate."""
+    prompts; returns the prompt indices to validate. ``label`` names the reference (its directory)."""
+    hint = "hint: blame the model the reference was captured from, or capture a new reference from it"
     recorded = reference.metadata.get("architecture")
     if architecture and recorded and recorded != architecture:
-        raise BlameError(f"the reference was captured from {recorded} (captures {reference.store.capture_names[:2]} "
-                         f"...) but {what} is {architecture}")
+        raise BlameError(f"{label} was captured from {recorded} (captures {reference.store.capture_names[:2]} "
+                         f"...) but {what} is {architecture}; {hint}")
     if vocab_size is not None and vocab_size != reference.vocab_size:
-        raise BlameError(f"the reference has vocab size {reference.vocab_size} but {what} has {vocab_size}: it was "
-                         "captured from another model")
+        raise BlameError(f"{label} has vocab size {reference.vocab_size} but {what} has {vocab_size}: it was "
+                         f"captured from another model; {hint}")
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
     if not indices:
         raise BlameError(f"no prompts to validate: give at least one of the reference's {reference.num_prompts} "
@@ -131,21 +132,21 @@ def blame(target, reference, *, clean: nn.Module | None = None, components: Mapp
     from ..capture import architecture
     from ..reference import load_reference
 
-    directory = None
+    directory, label = None, "the reference"
     if isinstance(reference, (str, Path)):
-        directory, reference = Path(reference), load_reference(reference)
+        directory, reference, label = Path(reference), load_reference(reference), f"the reference {reference}"
     if not isinstance(target, nn.Module):
         check_inputs(reference, architecture=None, vocab_size=getattr(target, "vocab_size", None),
-                     what="the target engine", prompts=prompts)
+                     what="the target engine", prompts=prompts, label=label)
         return search(target, reference, target.components, tolerances=tolerances, prompts=prompts, budget=budget,
                       probes=probes, progress=progress)
     arch = architecture(target.config, type(target).__name__)
     indices = check_inputs(reference, architecture=arch, vocab_size=target.config.vocab_size,
-                           what=f"the target ({type(target).__name__})", prompts=prompts)
+                           what=f"the target ({type(target).__name__})", prompts=prompts, label=label)
     if clean is not None:
         check_inputs(reference, architecture=architecture(clean.config, type(clean).__name__),
                      vocab_size=clean.config.vocab_size, what=f"the clean model ({type(clean).__name__})",
-                     prompts=prompts)
+                     prompts=prompts, label=label)
     from ..instrument import instrument
     from ..replacer import TensorReplacer
     from .ondemand import OnDemand
@@ -188,7 +189,7 @@ def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[i
                  probes: int = PROBES, compile: str | None = None):
     """The embedded runner :func:`blame` searches with (``model`` instrumented at ``components``):
     one prefill bucket for the longest sequence, one decode bucket holding a round (every
-    hypothesis's copy of the prompts side by side)."""
+    hypothesis's copy of the prompts side by side), prefilled in one forward."""
     from ..replacer import TensorReplacer
     from ..runner import Runner, RunnerConfig
 
@@ -197,5 +198,6 @@ def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[i
     kinds = len({c.kind for c in components if c.kind != LAYER})
     wave = len(prompts) * (max(probes, kinds) + 1)
     return Runner(model, config, replacer=TensorReplacer(store),
-                  runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(wave, 64),), max_len=2 * bucket),
+                  runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(wave, 64),), max_len=2 * bucket,
+                                                batched_prefill=True),
                   dtype=next(model.parameters()).dtype, compile=compile)

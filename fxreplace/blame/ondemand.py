@@ -7,6 +7,10 @@ reference's tokens), so a search costs O(rounds) captures instead of O(layers x 
 Under a reference directory each capture is appended as a store of its own in
 ``blame-components/NNNNN/`` (written by :class:`~fxreplace.store.StoreWriter`) and the next
 run reads it back instead of capturing again.
+
+The store handed to the engine holds every component from the start (zero rows until
+captured; the search never selects those), so its replacement contexts keep one layout and
+a compiled target keeps its graphs when a capture adds components.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class OnDemand:
         self.captured: list[str] = []  # captured in this run
         self.seconds = 0.0  # spent capturing
         self._store: ReferenceStore | None = None
+        self._blank: dict[str, torch.Tensor] | None = None  # per component a zero row: its width and dtype
         if self.root is not None and self.root.is_dir():
             for part in sorted(p for p in self.root.iterdir() if (p / "index.json").exists()):
                 saved = ReferenceStore.load(part)
@@ -80,17 +85,33 @@ class OnDemand:
                 writer.add(self.reference.prompt_tokens(p), {name: rows[p] for name, rows in new.items()}, prompt_idx=p)
 
     def store(self) -> ReferenceStore:
-        """The components present (the reference's and the captured ones) as one store for the replacer."""
+        """Every component (the reference's, the captured ones, zeros for the rest) as one store
+        for the replacer."""
         if self._store is None:
             ref = self.reference
-            names = [n for n in self.by_name if self.present(n)]
-            if not names:  # nothing yet: the reference's own store (its rows are never selected)
-                return ref.store
-            flat = {p: {n: (self.rows[n][p] if n in self.rows else ref.store.rows(p, n)) for n in names}
-                    for p in range(ref.num_prompts)}
+            blank = self._blanks()
+
+            def rows(p, n):
+                if n in self.rows:
+                    return self.rows[n][p]
+                if n in ref.store.columns:
+                    return ref.store.rows(p, n)
+                return blank[n].expand(len(ref.prompt_tokens(p)) + ref.num_generated(p) - 1, -1)
+
+            flat = {p: {n: rows(p, n) for n in self.by_name} for p in range(ref.num_prompts)}
             extras = {TOKENS: [ref.store.extra(TOKENS, p) for p in range(ref.num_prompts)],
                       LOGITS: [ref.logits(p) for p in range(ref.num_prompts)]}
             self._store = ReferenceStore.from_captures(
                 flat, prompt_token_ids=[ref.prompt_tokens(p) for p in range(ref.num_prompts)],
                 metadata=dict(ref.metadata), extras=extras)
         return self._store
+
+    def _blanks(self) -> dict[str, torch.Tensor]:
+        """A zero row per component: widths and dtypes from one step of the clean model on one token."""
+        if self._blank is None:
+            from ..capture import capture_reference
+
+            probe = capture_reference(self.clean, [self.reference.prompt_tokens(0)[:1]],
+                                      [c.target for c in self.by_name.values()], 1, progress=False)
+            self._blank = {n: torch.zeros_like(probe.store.rows(0, n)[:1]) for n in self.by_name}
+        return self._blank

@@ -8,10 +8,9 @@ from pathlib import Path
 
 from ..metrics import EXPLAINS, fmt, pct
 
-#: A layer is where a divergence arises when at least this share of it appears there; when no
-#: origin reaches it the drift is diffuse.
-CONCENTRATED = 0.5
 #: A part of the divergence that matters: more than what a replacement that explains it may leave.
+#: An origin adds at least this much; the layers holding no origin hold less together, or the
+#: drift is diffuse (a fault leaves them at ~0, precision drift adds a little in every layer).
 SIGNIFICANT = round(1 - EXPLAINS, 6)
 #: More independent origins than this and the drift is called diffuse (the search stops there).
 MAX_ORIGINS = 3
@@ -129,8 +128,8 @@ class BlameResult:
     captured: list[str] = field(default_factory=list)  # components captured on demand from the clean model
     capture_seconds: float = 0.0  # of ``seconds``, spent capturing them
     explained: float | None = None  # of the divergence, by every origin replaced together
-    thresholds: dict = field(default_factory=lambda: {"explains": EXPLAINS, "concentrated": CONCENTRATED,
-                                                      "significant": SIGNIFICANT, "max_origins": MAX_ORIGINS})
+    thresholds: dict = field(default_factory=lambda: {"explains": EXPLAINS, "significant": SIGNIFICANT,
+                                                      "max_origins": MAX_ORIGINS})
 
     @property
     def guilty(self) -> Blame | None:

@@ -32,7 +32,7 @@ from typing import Callable, Collection, Sequence
 
 from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained
 from ..validation import ValidationResult, logit_validation
-from .result import (CONCENTRATED, MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass,
+from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass,
                      pct)
 
 LAYER = "layer"
@@ -41,9 +41,11 @@ PROBES = 4
 
 
 def default_budget(layers: int, kinds: int, probes: int = PROBES) -> int:
-    """Passes enough for MAX_ORIGINS + 1 origins (localise + kinds each) plus the diffuse heat map."""
+    """Passes enough for MAX_ORIGINS + 1 origins (each localised twice: after the last origin, then
+    from the first layer; its kinds tried twice: alone, then above the stream below) plus the
+    diffuse heat map."""
     localise = probes * max(1, math.ceil(math.log(max(layers, 2), probes + 1)))
-    return 1 + (MAX_ORIGINS + 1) * (localise + kinds + 1) + layers * (kinds + 1)
+    return 1 + (MAX_ORIGINS + 1) * (2 * (localise + kinds) + 1) + layers * (kinds + 1)
 
 
 class BudgetSpent(Exception):
@@ -90,6 +92,8 @@ class Search:
         self.tolerances, self.indices, self.progress = tolerances, list(prompts), progress
         self.probes, self.supply, self.observe = probes, supply, observe
         self.streams = {c.layer: c for c in self.components if c.kind == LAYER and c.layer is not None}
+        self.stream_layer = {c.capture_name: layer for layer, c in self.streams.items()}
+        self.layer_of = {c.capture_name: c.layer for c in self.components}
         self.stream_layers = sorted(self.streams)
         self.kinds = list(dict.fromkeys(c.kind for c in self.components if c.kind != LAYER))
         self.layers = sorted({c.layer for c in self.components if c.layer is not None})
@@ -101,9 +105,20 @@ class Search:
 
     # ------------------------------------------------------------------ measuring
 
+    def key(self, selection: Collection[str]) -> frozenset:
+        """The selection as measured: replacing the stream after layer ``k`` discards everything
+        computed at or before ``k``, so components of those layers beside it change nothing
+        (their pass is the stream's alone)."""
+        names = frozenset(selection)
+        covered = max((self.stream_layer[n] for n in names if n in self.stream_layer), default=None)
+        if covered is None:
+            return names
+        return frozenset(n for n in names if self.layer_of.get(n) is None or self.layer_of[n] > covered
+                         or n == self.streams[covered].capture_name)
+
     def measure(self, selections: Sequence[Collection[str]]) -> list[tuple[Pass, dict]]:
         """Each selection's (pass, summary); the unmeasured ones run as one round."""
-        keys = [frozenset(s) for s in selections]
+        keys = [self.key(s) for s in selections]
         todo = [k for k in dict.fromkeys(keys) if k not in self.cache]
         if todo:
             if len(self.passes) + len(todo) > self.budget:
@@ -139,7 +154,7 @@ class Search:
 
     def E(self, selection: Collection[str]) -> float:
         """Explained by ``selection`` (0 for nothing replaced; unknown counts as 0)."""
-        key = frozenset(selection)
+        key = self.key(selection)
         if not key or key not in self.cache:
             return 0.0
         return explained(self.off_summary, self.cache[key][1])["explained"] or 0.0
@@ -166,27 +181,24 @@ class Search:
         try:
             base: list[str] = []
             start = 0  # index into stream_layers
-            while True:
+            while len(origins) <= MAX_ORIGINS:
                 found = self._localise(base, start)
-                if found is None:
-                    break
+                if found is None or any(o.layer == found for o in origins):
+                    if start == 0:
+                        break
+                    start = 0  # an origin found downstream may unmask one upstream: search again from the first layer
+                    continue
                 origin = self._attribute(base, found)
                 origins.append(origin)
                 base = base + [origin.component or self.streams[origin.layer].capture_name]
                 remainder, _ = self.measure([base])[0]
-                if remainder.steps_diverged == 0 or self.E(base) >= EXPLAINS or len(origins) > MAX_ORIGINS:
+                if remainder.steps_diverged == 0 or self.E(base) >= EXPLAINS:
                     break
-                start = self.stream_layers.index(origin.layer) + 1
-                if start >= len(self.stream_layers):
-                    break
+                start = (self.stream_layers.index(origin.layer) + 1) % len(self.stream_layers)
             last = self.stream_layers[-1] if self.stream_layers else None
             if last is not None:  # probed in the first round
                 after_layers = self.E([self.streams[last].capture_name])
-            together = self.E(base) if base else 0.0
-            # what arises inside the layers but in no layer significantly: spread thinly over them
-            spread = (after_layers or 0.0) - together
-            diffuse = bool(origins) and (len(origins) > MAX_ORIGINS or max(o.share for o in origins) < CONCENTRATED
-                                         or (together < EXPLAINS and spread >= SIGNIFICANT))
+            diffuse = bool(origins) and (len(origins) > MAX_ORIGINS or sum(self._spread(origins)) >= SIGNIFICANT)
             if diffuse:  # where does the drift build up: every stream and kind, for the heat map
                 self.measure([[c.capture_name] for c in self.components])
         except BudgetSpent:
@@ -203,17 +215,20 @@ class Search:
         return sorted({a - 1 + math.ceil(j * size / m) for j in range(1, m + 1)})
 
     def _localise(self, base: list[str], start: int) -> int | None:
-        """The first layer (from stream index ``start``) whose stream adds SIGNIFICANT to E(base)."""
+        """The first layer (from stream index ``start``) whose stream adds SIGNIFICANT to what is
+        explained so far: E(base), or the stream before ``start`` where that explains more (what
+        the origins found upstream leave there, e.g. drift, arises upstream, not after them)."""
         if not self.stream_layers:
             return None
         a, b, known = start, len(self.stream_layers) - 1, False
+        upstream = [self.streams[self.stream_layers[start - 1]].capture_name] if start else []
         while True:
             if known and a == b:
                 return self.stream_layers[a]
             points = self._probe_points(a, b, known)
             sels = [base + [self.streams[self.stream_layers[i]].capture_name] for i in points]
-            self.measure(sels + ([base] if base else []))
-            e_base = self.E(base) if base else 0.0
+            self.measure(sels + ([base] if base else []) + ([upstream] if upstream else []))
+            e_base = max(self.E(base) if base else 0.0, self.E(upstream) if upstream else 0.0)
             hits = [i for i, s in zip(points, sels) if self.E(s) - e_base >= SIGNIFICANT]
             if hits:
                 j = points.index(hits[0])
@@ -224,20 +239,46 @@ class Search:
                 a = points[-1] + 1
 
     def _attribute(self, base: list[str], layer: int) -> Origin:
-        """The earliest kind of ``layer`` explaining its part (beyond ``base``), else the layer itself."""
+        """The earliest kind of ``layer`` explaining its part (beyond ``base``), else the layer itself.
+
+        A fault downstream can mask one upstream (after a flipped router little is left for an
+        attention fault to add), so the layer's part may hold upstream errors no kind of it
+        explains: then each kind is tried again with the stream below the layer replaced
+        beside it, which removes everything upstream (the search then looks upstream again)."""
         e_base = self.E(base) if base else 0.0
         idx = self.stream_layers.index(layer)
         stream = base + [self.streams[layer].capture_name]
-        below = [base + [self.streams[self.stream_layers[i]].capture_name] for i in range(idx - 1, -1, -1)
-                 if frozenset(base + [self.streams[self.stream_layers[i]].capture_name]) in self.cache]
-        part = self.E(stream) - (self.E(below[0]) if below else e_base)
+        below = base + [self.streams[self.stream_layers[idx - 1]].capture_name] if idx else base
         candidates = [c for c in self.components if c.layer == layer and c.kind != LAYER]
-        self.measure([base + [c.capture_name] for c in candidates])
+        self.measure([base + [c.capture_name] for c in candidates] + [below])
+        part = self.E(stream) - self.E(below)
+        kinds = [x.kind for x in candidates]
         for c in candidates:
             gain = self.E(base + [c.capture_name]) - e_base
             if gain >= SIGNIFICANT and gain >= EXPLAINS * part:
-                return Origin(layer, gain, c.capture_name, c.kind, [x.kind for x in candidates])
-        return Origin(layer, self.E(stream) - e_base, None, None, [x.kind for x in candidates])
+                return Origin(layer, gain, c.capture_name, c.kind, kinds)
+        if idx:
+            self.measure([below + [c.capture_name] for c in candidates])
+            for c in candidates:
+                if self.E(below + [c.capture_name]) - self.E(below) >= max(SIGNIFICANT, EXPLAINS * part):
+                    return Origin(layer, self.E(base + [c.capture_name]) - e_base, c.capture_name, c.kind, kinds)
+        return Origin(layer, self.E(stream) - e_base, None, None, kinds)
+
+    def _spread(self, origins: list[Origin]) -> tuple[float, float]:
+        """The part of the divergence arising where no origin is: in the measured stretches of
+        layers that hold none, and after the last layer (final norm, lm_head).
+
+        A fault leaves the layers around it untouched: each of their streams explains what the
+        stream below explains, so such stretches hold ~0. Precision drift adds a little in every
+        layer and after them, so the stretches an origin leaves out still hold a substantial part."""
+        inside, below = 0.0, -math.inf
+        shares = self._layer_shares()
+        for s in shares:
+            if not any(below < o.layer <= s.layer for o in origins):
+                inside += max(0.0, s.share or 0.0)
+            below = s.layer
+        after = max(0.0, 1.0 - shares[-1].explained) if shares and shares[-1].layer == self.stream_layers[-1] else 0.0
+        return inside, after
 
     def _first_nonfinite(self) -> NonFinite | None:
         """Observe every declared component in one pass; the first non-finite value in forward order."""
@@ -276,14 +317,16 @@ class Search:
     # ------------------------------------------------------------------ the result
 
     def _result(self, origins, nonfinite, diffuse, spent, started, verdict=None, after_layers=None) -> BlameResult:
-        ranking = self._ranking(origins)
+        ranking = self._ranking(origins)  # in the order found: each row's attribution had the earlier ones beside it
+        origins = sorted(origins, key=lambda o: o.layer)
         shares = self._layer_shares()
-        chosen = frozenset(o.component or self.streams[o.layer].capture_name for o in origins)
+        chosen = self.key(o.component or self.streams[o.layer].capture_name for o in origins)
         together = self.E(chosen) if chosen in self.cache else None
         confident = (not diffuse and not spent and bool(origins) and all(o.component for o in origins)
                      and (together or 0) >= EXPLAINS)
         if verdict is None:
-            verdict = _verdict(origins, together, diffuse, spent, self.budget, ranking, shares, after_layers)
+            verdict = _verdict(origins, together, diffuse, self._spread(origins), spent, self.budget, ranking, shares,
+                               after_layers)
         return BlameResult(ranking, shares, origins, self.passes, self.rounds, verdict, confident, diffuse, nonfinite,
                            self.kinds, self.layers, time.perf_counter() - started, self.budget, spent,
                            explained=together)
@@ -330,17 +373,24 @@ class Search:
         return out
 
 
-def _verdict(origins, together, diffuse, spent, budget, ranking, shares, after_layers) -> str:
+def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares, after_layers) -> str:
     tail = ""
     if after_layers is not None and after_layers < EXPLAINS and not diffuse:
         tail = (f" Replacing the stream after the last layer removes {pct(after_layers)}: the rest arises after the "
                 "decoder layers (final norm, lm_head).")
     if diffuse:
         per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
-        largest = max(origins, key=lambda o: o.share)
-        return (f"diffuse drift: the divergence arises across the layers, not in a few components (largest part: "
-                f"{largest.describe()}; the origins found explain {pct(together)} together, and a concentrated "
-                f"source needs {CONCENTRATED:.0%} in at most {MAX_ORIGINS} origins explaining {EXPLAINS:.0%}); share "
+        if after_layers is not None:
+            per_layer += f", after the last layer: {pct(1 - after_layers)}"
+        inside, after = spread
+        parts = "; ".join(f"layer {o.layer}{' ' + o.kind if o.kind else ''} ({o.share:.0%})" for o in origins)
+        if len(origins) > MAX_ORIGINS:
+            why = f"more than {MAX_ORIGINS} places would each have to be fixed ({parts})"
+        else:
+            why = (f"the largest parts ({parts}) leave {pct(inside + after)} of it to the other layers "
+                   f"({pct(inside)}) and after the last layer ({pct(after)}), where a fault leaves ~0 (concentrated "
+                   f"sources leave less than {SIGNIFICANT:.0%}): fixing those components alone would not remove it")
+        return (f"diffuse drift: the divergence builds up across the layers, not in a few components: {why}; share "
                 f"arising per layer: {per_layer}.")
     if spent:
         found = "; ".join(o.describe() for o in origins) or "nothing yet"
