@@ -156,6 +156,16 @@ def test_single_fault_is_ranked_first(blamed, name):
     assert result.rounds == 2 and len(result.passes) == 1 + LAYERS + kinds < 1 + LAYERS * (kinds + 1)
 
 
+def test_a_slow_round_still_prints_progress_lines(cleans, references, monkeypatch, capsys):
+    """A person watching a long search sees a line every HEARTBEAT_S while a round runs."""
+    import fxreplace.validation
+
+    monkeypatch.setattr(fxreplace.validation, "HEARTBEAT_S", 0.01)  # a round here takes ~0.1 s
+    blame(plant(cleans[DENSE], mlp(1)), references[DENSE], prompts=[0], progress=True)
+    out = capsys.readouterr().out
+    assert "engine busy for 0 s (blame round 1: " in out and "engine busy for 0 s (blame round 2: " in out, out
+
+
 @pytest.mark.parametrize("name", ["two", "dense-two"])
 def test_two_independent_faults_are_both_named_first(blamed, name):
     result = blamed(name)

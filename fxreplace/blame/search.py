@@ -31,7 +31,7 @@ import time
 from typing import Callable, Collection, Sequence
 
 from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained
-from ..validation import ValidationResult, logit_validation
+from ..validation import ValidationResult, heartbeat, logit_validation
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass,
                      pct)
 
@@ -134,8 +134,10 @@ class Search:
         n = len(self.indices)
         copies = _Copies(self.reference, self.indices, len(todo))
         replace = {i: todo[i // n] for i in range(copies.num_prompts)}
-        result = logit_validation(self.engine, copies, modes=("on",), replace=replace, tolerances=self.tolerances,
-                                  progress=False)
+        doing = f"blame round {self.rounds + 1}: {len(todo)} passes side by side"
+        with heartbeat(lambda line: print(f"  {line}", flush=True), self.progress, doing):
+            result = logit_validation(self.engine, copies, modes=("on",), replace=replace, tolerances=self.tolerances,
+                                      progress=False)
         seconds = time.perf_counter() - t0
         self.rounds += 1
         for h, key in enumerate(todo):
