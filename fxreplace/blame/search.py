@@ -385,11 +385,14 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
         if after_layers is not None:
             per_layer += f", after the last layer: {pct(1 - after_layers)}"
         inside, after = spread
-        parts = "; ".join(f"layer {o.layer}{' ' + o.kind if o.kind else ''} ({o.share:.0%})" for o in origins)
+        # the origins' layers by their streams' shares: the same accounting as the other layers'
+        by_layer = {s.layer: s.share for s in shares}
+        parts = "; ".join(f"layer {o.layer}{' (' + o.kind + ')' if o.kind else ''}: {pct(by_layer.get(o.layer, o.share))}"
+                          for o in origins)
         if len(origins) > MAX_ORIGINS:
             why = f"more than {MAX_ORIGINS} places would each have to be fixed ({parts})"
         else:
-            why = (f"the largest parts ({parts}) leave {pct(inside + after)} of it to the other layers "
+            why = (f"the layers with the largest parts ({parts}) leave {pct(inside + after)} of it to the other layers "
                    f"({pct(inside)}) and after the last layer ({pct(after)}), where a fault leaves ~0 (concentrated "
                    f"sources leave less than {SIGNIFICANT:.0%}): fixing those components alone would not remove it")
         return (f"diffuse drift: the divergence builds up across the layers, not in a few components: {why}; share "
