@@ -8,7 +8,8 @@ faults (attention in layer ``L/4``, router in layer ``3L/4``). Per run: validati
 rounds (batched validations: the passes of one round run side by side as copies of the
 prompts), components captured on demand (of 4L), wall time of the search with and without
 the captures, and that time divided by one validation pass of the target with nothing
-replaced (measured on an equal runner in the same run, median of 3).
+replaced (measured on an equal runner in the same run, median of 3, before and after the
+search: their mean divides, and the two give the spread).
 
 Goal: a single-fault search in <= 3 validation passes of wall time at L = 16 (captures
 excluded; they are the reference's cost, paid once), and passes and captures growing as
@@ -76,13 +77,17 @@ def run(layers: int, which: str, prompts, new_tokens: int, tmp) -> dict:
     comps = resolve_components(clean, get_family(ARCH).components)
     from fxreplace.reference import load_reference
 
-    one = one_pass_seconds(target, load_reference(directory), comps)
+    # one pass measured before and after the search: a load swing between them shows in the spread
+    before = one_pass_seconds(target, load_reference(directory), comps)
     result = blame(target, directory, clean=clean, progress=False)
+    after = one_pass_seconds(target, load_reference(directory), comps)
+    one = (before + after) / 2
     named = [(o.kind, o.layer) for o in result.origins]
     search_seconds = result.seconds - result.capture_seconds
     return {"layers": layers, "fault": which, "planted": planted, "passes": len(result.passes), "rounds": result.rounds,
             "captured": len(result.captured), "seconds": result.seconds, "search_seconds": search_seconds,
-            "one_pass": one, "per_pass": search_seconds / one, "found": result.confident and named == planted,
+            "one_pass": one, "per_pass": search_seconds / one, "per_pass_spread": (search_seconds / max(before, after),
+                                                                                    search_seconds / min(before, after)), "found": result.confident and named == planted,
             "verdict": result.verdict}
 
 
@@ -124,6 +129,8 @@ def main():
     print(json.dumps({
         "passes": by("passes"), "rounds": by("rounds"), "captured": by("captured"), "seconds": by("seconds"),
         "search_seconds": by("search_seconds"), "one_pass_seconds": by("one_pass"), "per_pass": by("per_pass"),
+        "per_pass_spread": {w: {r["layers"]: [round(x, 2) for x in r["per_pass_spread"]] for r in rows if r["fault"] == w}
+                            for w in ("one", "two")},
         "found": by("found"),
         "goal_met": bool(single16) and single16[0]["per_pass"] <= 3.0,
         "logarithmic": all(r["passes"] <= bound[r["layers"]] for r in rows if r["fault"] == "one"),
