@@ -174,11 +174,11 @@ class Runner:
             cache = self._cache("decode", batch)
             valid = torch.zeros(batch, self.cfg.max_len, dtype=torch.bool)
             if self.cfg.batched_prefill:
-                self._prefill_batch(gens, replace, batch, cache, write, valid)
+                self._prefill(gens, replace, cache, write, valid, rows=batch)
             else:
                 for row, g in enumerate(gens):
-                    self._prefill(g, replace[row] if isinstance(replace, PerRequest) else replace, cache, row, write,
-                                  valid)
+                    self._prefill([g], replace[row] if isinstance(replace, PerRequest) else replace, cache, write, valid,
+                                  first_row=row)
             positions = torch.tensor([len(g.prompt) for g in gens] + [0] * (batch - len(gens)))
             while any(len(g.tokens) < max_new_tokens for g in gens):
                 drafts = [propose_ngram(g.prompt + g.tokens, self.cfg.ngram, k) for g in gens]
@@ -214,52 +214,33 @@ class Runner:
                 for g in gens:
                     self.replacer.release_request(g.req_id)
 
-    def _prefill(self, g: Generation, replace: bool, batch_cache: StaticCache, row: int, write: int, valid: torch.Tensor):
-        n = len(g.prompt)
-        bucket = smallest_bucket(self.cfg.prefill_buckets, n, "a prompt")
-        cache = self._cache("prefill", bucket)
-        inputs = torch.zeros(1, bucket, dtype=torch.long)
-        inputs[0, :n] = torch.tensor(g.prompt)
-        positions = torch.zeros(1, bucket, dtype=torch.long)  # padding slots repeat position 0: not a continuation
-        positions[0, :n] = torch.arange(n)
-        mask4d = torch.zeros(1, 1, bucket, self.cfg.max_len, dtype=torch.bool)
-        mask4d[0, 0, :, :bucket] = torch.ones(bucket, bucket, dtype=torch.bool).tril()
-        ctx = self._context([g.req_id], positions[0], True, 1, replace)
-        logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx)
-        for name, values in seen.items():
-            g.observed.setdefault(name, {}).update(zip(range(n), values[:n]))
-        g.tokens.append(int(logits[0, n - 1].argmax()))
-        g.logits.append(logits[0, n - 1].float().clone())
-        for src, dst in zip(cache.layers, batch_cache.layers):
-            dst.keys[row, :, write - n : write] = src.keys[0, :, :n]
-            dst.values[row, :, write - n : write] = src.values[0, :, :n]
-        valid[row] = False
-        valid[row, write - n : write] = True
-
-    def _prefill_batch(self, gens: list[Generation], replace, batch: int, batch_cache: StaticCache, write: int,
-                       valid: torch.Tensor):
-        """Every request's prompt in one forward: row ``r`` holds request ``r``'s prompt padded to the
-        bucket (a decode-style layout: slot ``s`` belongs to request ``s // bucket``)."""
+    def _prefill(self, gens: list[Generation], replace, batch_cache: StaticCache, write: int, valid: torch.Tensor,
+                 first_row: int = 0, rows: int = 1):
+        """The prompts of ``gens`` in one ``[rows, bucket]`` forward (padding rows after them); request
+        ``r``'s cache goes to row ``first_row + r`` of the batch cache. One request: the Neuron-style
+        prefill layout; several (``batched_prefill``): decode-style, slot ``s`` of request ``s // bucket``."""
         bucket = smallest_bucket(self.cfg.prefill_buckets, max(len(g.prompt) for g in gens), "a prompt")
-        cache = self._cache("batched prefill", batch)
-        inputs = torch.zeros(batch, bucket, dtype=torch.long)
-        positions = torch.zeros(batch, bucket, dtype=torch.long)  # padding slots repeat position 0
-        for row, g in enumerate(gens):
-            inputs[row, : len(g.prompt)] = torch.tensor(g.prompt)
-            positions[row, : len(g.prompt)] = torch.arange(len(g.prompt))
-        mask4d = torch.zeros(batch, 1, bucket, self.cfg.max_len, dtype=torch.bool)
+        cache = self._cache("prefill", bucket) if rows == 1 else self._cache("batched prefill", rows)
+        inputs = torch.zeros(rows, bucket, dtype=torch.long)
+        positions = torch.zeros(rows, bucket, dtype=torch.long)  # padding slots repeat position 0: not a continuation
+        for r, g in enumerate(gens):
+            inputs[r, : len(g.prompt)] = torch.tensor(g.prompt)
+            positions[r, : len(g.prompt)] = torch.arange(len(g.prompt))
+        mask4d = torch.zeros(rows, 1, bucket, self.cfg.max_len, dtype=torch.bool)
         mask4d[:, 0, :, :bucket] = torch.ones(bucket, bucket, dtype=torch.bool).tril()
-        ctx = self._context([g.req_id for g in gens], positions.flatten(), False, bucket, replace)
+        req_ids = [g.req_id for g in gens]
+        ctx = (self._context(req_ids, positions[0], True, 1, replace) if rows == 1
+               else self._context(req_ids, positions.flatten(), False, bucket, replace))
         logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx)
-        for row, g in enumerate(gens):
-            n = len(g.prompt)
+        for r, g in enumerate(gens):
+            n, row = len(g.prompt), first_row + r
             for name, values in seen.items():
-                g.observed.setdefault(name, {}).update(zip(range(n), values[row * bucket : row * bucket + n]))
-            g.tokens.append(int(logits[row, n - 1].argmax()))
-            g.logits.append(logits[row, n - 1].float().clone())
+                g.observed.setdefault(name, {}).update(zip(range(n), values[r * bucket : r * bucket + n]))
+            g.tokens.append(int(logits[r, n - 1].argmax()))
+            g.logits.append(logits[r, n - 1].float().clone())
             for src, dst in zip(cache.layers, batch_cache.layers):
-                dst.keys[row, :, write - n : write] = src.keys[row, :, :n]
-                dst.values[row, :, write - n : write] = src.values[row, :, :n]
+                dst.keys[row, :, write - n : write] = src.keys[r, :, :n]
+                dst.values[row, :, write - n : write] = src.values[r, :, :n]
             valid[row] = False
             valid[row, write - n : write] = True
 
