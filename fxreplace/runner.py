@@ -48,6 +48,10 @@ class RunnerConfig:
     # prefill a wave's requests in one forward (rows padded to the decode batch bucket): a batch of
     # copies of the same prompts (blame's hypotheses side by side) then costs one prefill, not one each
     batched_prefill: bool = False
+    # teacher forcing inside a wave: a validation hands each request the reference's tokens and the
+    # decode steps read them instead of the request's own picks, so a divergence costs no re-run
+    # (a new request and its prefill); every step's logits still come from the reference's prefix
+    teacher_forcing: bool = False
 
 
 @dataclass
@@ -71,6 +75,14 @@ def smallest_bucket(buckets: Sequence[int], n: int, what: str) -> int:
     if not fitting:
         raise ValueError(f"{what} of {n} exceeds the largest bucket {max(buckets)} (buckets: {sorted(buckets)})")
     return fitting[0]
+
+
+def _forced_reads(forced: Sequence[int], done: int, width: int) -> list[int]:
+    """The ``width`` tokens a forced request reads after ``done`` steps (its last one repeated past the end)."""
+    reads = list(forced[done - 1 : done - 1 + width])
+    if not reads:
+        raise ValueError(f"forced holds {len(forced)} tokens; a step after {done} needs token {done - 1}")
+    return reads + [reads[-1]] * (width - len(reads))
 
 
 def propose_ngram(history: Sequence[int], n: int, k: int) -> list[int]:
@@ -130,15 +142,25 @@ class Runner:
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def teacher_forcing(self) -> bool:
+        """Whether a validation should hand ``generate`` the reference's tokens (``forced=``)."""
+        return self.cfg.teacher_forcing
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str] = True,
-                 prompt_hints: Sequence[int | None] | None = None) -> list[Generation]:
+                 prompt_hints: Sequence[int | None] | None = None,
+                 forced: Sequence[Sequence[int]] | None = None) -> list[Generation]:
         """Greedy continuation of each prompt; ``replace=False`` runs the same graphs with an all-off mask.
 
         ``replace`` may also name the capture names to replace (the others stay off, in the
         same graphs: see :meth:`ReplacementContext.select`), or be a
         :class:`~fxreplace.context.PerRequest` selection for each prompt. ``prompt_hints[i]``
-        registers request i with an explicit reference prompt index.
+        registers request i with an explicit reference prompt index. ``forced[i]``: the tokens
+        request i reads after each step instead of its own picks (teacher forcing); its
+        ``tokens`` are still its own picks (what each step's logits choose).
         """
+        if forced is not None and len(forced) != len(prompts):
+            raise ValueError(f"forced holds {len(forced)} continuations for {len(prompts)} prompts")
         if isinstance(replace, PerRequest):
             if len(replace) != len(prompts):
                 raise ValueError(f"replace holds {len(replace)} selections for {len(prompts)} prompts")
@@ -152,12 +174,13 @@ class Runner:
         for start in range(0, len(prompts), wave):
             chunk = [list(map(int, p)) for p in prompts[start : start + wave]]
             selection = PerRequest(replace[start : start + wave]) if isinstance(replace, PerRequest) else replace
-            results += self._run_wave(chunk, hints[start : start + wave], max_new_tokens, selection)
+            feed = None if forced is None else [list(map(int, f)) for f in forced[start : start + wave]]
+            results += self._run_wave(chunk, hints[start : start + wave], max_new_tokens, selection, feed)
         return results
 
     # ------------------------------------------------------------------ internals
 
-    def _run_wave(self, prompts, hints, max_new_tokens, replace) -> list[Generation]:
+    def _run_wave(self, prompts, hints, max_new_tokens, replace, forced=None) -> list[Generation]:
         gens = [Generation(f"req-{next(self._ids)}", p) for p in prompts]
         if replace is not False:
             for g, hint in zip(gens, hints):
@@ -181,10 +204,12 @@ class Runner:
                                   first_row=row)
             positions = torch.tensor([len(g.prompt) for g in gens] + [0] * (batch - len(gens)))
             while any(len(g.tokens) < max_new_tokens for g in gens):
-                drafts = [propose_ngram(g.prompt + g.tokens, self.cfg.ngram, k) for g in gens]
+                # what each request reads: its last pick and k drafts, or (forced) the next k + 1 forced tokens
+                reads = ([[g.tokens[-1]] + propose_ngram(g.prompt + g.tokens, self.cfg.ngram, k) for g in gens]
+                         if forced is None else [_forced_reads(f, len(g.tokens), width) for f, g in zip(forced, gens)])
                 inputs = torch.zeros(batch, width, dtype=torch.long)
                 for row, g in enumerate(gens):
-                    inputs[row] = torch.tensor([g.tokens[-1]] + drafts[row])
+                    inputs[row] = torch.tensor(reads[row])
                 slot_pos = positions[:, None] + torch.arange(width)
                 step_mask = valid.clone()
                 step_mask[:, write : write + width] = True
@@ -195,8 +220,8 @@ class Runner:
                 logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx)
                 for row, g in enumerate(gens):
                     chosen = logits[row].argmax(-1).tolist()
-                    accepted = 0
-                    while accepted < k and drafts[row][accepted] == chosen[accepted]:
+                    accepted = k if forced is not None else 0  # forced reads are the reference's: all kept
+                    while accepted < k and reads[row][accepted + 1] == chosen[accepted]:
                         accepted += 1
                     for name, values in seen.items():  # the inputs of accepted slots are real tokens
                         rows = values[row * width : row * width + accepted + 1]

@@ -4,7 +4,10 @@ For each prompt the engine generates greedily. At the first step whose top-1
 token differs from the reference, the divergence is recorded, the input is
 extended with the reference tokens up to and including that step, and the
 engine runs again as a *new request* (the context builder resolves it to the
-same prompt by prefix), until every reference step has been compared.
+same prompt by prefix), until every reference step has been compared. An engine
+whose ``teacher_forcing`` is true instead reads the reference's tokens in its
+decode steps (``generate(..., forced=)``), so one call compares every step; each
+step is recorded as the re-run after the prompt's earlier divergences would record it.
 
 Any engine works that offers ``generate(prompts, max_new_tokens, replace) ->
 [Generation]`` (see :class:`fxreplace.runner.Runner`); ``Generation.observed``,
@@ -32,6 +35,7 @@ from .reference import Reference
 
 
 class Engine(Protocol):
+    # an engine whose ``teacher_forcing`` is true also takes ``forced=`` (see the module docstring)
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str]) -> list: ...
 
 
@@ -228,21 +232,26 @@ def logit_validation(
             doing = f"round {rounds}: {len(todo)} prompts, up to {max_new} steps"
             if rounds == 0:
                 doing += "; a compiled engine compiles during its first call"
+            forcing = getattr(engine, "teacher_forcing", False)
+            forced = {"forced": [reference.tokens(p)[covered[p]:] for p in todo]} if forcing else {}
             with heartbeat(lambda line: bar.write(f"  {bar.desc}: {line}", file=sys.stderr), progress, doing):
-                gens = engine.generate(inputs, max_new, replace=selection)
+                gens = engine.generate(inputs, max_new, replace=selection, **forced)
             for p, gen in zip(todo, gens):
                 start = covered[p]
                 ref_logits = reference.logits(p)
+                retry = rounds  # forced steps after a divergence count as the retry that would compute them
                 for j, logits in enumerate(gen.logits[: reference.num_generated(p) - start]):
                     step = start + j
                     m = compare_logits(ref_logits[step], logits, tolerances)
-                    result.steps.append(StepRecord(**asdict(m), mode=mode, prompt=p, step=step, round=rounds, req_id=gen.req_id))
+                    result.steps.append(StepRecord(**asdict(m), mode=mode, prompt=p, step=step, round=retry, req_id=gen.req_id))
                     covered[p] = step + 1
                     if m.nan:
                         stopped.add(p)
                         break
                     if not m.top1_agree:
-                        break
+                        if not forcing:
+                            break
+                        retry += 1
                 if router_topk and getattr(gen, "observed", None):
                     _router_agreement(router, reference, p, gen, start, covered[p], router_topk)
             done = sum(covered.values())

@@ -189,7 +189,8 @@ def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[i
                  probes: int = PROBES, compile: str | None = None):
     """The embedded runner :func:`blame` searches with (``model`` instrumented at ``components``):
     one prefill bucket for the longest sequence, one decode bucket holding a round (every
-    hypothesis's copy of the prompts side by side), prefilled in one forward."""
+    hypothesis's copy of the prompts side by side), prefilled in one forward and teacher-forced
+    inside its decode steps (a diverging copy is not re-run)."""
     from ..replacer import TensorReplacer
     from ..runner import Runner, RunnerConfig
 
@@ -199,5 +200,5 @@ def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[i
     wave = len(prompts) * (max(probes, kinds) + 1)
     return Runner(model, config, replacer=TensorReplacer(store),
                   runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(wave, 64),), max_len=2 * bucket,
-                                                batched_prefill=True),
+                                                batched_prefill=True, teacher_forcing=True),
                   dtype=next(model.parameters()).dtype, compile=compile)
