@@ -208,8 +208,7 @@ class Runner:
                 reads = ([[g.tokens[-1]] + propose_ngram(g.prompt + g.tokens, self.cfg.ngram, k) for g in gens]
                          if forced is None else [_forced_reads(f, len(g.tokens), width) for f, g in zip(forced, gens)])
                 inputs = torch.zeros(batch, width, dtype=torch.long)
-                for row, g in enumerate(gens):
-                    inputs[row] = torch.tensor(reads[row])
+                inputs[: len(gens)] = torch.tensor(reads)
                 slot_pos = positions[:, None] + torch.arange(width)
                 step_mask = valid.clone()
                 step_mask[:, write : write + width] = True
@@ -218,8 +217,10 @@ class Runner:
                 mask4d[:, 0, :, write : write + width] = causal
                 ctx = self._context([g.req_id for g in gens], slot_pos.flatten(), False, width, replace)
                 logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx)
+                # the host reads each step once for all rows: a wave holds up to a blame round's copies
+                picks, kept = logits.argmax(-1).tolist(), logits.to(torch.float32, copy=True)
                 for row, g in enumerate(gens):
-                    chosen = logits[row].argmax(-1).tolist()
+                    chosen = picks[row]
                     accepted = k if forced is not None else 0  # forced reads are the reference's: all kept
                     while accepted < k and reads[row][accepted + 1] == chosen[accepted]:
                         accepted += 1
@@ -229,7 +230,7 @@ class Runner:
                     for j in range(accepted + 1):
                         if len(g.tokens) < max_new_tokens:
                             g.tokens.append(chosen[j])
-                            g.logits.append(logits[row, j].float().clone())
+                            g.logits.append(kept[row, j])
                     valid[row, write : write + accepted + 1] = True
                     positions[row] += accepted + 1
                 write += width
@@ -258,16 +259,23 @@ class Runner:
                else self._context(req_ids, positions.flatten(), False, bucket, replace))
         logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx)
         for r, g in enumerate(gens):
-            n, row = len(g.prompt), first_row + r
+            n = len(g.prompt)
             for name, values in seen.items():
                 g.observed.setdefault(name, {}).update(zip(range(n), values[r * bucket : r * bucket + n]))
             g.tokens.append(int(logits[r, n - 1].argmax()))
             g.logits.append(logits[r, n - 1].float().clone())
-            for src, dst in zip(cache.layers, batch_cache.layers):
-                dst.keys[row, :, write - n : write] = src.keys[r, :, :n]
-                dst.values[row, :, write - n : write] = src.values[r, :, :n]
-            valid[row] = False
-            valid[row, write - n : write] = True
+        # each prompt right-aligned to W in its row of the batch cache, all rows in one gather per layer:
+        # slot j reads prompt position j - (W - n); the slots before the prompt read position 0 and stay
+        # masked off (not valid)
+        lengths = torch.tensor([len(g.prompt) for g in gens])
+        source = (torch.arange(write) - write + lengths[:, None]).clamp(min=0)  # [requests, W]
+        mine = slice(first_row, first_row + len(gens))
+        for src, dst in zip(cache.layers, batch_cache.layers):
+            index = source[:, None, :, None].expand(-1, src.keys.shape[1], -1, src.keys.shape[3])
+            dst.keys[mine, :, :write] = src.keys[: len(gens)].gather(2, index)
+            dst.values[mine, :, :write] = src.values[: len(gens)].gather(2, index)
+        slot = torch.arange(valid.shape[1])
+        valid[mine] = (slot >= write - lengths[:, None]) & (slot < write)
 
     def _context(self, req_ids, positions, is_prefill, tokens_per_req, replace):
         if self.replacer is None:

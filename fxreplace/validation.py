@@ -29,7 +29,7 @@ from typing import Callable, Collection, Mapping, Protocol, Sequence
 import torch
 
 from .context import PerRequest
-from .metrics import (DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_logits,
+from .metrics import (DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_steps,
                       topk_agreement, verdict)
 from .reference import Reference
 
@@ -236,14 +236,13 @@ def logit_validation(
             forced = {"forced": [reference.tokens(p)[covered[p]:] for p in todo]} if forcing else {}
             with heartbeat(lambda line: bar.write(f"  {bar.desc}: {line}", file=sys.stderr), progress, doing):
                 gens = engine.generate(inputs, max_new, replace=selection, **forced)
-            for p, gen in zip(todo, gens):
-                start = covered[p]
-                ref_logits = reference.logits(p)
+            spans = [(p, gen, covered[p], min(len(gen.logits), reference.num_generated(p) - covered[p]))
+                     for p, gen in zip(todo, gens)]
+            for (p, gen, start, _), compared in zip(spans, _compare(reference, spans, tolerances)):
                 retry = rounds  # forced steps after a divergence count as the retry that would compute them
-                for j, logits in enumerate(gen.logits[: reference.num_generated(p) - start]):
+                for j, m in enumerate(compared):
                     step = start + j
-                    m = compare_logits(ref_logits[step], logits, tolerances)
-                    result.steps.append(StepRecord(**asdict(m), mode=mode, prompt=p, step=step, round=retry, req_id=gen.req_id))
+                    result.steps.append(StepRecord(**vars(m), mode=mode, prompt=p, step=step, round=retry, req_id=gen.req_id))
                     covered[p] = step + 1
                     if m.nan:
                         stopped.add(p)
@@ -268,6 +267,20 @@ def logit_validation(
         at_divergence = {t for s in result.steps if not s.top1_agree and not s.nan for t in (s.reference_token, s.target_token)}
         result.token_texts = {t: tokenizer.decode([t]) for t in sorted(at_divergence)}
     return result
+
+
+def _compare(reference: Reference, spans, tolerances: Tolerances) -> list[list[StepMetrics]]:
+    """Per ``(prompt, generation, first step, steps)`` of one engine call, its steps' metrics, all
+    compared in one batch (the steps after a divergence are read only when the engine forced them)."""
+    counted = [(p, gen, start, n) for p, gen, start, n in spans if n]
+    flat = compare_steps(torch.cat([reference.logits(p)[start : start + n] for p, _, start, n in counted]),
+                         torch.cat([torch.stack(gen.logits[:n]) for _, gen, _, n in counted]),
+                         tolerances) if counted else []
+    out, at = [], 0
+    for *_, n in spans:
+        out.append(flat[at : at + n])
+        at += n
+    return out
 
 
 #: Longest stretch without a progress line while the engine works (a compile takes 10-60 s).
