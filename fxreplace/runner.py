@@ -217,8 +217,9 @@ class Runner:
                 mask4d[:, 0, :, write : write + width] = causal
                 ctx = self._context([g.req_id for g in gens], slot_pos.flatten(), False, width, replace)
                 logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx)
-                # the host reads each step once for all rows: a wave holds up to a blame round's copies
-                picks, kept = logits.argmax(-1).tolist(), logits.to(torch.float32, copy=True)
+                # the host reads each step once for all requests (a wave holds a blame round's copies); the
+                # rows kept are the requests' only, not the padding's
+                picks, kept = logits.argmax(-1).tolist(), logits[: len(gens)].to(torch.float32, copy=True)
                 for row, g in enumerate(gens):
                     chosen = picks[row]
                     accepted = k if forced is not None else 0  # forced reads are the reference's: all kept
