@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from fxreplace.blame import blame, blame_runner, resolve_components
+from fxreplace.blame import PROBES, blame, blame_runner, resolve_components
 from fxreplace.capture import capture_reference
 from fxreplace.instrument import instrument
 from fxreplace.models import get_family, tiny_model
@@ -123,8 +123,9 @@ def main():
         return {w: {r["layers"]: (round(r[key], 2) if isinstance(r[key], float) else r[key]) for r in rows
                     if r["fault"] == w} for w in ("one", "two")}
 
-    # localisation: PROBES streams per round, ceil(log_5 L) rounds per origin, then its 3 kinds
-    bound = {r["layers"]: 1 + len(r["planted"]) * (4 * math.ceil(math.log(r["layers"], 5)) + 3 + 1) for r in rows}
+    # localisation: PROBES streams per round, ceil(log_(PROBES + 1) L) rounds per origin, then its 3 kinds
+    bound = {r["layers"]: 1 + len(r["planted"]) * (PROBES * math.ceil(math.log(r["layers"], PROBES + 1)) + 3 + 1)
+             for r in rows}
     single16 = [r for r in rows if r["fault"] == "one" and r["layers"] == 16]
     print(json.dumps({
         "passes": by("passes"), "rounds": by("rounds"), "captured": by("captured"), "seconds": by("seconds"),

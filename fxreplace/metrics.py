@@ -43,27 +43,42 @@ class StepMetrics:
 
 def compare_logits(reference: torch.Tensor, target: torch.Tensor, tol: Tolerances = Tolerances()) -> StepMetrics:
     """Compare one step's ``[vocab]`` logits (any float dtype; computed in fp64)."""
+    _same_shape(reference, target)
+    return compare_steps(reference[None], target[None], tol)[0]
+
+
+def compare_steps(reference: torch.Tensor, target: torch.Tensor, tol: Tolerances = Tolerances()) -> list[StepMetrics]:
+    """:func:`compare_logits` for each row of ``[steps, vocab]`` logits, as tensor operations over
+    all rows (a blame round compares every step of every copy of the prompts)."""
+    _same_shape(reference, target)
+    ref = torch.log_softmax(reference.double(), -1)
+    tgt = torch.log_softmax(target.double(), -1)
+    ref_tokens, tgt_tokens = reference.argmax(-1).tolist(), target.argmax(-1).tolist()
+    nans = torch.isnan(target).any(-1).tolist()
+    order = ref.argsort(dim=-1, descending=True)[:, :50]
+    errors = (ref.gather(-1, order) - tgt.gather(-1, order)).abs()
+    top5s, top50s = errors[:, :5].amax(-1).tolist(), errors.amax(-1).tolist()
+    kls = (ref.exp() * (ref - tgt)).sum(-1).clamp(min=0).tolist()
+    out = []
+    for ref_token, tgt_token, nan, top5, top50, kl in zip(ref_tokens, tgt_tokens, nans, top5s, top50s, kls):
+        if nan:
+            out.append(StepMetrics(False, ref_token, -1, float("nan"), float("nan"), float("nan"), True, DIVERGED))
+            continue
+        agree = ref_token == tgt_token
+        if not agree or top5 > tol.top5_atol or top50 > tol.top50_atol or kl > tol.kl_max:
+            status = DIVERGED
+        elif top5 <= tol.match_atol:
+            status = MATCHED
+        else:
+            status = WITHIN_TOLERANCE
+        out.append(StepMetrics(agree, ref_token, tgt_token, top5, top50, kl, False, status))
+    return out
+
+
+def _same_shape(reference: torch.Tensor, target: torch.Tensor) -> None:
     if reference.shape != target.shape:
         raise ValueError(f"reference logits {tuple(reference.shape)} and target logits {tuple(target.shape)} differ in shape "
                          "(is the reference from another model?)")
-    ref = torch.log_softmax(reference.double(), -1)
-    tgt = torch.log_softmax(target.double(), -1)
-    ref_token, tgt_token = int(reference.argmax()), int(target.argmax())
-    nan = bool(torch.isnan(target).any())
-    if nan:
-        return StepMetrics(False, ref_token, -1, float("nan"), float("nan"), float("nan"), True, DIVERGED)
-    order = ref.argsort(descending=True)
-    top5 = float((ref[order[:5]] - tgt[order[:5]]).abs().max())
-    top50 = float((ref[order[:50]] - tgt[order[:50]]).abs().max())
-    kl = float((ref.exp() * (ref - tgt)).sum().clamp(min=0))
-    agree = ref_token == tgt_token
-    if not agree or top5 > tol.top5_atol or top50 > tol.top50_atol or kl > tol.kl_max:
-        status = DIVERGED
-    elif top5 <= tol.match_atol:
-        status = MATCHED
-    else:
-        status = WITHIN_TOLERANCE
-    return StepMetrics(agree, ref_token, tgt_token, top5, top50, kl, False, status)
 
 
 def topk_agreement(reference: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:

@@ -48,6 +48,10 @@ class RunnerConfig:
     # prefill a wave's requests in one forward (rows padded to the decode batch bucket): a batch of
     # copies of the same prompts (blame's hypotheses side by side) then costs one prefill, not one each
     batched_prefill: bool = False
+    # teacher forcing inside a wave: a validation hands each request the reference's tokens and the
+    # decode steps read them instead of the request's own picks, so a divergence costs no re-run
+    # (a new request and its prefill); every step's logits still come from the reference's prefix
+    teacher_forcing: bool = False
 
 
 @dataclass
@@ -71,6 +75,14 @@ def smallest_bucket(buckets: Sequence[int], n: int, what: str) -> int:
     if not fitting:
         raise ValueError(f"{what} of {n} exceeds the largest bucket {max(buckets)} (buckets: {sorted(buckets)})")
     return fitting[0]
+
+
+def _forced_reads(forced: Sequence[int], done: int, width: int) -> list[int]:
+    """The ``width`` tokens a forced request reads after ``done`` steps (its last one repeated past the end)."""
+    reads = list(forced[done - 1 : done - 1 + width])
+    if not reads:
+        raise ValueError(f"forced holds {len(forced)} tokens; a step after {done} needs token {done - 1}")
+    return reads + [reads[-1]] * (width - len(reads))
 
 
 def propose_ngram(history: Sequence[int], n: int, k: int) -> list[int]:
@@ -130,15 +142,25 @@ class Runner:
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def teacher_forcing(self) -> bool:
+        """Whether a validation should hand ``generate`` the reference's tokens (``forced=``)."""
+        return self.cfg.teacher_forcing
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str] = True,
-                 prompt_hints: Sequence[int | None] | None = None) -> list[Generation]:
+                 prompt_hints: Sequence[int | None] | None = None,
+                 forced: Sequence[Sequence[int]] | None = None) -> list[Generation]:
         """Greedy continuation of each prompt; ``replace=False`` runs the same graphs with an all-off mask.
 
         ``replace`` may also name the capture names to replace (the others stay off, in the
         same graphs: see :meth:`ReplacementContext.select`), or be a
         :class:`~fxreplace.context.PerRequest` selection for each prompt. ``prompt_hints[i]``
-        registers request i with an explicit reference prompt index.
+        registers request i with an explicit reference prompt index. ``forced[i]``: the tokens
+        request i reads after each step instead of its own picks (teacher forcing); its
+        ``tokens`` are still its own picks (what each step's logits choose).
         """
+        if forced is not None and len(forced) != len(prompts):
+            raise ValueError(f"forced holds {len(forced)} continuations for {len(prompts)} prompts")
         if isinstance(replace, PerRequest):
             if len(replace) != len(prompts):
                 raise ValueError(f"replace holds {len(replace)} selections for {len(prompts)} prompts")
@@ -152,12 +174,13 @@ class Runner:
         for start in range(0, len(prompts), wave):
             chunk = [list(map(int, p)) for p in prompts[start : start + wave]]
             selection = PerRequest(replace[start : start + wave]) if isinstance(replace, PerRequest) else replace
-            results += self._run_wave(chunk, hints[start : start + wave], max_new_tokens, selection)
+            feed = None if forced is None else [list(map(int, f)) for f in forced[start : start + wave]]
+            results += self._run_wave(chunk, hints[start : start + wave], max_new_tokens, selection, feed)
         return results
 
     # ------------------------------------------------------------------ internals
 
-    def _run_wave(self, prompts, hints, max_new_tokens, replace) -> list[Generation]:
+    def _run_wave(self, prompts, hints, max_new_tokens, replace, forced=None) -> list[Generation]:
         gens = [Generation(f"req-{next(self._ids)}", p) for p in prompts]
         if replace is not False:
             for g, hint in zip(gens, hints):
@@ -181,10 +204,11 @@ class Runner:
                                   first_row=row)
             positions = torch.tensor([len(g.prompt) for g in gens] + [0] * (batch - len(gens)))
             while any(len(g.tokens) < max_new_tokens for g in gens):
-                drafts = [propose_ngram(g.prompt + g.tokens, self.cfg.ngram, k) for g in gens]
+                # what each request reads: its last pick and k drafts, or (forced) the next k + 1 forced tokens
+                reads = ([[g.tokens[-1]] + propose_ngram(g.prompt + g.tokens, self.cfg.ngram, k) for g in gens]
+                         if forced is None else [_forced_reads(f, len(g.tokens), width) for f, g in zip(forced, gens)])
                 inputs = torch.zeros(batch, width, dtype=torch.long)
-                for row, g in enumerate(gens):
-                    inputs[row] = torch.tensor([g.tokens[-1]] + drafts[row])
+                inputs[: len(gens)] = torch.tensor(reads)
                 slot_pos = positions[:, None] + torch.arange(width)
                 step_mask = valid.clone()
                 step_mask[:, write : write + width] = True
@@ -193,10 +217,13 @@ class Runner:
                 mask4d[:, 0, :, write : write + width] = causal
                 ctx = self._context([g.req_id for g in gens], slot_pos.flatten(), False, width, replace)
                 logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx)
+                # the host reads each step once for all requests (a wave holds a blame round's copies); the
+                # rows kept are the requests' only, not the padding's
+                picks, kept = logits.argmax(-1).tolist(), logits[: len(gens)].to(torch.float32, copy=True)
                 for row, g in enumerate(gens):
-                    chosen = logits[row].argmax(-1).tolist()
-                    accepted = 0
-                    while accepted < k and drafts[row][accepted] == chosen[accepted]:
+                    chosen = picks[row]
+                    accepted = k if forced is not None else 0  # forced reads are the reference's: all kept
+                    while accepted < k and reads[row][accepted + 1] == chosen[accepted]:
                         accepted += 1
                     for name, values in seen.items():  # the inputs of accepted slots are real tokens
                         rows = values[row * width : row * width + accepted + 1]
@@ -204,7 +231,7 @@ class Runner:
                     for j in range(accepted + 1):
                         if len(g.tokens) < max_new_tokens:
                             g.tokens.append(chosen[j])
-                            g.logits.append(logits[row, j].float().clone())
+                            g.logits.append(kept[row, j])
                     valid[row, write : write + accepted + 1] = True
                     positions[row] += accepted + 1
                 write += width
@@ -233,16 +260,23 @@ class Runner:
                else self._context(req_ids, positions.flatten(), False, bucket, replace))
         logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx)
         for r, g in enumerate(gens):
-            n, row = len(g.prompt), first_row + r
+            n = len(g.prompt)
             for name, values in seen.items():
                 g.observed.setdefault(name, {}).update(zip(range(n), values[r * bucket : r * bucket + n]))
             g.tokens.append(int(logits[r, n - 1].argmax()))
             g.logits.append(logits[r, n - 1].float().clone())
-            for src, dst in zip(cache.layers, batch_cache.layers):
-                dst.keys[row, :, write - n : write] = src.keys[r, :, :n]
-                dst.values[row, :, write - n : write] = src.values[r, :, :n]
-            valid[row] = False
-            valid[row, write - n : write] = True
+        # each prompt right-aligned to W in its row of the batch cache, all rows in one gather per layer:
+        # slot j reads prompt position j - (W - n); the slots before the prompt read position 0 and stay
+        # masked off (not valid)
+        lengths = torch.tensor([len(g.prompt) for g in gens])
+        source = (torch.arange(write) - write + lengths[:, None]).clamp(min=0)  # [requests, W]
+        mine = slice(first_row, first_row + len(gens))
+        for src, dst in zip(cache.layers, batch_cache.layers):
+            index = source[:, None, :, None].expand(-1, src.keys.shape[1], -1, src.keys.shape[3])
+            dst.keys[mine, :, :write] = src.keys[: len(gens)].gather(2, index)
+            dst.values[mine, :, :write] = src.values[: len(gens)].gather(2, index)
+        slot = torch.arange(valid.shape[1])
+        valid[mine] = (slot >= write - lengths[:, None]) & (slot < write)
 
     def _context(self, req_ids, positions, is_prefill, tokens_per_req, replace):
         if self.replacer is None:

@@ -4,7 +4,10 @@ For each prompt the engine generates greedily. At the first step whose top-1
 token differs from the reference, the divergence is recorded, the input is
 extended with the reference tokens up to and including that step, and the
 engine runs again as a *new request* (the context builder resolves it to the
-same prompt by prefix), until every reference step has been compared.
+same prompt by prefix), until every reference step has been compared. An engine
+whose ``teacher_forcing`` is true instead reads the reference's tokens in its
+decode steps (``generate(..., forced=)``), so one call compares every step; each
+step is recorded as the re-run after the prompt's earlier divergences would record it.
 
 Any engine works that offers ``generate(prompts, max_new_tokens, replace) ->
 [Generation]`` (see :class:`fxreplace.runner.Runner`); ``Generation.observed``,
@@ -26,12 +29,13 @@ from typing import Callable, Collection, Mapping, Protocol, Sequence
 import torch
 
 from .context import PerRequest
-from .metrics import (DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_logits,
+from .metrics import (DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_steps,
                       topk_agreement, verdict)
 from .reference import Reference
 
 
 class Engine(Protocol):
+    # an engine whose ``teacher_forcing`` is true also takes ``forced=`` (see the module docstring)
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str]) -> list: ...
 
 
@@ -228,21 +232,25 @@ def logit_validation(
             doing = f"round {rounds}: {len(todo)} prompts, up to {max_new} steps"
             if rounds == 0:
                 doing += "; a compiled engine compiles during its first call"
+            forcing = getattr(engine, "teacher_forcing", False)
+            forced = {"forced": [reference.tokens(p)[covered[p]:] for p in todo]} if forcing else {}
             with heartbeat(lambda line: bar.write(f"  {bar.desc}: {line}", file=sys.stderr), progress, doing):
-                gens = engine.generate(inputs, max_new, replace=selection)
-            for p, gen in zip(todo, gens):
-                start = covered[p]
-                ref_logits = reference.logits(p)
-                for j, logits in enumerate(gen.logits[: reference.num_generated(p) - start]):
+                gens = engine.generate(inputs, max_new, replace=selection, **forced)
+            spans = [(p, gen, covered[p], min(len(gen.logits), reference.num_generated(p) - covered[p]))
+                     for p, gen in zip(todo, gens)]
+            for (p, gen, start, _), compared in zip(spans, _compare(reference, spans, tolerances)):
+                retry = rounds  # forced steps after a divergence count as the retry that would compute them
+                for j, m in enumerate(compared):
                     step = start + j
-                    m = compare_logits(ref_logits[step], logits, tolerances)
-                    result.steps.append(StepRecord(**asdict(m), mode=mode, prompt=p, step=step, round=rounds, req_id=gen.req_id))
+                    result.steps.append(StepRecord(**vars(m), mode=mode, prompt=p, step=step, round=retry, req_id=gen.req_id))
                     covered[p] = step + 1
                     if m.nan:
                         stopped.add(p)
                         break
                     if not m.top1_agree:
-                        break
+                        if not forcing:
+                            break
+                        retry += 1
                 if router_topk and getattr(gen, "observed", None):
                     _router_agreement(router, reference, p, gen, start, covered[p], router_topk)
             done = sum(covered.values())
@@ -259,6 +267,20 @@ def logit_validation(
         at_divergence = {t for s in result.steps if not s.top1_agree and not s.nan for t in (s.reference_token, s.target_token)}
         result.token_texts = {t: tokenizer.decode([t]) for t in sorted(at_divergence)}
     return result
+
+
+def _compare(reference: Reference, spans, tolerances: Tolerances) -> list[list[StepMetrics]]:
+    """Per ``(prompt, generation, first step, steps)`` of one engine call, its steps' metrics, all
+    compared in one batch (the steps after a divergence are read only when the engine forced them)."""
+    counted = [(p, gen, start, n) for p, gen, start, n in spans if n]
+    flat = compare_steps(torch.cat([reference.logits(p)[start : start + n] for p, _, start, n in counted]),
+                         torch.cat([torch.stack(gen.logits[:n]) for _, gen, _, n in counted]),
+                         tolerances) if counted else []
+    out, at = [], 0
+    for *_, n in spans:
+        out.append(flat[at : at + n])
+        at += n
+    return out
 
 
 #: Longest stretch without a progress line while the engine works (a compile takes 10-60 s).

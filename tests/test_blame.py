@@ -8,6 +8,7 @@ components must be refused, or completed from the clean model on demand."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 import json
 import math
 
@@ -306,6 +307,20 @@ def test_clean_captures_on_demand_and_reuses(cleans, references, routers_only, b
     assert set(result.captured) <= set(again.rows) and not again.ensure(result.captured)
     for name in result.captured:
         torch.testing.assert_close(again.rows[name][1], references[ARCH].store.rows(1, name))
+
+
+def test_the_deciding_round_carries_the_origin_layers_kinds():
+    """At 16 layers the first round narrows an attention fault in layer 9 to layers 8-9; the round
+    deciding between them also replaces their kinds (they fit beside its stream), so the search
+    needs no third round and no round runs more than PROBES + 1 passes."""
+    clean = tiny_model(ARCH, num_hidden_layers=16)
+    reference = capture_reference(clean, prompts(), get_family(ARCH).targets, NEW, progress=False)  # routers only
+    result = blame(plant(clean, attention(9)), reference, clean=clean, progress=False)
+    assert [(o.kind, o.layer) for o in result.origins] == [("attention", 9)] and result.confident, result.verdict
+    per_round = Counter(p.round for p in result.passes)
+    assert result.rounds == 2 and max(per_round.values()) <= PROBES + 1, per_round
+    kinds = len(result.kinds)
+    assert per_round[2] == 1 + 2 * kinds  # the stream after layer 8, the kinds of layers 8 and 9
 
 
 def test_cli_blame_with_explicit_components(cleans, tmp_path, capsys):

@@ -59,6 +59,25 @@ def test_runner_reproduces_hf_greedy_generation(hf, hf_greedy, k):
         assert runner.forwards < len(PROMPTS) + STEPS - 1, "speculation must accept some drafts"
 
 
+@pytest.mark.parametrize("k, batched", [(0, False), (2, False), (0, True)])
+def test_forced_steps_read_the_forced_tokens(hf, k, batched):
+    """Teacher forcing inside a wave: step j's logits are the model's after the prompt and the first j
+    forced tokens, whatever the request picked; its tokens are its own picks."""
+    g = torch.Generator().manual_seed(3)
+    forced = [torch.randint(0, hf.config.vocab_size, (STEPS,), generator=g).tolist() for _ in PROMPTS]
+    runner = Runner(hf, hf.config, runner_config=RunnerConfig(speculative_tokens=k, max_len=128, batch_buckets=(4,),
+                                                              batched_prefill=batched))
+    gens = runner.generate(PROMPTS, STEPS, replace=False, forced=forced)
+    assert runner.forwards == (1 if batched else len(PROMPTS)) + -(-(STEPS - 1) // (k + 1)), "no re-run, k + 1 per step"
+    with torch.no_grad():
+        for prompt, f, gen in zip(PROMPTS, forced, gens):
+            full = hf(torch.tensor([prompt + f[: STEPS - 1]])).logits[0, len(prompt) - 1 :]
+            torch.testing.assert_close(gen.logits_tensor, full, atol=1e-4, rtol=0)
+            assert gen.tokens == full.argmax(-1).tolist() != f
+    with pytest.raises(ValueError, match="forced holds 1 continuations for 3 prompts"):
+        runner.generate(PROMPTS, STEPS, replace=False, forced=forced[:1])
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_every_context_matches_the_per_slot_oracle(hf, k):
     flat, _ = fake_reference()

@@ -156,6 +156,31 @@ def test_runner_validation_with_a_perturbed_model_resolves_retries_to_their_prom
     assert replacer.requests == {}
 
 
+def test_forced_validation_records_what_retries_record(model, reference):
+    """An engine that teacher-forces inside its decode steps validates in one call per prompt and
+    records every step as the retries of an engine that re-runs would (same steps, rounds, statuses)."""
+    import copy
+
+    from fxreplace.instrument import instrument
+
+    target = instrument(copy.deepcopy(model), ["model.layers.*.mlp.gate"])
+    with torch.no_grad():
+        target.model.layers[1].self_attn.o_proj.weight.mul_(3.0)  # diverges at several steps
+    results, calls = {}, {}
+    for forcing in (False, True):
+        runner = Runner(target, target.config, replacer=TensorReplacer(reference.store),
+                        runner_config=RunnerConfig(prefill_buckets=(32,), batch_buckets=(4,), max_len=64,
+                                                   teacher_forcing=forcing))
+        results[forcing] = logit_validation(runner, reference, modes=("off",), progress=False)
+        calls[forcing] = runner.forwards
+    retried, forced = (sorted(results[f].table("off"), key=lambda s: (s.prompt, s.step)) for f in (False, True))
+    assert max(s.round for s in retried) >= 2, "the target diverges more than once in some prompt"
+    assert [(s.prompt, s.step, s.round, s.top1_agree, s.status, s.target_token) for s in forced] == \
+        [(s.prompt, s.step, s.round, s.top1_agree, s.status, s.target_token) for s in retried]
+    torch.testing.assert_close([s.kl for s in forced], [s.kl for s in retried], atol=1e-5, rtol=1e-4)
+    assert calls[True] == len(PROMPTS) + STEPS - 1 < calls[False]
+
+
 def test_cli_capture_validate_inspect(tmp_path, capsys):
     (tmp_path / "prompts.json").write_text(json.dumps(PROMPTS[:2]))
     assert cli(["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", "4",

@@ -188,16 +188,21 @@ def blame(target, reference, *, clean: nn.Module | None = None, components: Mapp
 def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[int], components: Sequence[Component], *,
                  probes: int = PROBES, compile: str | None = None):
     """The embedded runner :func:`blame` searches with (``model`` instrumented at ``components``):
-    one prefill bucket for the longest sequence, one decode bucket holding a round (every
-    hypothesis's copy of the prompts side by side), prefilled in one forward."""
+    one decode bucket holding a round (every hypothesis's copy of the prompts side by side),
+    prefilled in one forward and teacher-forced inside its decode steps: a diverging copy is not
+    re-run, so the prefill bucket holds the longest prompt and the cache its generated tokens."""
     from ..replacer import TensorReplacer
     from ..runner import Runner, RunnerConfig
 
-    longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in prompts)
-    bucket = 1 << (longest - 1).bit_length()
+    def pow2(n: int) -> int:
+        return 1 << (n - 1).bit_length()
+
+    prompt = max(len(reference.prompt_tokens(p)) for p in prompts)
+    generated = max(reference.num_generated(p) for p in prompts)
     kinds = len({c.kind for c in components if c.kind != LAYER})
     wave = len(prompts) * (max(probes, kinds) + 1)
     return Runner(model, config, replacer=TensorReplacer(store),
-                  runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(wave, 64),), max_len=2 * bucket,
-                                                batched_prefill=True),
+                  runner_config=RunnerConfig(prefill_buckets=(pow2(prompt),), batch_buckets=(min(wave, 64),),
+                                                max_len=pow2(prompt + generated), batched_prefill=True,
+                                                teacher_forcing=True),
                   dtype=next(model.parameters()).dtype, compile=compile)

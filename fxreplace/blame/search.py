@@ -11,10 +11,11 @@ origins found so far ``B`` kept replaced, the search
 
 1. finds the first layer whose stream adds at least :data:`SIGNIFICANT` to ``E(B)``, by a
    ``(probes + 1)``-ary split (``probes`` streams per round);
-2. replaces each kind of that layer (one round); kinds are declared in forward order and
-   replacing a component also hides what went wrong upstream of it inside its layer (the
-   experts' output carries a faulty router's routing), so the *earliest* kind explaining
-   the layer's part is its origin; when none does, the layer itself is;
+2. replaces each kind of that layer (one round, or beside the streams of the round that decides
+   the layer when the candidates' kinds fit in it: ``probes + 1`` passes); kinds are declared in
+   forward order and replacing a component also hides what went wrong upstream of it inside
+   its layer (the experts' output carries a faulty router's routing), so the *earliest* kind
+   explaining the layer's part is its origin; when none does, the layer itself is;
 3. keeps that origin replaced and goes on after it, until the rest is below the thresholds,
    no later layer adds a significant part, more than :data:`MAX_ORIGINS` origins are needed
    (diffuse drift: then every stream and component is measured for the heat map), or the
@@ -36,14 +37,17 @@ from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, N
                      pct)
 
 LAYER = "layer"
-#: streams probed per localisation round
-PROBES = 4
+#: streams probed per localisation round. A round costs a batch of copies, not a pass each, so wide
+#: rounds are cheap and rounds are what costs: 8 narrow 16 layers to 2 in the first round, and the
+#: second decides between them with their kinds beside (two rounds for one fault)
+PROBES = 8
 
 
 def default_budget(layers: int, kinds: int, probes: int = PROBES) -> int:
     """Passes enough for MAX_ORIGINS + 1 origins (each localised twice: after the last origin, then
     from the first layer; its kinds tried twice: alone, then above the stream below) plus the
-    diffuse heat map."""
+    diffuse heat map. Kinds carried by a localisation round fit in its probes + 1 passes, no more
+    than its probes and one layer's kinds."""
     localise = probes * max(1, math.ceil(math.log(max(layers, 2), probes + 1)))
     return 1 + (MAX_ORIGINS + 1) * (2 * (localise + kinds) + 1) + layers * (kinds + 1)
 
@@ -229,7 +233,14 @@ class Search:
                 return self.stream_layers[a]
             points = self._probe_points(a, b, known)
             sels = [base + [self.streams[self.stream_layers[i]].capture_name] for i in points]
-            self.measure(sels + ([base] if base else []) + ([upstream] if upstream else []))
+            selections = sels + ([base] if base else []) + ([upstream] if upstream else [])
+            if known and points == list(range(a, b)):
+                # this round decides the layer (one of a..b): their kinds ride along when the round
+                # stays within probes + 1 passes, so the attribution that follows needs no round of its own
+                kinds = [base + [c.capture_name] for i in range(a, b + 1) for c in self._kinds(self.stream_layers[i])]
+                if len({self.key(s) for s in selections + kinds} - self.cache.keys()) <= self.probes + 1:
+                    selections += kinds
+            self.measure(selections)
             e_base = max(self.E(base) if base else 0.0, self.E(upstream) if upstream else 0.0)
             hits = [i for i, s in zip(points, sels) if self.E(s) - e_base >= SIGNIFICANT]
             if hits:
@@ -251,7 +262,7 @@ class Search:
         idx = self.stream_layers.index(layer)
         stream = base + [self.streams[layer].capture_name]
         below = base + [self.streams[self.stream_layers[idx - 1]].capture_name] if idx else base
-        candidates = [c for c in self.components if c.layer == layer and c.kind != LAYER]
+        candidates = self._kinds(layer)
         self.measure([base + [c.capture_name] for c in candidates] + [below])
         part = self.E(stream) - self.E(below)
         kinds = [x.kind for x in candidates]
@@ -265,6 +276,10 @@ class Search:
                 if self.E(below + [c.capture_name]) - self.E(below) >= max(SIGNIFICANT, EXPLAINS * part):
                     return Origin(layer, self.E(base + [c.capture_name]) - e_base, c.capture_name, c.kind, kinds)
         return Origin(layer, self.E(stream) - e_base, None, None, kinds)
+
+    def _kinds(self, layer: int) -> list:
+        """The components of ``layer`` other than its stream, in forward order."""
+        return [c for c in self.components if c.layer == layer and c.kind != LAYER]
 
     def _spread(self, origins: list[Origin]) -> tuple[float, float]:
         """The part of the divergence arising where no origin is: in the measured stretches of
