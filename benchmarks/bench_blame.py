@@ -7,12 +7,12 @@ weights with one attention output projection scaled in layer ``0.6 L``, and with
 faults (attention in layer ``L/4``, router in layer ``3L/4``). Per run: validation passes,
 rounds (batched validations: the passes of one round run side by side as copies of the
 prompts), components captured on demand (of 4L), wall time of the search with and without
-the captures, and that time divided by one validation pass of the target with nothing
+completing the reference (the captures and the store rebuilt to hold them), and that time divided by one validation pass of the target with nothing
 replaced (measured on an equal runner in the same run, median of 3, before and after the
 search: their mean divides, and the two give the spread).
 
-Goal: a single-fault search in <= 3 validation passes of wall time at L = 16 (captures
-excluded; they are the reference's cost, paid once), and passes and captures growing as
+Goal: a single-fault search in <= 3 validation passes of wall time at L = 16 (completing the
+reference excluded: its cost is paid once), and passes and captures growing as
 log L, not as L (one by one: 1 + 4L passes, 4L captures).
 
 Prints a table and a final JSON line {"passes": {fault: {L: n}}, "rounds": ..., "captured": ...,

@@ -165,6 +165,7 @@ def blame(target, reference, *, clean: nn.Module | None = None, components: Mapp
     instrument(model, [c.target for c in comps])
     engine = blame_runner(model, target.config, on_demand.store() if on_demand else reference.store, reference,
                           indices, comps, probes=probes, compile=compile)
+    before_search = on_demand.seconds if on_demand else 0.0  # capture_seconds counts the search's part
 
     def supply(names):
         if on_demand.ensure(names):
@@ -181,16 +182,17 @@ def blame(target, reference, *, clean: nn.Module | None = None, components: Mapp
     result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
                     progress=progress, supply=supply if on_demand else None, observe=observe)
     if on_demand:
-        result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds
+        result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds - before_search
     return result
 
 
 def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[int], components: Sequence[Component], *,
                  probes: int = PROBES, compile: str | None = None):
     """The embedded runner :func:`blame` searches with (``model`` instrumented at ``components``):
-    one decode bucket holding a round (every hypothesis's copy of the prompts side by side),
-    prefilled in one forward and teacher-forced inside its decode steps: a diverging copy is not
-    re-run, so the prefill bucket holds the longest prompt and the cache its generated tokens."""
+    a decode bucket holding a round (every hypothesis's copy of the prompts side by side; eagerly
+    also one holding the prompts once), prefilled in one forward and teacher-forced inside its
+    decode steps: a diverging copy is not re-run, so the prefill bucket holds the longest prompt
+    and the cache its generated tokens."""
     from ..replacer import TensorReplacer
     from ..runner import Runner, RunnerConfig
 
@@ -201,8 +203,11 @@ def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[i
     generated = max(reference.num_generated(p) for p in prompts)
     kinds = len({c.kind for c in components if c.kind != LAYER})
     wave = len(prompts) * (max(probes, kinds) + 1)
+    # eagerly a bucket costs nothing, so a pass of one selection runs unpadded in its own; compiled,
+    # each bucket is graphs to compile, so one holds every round
+    buckets = (min(wave, 64),) if compile else tuple(sorted({min(len(prompts), 64), min(wave, 64)}))
     return Runner(model, config, replacer=TensorReplacer(store),
-                  runner_config=RunnerConfig(prefill_buckets=(pow2(prompt),), batch_buckets=(min(wave, 64),),
+                  runner_config=RunnerConfig(prefill_buckets=(pow2(prompt),), batch_buckets=buckets,
                                                 max_len=pow2(prompt + generated), batched_prefill=True,
                                                 teacher_forcing=True),
                   dtype=next(model.parameters()).dtype, compile=compile)

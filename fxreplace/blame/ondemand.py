@@ -34,7 +34,7 @@ class OnDemand:
         self.root = None if directory is None else Path(directory) / SUBDIR
         self.rows: dict[str, dict[int, torch.Tensor]] = {}  # capture name -> prompt -> [positions, E]
         self.captured: list[str] = []  # captured in this run
-        self.seconds = 0.0  # spent capturing
+        self.seconds = 0.0  # spent completing the reference: captures, and the store that holds them
         self._store: ReferenceStore | None = None
         self._blank: dict[str, torch.Tensor] | None = None  # per component a zero row: its width and dtype
         if self.root is not None and self.root.is_dir():
@@ -88,6 +88,7 @@ class OnDemand:
         """Every component (the reference's, the captured ones, zeros for the rest) as one store
         for the replacer."""
         if self._store is None:
+            t0 = time.perf_counter()
             ref = self.reference
             blank = self._blanks()
 
@@ -104,6 +105,7 @@ class OnDemand:
             self._store = ReferenceStore.from_captures(
                 flat, prompt_token_ids=[ref.prompt_tokens(p) for p in range(ref.num_prompts)],
                 metadata=dict(ref.metadata), extras=extras)
+            self.seconds += time.perf_counter() - t0
         return self._store
 
     def _blanks(self) -> dict[str, torch.Tensor]:

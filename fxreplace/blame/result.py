@@ -126,7 +126,7 @@ class BlameResult:
     budget: int  # the most passes the search may run
     budget_spent: bool  # it stopped there
     captured: list[str] = field(default_factory=list)  # components captured on demand from the clean model
-    capture_seconds: float = 0.0  # of ``seconds``, spent capturing them
+    capture_seconds: float = 0.0  # of ``seconds``, spent capturing them and rebuilding the store that holds them
     explained: float | None = None  # of the divergence, by every origin replaced together
     thresholds: dict = field(default_factory=lambda: {"explains": EXPLAINS, "significant": SIGNIFICANT,
                                                       "max_origins": MAX_ORIGINS})
