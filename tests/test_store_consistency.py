@@ -304,6 +304,30 @@ def test_save_replaces_a_store_whole_and_refuses_foreign_directories(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "no staging directory left behind"
 
 
+def test_a_store_replaced_while_it_loads_is_an_error_not_a_mix(tmp_path, monkeypatch):
+    """A save that replaces the directory between the loader's reads of two shards: the shards
+    read so far are the old store's, the rest the new one's; the loader says so instead."""
+    import fxreplace.store.reference_store as reference_store
+
+    old = ReferenceStore.load(write(tmp_path / "old", [0, 1, 2]))
+    new = ReferenceStore.load(write(tmp_path / "new", [0, 1, 2], seed=1))
+    old.save(tmp_path / "out")
+    load_shard, calls = reference_store._load_shard, []
+
+    def save_meanwhile(file, ids):
+        calls.append(file.name)
+        if len(calls) == 2:
+            new.save(tmp_path / "out")
+        return load_shard(file, ids)
+
+    monkeypatch.setattr(reference_store, "_load_shard", save_meanwhile)
+    with pytest.raises(StoreError, match="was replaced while it loaded"):
+        ReferenceStore.load(tmp_path / "out")
+    monkeypatch.undo()
+    assert torch.equal(ReferenceStore.load(tmp_path / "out").rows(2, "a"),
+                       new.rows(2, "a"))
+
+
 SAVER = textwrap.dedent("""
     import sys, torch
     from fxreplace import ReferenceStore, StoreWriter

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..matching import TokenTable
 from .format import (FORMAT_NAME, FORMAT_VERSION, _TOKEN_DTYPES, CaptureError, Group, Shard, StoreError,
@@ -55,7 +55,11 @@ def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, 
     for name in ("prompt.offsets", "prompt.lengths"):
         need(spec(name) == (torch.int64, (num_prompts,)), name,
              f"expected int64 [{num_prompts}] (one per prompt), got {spec(name)[0]} {list(spec(name)[1])}")
-    with safe_open(str(file), framework="pt") as f:
+    try:
+        opened = safe_open(str(file), framework="pt")
+    except (OSError, RuntimeError, SafetensorError) as e:  # safetensors versions differ in what a vanished file raises
+        raise StoreError(f"{where}: cannot open: {e}") from None
+    with opened as f:
         offsets, lengths = f.get_tensor("prompt.offsets"), f.get_tensor("prompt.lengths")
         need(bool((lengths >= 1).all()), "prompt.lengths",
              lambda: f"prompt {prompts[int((lengths < 1).nonzero()[0])]} has {int(lengths.min())} rows")

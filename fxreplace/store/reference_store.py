@@ -261,9 +261,10 @@ class ReferenceStore:
         """
         path = as_path(path, "path")
         try:
-            is_dir = stat.S_ISDIR(os.stat(path).st_mode)  # one look: a store being replaced may come and go
+            before = os.stat(path)  # one look: a store being replaced may come and go
         except OSError:
-            is_dir = False
+            before = None
+        is_dir = before is not None and stat.S_ISDIR(before.st_mode)
         if is_dir:
             index_file = path / INDEX_FILE
             if index_file.exists():
@@ -276,7 +277,10 @@ class ReferenceStore:
             shard_files, prompt_ids = [path], [None]
         else:
             raise FileNotFoundError(f"no reference store at {path} (expected a directory or a .safetensors file)")
-        return cls(**_assemble([_load_shard(f, ids) for f, ids in zip(shard_files, prompt_ids)]))
+        loaded = [_load_shard(f, ids) for f, ids in zip(shard_files, prompt_ids)]
+        if is_dir and not _same_file(path, before):  # saves replace a directory whole (a rename): no mix of two
+            raise StoreError(f"{path} was replaced while it loaded (saved again meanwhile); load it again")
+        return cls(**_assemble(loaded))
 
     def verify(self) -> dict[str, Any]:
         """Read every byte of every shard: compare each tensor's SHA-256 with the digest
@@ -304,3 +308,11 @@ class ReferenceStore:
         return {"shards": len(self.shards), "bytes": checked_bytes, "prompts": self.num_prompts,
                 "finite": self.finite_checked}
 
+
+
+def _same_file(path: Path, before: os.stat_result) -> bool:
+    """Whether ``path`` is still what ``before`` saw (not replaced, not gone)."""
+    try:
+        return os.path.samestat(before, os.stat(path))
+    except OSError:
+        return False
