@@ -278,7 +278,7 @@ class ReferenceStore:
         else:
             raise FileNotFoundError(f"no reference store at {path} (expected a directory or a .safetensors file)")
         loaded = [_load_shard(f, ids) for f, ids in zip(shard_files, prompt_ids)]
-        if is_dir and not _same_file(path, before):  # saves replace a directory whole (a rename): no mix of two
+        if before is not None and not _same_file(path, before):  # saves replace a store whole (a rename): no mix
             raise StoreError(f"{path} was replaced while it loaded (saved again meanwhile); load it again")
         return cls(**_assemble(loaded))
 
