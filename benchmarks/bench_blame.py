@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import statistics
@@ -62,6 +63,7 @@ def one_pass_seconds(target, reference, comps, repeats: int = 3) -> float:
     runner = blame_runner(model, target.config, reference.store, reference, range(reference.num_prompts), comps)
     times = []
     for _ in range(repeats):
+        gc.collect()  # the heap the earlier depths left is theirs to collect, not this pass's
         t0 = time.perf_counter()
         logit_validation(runner, reference, modes=("on",), replace=(), progress=False)
         times.append(time.perf_counter() - t0)
@@ -79,6 +81,7 @@ def run(layers: int, which: str, prompts, new_tokens: int, tmp) -> dict:
 
     # one pass measured before and after the search: a load swing between them shows in the spread
     before = one_pass_seconds(target, load_reference(directory), comps)
+    gc.collect()  # likewise for the search: a CLI run starts from a fresh process
     result = blame(target, directory, clean=clean, progress=False)
     after = one_pass_seconds(target, load_reference(directory), comps)
     one = (before + after) / 2
