@@ -2,6 +2,7 @@
 does not belong together before anything is written, a refused step loses nothing, and
 save() places a whole store or none."""
 
+import errno
 import json
 import os
 import subprocess
@@ -326,6 +327,29 @@ def test_a_store_replaced_while_it_loads_is_an_error_not_a_mix(tmp_path, monkeyp
     monkeypatch.undo()
     assert torch.equal(ReferenceStore.load(tmp_path / "out").rows(2, "a"),
                        new.rows(2, "a"))
+
+
+def test_a_save_whose_directory_another_saver_moves_aside_retries(tmp_path, monkeypatch):
+    """Between this save's failed rename (the directory was there, not empty) and its next look,
+    another saver moves the directory aside: it is missing, not a file, so this save retries."""
+    import fxreplace.store.format as fmt
+
+    old = ReferenceStore.load(write(tmp_path / "old", [0, 1]))
+    new = ReferenceStore.load(write(tmp_path / "new", [0, 1], seed=1))
+    old.save(tmp_path / "out")
+    rename, calls = os.rename, []
+
+    def another_saver_meanwhile(src, dst):
+        calls.append(dst)
+        if len(calls) == 1:  # this save's first try fails, and the other saver moves the store aside
+            rename(tmp_path / "out", tmp_path / "moved-aside")
+            raise OSError(errno.ENOTEMPTY, "Directory not empty")
+        return rename(src, dst)
+
+    monkeypatch.setattr(fmt.os, "rename", another_saver_meanwhile)
+    new.save(tmp_path / "out")
+    monkeypatch.undo()
+    assert torch.equal(ReferenceStore.load(tmp_path / "out").rows(1, "a"), new.rows(1, "a"))
 
 
 SAVER = textwrap.dedent("""

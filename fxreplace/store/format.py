@@ -348,7 +348,7 @@ def staging_directory(directory: Path) -> Path:
     """A new empty sibling of ``directory`` to write a whole store into before :func:`publish_directory`."""
     if directory.is_symlink():
         directory = directory.resolve()
-    if directory.exists() and not directory.is_dir():
+    if _is_file(directory):
         raise NotADirectoryError(f"{directory} is a file, not a directory; a store is written into a directory")
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
@@ -357,6 +357,15 @@ def staging_directory(directory: Path) -> Path:
     except OSError as e:
         raise OSError(f"cannot write a store at {directory}: {e.strerror or e}") from None
     return staging
+
+
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` exists as something other than a directory, in one look: a store
+    directory that another saver is replacing is missing for a moment, which is no file."""
+    try:
+        return not stat.S_ISDIR(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def _is_store_file(name: str) -> bool:
@@ -379,7 +388,7 @@ def publish_directory(staging: Path, directory: Path, *, replace: bool) -> None:
             except OSError as e:
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                     raise
-            if not directory.is_dir():
+            if _is_file(directory):
                 raise NotADirectoryError(f"{directory} is a file, not a directory; a store is written into a directory")
             if not replace:
                 raise FileExistsError(f"{directory} is not empty; a new store needs a new or empty directory")
