@@ -5,6 +5,9 @@ Prints a table and a final JSON line::
     {"speedup_vs_loop": min over cases, "copy_bandwidth_fraction": per case, the out= build vs a
      memcpy of the same bytes, "copy_bandwidth_fraction_fresh": the same for a fresh build,
      "fresh_vs_out": a fresh build over the out= build at the 8192-token prefill,
+     "decode_gather_floor_fraction": per decode case, one bare ``index_select`` of the same
+     store rows (no lookup, no mask) over the out= build: how much of the gap to memcpy is
+     the builder's and how much the memory system's (scattered 256-byte rows),
      "decode8_us": build_context_for_batch(out=) for 8 decode requests, "decode8_floor_us": the
      bare index_select + mask copy it cannot go below, "register_ms": median register_request
      with 10,000 stored prompts, ...}
@@ -69,7 +72,7 @@ def main():
 
     cases = [("prefill", n, 1, 1) for n in (1024, 4096, 8192)] + [("decode", 0, b, k) for b in (64, 256) for k in (1, 4)] + [
         ("decode", 0, 1024, 1)]
-    rows, speedups, fractions, fresh_fractions, fresh_ratio = [], {}, {}, {}, {}
+    rows, speedups, fractions, fresh_fractions, fresh_ratio, floor_fractions = [], {}, {}, {}, {}, {}
     for kind, n, batch, k in cases:
         if kind == "prefill":
             req_ids = ["p0"]
@@ -100,15 +103,20 @@ def main():
         nbytes = len(positions) * MODULES * WIDTH * torch.finfo(DTYPE).bits // 8
         src = replacer.store.packed[0][:, : len(positions)].clone()
         dst = torch.empty_like(src)
-        t = interleaved(
-            {
-                "reused": lambda: build(reused),  # steady state of an engine: one context per bucket
-                "fresh": build,
-                "copy": lambda: dst.copy_(src),
-                "clone": src.clone,
-            },
-            reps,
-        )
+        fns = {
+            "reused": lambda: build(reused),  # steady state of an engine: one context per bucket
+            "fresh": build,
+            "copy": lambda: dst.copy_(src),
+            "clone": src.clone,
+        }
+        if kind == "decode":
+            fns["floor"] = gather_floor(replacer, req_prompts, positions, k, reused)
+            built = reused.storage[0].clone()
+            fns["floor"]()
+            assert torch.equal(reused.storage[0], built), f"{label}: the floor gathers other rows than the build"
+        t = interleaved(fns, reps)
+        if kind == "decode":
+            floor_fractions[label] = t["floor"] / t["reused"]
         t_loop = timed(loop, loop_reps)
         speedups[label] = t_loop / t["reused"]
         fractions[label] = t["copy"] / t["reused"]
@@ -124,6 +132,8 @@ def main():
         print(f"{label:<14}{tl*1e3:>9.1f}{tr*1e3:>11.3f}{tf*1e3:>10.3f}{sp:>8.0f}x{bw/1e9:>7.2f}{cbw/1e9:>11.2f}"
               f"{fc:>13.2f}{tf/tr:>14.2f}")
 
+    print("decode gather floor (one bare index_select of the same rows) / out= build: "
+          + ", ".join(f"{label} {f:.2f}" for label, f in floor_fractions.items()))
     decode_us, floor_us = bench_small_decode(replacer, quick=args.quick)
     print(f"8 decode requests, build_context_for_batch(out=) into a bound 8192-slot feed: {decode_us:.1f} us median "
           f"(floor: one index_select + mask copy {floor_us:.1f} us)")
@@ -137,11 +147,25 @@ def main():
         "copy_bandwidth_fraction": {label: round(f, 3) for label, f in fractions.items()},
         "copy_bandwidth_fraction_fresh": {label: round(f, 3) for label, f in fresh_fractions.items()},
         "fresh_vs_out": round(fresh_ratio["prefill 8192"], 3),
+        "decode_gather_floor_fraction": {label: round(f, 3) for label, f in floor_fractions.items()},
         "decode8_us": round(decode_us, 1),
         "decode8_floor_us": round(floor_us, 1),
         "register_ms": round(register_ms, 4),
     }
     print(json.dumps(result))
+
+
+def gather_floor(replacer: TensorReplacer, req_prompts: list[int], positions: list[int], k: int, out):
+    """One dim-0 ``index_select`` of the decode case's store rows over every module into
+    ``out``'s storage: the bare gather of those bytes, without the builder's lookups and mask."""
+    store = replacer.store
+    padding = len(positions) - len(req_prompts) * k
+    zero_row = store.packed[0].shape[1] - 1
+    rows = [int(store.offsets[p]) + pos for p, pos in zip(np.repeat(req_prompts, k), positions)] + [zero_row] * padding
+    src = store.packed[0]
+    flat = (torch.arange(src.shape[0]).unsqueeze(1) * src.shape[1] + torch.tensor(rows)).view(-1)
+    dst = out.storage[0].view(-1, src.shape[2])
+    return lambda: torch.index_select(src.view(-1, src.shape[2]), 0, flat, out=dst)
 
 
 def bench_small_decode(replacer: TensorReplacer, quick: bool) -> tuple[float, float]:
