@@ -459,17 +459,20 @@ class _Recorder:
     def __init__(self, buffer: torch.Tensor, columns: dict[str, slice]):
         self.buffer = buffer
         self.columns = columns
+        # each target's columns as a view, made once: eagerly every target of every forward
+        # then slices one view (one dispatch, not two)
+        self.column_views = {name: buffer[:, c] for name, c in columns.items()}
 
     def __call__(self, name: str, computed) -> None:
         if not isinstance(computed, torch.Tensor):
             raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor")
-        flat = computed.reshape(-1, computed.shape[-1])
-        columns = self.columns[name]
+        flat = computed if computed.dim() == 2 else computed.reshape(-1, computed.shape[-1])
         if recording():
+            columns = self.columns[name]
             rows = torch.arange(flat.shape[0], device=flat.device).unsqueeze(1)
             self.buffer.index_put_((rows, torch.arange(columns.start, columns.stop, device=flat.device)), flat)
         else:
-            self.buffer[:flat.shape[0], columns].copy_(flat)
+            self.column_views[name][:flat.shape[0]].copy_(flat)
 
 
 def _host_float32(t: torch.Tensor) -> np.ndarray:
