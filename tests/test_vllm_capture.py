@@ -277,3 +277,26 @@ def test_capture_config_errors_name_the_field():
         FxReplaceConfig(capture={"out": "/tmp/x", "targets": [{"patern": "model.layers.*.mlp.gate"}]})
     config = FxReplaceConfig(capture={"out": "/tmp/x", "targets": ["model.layers.*.mlp.gate"]}).config
     assert config.capture["out"] == "/tmp/x" and config.capture["targets"][0].pattern == "model.layers.*.mlp.gate"
+
+
+def test_a_generation_longer_than_its_first_logits_allocation_keeps_every_row():
+    """A request's logits start in one allocation of at most ``FIRST_LOGIT_ROWS`` rows (its
+    max_tokens may be the model length); a longer generation grows it, keeping every row. The
+    store gets a copy of a generation that fills part of its allocation (it holds what it is
+    given until the shard is written), the allocation itself when it is full."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    from fxreplace.vllm.capture import _RequestRows
+
+    prompt = [5, 6, 7]
+    record = _RequestRows(prompt, SamplingParams(max_tokens=9), width=2, capacity=len(prompt) + 9,
+                          bits=np.float32, arrival=0, logit_rows=2)
+    logits = np.random.default_rng(0).standard_normal((8, 4), dtype=np.float32)
+    for j, sampled in enumerate(logits[:7]):  # token j is sampled from position prompt - 1 + j
+        record.put_token(len(prompt) - 1 + j, np.full(2, j, np.float32), sampled)
+    assert record.generated == 7 and np.array_equal(record.generated_logits(7), logits[:7])
+    assert np.array_equal(record.rows[len(prompt) - 1:len(prompt) + 6, 0], np.arange(7))
+    assert not np.shares_memory(record.generated_logits(7), record.logits)  # 7 rows of 8 held: a copy
+    record.put_logits(len(prompt) + 6, logits[7])
+    assert np.shares_memory(record.generated_logits(8), record.logits)  # full: no copy

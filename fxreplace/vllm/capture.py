@@ -63,6 +63,8 @@ from . import internals
 logger = logging.getLogger("fxreplace.vllm")
 
 SHARD_BYTES = 32 << 20  # rows and logits of finished requests held before they go to disk as one shard
+FIRST_LOGIT_ROWS = 1024  # a request's first logits allocation holds at most this many (its max_tokens may be the
+                          # model length; a longer generation grows it)
 STATS_FILE = "capture.json"
 PREFIX_CACHE_HINT = ("capture needs every prompt token computed: turn prefix caching off with "
                      "enable_prefix_caching=False (LLM/EngineArgs) or --no-enable-prefix-caching (server)")
@@ -118,16 +120,19 @@ class _StopView:
 class _RequestRows:
     """One request's captures, stored by position: ``rows[p]`` is every target's
     row at position ``p``; ``logits[j]`` predicts generated token ``j`` (one row per
-    step, so a request holds only the logits it has generated so far). Held as numpy
-    arrays: a small slice copy costs a fifteenth of torch's, and this runs every step."""
+    step: the first ``generated`` rows are held). Held as numpy arrays: a small slice
+    copy costs a fifteenth of torch's, and this runs every step."""
 
-    def __init__(self, prompt: list[int], sampling_params, width: int, capacity: int, bits, arrival: int):
+    def __init__(self, prompt: list[int], sampling_params, width: int, capacity: int, bits, arrival: int,
+                 logit_rows: int):
         self.prompt = prompt
         self.arrival = arrival  # the request's number in the scheduler's order (the same on every stage)
         self.stop = _StopView(sampling_params, len(prompt), int(sampling_params.max_tokens))
         self.rows = np.zeros((capacity, width), dtype=bits)
         self.computed = 0  # positions computed so far (a pipeline stage before the last writes these)
-        self.logits: dict[int, np.ndarray] = {}
+        self.logit_rows = logit_rows  # the logits' first allocation, made with the first sampled row
+        self.logits: np.ndarray | None = None
+        self.generated = 0
 
     def put_rows(self, start: int, rows: np.ndarray) -> None:
         end = start + len(rows)
@@ -139,9 +144,40 @@ class _RequestRows:
             self.computed = end
 
     def put_logits(self, position: int, row: np.ndarray) -> None:
-        j = position - (len(self.prompt) - 1)
-        if j >= 0:  # earlier rows are prefill-chunk ends: their samples are discarded
-            self.logits[j] = row.copy()  # one row, not a view holding the whole step's logits
+        j = position - (self.stop.prompt_len - 1)
+        if j < 0:  # a prefill chunk's end: its sample is discarded
+            return
+        if self.logits is None or j >= len(self.logits):
+            self._grow_logits(j + 1, row)
+        self.logits[j] = row
+        if j >= self.generated:
+            self.generated = j + 1
+
+    def put_token(self, position: int, row: np.ndarray, sampled: np.ndarray) -> None:
+        """A decode step's one row at ``position`` and the logits sampled from it."""
+        if position < len(self.rows):
+            self.rows[position] = row
+            if position >= self.computed:
+                self.computed = position + 1
+        else:
+            self.put_rows(position, row[None])
+        self.put_logits(position, sampled)
+
+    def _grow_logits(self, need: int, row: np.ndarray) -> None:
+        """Room for ``need`` logits rows: the first allocation holds ``logit_rows`` (the request's
+        max_tokens, up to a bound), later ones double, so the rows held are copied a few times
+        per request, not every step (``np.empty``: pages no token is generated into stay untouched)."""
+        held = 0 if self.logits is None else len(self.logits)
+        grown = np.empty((max(need, self.logit_rows, 2 * held), row.shape[-1]), dtype=np.float32)
+        if held:
+            grown[:self.generated] = self.logits[:self.generated]
+        self.logits = grown
+
+    def generated_logits(self, count: int) -> np.ndarray:
+        """The logits of the first ``count`` generated tokens, for the store, which holds what it
+        is given until its shard is written: a copy when they fill only part of the allocation."""
+        logits = self.logits[:count]
+        return logits if count == len(self.logits) else logits.copy()
 
 
 class VllmCapture:
@@ -222,6 +258,7 @@ class VllmCapture:
         last: write them); register new ones."""
         if not self.writes:
             return
+        self.step = None  # not rows a step left behind when its execute_model raised after the forward
         finished = [r for r in scheduler_output.finished_req_ids if r in self.active]
         if not self.samples:  # a stage before the last: finished means its rows are all computed
             for req_id in finished:
@@ -251,13 +288,15 @@ class VllmCapture:
                 continue
             prompt = list(new.prompt_token_ids)
             capacity = len(prompt) + int(new.sampling_params.max_tokens) + self.spec_tokens
+            logit_rows = min(int(new.sampling_params.max_tokens) + self.spec_tokens, FIRST_LOGIT_ROWS)
             self.active[new.req_id] = _RequestRows(prompt, new.sampling_params, self.width,
                                                    min(capacity, self.max_model_len + self.spec_tokens),
-                                                   self.buffer_bits.dtype, self.arrivals)
+                                                   self.buffer_bits.dtype, self.arrivals, logit_rows)
             self.arrivals += 1
 
     def after_forward(self, scheduler_output, positions: torch.Tensor) -> None:
-        """Copy this forward's observed rows to their requests, by position."""
+        """Note whose rows this forward observed, at which positions (:meth:`after_execute`
+        copies them, with the logits)."""
         if not self.writes or not self.active:
             return
         req_ids = internals.batch_requests(self.runner)
@@ -268,31 +307,38 @@ class VllmCapture:
         total = ends[-1] if ends else 0
         if self.host_buffer is not self.buffer:
             self.host_buffer[:total].copy_(self.buffer[:total])
-        rows = self.buffer_bits[:total]
-        pos = positions[:total].tolist()
-        records = list(map(self.active.get, req_ids))  # resolved once: after_execute reads them too
-        self.step = (records, ends, pos)
-        start = 0
-        for record, end in zip(records, ends):
-            if record is not None and end > start:
-                record.put_rows(pos[start], rows[start:end])
-            start = end
+        self.step = (list(map(self.active.get, req_ids)), ends, positions[:total].tolist())
 
     def end_step(self, output) -> None:
-        """After ``execute_model``: keep the raw logits of every sampled row (before the
-        sampler may modify them in place); a step that sampled nothing returns its output here."""
+        """After ``execute_model``: keep the step's rows and the raw logits of every sampled row
+        (before the sampler may modify them in place); a step that sampled nothing returns its
+        output here."""
         self.after_execute()
         if output is not None:
             self.after_sample(output)
 
     def after_execute(self) -> None:
-        state = getattr(self.runner, internals.EXECUTE_MODEL_STATE, None)
         step, self.step = self.step, None
-        if not self.writes or not self.active or state is None or state.logits is None or step is None:
+        if step is None:
             return
         records, ends, pos = step
-        logits = state.logits.float().cpu().numpy()
-        spec = state.spec_decode_metadata
+        rows = self.buffer_bits
+        state = getattr(self.runner, internals.EXECUTE_MODEL_STATE, None)
+        logits = None if state is None or state.logits is None else _host_float32(state.logits)
+        spec = None if state is None else state.spec_decode_metadata
+        if logits is not None and spec is None and len(pos) == len(records):
+            # a decode step: each request one row and the logits sampled from it, in one call
+            for record, position, row, sampled in zip(records, pos, rows, logits):
+                if record is not None:
+                    record.put_token(position, row, sampled)
+            return
+        start = 0
+        for record, end in zip(records, ends):
+            if record is not None and end > start:
+                record.put_rows(pos[start], rows[start:end])
+            start = end
+        if logits is None:
+            return
         if spec is None:  # one sampled row per request, at its last scheduled token
             for record, end, row in zip(records, ends, logits):
                 if record is not None:
@@ -313,7 +359,8 @@ class VllmCapture:
             record = self.active.get(req_id)
             if record is None:
                 continue
-            self.drafts_accepted += max(len(tokens) - 1, 0)
+            if len(tokens) > 1:
+                self.drafts_accepted += len(tokens) - 1
             for token in tokens:
                 record.stop.output_token_ids.append(int(token))
                 if self.check_stop(record.stop, self.max_model_len):
@@ -340,8 +387,7 @@ class VllmCapture:
         if self.samples:
             tokens = record.stop.output_token_ids
             length = len(record.prompt) + len(tokens) - 1  # the last token is never fed back
-            logits = torch.from_numpy(np.stack([record.logits[j] for j in range(len(tokens))]))
-            extras = Reference.extras(tokens, logits)
+            extras = Reference.extras(tokens, torch.from_numpy(record.generated_logits(len(tokens))))
         else:
             length, extras = record.computed, None
         rows = torch.from_numpy(record.rows[:length]).view(self.dtype)
@@ -355,8 +401,20 @@ class VllmCapture:
         is idle: nothing in flight); the counts go to ``capture.json`` beside it."""
         if self.completed:
             self.writer.sync()
-        (self.out / STATS_FILE).write_text(json.dumps(self.counts()) + "\n")
+        self._write_counts()
         logger.info("fxreplace: %d captured request(s) in %s (%d dropped)", self.completed, self.out, self.dropped)
+
+    def _write_counts(self) -> None:
+        """``capture.json``, rewritten in place: a file emptied and rewritten (``write_text``) is
+        flushed to disk when closed (ext4's and XFS's guard for truncate-and-rewrite), ~0.3 ms
+        of the engine's time at every idle. As before, a reader may see it half written."""
+        data = (json.dumps(self.counts()) + "\n").encode()
+        fd = os.open(self.out / STATS_FILE, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            os.ftruncate(fd, len(data))
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Write the last shard and the index (:func:`finish_capture`); no request may follow.
@@ -378,8 +436,8 @@ class VllmCapture:
         and rows, the observation buffer and the shard not yet written (safe to call
         from another thread: it only reads)."""
         records = list(self.active.values())
-        logits = [row for r in records for row in list(r.logits.values())]
-        return {"in_flight_logits": sum(row.nbytes for row in logits),
+        return {"in_flight_logits": sum(r.generated * r.logits.shape[1] * r.logits.itemsize
+                                        for r in records if r.logits is not None),
                 "in_flight_rows": sum(r.rows.nbytes for r in records),
                 "observation_buffer": self.buffer.numel() * self.buffer.element_size(),
                 "unwritten_shard": self.writer.pending_bytes if self.writes else 0}
@@ -401,17 +459,28 @@ class _Recorder:
     def __init__(self, buffer: torch.Tensor, columns: dict[str, slice]):
         self.buffer = buffer
         self.columns = columns
+        # each target's columns as a view, made once: eagerly every target of every forward
+        # then slices one view (one dispatch, not two)
+        self.column_views = {name: buffer[:, c] for name, c in columns.items()}
 
     def __call__(self, name: str, computed) -> None:
         if not isinstance(computed, torch.Tensor):
             raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor")
-        flat = computed.reshape(-1, computed.shape[-1])
-        columns = self.columns[name]
+        flat = computed if computed.dim() == 2 else computed.reshape(-1, computed.shape[-1])
         if recording():
+            columns = self.columns[name]
             rows = torch.arange(flat.shape[0], device=flat.device).unsqueeze(1)
             self.buffer.index_put_((rows, torch.arange(columns.start, columns.stop, device=flat.device)), flat)
         else:
-            self.buffer[:flat.shape[0], columns].copy_(flat)
+            self.column_views[name][:flat.shape[0]].copy_(flat)
+
+
+def _host_float32(t: torch.Tensor) -> np.ndarray:
+    """``t`` as float32 numpy on the host; a view when it is one already (every step: each
+    ``.float()`` or ``.cpu()`` that returns its tensor unchanged still costs a dispatch)."""
+    if t.dtype != torch.float32:
+        t = t.float()
+    return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
 def _probe_widths(runner, model, max_tokens: int) -> dict[str, int]:
