@@ -406,8 +406,8 @@ class VllmCapture:
 
     def _write_counts(self) -> None:
         """``capture.json``, rewritten in place: a file emptied and rewritten (``write_text``) is
-        flushed to disk when closed (ext4's and XFS's guard for truncate-and-rewrite), ~0.3 ms
-        of the engine's time at every idle. As before, a reader may see it half written."""
+        flushed to disk when closed (ext4's and XFS's guard for truncate-and-rewrite): a synchronous
+        disk write at every idle of the engine. As before, a reader may see it half written."""
         data = (json.dumps(self.counts()) + "\n").encode()
         fd = os.open(self.out / STATS_FILE, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
@@ -459,8 +459,8 @@ class _Recorder:
     def __init__(self, buffer: torch.Tensor, columns: dict[str, slice]):
         self.buffer = buffer
         self.columns = columns
-        # each target's columns as a view, made once: eagerly every target of every forward
-        # then slices one view (one dispatch, not two)
+        # each target's columns as a view made once: an eager forward, every step, then only
+        # selects its rows
         self.column_views = {name: buffer[:, c] for name, c in columns.items()}
 
     def __call__(self, name: str, computed) -> None:
@@ -476,8 +476,8 @@ class _Recorder:
 
 
 def _host_float32(t: torch.Tensor) -> np.ndarray:
-    """``t`` as float32 numpy on the host; a view when it is one already (every step: each
-    ``.float()`` or ``.cpu()`` that returns its tensor unchanged still costs a dispatch)."""
+    """``t`` as float32 numpy on the host; a view when it is one already (this runs every
+    step, and a conversion that returns its tensor unchanged is still a torch call)."""
     if t.dtype != torch.float32:
         t = t.float()
     return t.numpy() if t.is_cpu else t.cpu().numpy()
