@@ -155,12 +155,7 @@ class _RequestRows:
 
     def put_token(self, position: int, row: np.ndarray, sampled: np.ndarray) -> None:
         """A decode step's one row at ``position`` and the logits sampled from it."""
-        if position < len(self.rows):
-            self.rows[position] = row
-            if position >= self.computed:
-                self.computed = position + 1
-        else:
-            self.put_rows(position, row[None])
+        self.put_rows(position, row[None])
         self.put_logits(position, sampled)
 
     def _grow_logits(self, need: int, row: np.ndarray) -> None:
