@@ -12,6 +12,11 @@ peak-RSS counter start). Prints a table and a final JSON line::
      "rss_vs_goal": peak / 64, ...}
 
 Goals (issue 10): construction <= 0.5 s and peak RSS delta <= 64 MiB.
+
+It also times ``StoreWriter.sync()`` after each of ``--sync-prompts`` one-prompt adds (an
+engine capturing a sequential client idles after every request: one shard per sync) and
+reports ``sync_ms_first`` / ``sync_ms_last`` (medians of the first and last 50 syncs) and
+``sync_growth``, their ratio: a sync must not grow with the prompts written before it.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from fxreplace.store import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, TENSORS_FILE
+from fxreplace.store import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, TENSORS_FILE, StoreWriter
 from fxreplace.store.format import _offsets
 
 MODULES, WIDTH, DTYPE, PROMPTS, PREFILL, STEPS = 48, 128, torch.bfloat16, 2048, 300, 42
@@ -103,10 +109,24 @@ print(json.dumps({"load_s": loaded, "construct_s": total, "peak_mib": peak, "aft
 """
 
 
+def bench_sync(directory: Path, prompts: int) -> list[float]:
+    """Seconds of each ``sync()`` of a writer given one prompt (48 x 128 bf16 rows, 24 tokens) before each."""
+    captures = {f"model.layers.{i}.mlp.gate": torch.randn(24, WIDTH).to(DTYPE) for i in range(MODULES)}
+    times = []
+    with StoreWriter(directory, metadata={"vocab_size": 151_936}) as writer:
+        for p in range(prompts):
+            writer.add([p, *range(23)], captures)
+            start = time.perf_counter()
+            writer.sync()
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gib", type=float, default=8.0)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--sync-prompts", type=int, default=2000, help="one-prompt adds, each followed by a sync")
     ap.add_argument("--dir", default=None, help="where to write the sparse store (default: a temporary directory)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -115,11 +135,15 @@ def main():
         for _ in range(args.runs):
             out = subprocess.run([sys.executable, "-c", CHILD, str(Path(tmp) / "ref")], check=True, capture_output=True, text=True)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        syncs = bench_sync(Path(tmp) / "written", args.sync_prompts)
     print(f"store: {size / 2**30:.2f} GiB in one shard, {MODULES} modules x {WIDTH} bf16, "
           f"{prompts} prompts of {PREFILL} + {STEPS - 1} rows (sparse file)")
     print(f"{'run':>4}{'load s':>9}{'load+replacer s':>17}{'peak RSS MiB':>14}{'RSS after MiB':>15}")
     for i, r in enumerate(runs):
         print(f"{i:>4}{r['load_s']:>9.3f}{r['construct_s']:>17.3f}{r['peak_mib']:>14.1f}{r['after_mib']:>15.1f}")
+    sync_first, sync_last = (statistics.median(t) * 1e3 for t in (syncs[:50], syncs[-50:]))
+    print(f"StoreWriter.sync after each of {len(syncs)} one-prompt adds: {sync_first:.2f} ms median over the first 50, "
+          f"{sync_last:.2f} ms over the last 50")
     construct = statistics.median(r["construct_s"] for r in runs)
     peak = max(r["peak_mib"] for r in runs)
     result = {
@@ -128,6 +152,9 @@ def main():
         "peak_rss_delta_mib": round(peak, 1),
         "time_vs_goal": round(construct / GOAL_S, 3),
         "rss_vs_goal": round(peak / GOAL_MIB, 3),
+        "sync_ms_first": round(sync_first, 3),
+        "sync_ms_last": round(sync_last, 3),
+        "sync_growth": round(sync_last / sync_first, 3),
     }
     print(json.dumps(result))
 

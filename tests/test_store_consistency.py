@@ -138,6 +138,26 @@ def test_writer_per_prompt_metadata_follows_prompt_index(tmp_path):
     assert copy.metadata["prompt_texts"] == ["two", "zero", None]
 
 
+def test_writer_sync_lists_every_written_prompt_and_rewrites_the_index_only_when_a_shard_was_added(tmp_path):
+    texts = ["zero", "one", None, "three"]
+    index = tmp_path / "ref" / "index.json"
+    w = StoreWriter(tmp_path / "ref", metadata={"vocab_size": 16, "prompt_texts": texts})
+    for p in (1, 0):  # an engine idling after each request: one shard per sync
+        w.add(*prompt(p), prompt_idx=p)
+        w.sync()
+        listed = json.loads(index.read_text())
+    assert [s["prompts"] for s in listed["shards"]] == [[1], [0]]
+    assert listed["metadata"] == {"vocab_size": 16, "prompt_texts": ["one", "zero"]}
+    written = index.stat()
+    w.sync()  # idle again, nothing new: the index on disk is left as it is
+    assert (index.stat().st_ino, index.stat().st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    w.add(*prompt(3), prompt_idx=3)
+    w.close()
+    store = ReferenceStore.load(tmp_path / "ref")
+    assert store.prompt_ids == [1, 0, 3] and store.metadata["prompt_texts"] == ["one", "zero", "three"]
+    assert [s["prompts"] for s in json.loads(index.read_text())["shards"]] == [[1], [0], [3]]
+
+
 # ---------------------------------------------------------------- loader across shards
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .format import (SHARD_PATTERN, StoreError, _write_index, as_path, check_extras_agree, combine_metadata, first_duplicate,
-                     publish_directory, staging_directory)
+                     publish_directory, shard_entry, staging_directory)
 from .reference_store import ReferenceStore
 
 
@@ -57,7 +57,7 @@ def merge_stores(stores: Iterable[str | os.PathLike], out: str | os.PathLike) ->
                 if renumber:
                     ids = list(range(next_id, next_id + len(ids)))
                     next_id += len(ids)
-                entries.append((name, {"prompts": ids}))
+                entries.append(shard_entry(name, ids))
         _write_index(staging, entries, sources[0].groups, metadata)
         publish_directory(staging, out, replace=False)
     finally:

@@ -19,7 +19,7 @@ from .builder import _align, _check_token_ids, _ShardBuilder
 from .format import (INDEX_FILE, SHARD_PATTERN, TENSORS_FILE, CaptureColumns, CaptureError, Group, Shard, StoreError,
                      _describe, _file_digest, _offsets, _preview, _read_header, _shard_index, _write_index, _write_shard,
                      as_path, check_metadata, check_per_prompt_metadata, first_duplicate, per_prompt_slice,
-                     publish_directory, staging_directory)
+                     publish_directory, shard_entry, staging_directory)
 from .reader import _assemble, _load_shard, _read_directory_index
 
 @dataclass
@@ -221,7 +221,7 @@ class ReferenceStore:
                 name = TENSORS_FILE if single else SHARD_PATTERN.format(s)
                 tensors, index = self._shard_content(s)
                 _write_shard(staging / name, tensors, index)
-                files.append((name, index))
+                files.append(shard_entry(name, index["prompts"]))
             _write_index(staging, files, self.groups, self.metadata)
             publish_directory(staging, directory, replace=True)
         finally:

@@ -10,7 +10,7 @@ import torch
 
 from .builder import _ShardBuilder
 from .format import (PER_PROMPT_METADATA, SHARD_PATTERN, WRITER_MARKER, CaptureError, _offsets, _write_index,
-                     _write_shard, as_path, check_metadata, combine_metadata)
+                     _write_shard, as_path, check_metadata, shard_entry)
 from .reference_store import ReferenceStore
 
 
@@ -65,7 +65,9 @@ class StoreWriter:
         self.shard_bytes = shard_bytes
         self.metadata = metadata
         self.allow_nonfinite = allow_nonfinite
-        self._shards: list[tuple[str, dict]] = []
+        self._shard_entries: list[str] = []  # index.json's line of each shard written
+        self._indexed = 0  # shards listed in the index.json on disk
+        self._written: list[int] = []  # prompt indices of the written shards, in store order
         self._builder = _ShardBuilder(allow_nonfinite, metadata)
         self._packed = None  # the current shard once packed, until it is on disk (a failed write loses nothing)
         self._next_prompt = 0
@@ -106,21 +108,30 @@ class StoreWriter:
             return
         if self._packed is None:
             self._packed = b.build_shard()  # releases the builder's rows: from here the shard lives in _packed
-        name = SHARD_PATTERN.format(len(self._shards))
-        metadata = {k: ([v[p] for p in b.prompt_ids] if k in PER_PROMPT_METADATA else v) for k, v in self.metadata.items()}
+        name = SHARD_PATTERN.format(len(self._shard_entries))
+        metadata = self._metadata_of(b.prompt_ids)
         store = ReferenceStore(b.groups, [self._packed], b.prompt_ids, torch.zeros(len(b), dtype=torch.long),
                                _offsets(b.lengths)[:-1], torch.tensor(b.lengths, dtype=torch.long),
                                b.token_ids if b.has_token_ids else None,
                                b.num_steps, b.prefill, metadata, not self.allow_nonfinite)
         tensors, index = store._shard_content(0)
         _write_shard(self.directory / name, tensors, index)
-        self._shards.append((name, index))
+        self._shard_entries.append(shard_entry(name, b.prompt_ids))
+        self._written.extend(b.prompt_ids)
         self._packed = None
         self._builder = b.successor()
 
-    def _written_metadata(self) -> dict:
-        """The metadata of the shards written so far, as the loader combines them (per-prompt keys in store order)."""
-        return combine_metadata([(name, index["metadata"], len(index["prompts"])) for name, index in self._shards])
+    def _metadata_of(self, prompts: Sequence[int]) -> dict:
+        """The metadata of a store of ``prompts`` (per-prompt keys cut to their entries, in that
+        order): of one shard, and of the shards written so far as the loader combines them."""
+        return {k: ([v[p] for p in prompts] if k in PER_PROMPT_METADATA else v) for k, v in self.metadata.items()}
+
+    def _write_index(self) -> None:
+        """Rewrite ``index.json`` when a shard was written since it was last written (an
+        engine syncs at every idle, most of them with nothing new)."""
+        if self._indexed < len(self._shard_entries):
+            _write_index(self.directory, self._shard_entries, self._builder.groups, self._metadata_of(self._written))
+            self._indexed = len(self._shard_entries)
 
     def sync(self) -> None:
         """Write the prompts added so far as a shard and rewrite ``index.json``: the
@@ -129,16 +140,15 @@ class StoreWriter:
         if self._closed:
             raise ValueError(f"the store writer for {self.directory} is closed")
         self._flush()
-        if self._shards:
-            _write_index(self.directory, self._shards, self._builder.groups, self._written_metadata())
+        self._write_index()
 
     def close(self) -> Path:
         """Write the last shard and ``index.json``; returns the store directory."""
         if not self._closed:
             self._flush()
-            if not self._shards:
+            if not self._shard_entries:
                 raise CaptureError(f"no prompts were added to {self.directory}: nothing to write")
-            _write_index(self.directory, self._shards, self._builder.groups, self._written_metadata())
+            self._write_index()
             self._marker.unlink(missing_ok=True)
             self._closed = True
         return self.directory
