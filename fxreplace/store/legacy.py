@@ -30,7 +30,9 @@ def load_legacy(path: str | os.PathLike) -> Any:
     except pickle.UnpicklingError as e:
         raise CaptureError(
             f"refusing to load {where}: it is not a plain tensors/containers pickle and loading it would run "
-            f"arbitrary code. Re-save it with fxreplace.save_reference (safetensors). Details: {str(e).splitlines()[0]}"
+            f"arbitrary code. Where you trust it, load it yourself (torch.load(..., weights_only=False)) and save its "
+            f"tensors as a store: fxreplace.ReferenceStore.from_captures(...).save(directory). "
+            f"Details: {str(e).splitlines()[0]}"
         ) from None
     except Exception as e:  # torch reports a file that is no torch.save archive with bare KeyError/IndexError/...
         raise CaptureError(f"{where}: not a torch.save file, a .safetensors store or a store directory "

@@ -574,12 +574,6 @@ def _worker_state(worker):
     return state if isinstance(state, VllmCapture) and state.writes else None
 
 
-def _worker_counts(worker) -> dict | None:
-    """``collective_rpc`` target: the capture counts of the worker that writes (None on the others)."""
-    state = _worker_state(worker)
-    return None if state is None else state.counts()
-
-
 def finish_capture(worker) -> dict | None:
     """``llm.collective_rpc(finish_capture)``: close the store (last shard, index) and
     return the counts. Until then the store is complete whenever the engine idles."""
