@@ -10,7 +10,9 @@ Prints a table and a final JSON line::
      the builder's and how much the memory system's (scattered 256-byte rows),
      "decode8_us": build_context_for_batch(out=) for 8 decode requests, "decode8_floor_us": the
      bare index_select + mask copy it cannot go below, "register_ms": median register_request
-     with 10,000 stored prompts, ...}
+     with 10,000 stored prompts, "sharded_vs_one_shard": per decode batch size, a step's build
+     from a store of 64 shard files over the same build from the same prompts in one shard
+     (both loaded from disk, positions advancing step by step), ...}
 
 Goals: speedup >= 100x at the 8192-token prefill and >= 150x at the 256x4 decode case
 (issues 2, 25); register_request <= 1 ms; at 48 modules x E=128 bf16, the 8192-token
@@ -24,12 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 
 import numpy as np
 import torch
 
-from fxreplace import TensorReplacer
+from fxreplace import ReferenceStore, StoreWriter, TensorReplacer
 from fxreplace.testing import build_context_loop, slot_owners
 
 MODULES, WIDTH, DTYPE = 48, 128, torch.bfloat16
@@ -138,6 +141,10 @@ def main():
     print(f"8 decode requests, build_context_for_batch(out=) into a bound 8192-slot feed: {decode_us:.1f} us median "
           f"(floor: one index_select + mask copy {floor_us:.1f} us)")
 
+    sharded = bench_sharded()
+    print("decode step from a store of 64 shards / from one shard (same prompts, out=): "
+          + ", ".join(f"{batch} requests {ratio:.2f}" for batch, ratio in sharded.items()))
+
     register_ms, init_s = bench_register(quick=args.quick)
     print(f"register_request with 10,000 stored prompts: {register_ms:.3f} ms median (index built in {init_s:.1f} s)")
     result = {
@@ -151,6 +158,7 @@ def main():
         "decode8_us": round(decode_us, 1),
         "decode8_floor_us": round(floor_us, 1),
         "register_ms": round(register_ms, 4),
+        "sharded_vs_one_shard": {str(batch): round(ratio, 3) for batch, ratio in sharded.items()},
     }
     print(json.dumps(result))
 
@@ -192,6 +200,46 @@ def bench_small_decode(replacer: TensorReplacer, quick: bool) -> tuple[float, fl
     for r in req_ids:
         replacer.release_request(r)
     return t["build"] * 1e6, t["floor"] * 1e6
+
+
+def bench_sharded() -> dict[int, float]:
+    """Decode steps of 8 and 256 requests from 64 prompts written one shard each (a capture
+    that synced after every request) and from the same prompts in one shard."""
+    prompts, rows = 64, 256
+    rng = torch.Generator().manual_seed(2)
+    captures = [{f"model.layers.{m}.mlp.gate": torch.randn(rows, WIDTH, generator=rng).to(DTYPE) for m in range(MODULES)}
+                for _ in range(prompts)]
+    ratios = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        replacers = {}
+        for name, shard_bytes in (("one", 1 << 40), ("sharded", 1)):
+            with StoreWriter(f"{tmp}/{name}", shard_bytes=shard_bytes) as writer:
+                for caps in captures:
+                    writer.add(None, caps)
+            replacers[name] = TensorReplacer(ReferenceStore.load(f"{tmp}/{name}"))
+        assert len(replacers["sharded"].store.shards) == prompts
+        for batch in (8, 256):
+            req_ids = [f"s{i}" for i in range(batch)]
+            starts = np.random.default_rng(batch).integers(0, rows // 2, batch)
+            outs = {}
+            for name, r in replacers.items():
+                for i, req in enumerate(req_ids):
+                    r.register_request(req, None, prompt_idx=(i * 37) % prompts)
+                outs[name] = r.warmup_context(batch)
+            counts = [1] * batch
+            times = {name: [] for name in replacers}
+            for step in range(rows // 2):
+                positions = torch.from_numpy(starts + step)
+                for name, r in replacers.items():
+                    start = time.perf_counter()
+                    r.build_context_for_batch(req_ids, counts, positions, out=outs[name])
+                    times[name].append(time.perf_counter() - start)
+            assert all(torch.equal(a, b) for a, b in zip(outs["one"].storage, outs["sharded"].storage))
+            ratios[batch] = statistics.median(times["sharded"]) / statistics.median(times["one"])
+            for r in replacers.values():
+                for req in req_ids:
+                    r.release_request(req)
+    return ratios
 
 
 def bench_register(quick: bool) -> tuple[float, float]:

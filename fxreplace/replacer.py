@@ -17,7 +17,7 @@ is the caller's race.
 from __future__ import annotations
 
 import threading
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -100,6 +100,8 @@ class TensorReplacer:
         self._spans = list(zip(self._offsets.tolist(), self._lengths.tolist()))  # per prompt (first row, rows)
         self._zero_rows_list = self._zero_rows.tolist()
         self._sources = [tuple(s.packed) for s in self.store.shards]
+        # a shard's group as [modules * (rows + 1), E]: the rows of a several-shard gather, one call per shard
+        self._flat_sources = [tuple(p.view(-1, p.shape[2]) for p in src) for src in self._sources]
         # small host batches of a one-shard store are gathered by numpy over these views
         self._source_bits = tuple(map(host_bits, self._sources[0])) if self._on_host and len(self._sources) == 1 else None
         self._places = {m: (c.group, c.index) for m, c in store.columns.items()}
@@ -323,9 +325,11 @@ class TensorReplacer:
         return True
 
     def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray | list[int]):
-        """Store row of every slot (the zero row where it holds none) and the mask, as a
-        plan ``[(shard, rows, slots or None for all)]``. Request ``i`` owns the next
-        ``counts[i]`` slots; the slots after them are padding.
+        """The plan and the mask of a batch. The plan of a batch whose rows lie in one shard
+        (every batch of a one-shard store, a prefill chunk) is ``(shard, rows)``, the store row
+        of every slot (the shard's zero row where it holds none); that of a batch over several
+        shards is its :class:`_ShardBlocks`. Request ``i`` owns the next ``counts[i]`` slots;
+        the slots after them are padding.
 
         Batches of up to ``_SMALL_BATCH`` slots in one shard run as a plain Python loop,
         which costs a fraction of the dozen numpy calls of the general case."""
@@ -342,7 +346,7 @@ class TensorReplacer:
                         if 0 <= pos[j] < length:
                             rows[j], mask[j] = offset + pos[j], True
                 s += c
-            return [(0, rows, None)], mask
+            return (0, rows), mask
         positions = np.asarray(positions, dtype=np.int64)
         owners = np.repeat(np.arange(len(counts) + 1), counts + [n - sum(counts)])
         prompt = np.array(prompts)[owners]
@@ -350,17 +354,12 @@ class TensorReplacer:
         prompt = np.maximum(prompt, 0)
         mask = known & (positions >= 0) & (positions < self._lengths[prompt])
         local = self._offsets[prompt] + positions
-        if len(self._sources) == 1:
-            return [(0, np.where(mask, local, self._zero_rows[0]), None)], mask
-        # the first touched shard fills every slot (zeros elsewhere); the others copy their slots in
         shard = self._shard_of[prompt]
-        touched = np.unique(shard[mask])
+        touched = shard[mask]
+        if touched.size and (touched != touched[0]).any():
+            return _ShardBlocks.of(shard, local, mask), mask
         first = int(touched[0]) if touched.size else 0
-        plan = [(first, np.where(mask & (shard == first), local, self._zero_rows[first]), None)]
-        for s in touched[1:]:
-            slots = np.flatnonzero(mask & (shard == s))
-            plan.append((int(s), local[slots], slots))
-        return plan, mask
+        return (first, np.where(mask, local, self._zero_rows[first])), mask
 
     def _gather(self, req_ids, counts: list[int], positions: np.ndarray | list[int], device, out) -> ReplacementContext:
         """Request ``i`` owns the next ``counts[i]`` slots, the rest is padding -> context."""
@@ -397,24 +396,42 @@ class TensorReplacer:
         batch shape: a batch of a few runs of consecutive rows (a prefill chunk, its padding)
         copies them as blocks, at memcpy speed; a small batch (a decode step) is gathered by
         numpy over the bits, which costs less than a torch call for a few rows; other
-        scattered rows by ``index_select`` (numpy would stage a copy of a strided ``out=``)."""
-        for s, rows, slots in plan:
-            if slots is None:
-                if len(rows) <= _SMALL_BATCH:
-                    if storage_bits is not None:
-                        take_rows(self._source_bits, storage_bits, rows)
-                        continue
-                else:
-                    runs = _runs(rows, self._zero_rows_list[s])
-                    if runs is not None:
-                        self._copy_runs(self._sources[s], storage, runs)
-                        continue
-                _gather_rows(self._sources[s], storage, torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device))
-                continue
-            rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
-            slots = torch.from_numpy(slots).to(self._device)  # multi-shard batches: not the decode hot path
-            for src, dst in zip(self._sources[s], storage):
-                dst.index_copy_(1, slots, src.index_select(1, rows))
+        scattered rows by ``index_select`` (numpy would stage a copy of a strided ``out=``).
+        A store of several shards gathers each touched shard's rows into a slot-major staging
+        buffer, contiguous per shard, then the batch's slots from it: one contiguous gather per
+        touched shard and one for the batch, where a copy into each shard's own slots paid two
+        strided torch calls per shard."""
+        if isinstance(plan, _ShardBlocks):
+            for g, dst in enumerate(storage):
+                m, n, e = dst.shape
+                staging = torch.empty((plan.replaced + 1) * m, e, dtype=dst.dtype, device=dst.device)  # slot-major
+                staging[plan.replaced * m:].zero_()
+                modules = np.arange(m)
+                flat = self._index_tensor((plan.rows[:, None] + modules * self._zero_rows[plan.shards][:, None]
+                                           + modules).ravel())  # the row in its shard's [modules * (rows + 1), E] view
+                for shard, start, stop in plan.blocks:
+                    torch.index_select(self._flat_sources[shard][g], 0, flat[start * m:stop * m],
+                                       out=staging[start * m:stop * m])
+                flat = self._index_tensor((plan.columns * m + modules[:, None]).ravel())
+                if dst.is_contiguous():
+                    torch.index_select(staging, 0, flat, out=dst.view(-1, e))
+                else:  # a leading() view of a larger context
+                    dst.copy_(torch.index_select(staging, 0, flat).view(m, n, e))
+            return
+        shard, rows = plan
+        if len(rows) <= _SMALL_BATCH:
+            if storage_bits is not None:  # given only for a one-shard store
+                take_rows(self._source_bits, storage_bits, rows)
+                return
+        else:
+            runs = _runs(rows, self._zero_rows_list[shard])
+            if runs is not None:
+                self._copy_runs(self._sources[shard], storage, runs)
+                return
+        _gather_rows(self._sources[shard], storage, self._index_tensor(rows))
+
+    def _index_tensor(self, rows) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
 
     @staticmethod
     def _copy_runs(sources, storage, runs) -> None:
@@ -470,6 +487,30 @@ def _gather_rows(sources, storage, rows: torch.Tensor) -> None:
             torch.index_select(src.view(-1, src.shape[2]), 0, flat_rows, out=dst.view(-1, dst.shape[2]))
         else:
             torch.index_select(src, 1, rows, out=dst)
+
+
+class _ShardBlocks(NamedTuple):
+    """A batch's replaced slots grouped by the shard that holds their rows (``shards``,
+    ``rows``: of each in that order; ``blocks``: ``(shard, start, stop)`` of each run). They
+    fill a staging buffer of ``replaced + 1`` slots (the last one zeros) from which slot
+    ``i`` of the batch takes staging slot ``columns[i]``."""
+
+    shards: np.ndarray
+    rows: np.ndarray
+    blocks: list[tuple[int, int, int]]
+    columns: np.ndarray
+    replaced: int
+
+    @staticmethod
+    def of(shard: np.ndarray, rows: np.ndarray, mask: np.ndarray) -> "_ShardBlocks":
+        slots = np.flatnonzero(mask)
+        slots = slots[np.argsort(shard[slots], kind="stable")]
+        shard = shard[slots]
+        bounds = [0, *(np.flatnonzero(shard[1:] != shard[:-1]) + 1).tolist(), len(slots)]
+        columns = np.full(mask.shape[0], len(slots), dtype=np.int64)
+        columns[slots] = np.arange(len(slots))
+        return _ShardBlocks(shard, rows[slots], [(int(shard[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a],
+                            columns, len(slots))
 
 
 _MAX_RUNS = 32  # above this many runs of consecutive rows, one gather beats block copies

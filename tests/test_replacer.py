@@ -315,7 +315,8 @@ def test_sharded_store_matches_per_slot_oracle(sc, shard_bytes, data):
     from fxreplace import ReferenceStore, StoreWriter
 
     lengths, decode, kv_cache, req_prompts = sc
-    caps = captures_for(lengths, decode, seed=3, kv_cache=kv_cache)
+    # two capture names share a group (width 4): a leading() view of it is strided
+    caps = captures_for(lengths, decode, modules=("m0", "m1", "m2"), widths=(4, 4, 3), seed=3, kv_cache=kv_cache)
     with tempfile.TemporaryDirectory() as tmp:
         with StoreWriter(f"{tmp}/ref", shard_bytes=shard_bytes) as writer:
             for p in reversed(range(len(caps))):  # shards hold prompts in any order
@@ -333,6 +334,12 @@ def test_sharded_store_matches_per_slot_oracle(sc, shard_bytes, data):
         _assert_same(r.build_context_for_batch(req_ids, counts, positions), *expected)
         out = r.warmup_context(len(positions))
         _assert_same(r.build_context_for_batch(req_ids, counts, positions, out=out), *expected)
+        dirty = r.warmup_context(len(positions) + 3)  # an engine's bound feed: a strided leading() view
+        for block in dirty.storage:
+            block.fill_(7.0)
+        dirty.mask.fill_(True)
+        _assert_same(r.build_context_for_batch(req_ids, counts, positions, out=dirty.leading(len(positions))), *expected)
+        assert dirty.mask[len(positions):].all() and all(bool((b[:, len(positions):] == 7).all()) for b in dirty.storage)
 
 
 # ---------------------------------------------------------------- bad batches, devices, buffers, threads
