@@ -151,6 +151,7 @@ def _write_index(directory: Path, shard_entries: Sequence[str], groups: list[Gro
 
 
 def _block(opening: str, lines: Sequence[str], closing: str, indent: str = "  ") -> str:
+    """A JSON list or object of already encoded entries, one per line."""
     if not lines:
         return opening + closing
     return f"{opening}\n{indent}" + f",\n{indent}".join(lines) + f"\n{indent[:-1]}{closing}"
