@@ -120,10 +120,11 @@ class BatchLookup(NamedTuple):
 
 
 class HostViews(NamedTuple):
-    """Numpy views of a one-shard host store's groups, and of a host context's storage
-    and mask: a decode step's few rows are gathered and flagged through them."""
+    """Numpy views of a one-shard host store's groups (None for a store of several shards,
+    whose rows a decode step's lookup does not place), and of a host context's storage and
+    mask: a decode step's few rows are gathered and flagged through them."""
 
-    sources: tuple[np.ndarray, ...]
+    sources: tuple[np.ndarray, ...] | None
     storage: tuple[np.ndarray, ...]
     mask: np.ndarray
 

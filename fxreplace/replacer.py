@@ -96,14 +96,15 @@ class TensorReplacer:
         self._offsets = store.offsets.cpu().numpy()
         self._lengths = store.lengths.cpu().numpy()
         self._shard_of = store.prompt_shard.cpu().numpy()
+        self._shard_list = self._shard_of.tolist()
         self._zero_rows = np.array([s.zero_row for s in store.shards], dtype=np.int64)
         self._spans = list(zip(self._offsets.tolist(), self._lengths.tolist()))  # per prompt (first row, rows)
         self._zero_rows_list = self._zero_rows.tolist()
         self._sources = [tuple(s.packed) for s in self.store.shards]
         # a shard's group as [modules * (rows + 1), E]: the rows of a several-shard gather, one call per shard
         self._flat_sources = [tuple(p.view(-1, p.shape[2]) for p in src) for src in self._sources]
-        # small host batches of a one-shard store are gathered by numpy over these views
-        self._source_bits = tuple(map(host_bits, self._sources[0])) if self._on_host and len(self._sources) == 1 else None
+        # small host batches are gathered by numpy over these views (per shard)
+        self._source_bits = [tuple(map(host_bits, src)) for src in self._sources] if self._on_host else None
         self._places = {m: (c.group, c.index) for m, c in store.columns.items()}
         self._shapes = [(len(g.capture_names), g.width, g.dtype) for g in store.groups]
         self._lock = threading.Lock()
@@ -313,7 +314,8 @@ class TensorReplacer:
         last = self._last_batch
         checked = out.checked_by
         views = checked.views
-        if checked.replacer is not self or views is None or last.generation != self._generation or last.req_ids != req_ids:
+        if (checked.replacer is not self or views is None or views.sources is None or last.generation != self._generation
+                or last.req_ids != req_ids):
             return False
         positions = step_positions(positions)
         rows = None if positions is None else decode_rows(last, positions)
@@ -331,13 +333,15 @@ class TensorReplacer:
         shards is its :class:`_ShardBlocks`. Request ``i`` owns the next ``counts[i]`` slots;
         the slots after them are padding.
 
-        Batches of up to ``_SMALL_BATCH`` slots in one shard run as a plain Python loop,
-        which costs a fraction of the dozen numpy calls of the general case."""
+        Batches of up to ``_SMALL_BATCH`` slots whose requests' prompts lie in one shard run
+        as a plain Python loop, which costs a fraction of the dozen numpy calls of the general case."""
         n = len(positions)
-        if len(self._sources) == 1 and n <= _SMALL_BATCH:
+        shards = {self._shard_list[p] for p in prompts if p >= 0} if n <= _SMALL_BATCH else None
+        if shards is not None and len(shards) <= 1:
+            shard = shards.pop() if shards else 0
             pos = positions if type(positions) is list else positions.tolist()
             spans = self._spans
-            rows, mask = [self._zero_rows_list[0]] * n, [False] * n
+            rows, mask = [self._zero_rows_list[shard]] * n, [False] * n
             s = 0
             for p, c in zip(prompts, counts):
                 if p >= 0:
@@ -346,7 +350,7 @@ class TensorReplacer:
                         if 0 <= pos[j] < length:
                             rows[j], mask[j] = offset + pos[j], True
                 s += c
-            return (0, rows), mask
+            return (shard, rows), mask
         positions = np.asarray(positions, dtype=np.int64)
         owners = np.repeat(np.arange(len(counts) + 1), counts + [n - sum(counts)])
         prompt = np.array(prompts)[owners]
@@ -420,8 +424,8 @@ class TensorReplacer:
             return
         shard, rows = plan
         if len(rows) <= _SMALL_BATCH:
-            if storage_bits is not None:  # given only for a one-shard store
-                take_rows(self._source_bits, storage_bits, rows)
+            if storage_bits is not None:  # given only for a host store
+                take_rows(self._source_bits[shard], storage_bits, rows)
                 return
         else:
             runs = _runs(rows, self._zero_rows_list[shard])
@@ -471,8 +475,8 @@ class TensorReplacer:
                     f"slots; got {out!r}"
                 )
             on_device = out.mask.device == self._device
-            views = HostViews(self._source_bits, out.storage_bits(), out.mask_array()) if (
-                on_device and self._source_bits is not None) else None
+            views = HostViews(self._source_bits[0] if len(self._sources) == 1 else None, out.storage_bits(),
+                              out.mask_array()) if on_device and self._source_bits is not None else None
             checked = out.checked_by = CheckedOut(self, n, on_device, views)
         return checked
 
