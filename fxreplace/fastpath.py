@@ -153,6 +153,15 @@ def take_rows(sources: tuple[np.ndarray, ...], storage: tuple[np.ndarray, ...], 
         src.take(rows, 1, dst, "clip")
 
 
+def take_slot_rows(sources: list[tuple[np.ndarray, ...]], storage: tuple[np.ndarray, ...], shards: list[int],
+                   rows: list[int]) -> None:
+    """``storage[g][:, i] = sources[shards[i]][g][:, rows[i]]``: the host gather of a few
+    slots whose rows lie in several shards, one copy per slot."""
+    for g, dst in enumerate(storage):
+        for i, (shard, row) in enumerate(zip(shards, rows)):
+            dst[:, i] = sources[shard][g][:, row]
+
+
 def is_int_list(values) -> bool:
     return type(values) is list and set(map(type, values)) <= _INT_ONLY
 

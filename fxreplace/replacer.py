@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from .context import CheckedOut, ReplacementContext, host_bits, same_device
-from .fastpath import INT_DTYPES, BatchLookup, HostViews, decode_rows, is_int_list, step_positions, take_rows
+from .fastpath import (INT_DTYPES, BatchLookup, HostViews, decode_rows, is_int_list, step_positions, take_rows,
+                       take_slot_rows)
 from .matching import PromptIndex
 from .store import CaptureError, ReferenceStore
 
@@ -330,27 +331,29 @@ class TensorReplacer:
         """The plan and the mask of a batch. The plan of a batch whose rows lie in one shard
         (every batch of a one-shard store, a prefill chunk) is ``(shard, rows)``, the store row
         of every slot (the shard's zero row where it holds none); that of a batch over several
-        shards is its :class:`_ShardBlocks`. Request ``i`` owns the next ``counts[i]`` slots;
+        shards is ``(shard of every slot, rows)`` for up to ``_SMALL_BATCH`` slots of a host
+        store, else its :class:`_ShardBlocks`. Request ``i`` owns the next ``counts[i]`` slots;
         the slots after them are padding.
 
-        Batches of up to ``_SMALL_BATCH`` slots whose requests' prompts lie in one shard run
-        as a plain Python loop, which costs a fraction of the dozen numpy calls of the general case."""
+        Batches of up to ``_SMALL_BATCH`` slots run as a plain Python loop, which costs a
+        fraction of the dozen numpy calls of the general case."""
         n = len(positions)
-        shards = {self._shard_list[p] for p in prompts if p >= 0} if n <= _SMALL_BATCH else None
-        if shards is not None and len(shards) <= 1:
-            shard = shards.pop() if shards else 0
+        touched = {self._shard_list[p] for p in prompts if p >= 0} if n <= _SMALL_BATCH else None
+        several = touched is not None and len(touched) > 1
+        if touched is not None and (not several or self._source_bits is not None):  # several: numpy gathers per slot
             pos = positions if type(positions) is list else positions.tolist()
-            spans = self._spans
-            rows, mask = [self._zero_rows_list[shard]] * n, [False] * n
+            spans, shard_of = self._spans, self._shard_list
+            shard = touched.pop() if len(touched) == 1 else 0
+            rows, mask, shards = [self._zero_rows_list[shard]] * n, [False] * n, [0] * n
             s = 0
             for p, c in zip(prompts, counts):
                 if p >= 0:
                     offset, length = spans[p]
                     for j in range(s, s + c):
                         if 0 <= pos[j] < length:
-                            rows[j], mask[j] = offset + pos[j], True
+                            rows[j], mask[j], shards[j] = offset + pos[j], True, shard_of[p]
                 s += c
-            return (shard, rows), mask
+            return (shards if several else shard, rows), mask
         positions = np.asarray(positions, dtype=np.int64)
         owners = np.repeat(np.arange(len(counts) + 1), counts + [n - sum(counts)])
         prompt = np.array(prompts)[owners]
@@ -372,8 +375,7 @@ class TensorReplacer:
         replaced = mask.count(True) if type(mask) is list else int(np.count_nonzero(mask))
         if out is None:
             ctx = self._fresh_context(n)
-            self._run(plan, ctx.storage, ctx.storage_bits() if self._source_bits is not None and n <= _SMALL_BATCH
-                      else None)
+            self._run(plan, ctx.storage, self._numpy_storage(ctx, n))
             ctx.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
             ctx.num_replaced = replaced
             return ctx.to(device)
@@ -381,10 +383,10 @@ class TensorReplacer:
         if device is not None and not same_device(out.mask.device, device):
             raise ValueError(f"out= is on {out.mask.device}; it cannot also move the context to {device}")
         if checked.on_device:
-            self._run(plan, out.storage, None if checked.views is None else checked.views.storage)
+            self._run(plan, out.storage, self._numpy_storage(out, n))
         else:  # gather where the reference lives, then one copy per group
             staged = self._fresh_context(n)
-            self._run(plan, staged.storage, None)
+            self._run(plan, staged.storage, self._numpy_storage(staged, n))
             for src, dst in zip(staged.storage, out.storage):
                 dst.copy_(src, non_blocking=True)
         if checked.views is not None:
@@ -393,6 +395,11 @@ class TensorReplacer:
             out.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
         out.num_replaced = replaced
         return out
+
+    def _numpy_storage(self, ctx: ReplacementContext, n: int) -> tuple[np.ndarray, ...] | None:
+        """``ctx``'s storage as numpy views where :meth:`_run` gathers by numpy: a small batch
+        of a host store (``ctx`` then lives on the host too)."""
+        return ctx.storage_bits() if self._source_bits is not None and n <= _SMALL_BATCH else None
 
     def _run(self, plan, storage: tuple[torch.Tensor, ...], storage_bits: tuple[np.ndarray, ...] | None) -> None:
         """Carry out a plan of :meth:`_slot_rows` into ``storage`` (``storage_bits``: its numpy
@@ -405,24 +412,29 @@ class TensorReplacer:
         buffer, contiguous per shard, then the batch's slots from it: one contiguous gather per
         touched shard and one for the batch, where a copy into each shard's own slots paid two
         strided torch calls per shard."""
-        if isinstance(plan, _ShardBlocks):
-            for g, dst in enumerate(storage):
-                m, n, e = dst.shape
-                staging = torch.empty((plan.replaced + 1) * m, e, dtype=dst.dtype, device=dst.device)  # slot-major
-                staging[plan.replaced * m:].zero_()
-                modules = np.arange(m)
-                flat = self._index_tensor((plan.rows[:, None] + modules * self._zero_rows[plan.shards][:, None]
-                                           + modules).ravel())  # the row in its shard's [modules * (rows + 1), E] view
-                for shard, start, stop in plan.blocks:
-                    torch.index_select(self._flat_sources[shard][g], 0, flat[start * m:stop * m],
-                                       out=staging[start * m:stop * m])
-                flat = self._index_tensor((plan.columns * m + modules[:, None]).ravel())
-                if dst.is_contiguous():
-                    torch.index_select(staging, 0, flat, out=dst.view(-1, e))
-                else:  # a leading() view of a larger context
-                    dst.copy_(torch.index_select(staging, 0, flat).view(m, n, e))
+        if not isinstance(plan, _ShardBlocks):
+            shard, rows = plan
+            if type(shard) is int:
+                self._gather_one_shard(shard, rows, storage, storage_bits)
+            else:  # a small host batch over several shards: the shard of each slot
+                take_slot_rows(self._source_bits, storage_bits, shard, rows)
             return
-        shard, rows = plan
+        for g, dst in enumerate(storage):
+            m, n, e = dst.shape
+            staging = torch.empty((plan.replaced + 1) * m, e, dtype=dst.dtype, device=dst.device)  # slot-major
+            staging[plan.replaced * m:].zero_()
+            modules = np.arange(m)
+            flat = self._index_tensor((plan.rows[:, None] + modules * self._zero_rows[plan.shards][:, None]
+                                       + modules).ravel())  # the row in its shard's [modules * (rows + 1), E] view
+            for shard, start, stop in plan.blocks:
+                torch.index_select(self._flat_sources[shard][g], 0, flat[start * m:stop * m], out=staging[start * m:stop * m])
+            flat = self._index_tensor((plan.columns * m + modules[:, None]).ravel())
+            if dst.is_contiguous():
+                torch.index_select(staging, 0, flat, out=dst.view(-1, e))
+            else:  # a leading() view of a larger context
+                dst.copy_(torch.index_select(staging, 0, flat).view(m, n, e))
+
+    def _gather_one_shard(self, shard: int, rows, storage: tuple[torch.Tensor, ...], storage_bits) -> None:
         if len(rows) <= _SMALL_BATCH:
             if storage_bits is not None:  # given only for a host store
                 take_rows(self._source_bits[shard], storage_bits, rows)
