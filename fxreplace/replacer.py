@@ -403,20 +403,17 @@ class TensorReplacer:
 
     def _run(self, plan, storage: tuple[torch.Tensor, ...], storage_bits: tuple[np.ndarray, ...] | None) -> None:
         """Carry out a plan of :meth:`_slot_rows` into ``storage`` (``storage_bits``: its numpy
-        views, given for a host context of a one-shard host store). The gather is chosen by
-        batch shape: a batch of a few runs of consecutive rows (a prefill chunk, its padding)
-        copies them as blocks, at memcpy speed; a small batch (a decode step) is gathered by
-        numpy over the bits, which costs less than a torch call for a few rows; other
-        scattered rows by ``index_select`` (numpy would stage a copy of a strided ``out=``).
-        A store of several shards gathers each touched shard's rows into a slot-major staging
-        buffer, contiguous per shard, then the batch's slots from it: one contiguous gather per
-        touched shard and one for the batch, where a copy into each shard's own slots paid two
-        strided torch calls per shard."""
+        views, given for a small batch of a host store). Rows in one shard: see
+        :meth:`_gather_one_shard`. A small host batch over several shards is copied by numpy slot
+        by slot. A larger one (or one on an accelerator) gathers each touched shard's rows into a
+        slot-major staging buffer, contiguous per shard, then the batch's slots from it: one
+        contiguous gather per touched shard and one for the batch, where a copy into each
+        shard's own slots paid two strided torch calls per shard."""
         if not isinstance(plan, _ShardBlocks):
             shard, rows = plan
             if type(shard) is int:
                 self._gather_one_shard(shard, rows, storage, storage_bits)
-            else:  # a small host batch over several shards: the shard of each slot
+            else:  # the shard of each slot
                 take_slot_rows(self._source_bits, storage_bits, shard, rows)
             return
         for g, dst in enumerate(storage):
@@ -435,6 +432,11 @@ class TensorReplacer:
                 dst.copy_(torch.index_select(staging, 0, flat).view(m, n, e))
 
     def _gather_one_shard(self, shard: int, rows, storage: tuple[torch.Tensor, ...], storage_bits) -> None:
+        """``rows`` of one shard, by batch shape: a batch of a few runs of consecutive rows (a
+        prefill chunk, its padding) copies them as blocks, at memcpy speed; a small host batch
+        (a decode step) is gathered by numpy over the bits, which costs less than a torch call
+        for a few rows; other scattered rows by ``index_select`` (numpy would stage a copy of a
+        strided ``out=``)."""
         if len(rows) <= _SMALL_BATCH:
             if storage_bits is not None:  # given only for a host store
                 take_rows(self._source_bits[shard], storage_bits, rows)
