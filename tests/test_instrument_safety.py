@@ -79,8 +79,8 @@ def test_a_deep_copy_has_its_own_slots(model, plain):
 
 def test_a_second_concurrent_forward_is_refused_never_mixed(model):
     first, second = random_context(GATES, E, seed=5), random_context(GATES, E, seed=6)
-    # the expected logits come from a thread too: a test run earlier in this process (an in-process
-    # vLLM engine) may have set the main thread's own math threads, which round differently
+    # the expected logits come from a thread too: after an in-process vLLM engine ran earlier in this
+    # process, the main thread's logits differ in the last bits from any other thread's
     want = {}
     expected = threading.Thread(target=lambda: want.update({1: run(model, replacements=first), 2: run(model, replacements=second)}))
     expected.start()
