@@ -521,13 +521,14 @@ class _ShardBlocks(NamedTuple):
 
     @staticmethod
     def of(shard: np.ndarray, rows: np.ndarray, mask: np.ndarray) -> "_ShardBlocks":
+        """The plan of a batch whose replaced slots (``mask``) lie in at least two shards."""
         slots = np.flatnonzero(mask)
         slots = slots[np.argsort(shard[slots], kind="stable")]
         shard = shard[slots]
         bounds = [0, *(np.flatnonzero(shard[1:] != shard[:-1]) + 1).tolist(), len(slots)]
         columns = np.full(mask.shape[0], len(slots), dtype=np.int64)
         columns[slots] = np.arange(len(slots))
-        return _ShardBlocks(shard, rows[slots], [(int(shard[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a],
+        return _ShardBlocks(shard, rows[slots], [(int(shard[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])],
                             columns, len(slots))
 
 
