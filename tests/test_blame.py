@@ -11,6 +11,7 @@ import copy
 from collections import Counter
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -161,8 +162,11 @@ def test_a_slow_round_still_prints_progress_lines(cleans, references, monkeypatc
     """A person watching a long search sees a line every HEARTBEAT_S while a round runs."""
     import fxreplace.validation
 
-    monkeypatch.setattr(fxreplace.validation, "HEARTBEAT_S", 0.01)  # a round here takes ~0.1 s
-    blame(plant(cleans[DENSE], mlp(1)), references[DENSE], prompts=[0], progress=True)
+    monkeypatch.setattr(fxreplace.validation, "HEARTBEAT_S", 0.01)
+    model = plant(cleans[DENSE], mlp(1))
+    # every forward outlasts a heartbeat: on a fast machine a round of this tiny model can finish first
+    model.register_forward_pre_hook(lambda module, args: time.sleep(0.05))
+    blame(model, references[DENSE], prompts=[0], progress=True)
     out = capsys.readouterr().out
     assert "engine busy for 0 s (blame round 1: " in out and "engine busy for 0 s (blame round 2: " in out, out
 
