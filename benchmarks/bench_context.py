@@ -12,7 +12,9 @@ Prints a table and a final JSON line::
      bare index_select + mask copy it cannot go below, "register_ms": median register_request
      with 10,000 stored prompts, "sharded_vs_one_shard": per decode batch, a step's build from a
      store of 8 shard files over the same build from the same prompts in one shard (both
-     loaded from disk, positions advancing step by step), ...}
+     loaded from disk, positions advancing step by step), "small_pages_vs_huge": per decode
+     batch, the build from a copy of the store in ordinary 4 KiB pages over the build from the
+     store itself (an in-memory store asks for transparent huge pages), ...}
 
 Goals: speedup >= 100x at the 8192-token prefill and >= 150x at the 256x4 decode case
 (issues 2, 25); register_request <= 1 ms; at 48 modules x E=128 bf16, the 8192-token
@@ -24,6 +26,7 @@ decode step (issue 10).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from fxreplace import ReferenceStore, StoreWriter, TensorReplacer
+from fxreplace.store.format import Shard
 from fxreplace.testing import build_context_loop, slot_owners
 
 MODULES, WIDTH, DTYPE = 48, 128, torch.bfloat16
@@ -141,6 +145,10 @@ def main():
     print(f"8 decode requests, build_context_for_batch(out=) into a bound 8192-slot feed: {decode_us:.1f} us median "
           f"(floor: one index_select + mask copy {floor_us:.1f} us)")
 
+    huge = bench_huge_pages(replacer, reps)
+    print("decode build from the store in ordinary 4 KiB pages / from the same rows on huge pages (out=): "
+          + ", ".join(f"{label} {ratio:.2f}" for label, ratio in huge.items()) + f" ({_anon_huge_pages()})")
+
     sharded = bench_sharded()
     print("decode step from a store of 8 shards / from one shard (same prompts, out=): "
           + ", ".join(f"{label} {ratio:.2f}" for label, ratio in sharded.items()))
@@ -159,6 +167,7 @@ def main():
         "decode8_floor_us": round(floor_us, 1),
         "register_ms": round(register_ms, 4),
         "sharded_vs_one_shard": {label: round(ratio, 3) for label, ratio in sharded.items()},
+        "small_pages_vs_huge": {label: round(ratio, 3) for label, ratio in huge.items()},
     }
     print(json.dumps(result))
 
@@ -200,6 +209,41 @@ def bench_small_decode(replacer: TensorReplacer, quick: bool) -> tuple[float, fl
     for r in req_ids:
         replacer.release_request(r)
     return t["build"] * 1e6, t["floor"] * 1e6
+
+
+def bench_huge_pages(replacer: TensorReplacer, reps: int) -> dict[str, float]:
+    """The decode builds from the bench's store (its rows on transparent huge pages where the
+    OS grants them) and from a copy of it in ordinary memory, interleaved: what the huge
+    pages save on a random gather (one page-table walk per 2 MiB instead of per 4 KiB)."""
+    store = replacer.store
+    small_pages = dataclasses.replace(store, shards=[Shard([t.clone() for t in s.packed], s.rows, s.extras)
+                                                     for s in store.shards])
+    replacers = {"huge": replacer, "small": TensorReplacer(small_pages)}
+    ratios = {}
+    for batch, k in ((256, 4), (1024, 1)):
+        req_ids = [f"h{i}" for i in range(batch)]
+        starts = np.random.default_rng(batch).integers(0, 8000, batch)
+        positions = [int(s) + j for s in starts for j in range(k)]
+        fns = {}
+        for name, r in replacers.items():
+            for i, req in enumerate(req_ids):
+                r.register_request(req, None, prompt_idx=i % len(store.prompt_ids))
+            out = r.warmup_context(len(positions))
+            fns[name] = lambda r=r, out=out: r.build_context(req_ids, positions, False, tokens_per_req=k, out=out)
+        t = interleaved(fns, reps * 4)
+        ratios[f"decode {batch}x{k}"] = t["small"] / t["huge"]
+        for r in replacers.values():
+            for req in req_ids:
+                r.release_request(req)
+    return ratios
+
+
+def _anon_huge_pages() -> str:
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next(line.split(":")[1].strip() for line in f if line.startswith("AnonHugePages")) + " on huge pages"
+    except (OSError, StopIteration):
+        return "no transparent huge pages here"
 
 
 def bench_sharded() -> dict[str, float]:

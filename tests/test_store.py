@@ -522,3 +522,32 @@ def test_the_vllm_config_digest_of_an_in_memory_store_covers_its_token_ids():
         return h.hexdigest()
 
     assert digest([[1, 2]]) == digest([[1, 2]]) != digest([[1, 3]])
+
+
+def test_an_in_memory_store_asks_for_huge_pages_for_its_rows_and_keeps_them_alive():
+    """Decode steps read rows at random all over a group: its table is an anonymous mapping
+    advised for transparent huge pages (``hg`` in smaps), which lives as long as the tensor."""
+    import gc
+    from pathlib import Path
+
+    if not Path("/sys/kernel/mm/transparent_hugepage").exists():
+        pytest.fail("this test runs on Linux with transparent huge pages (every CI and target machine)")
+    caps = {p: {"m": torch.full((1024, 512), float(p))} for p in range(4)}  # 8 MiB of rows
+    store = ReferenceStore.from_captures(caps)
+    gc.collect()
+    table = store.packed[0]
+    address = table.data_ptr()
+    flags = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split()[0] and ":" not in line.split()[0]:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+                break
+    assert flags is not None and "hg" in flags, flags
+    assert [float(store.rows(p, "m")[7, 3]) for p in range(4)] == [0.0, 1.0, 2.0, 3.0]
+    assert torch.count_nonzero(table[:, -1]) == 0
+    small = ReferenceStore.from_captures({0: {"m": torch.ones(3, 4)}})  # below one huge page: ordinary memory
+    assert torch.equal(small.rows(0, "m"), torch.ones(3, 4))
