@@ -250,11 +250,9 @@ class TensorReplacer:
         out: ReplacementContext | None = None,
     ) -> ReplacementContext:
         """Mixed batches (vLLM-style): request ``i`` owns the next ``num_scheduled_tokens[i]``
-        slots, in order; the rest of ``positions`` is padding. ``out`` as in :meth:`build_context`."""
+        slots, in order; the rest of ``positions`` is padding. ``out`` as in :meth:`build_context`.
+        An engine tries :meth:`decode_into` first and builds here when it declines."""
         counts = num_scheduled_tokens
-        if (out is not None and device is None and type(counts) is list and len(counts) == len(req_ids) == counts.count(1)
-                and self.decode_into(req_ids, positions, out)):
-            return out
         positions = _as_index_array(positions, "positions")
         if not is_int_list(counts):  # engines pass a list of ints: used as it is
             counts = _as_index_array(counts, "num_scheduled_tokens").tolist()
@@ -306,12 +304,14 @@ class TensorReplacer:
     def decode_into(self, req_ids: list[str], positions: torch.Tensor | list[int], out: ReplacementContext) -> bool:
         """An engine's steady decode step, request ``i`` decoding one token at ``positions[i]``,
         written straight into ``out`` (rows, mask, ``num_replaced``): the common case of
-        :meth:`build_context_for_batch`, which tries it first. It applies only when the step is
-        exactly that case: the batch of the last lookup (nothing registered or released since),
-        every request with a stored row at its position, no padding, a one-shard host store and
-        a host ``out`` of ``len(req_ids)`` slots that an earlier build checked. Otherwise it
-        returns False having written nothing, and the general path handles, checks and
-        explains every case."""
+        :meth:`build_context_for_batch`, at a few Python operations and one numpy ``take`` per
+        group. An engine calls it first at every step and builds with
+        :meth:`build_context_for_batch` when it returns False, so a steady step runs none of
+        the general path's checks. It applies only when the step is exactly that case: the batch of the last
+        lookup (nothing registered or released since), every request with a stored row at its
+        position, no padding, a one-shard host store and a host ``out`` of ``len(req_ids)``
+        slots that an earlier build checked. Otherwise it returns False having written
+        nothing, and :meth:`build_context_for_batch` handles, checks and explains every case."""
         last = self._last_batch
         checked = out.checked_by
         views = checked.views

@@ -245,25 +245,29 @@ def test_consecutive_decode_steps_match_per_slot_oracle():
     feed = r.warmup_context(8)
     views = {n: feed.leading(n) for n in (3, 4)}  # one out= per batch size, as engines keep them
     shortcut = []
-    decode_into = r.decode_into
-    r.decode_into = lambda *args: shortcut.append(decode_into(*args)) or shortcut[-1]
+
+    def engine_step(batch, positions, out):
+        """An engine's step: the steady-decode shortcut, else the general build."""
+        shortcut.append(r.decode_into(batch, positions, out))
+        return out if shortcut[-1] else r.build_context_for_batch(batch, [1] * len(batch), positions, out=out)
+
     batches = [(ids[:3], [3, 3, 4]), (ids[:3], [4, 4, 5]), (ids[:3], [5, 5, 6]), (ids[:3], [6, 6, 7]),
                (ids[:3], [2, 2, 3]), (ids, [7, 7, 8, 4]), (ids, [8, 8, 9, 5]), ([ids[3], ids[0], ids[2]], [6, 9, 10])]
     for step, (batch, positions) in enumerate(batches):
         if step == 5:
             r.register_request(ids[3], None, prompt_idx=prompts[3])
         out = views[len(positions)]
-        assert r.build_context_for_batch(batch, [1] * len(batch), torch.tensor(positions), out=out) is out
+        assert engine_step(batch, torch.tensor(positions), out) is out
         owners = slot_owners(len(positions), len(batch), num_scheduled_tokens=[1] * len(batch))
         _assert_same(out, *build_context_loop(caps, [prompts[ids.index(b)] for b in batch], positions, owners))
         assert out.num_replaced == int(out.mask.sum())
     assert shortcut == [False, True, True, False, True, False, False, False]
-    r.build_context_for_batch(ids[:3], [1, 1, 1], [3, 3, 4], out=views[3])
-    r.build_context_for_batch(ids[:3], [1, 1, 1], [3, 3, 4], out=views[3])
+    engine_step(ids[:3], [3, 3, 4], views[3])
+    engine_step(ids[:3], [3, 3, 4], views[3])
     assert shortcut[-1]  # the batch the bad positions below arrive with takes the shortcut
     for bad in ([2.0, 2.0, 3.0], torch.tensor([2.0, 2.0, 3.0]), torch.tensor([[2, 2, 3]])):  # never a row for these
         with pytest.raises(ValueError, match="positions must be"):
-            r.build_context_for_batch(ids[:3], [1, 1, 1], bad, out=views[3])
+            engine_step(ids[:3], bad, views[3])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

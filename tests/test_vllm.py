@@ -142,7 +142,7 @@ def _run_engine(ref: Ref, kind: str) -> dict:
     res = {"kind": kind, "runs": []}
     try:
         state = fxv.get_state(_runner(llm))
-        if state is not None:  # record each request's run (prompt, first position, tokens) per forward
+        if state is not None:  # record each request's run (prompt, first position, tokens) per general build
             build = state.replacer.build_context_for_batch
 
             def recording(req_ids, counts, positions, **kw):

@@ -182,7 +182,8 @@ class VllmReplacement:
         row it reads, the padding after the scheduled tokens included (mask off there).
 
         One build per step: a steady decode step (the same requests as the last step, one
-        token each) takes the replacer's decode path into the bound buffers' leading rows."""
+        token each) is the replacer's :meth:`~fxreplace.TensorReplacer.decode_into` into the
+        bound buffers' leading rows, anything else its general build."""
         try:
             self._fill(internals.batch_requests(self.runner), scheduler_output, positions)
         except Exception as exc:
@@ -193,6 +194,10 @@ class VllmReplacement:
     def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
         """Fill the buffers for ``req_ids``; returns the batch's scheduled token counts and
         the rows written (padding included), or None when nothing is replaced."""
+        out = self._views.get(len(req_ids))
+        if out is not None and self.replacer.decode_into(req_ids, positions, out):  # a steady decode step
+            self._count(out)
+            return [1] * len(req_ids), len(req_ids)
         if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
             self.clear()
             return None
@@ -203,17 +208,20 @@ class VllmReplacement:
         if positions is None or not positions.is_cpu:  # device positions: recompute on the host
             positions = _host_positions(self.runner, counts, sum(counts) if positions is None else positions.shape[0])
         rows = positions.shape[0]
-        self.armed = True
         out = self._views.get(rows)
         if out is None:
             out = self._new_view(rows)
-        ctx = self.replacer.build_context_for_batch(req_ids, counts, positions, out=out)
+        self._count(self.replacer.build_context_for_batch(req_ids, counts, positions, out=out))
+        return counts, rows
+
+    def _count(self, ctx: ReplacementContext) -> None:
+        """A forward whose buffers ``ctx`` filled (its mask may hold True rows)."""
+        self.armed = True
         self.steps += 1
         if self.on_host:
             self.host_tokens_replaced += ctx.num_replaced
         else:  # summed on the device: reading it each step would wait for the forward
             self.device_tokens_replaced += ctx.mask.sum()
-        return counts, rows
 
     def _new_view(self, n: int) -> ReplacementContext:
         """The bound buffers' first ``n`` rows as an ``out=`` context, kept for the next forward of ``n`` rows."""
