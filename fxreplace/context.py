@@ -20,7 +20,7 @@ class CheckedOut(NamedTuple):
     replacer: Any  # the TensorReplacer that checked it (None: none did)
     slots: int
     on_device: bool  # on the replacer's device: it gathers straight into the context
-    views: Any  # fastpath.HostViews of a host context of a one-shard host store, else None
+    views: Any  # fastpath.HostViews of a host context of a host store, else None
 
 
 _UNCHECKED = CheckedOut(None, 0, False, None)

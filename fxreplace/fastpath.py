@@ -115,18 +115,28 @@ class BatchLookup(NamedTuple):
     generation: int  # the replacer's registration generation it was made at
     prompts: list[int]  # internal prompt per request (-1 unmatched), then -1 for padding
     matched: bool  # any request matched
-    offsets: list[int]  # per request: first store row (0 where unmatched)
+    offsets: list[int]  # per request: first row in its shard (0 where unmatched)
     stored: list[range]  # per request: the positions it has rows for (none where unmatched)
+    shards: list[int]  # per request: the shard holding its rows (0 where unmatched)
+    shard: int | None  # the shard holding every matched request's rows; None when they lie in several
 
 
 class HostViews(NamedTuple):
-    """Numpy views of a one-shard host store's groups (None for a store of several shards,
-    whose rows a decode step's lookup does not place), and of a host context's storage and
+    """Numpy views of a host store's groups (per shard), and of a host context's storage and
     mask: a decode step's few rows are gathered and flagged through them."""
 
-    sources: tuple[np.ndarray, ...] | None
+    sources: list[tuple[np.ndarray, ...]]
     storage: tuple[np.ndarray, ...]
     mask: np.ndarray
+
+
+def take_step_rows(last: BatchLookup, views: HostViews, rows: list[int]) -> None:
+    """A decode step's rows of ``last``'s requests into ``views.storage``: one numpy gather
+    per group when they lie in one shard, else a copy per slot."""
+    if last.shard is not None:
+        take_rows(views.sources[last.shard], views.storage, rows)
+    else:
+        take_slot_rows(views.sources, views.storage, last.shards, rows)
 
 
 def step_positions(positions) -> list[int] | None:

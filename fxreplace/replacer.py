@@ -24,7 +24,7 @@ import torch
 
 from .context import CheckedOut, ReplacementContext, host_bits, same_device
 from .fastpath import (INT_DTYPES, BatchLookup, HostViews, decode_rows, is_int_list, step_positions, take_rows,
-                       take_slot_rows)
+                       take_slot_rows, take_step_rows)
 from .matching import PromptIndex
 from .store import CaptureError, ReferenceStore
 
@@ -114,7 +114,7 @@ class TensorReplacer:
         self._spare: list[tuple[torch.Tensor, ...]] = []
         self._generation = 0  # bumped by every registration and release: invalidates _last_batch
         # the last batch looked up: an engine's consecutive decode steps run the same requests
-        self._last_batch = BatchLookup([], -1, [], False, [], [])
+        self._last_batch = BatchLookup([], -1, [], False, [], [], [], None)
 
     @property
     def capture_names(self) -> list[str]:
@@ -287,10 +287,13 @@ class TensorReplacer:
                 raise KeyError(f"request {missing!r} is not registered; call register_request first (or on_unknown='passthrough')")
             prompts = [_UNMATCHED if p == _MISSING else p for p in prompts]
         prompts.append(_UNMATCHED)
-        # per request: first store row and stored rows (0 where unmatched), for decode steps
+        # per request: first row in its shard, stored rows and shard (0 where unmatched), for decode steps
         spans = [self._spans[p] if p >= 0 else (0, 0) for p in prompts[:-1]]
+        shards = [self._shard_list[p] if p >= 0 else 0 for p in prompts[:-1]]
+        touched = {s for s, p in zip(shards, prompts) if p >= 0}
         self._last_batch = BatchLookup(list(req_ids), generation, prompts, max(prompts) >= 0,
-                                        [o for o, _ in spans], [range(length) for _, length in spans])
+                                        [o for o, _ in spans], [range(length) for _, length in spans], shards,
+                                        touched.pop() if len(touched) == 1 else None)
         return prompts
 
     def _last_lookup(self, req_ids: Sequence[str]) -> BatchLookup | None:
@@ -305,24 +308,24 @@ class TensorReplacer:
         """An engine's steady decode step, request ``i`` decoding one token at ``positions[i]``,
         written straight into ``out`` (rows, mask, ``num_replaced``): the common case of
         :meth:`build_context_for_batch`, at a few Python operations and one numpy ``take`` per
-        group. An engine calls it first at every step and builds with
-        :meth:`build_context_for_batch` when it returns False, so a steady step runs none of
-        the general path's checks. It applies only when the step is exactly that case: the batch of the last
-        lookup (nothing registered or released since), every request with a stored row at its
-        position, no padding, a one-shard host store and a host ``out`` of ``len(req_ids)``
-        slots that an earlier build checked. Otherwise it returns False having written
-        nothing, and :meth:`build_context_for_batch` handles, checks and explains every case."""
+        group (a copy per slot when the requests' rows lie in several shards). An engine calls
+        it first at every step and builds with :meth:`build_context_for_batch` when it returns
+        False, so a steady step runs none of the general path's checks. It applies only when
+        the step is exactly that case: the batch of the last lookup (nothing registered or
+        released since), every request with a stored row at its position, no padding, a host
+        store and a host ``out`` of ``len(req_ids)`` slots that an earlier build checked.
+        Otherwise it returns False having written nothing, and :meth:`build_context_for_batch`
+        handles, checks and explains every case."""
         last = self._last_batch
         checked = out.checked_by
         views = checked.views
-        if (checked.replacer is not self or views is None or views.sources is None or last.generation != self._generation
-                or last.req_ids != req_ids):
+        if checked.replacer is not self or views is None or last.generation != self._generation or last.req_ids != req_ids:
             return False
         positions = step_positions(positions)
         rows = None if positions is None else decode_rows(last, positions)
         if rows is None or checked.slots != len(rows):
             return False
-        take_rows(views.sources, views.storage, rows)
+        take_step_rows(last, views, rows)
         views.mask.fill(True)
         out.num_replaced = len(rows)
         return True
@@ -489,8 +492,8 @@ class TensorReplacer:
                     f"slots; got {out!r}"
                 )
             on_device = out.mask.device == self._device
-            views = HostViews(self._source_bits[0] if len(self._sources) == 1 else None, out.storage_bits(),
-                              out.mask_array()) if on_device and self._source_bits is not None else None
+            views = HostViews(self._source_bits, out.storage_bits(), out.mask_array()) if (
+                on_device and self._source_bits is not None) else None
             checked = out.checked_by = CheckedOut(self, n, on_device, views)
         return checked
 

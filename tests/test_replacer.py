@@ -230,20 +230,33 @@ def test_decode_matches_per_slot_oracle(row_path, sc, tokens_per_req, extra_pad,
     _assert_same(ctx, *build_context_loop(caps, req_prompts, positions, owners))
 
 
-def test_consecutive_decode_steps_match_per_slot_oracle():
+@pytest.mark.parametrize("shard_bytes", [None, 1, 250], ids=["in memory", "a shard per prompt", "shards of 1-2 prompts"])
+def test_consecutive_decode_steps_match_per_slot_oracle(shard_bytes, tmp_path):
     """An engine's decode steps: the same requests step after step (the lookup of the
     last batch is reused and, into the same out=, the steady-decode shortcut writes the
     rows), one running past its stored rows, a step back into range after it (the
     shortcut must rewrite the mask that step left False), a new registration and a
-    reordered batch in between; every step against the oracle."""
+    reordered batch in between; every step against the oracle. The store is one shard, or
+    several written to disk (a batch's rows then lie in one shard or in several)."""
+    from fxreplace import ReferenceStore, StoreWriter
+
     caps = captures_for([3, 5, 2, 4], [4, 2, 6, 3], seed=11)
-    r = TensorReplacer(caps, on_unknown="passthrough")
+    if shard_bytes is not None:
+        with StoreWriter(tmp_path / "ref", shard_bytes=shard_bytes) as writer:
+            for p, c in enumerate(caps):
+                writer.add(None, c, prompt_idx=p)
+        store = ReferenceStore.load(tmp_path / "ref")
+        assert len(store.shards) == (4 if shard_bytes == 1 else 2 if shard_bytes == 250 else 0)
+        caps_or_store = store
+    else:
+        caps_or_store = caps
+    r = TensorReplacer(caps_or_store, on_unknown="passthrough")
     prompts = [2, 0, 3, 1]
     ids = [f"req-{i}" for i in range(4)]
     for rid, p in zip(ids[:3], prompts):
         r.register_request(rid, None, prompt_idx=p)
     feed = r.warmup_context(8)
-    views = {n: feed.leading(n) for n in (3, 4)}  # one out= per batch size, as engines keep them
+    views = {n: feed.leading(n) for n in (2, 3, 4)}  # one out= per batch size, as engines keep them
     shortcut = []
 
     def engine_step(batch, positions, out):
@@ -252,7 +265,8 @@ def test_consecutive_decode_steps_match_per_slot_oracle():
         return out if shortcut[-1] else r.build_context_for_batch(batch, [1] * len(batch), positions, out=out)
 
     batches = [(ids[:3], [3, 3, 4]), (ids[:3], [4, 4, 5]), (ids[:3], [5, 5, 6]), (ids[:3], [6, 6, 7]),
-               (ids[:3], [2, 2, 3]), (ids, [7, 7, 8, 4]), (ids, [8, 8, 9, 5]), ([ids[3], ids[0], ids[2]], [6, 9, 10])]
+               (ids[:3], [2, 2, 3]), (ids, [7, 7, 8, 4]), (ids, [8, 8, 9, 5]), ([ids[3], ids[0], ids[2]], [6, 9, 10]),
+               ([ids[0], ids[2]], [4, 4]), ([ids[0], ids[2]], [5, 5])]  # prompts 2 and 3 (one shard of 1-2 prompts)
     for step, (batch, positions) in enumerate(batches):
         if step == 5:
             r.register_request(ids[3], None, prompt_idx=prompts[3])
@@ -261,7 +275,7 @@ def test_consecutive_decode_steps_match_per_slot_oracle():
         owners = slot_owners(len(positions), len(batch), num_scheduled_tokens=[1] * len(batch))
         _assert_same(out, *build_context_loop(caps, [prompts[ids.index(b)] for b in batch], positions, owners))
         assert out.num_replaced == int(out.mask.sum())
-    assert shortcut == [False, True, True, False, True, False, False, False]
+    assert shortcut == [False, True, True, False, True, False, False, False, False, True]
     engine_step(ids[:3], [3, 3, 4], views[3])
     engine_step(ids[:3], [3, 3, 4], views[3])
     assert shortcut[-1]  # the batch the bad positions below arrive with takes the shortcut
