@@ -109,7 +109,7 @@ class CheckedCalls:
 
 
 class BatchLookup(NamedTuple):
-    """One batch's request lookup (see ``TensorReplacer._request_prompts``)."""
+    """One batch's request lookup (see ``TensorReplacer._lookup``)."""
 
     req_ids: list[str]
     generation: int  # the replacer's registration generation it was made at
@@ -117,8 +117,9 @@ class BatchLookup(NamedTuple):
     matched: bool  # any request matched
     offsets: list[int]  # per request: first row in its shard (0 where unmatched)
     stored: list[range]  # per request: the positions it has rows for (none where unmatched)
-    shards: list[int]  # per request: the shard holding its rows (0 where unmatched)
-    shard: int | None  # the shard holding every matched request's rows; None when they lie in several
+    # the shard holding every matched request's rows (0 when none matched); when they lie in
+    # several, each request's shard (0 where unmatched)
+    shard: int | list[int]
 
 
 class HostViews(NamedTuple):
@@ -133,10 +134,10 @@ class HostViews(NamedTuple):
 def take_step_rows(last: BatchLookup, views: HostViews, rows: list[int]) -> None:
     """A decode step's rows of ``last``'s requests into ``views.storage``: one numpy gather
     per group when they lie in one shard, else a copy per slot."""
-    if last.shard is not None:
+    if type(last.shard) is int:
         take_rows(views.sources[last.shard], views.storage, rows)
     else:
-        take_slot_rows(views.sources, views.storage, last.shards, rows)
+        take_slot_rows(views.sources, views.storage, last.shard, rows)
 
 
 def step_positions(positions) -> list[int] | None:

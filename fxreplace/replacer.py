@@ -114,7 +114,7 @@ class TensorReplacer:
         self._spare: list[tuple[torch.Tensor, ...]] = []
         self._generation = 0  # bumped by every registration and release: invalidates _last_batch
         # the last batch looked up: an engine's consecutive decode steps run the same requests
-        self._last_batch = BatchLookup([], -1, [], False, [], [], [], None)
+        self._last_batch = BatchLookup([], -1, [], False, [], [], 0)
 
     @property
     def capture_names(self) -> list[str]:
@@ -273,11 +273,12 @@ class TensorReplacer:
 
     # ------------------------------------------------------------------ internals
 
-    def _request_prompts(self, req_ids: Sequence[str]) -> list[int]:
-        """Internal prompt per request (-1 where unmatched), plus a trailing -1 for padding slots."""
+    def _lookup(self, req_ids: Sequence[str]) -> BatchLookup:
+        """The batch's lookup: internal prompt per request (-1 where unmatched, plus a trailing
+        -1 for padding slots), and where their rows lie."""
         last = self._last_lookup(req_ids)
         if last is not None:
-            return last.prompts
+            return last
         generation = self._generation  # read first: a registration meanwhile makes this entry stale
         get = self._prompt_of.get
         prompts = [get(r, _MISSING) for r in req_ids]
@@ -291,10 +292,10 @@ class TensorReplacer:
         spans = [self._spans[p] if p >= 0 else (0, 0) for p in prompts[:-1]]
         shards = [self._shard_list[p] if p >= 0 else 0 for p in prompts[:-1]]
         touched = {s for s, p in zip(shards, prompts) if p >= 0}
-        self._last_batch = BatchLookup(list(req_ids), generation, prompts, max(prompts) >= 0,
-                                        [o for o, _ in spans], [range(length) for _, length in spans], shards,
-                                        touched.pop() if len(touched) == 1 else None)
-        return prompts
+        lookup = self._last_batch = BatchLookup(
+            list(req_ids), generation, prompts, max(prompts) >= 0, [o for o, _ in spans],
+            [range(length) for _, length in spans], shards if len(touched) > 1 else touched.pop() if touched else 0)
+        return lookup
 
     def _last_lookup(self, req_ids: Sequence[str]) -> BatchLookup | None:
         """The last batch's lookup when ``req_ids`` is that batch and nothing was registered
@@ -330,7 +331,7 @@ class TensorReplacer:
         out.num_replaced = len(rows)
         return True
 
-    def _slot_rows(self, prompts: list[int], counts: list[int], positions: np.ndarray | list[int]):
+    def _slot_rows(self, lookup: BatchLookup, counts: list[int], positions: np.ndarray | list[int]):
         """The plan and the mask of a batch. The plan of a batch whose rows lie in one shard
         (every batch of a one-shard store, a prefill chunk) is ``(shard, rows)``, the store row
         of every slot (the shard's zero row where it holds none); that of a batch over several
@@ -340,13 +341,12 @@ class TensorReplacer:
 
         Batches of up to ``_SMALL_BATCH`` slots run as a plain Python loop, which costs a
         fraction of the dozen numpy calls of the general case."""
-        n = len(positions)
-        touched = {self._shard_list[p] for p in prompts if p >= 0} if n <= _SMALL_BATCH else None
-        several = touched is not None and len(touched) > 1
-        if touched is not None and (not several or self._source_bits is not None):  # several: numpy gathers per slot
+        n, prompts = len(positions), lookup.prompts
+        several = type(lookup.shard) is list
+        if n <= _SMALL_BATCH and (not several or self._source_bits is not None):  # several: numpy gathers per slot
             pos = positions if type(positions) is list else positions.tolist()
             spans, shard_of = self._spans, self._shard_list
-            shard = touched.pop() if len(touched) == 1 else 0
+            shard = 0 if several else lookup.shard
             rows, mask, shards = [self._zero_rows_list[shard]] * n, [False] * n, [0] * n
             s = 0
             for p, c in zip(prompts, counts):
@@ -373,7 +373,7 @@ class TensorReplacer:
 
     def _gather(self, req_ids, counts: list[int], positions: np.ndarray | list[int], device, out) -> ReplacementContext:
         """Request ``i`` owns the next ``counts[i]`` slots, the rest is padding -> context."""
-        plan, mask = self._slot_rows(self._request_prompts(req_ids), counts, positions)
+        plan, mask = self._slot_rows(self._lookup(req_ids), counts, positions)
         n = len(positions)
         replaced = mask.count(True) if type(mask) is list else int(np.count_nonzero(mask))
         if out is None:
