@@ -5,9 +5,11 @@ Prints a table and a final JSON line::
     {"speedup_vs_loop": min over cases, "copy_bandwidth_fraction": per case, the out= build vs a
      memcpy of the same bytes, "copy_bandwidth_fraction_fresh": the same for a fresh build,
      "fresh_vs_out": a fresh build over the out= build at the 8192-token prefill,
-     "decode_gather_floor_fraction": per decode case, one bare ``index_select`` of the same
-     store rows (no lookup, no mask) over the out= build: how much of the gap to memcpy is
-     the builder's and how much the memory system's (scattered 256-byte rows),
+     "decode_gather_floor_fraction": per decode case, the builder's gather primitive alone on
+     the same store rows (no lookup, no mask) over the out= build: how much of the gap to
+     memcpy is the builder's and how much the memory system's (scattered 256-byte rows),
+     "native_gather": whether that primitive is the package's C loop, "index_select_vs_gather":
+     per decode case, the same gather by torch's index_select over the primitive,
      "decode8_us": build_context_for_batch(out=) for 8 decode requests, "decode8_floor_us": the
      bare index_select + mask copy it cannot go below, "register_ms": median register_request
      with 10,000 stored prompts, "sharded_vs_one_shard": per decode batch, a step's build from a
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 from fxreplace import ReferenceStore, StoreWriter, TensorReplacer
+from fxreplace.gather import NATIVE, gather_rows
 from fxreplace.store.format import Shard
 from fxreplace.testing import build_context_loop, slot_owners
 
@@ -80,6 +83,7 @@ def main():
     cases = [("prefill", n, 1, 1) for n in (1024, 4096, 8192)] + [("decode", 0, b, k) for b in (64, 256) for k in (1, 4)] + [
         ("decode", 0, 1024, 1)]
     rows, speedups, fractions, fresh_fractions, fresh_ratio, floor_fractions = [], {}, {}, {}, {}, {}
+    index_select_ratios = {}
     for kind, n, batch, k in cases:
         if kind == "prefill":
             req_ids = ["p0"]
@@ -117,13 +121,17 @@ def main():
             "clone": src.clone,
         }
         if kind == "decode":
-            fns["floor"] = gather_floor(replacer, req_prompts, positions, k, reused)
+            store_rows = case_rows(replacer, req_prompts, positions, k)
+            fns["floor"] = gather_floor(replacer, store_rows, reused)
+            fns["index_select"] = index_select_gather(replacer, store_rows, reused)
             built = reused.storage[0].clone()
-            fns["floor"]()
-            assert torch.equal(reused.storage[0], built), f"{label}: the floor gathers other rows than the build"
+            for gather in ("floor", "index_select"):
+                fns[gather]()
+                assert torch.equal(reused.storage[0], built), f"{label}: {gather} gathers other rows than the build"
         t = interleaved(fns, reps)
         if kind == "decode":
             floor_fractions[label] = t["floor"] / t["reused"]
+            index_select_ratios[label] = t["index_select"] / t["floor"]
         t_loop = timed(loop, loop_reps)
         speedups[label] = t_loop / t["reused"]
         fractions[label] = t["copy"] / t["reused"]
@@ -139,8 +147,11 @@ def main():
         print(f"{label:<14}{tl*1e3:>9.1f}{tr*1e3:>11.3f}{tf*1e3:>10.3f}{sp:>8.0f}x{bw/1e9:>7.2f}{cbw/1e9:>11.2f}"
               f"{fc:>13.2f}{tf/tr:>14.2f}")
 
-    print("decode gather floor (one bare index_select of the same rows) / out= build: "
+    print(f"gather primitive: {'the C loop (fxreplace._gather)' if NATIVE else 'index_select (the C loop is not built)'}")
+    print("decode gather floor (the bare gather primitive on the same rows) / out= build: "
           + ", ".join(f"{label} {f:.2f}" for label, f in floor_fractions.items()))
+    print("decode gather by index_select / by the gather primitive: "
+          + ", ".join(f"{label} {f:.2f}" for label, f in index_select_ratios.items()))
     decode_us, floor_us = bench_small_decode(replacer, quick=args.quick)
     print(f"8 decode requests, build_context_for_batch(out=) into a bound 8192-slot feed: {decode_us:.1f} us median "
           f"(floor: one index_select + mask copy {floor_us:.1f} us)")
@@ -163,6 +174,8 @@ def main():
         "copy_bandwidth_fraction_fresh": {label: round(f, 3) for label, f in fresh_fractions.items()},
         "fresh_vs_out": round(fresh_ratio["prefill 8192"], 3),
         "decode_gather_floor_fraction": {label: round(f, 3) for label, f in floor_fractions.items()},
+        "native_gather": NATIVE,
+        "index_select_vs_gather": {label: round(f, 3) for label, f in index_select_ratios.items()},
         "decode8_us": round(decode_us, 1),
         "decode8_floor_us": round(floor_us, 1),
         "register_ms": round(register_ms, 4),
@@ -172,15 +185,27 @@ def main():
     print(json.dumps(result))
 
 
-def gather_floor(replacer: TensorReplacer, req_prompts: list[int], positions: list[int], k: int, out):
-    """One dim-0 ``index_select`` of the decode case's store rows over every module into
-    ``out``'s storage: the bare gather of those bytes, without the builder's lookups and mask."""
+def case_rows(replacer: TensorReplacer, req_prompts: list[int], positions: list[int], k: int) -> torch.Tensor:
+    """The store rows of a decode case's slots (the zero row for padding)."""
     store = replacer.store
     padding = len(positions) - len(req_prompts) * k
     zero_row = store.packed[0].shape[1] - 1
-    rows = [int(store.offsets[p]) + pos for p, pos in zip(np.repeat(req_prompts, k), positions)] + [zero_row] * padding
-    src = store.packed[0]
-    flat = (torch.arange(src.shape[0]).unsqueeze(1) * src.shape[1] + torch.tensor(rows)).view(-1)
+    return torch.tensor([int(store.offsets[p]) + pos for p, pos in zip(np.repeat(req_prompts, k), positions)]
+                        + [zero_row] * padding)
+
+
+def gather_floor(replacer: TensorReplacer, rows: torch.Tensor, out):
+    """The builder's gather primitive (:func:`fxreplace.gather.gather_rows`) of ``rows``
+    over every module into ``out``'s storage, alone: the bare gather of those bytes,
+    without the builder's lookups and mask."""
+    return lambda: gather_rows(replacer.store.packed[0], out.storage[0], rows)
+
+
+def index_select_gather(replacer: TensorReplacer, rows: torch.Tensor, out):
+    """The same gather as :func:`gather_floor` by one dim-0 ``index_select`` over every
+    module's rows (what the package does where its C loop is not built)."""
+    src = replacer.store.packed[0]
+    flat = (torch.arange(src.shape[0]).unsqueeze(1) * src.shape[1] + rows).view(-1)
     dst = out.storage[0].view(-1, src.shape[2])
     return lambda: torch.index_select(src.view(-1, src.shape[2]), 0, flat, out=dst)
 

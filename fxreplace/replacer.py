@@ -25,6 +25,7 @@ import torch
 from .context import CheckedOut, ReplacementContext, host_bits, same_device
 from .fastpath import (INT_DTYPES, BatchLookup, HostViews, decode_rows, is_int_list, step_positions, take_rows,
                        take_slot_rows, take_step_rows)
+from .gather import gather_rows
 from .matching import PromptIndex
 from .store import CaptureError, ReferenceStore
 
@@ -438,8 +439,8 @@ class TensorReplacer:
         """``rows`` of one shard, by batch shape: a batch of a few runs of consecutive rows (a
         prefill chunk, its padding) copies them as blocks, at memcpy speed; a small host batch
         (a decode step) is gathered by numpy over the bits, which costs less than a torch call
-        for a few rows; other scattered rows by ``index_select`` (numpy would stage a copy of a
-        strided ``out=``)."""
+        for a few rows; other scattered rows by :func:`~fxreplace.gather.gather_rows` (numpy
+        would stage a copy of a strided ``out=``)."""
         if len(rows) <= _SMALL_BATCH:
             if storage_bits is not None:  # given only for a host store
                 take_rows(self._source_bits[shard], storage_bits, rows)
@@ -449,7 +450,9 @@ class TensorReplacer:
             if runs is not None:
                 self._copy_runs(self._sources[shard], storage, runs)
                 return
-        _gather_rows(self._sources[shard], storage, self._index_tensor(rows))
+        index = self._index_tensor(rows)
+        for src, dst in zip(self._sources[shard], storage):
+            gather_rows(src, dst, index)
 
     def _index_tensor(self, rows) -> torch.Tensor:
         return torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
@@ -496,18 +499,6 @@ class TensorReplacer:
                 on_device and self._source_bits is not None) else None
             checked = out.checked_by = CheckedOut(self, n, on_device, views)
         return checked
-
-
-def _gather_rows(sources, storage, rows: torch.Tensor) -> None:
-    """``storage[g][:, i] = sources[g][:, rows[i]]``: scattered rows. A contiguous group is
-    gathered as one dim-0 ``index_select`` over its rows of all modules, which torch spreads
-    over its threads (a dim-1 gather runs on one; a random gather is latency-bound per core)."""
-    for src, dst in zip(sources, storage):
-        if src.is_contiguous() and dst.is_contiguous():
-            flat_rows = (torch.arange(src.shape[0], device=rows.device).unsqueeze(1) * src.shape[1] + rows).view(-1)
-            torch.index_select(src.view(-1, src.shape[2]), 0, flat_rows, out=dst.view(-1, dst.shape[2]))
-        else:
-            torch.index_select(src, 1, rows, out=dst)
 
 
 class _ShardBlocks(NamedTuple):
