@@ -103,8 +103,6 @@ class TensorReplacer:
         self._spans = list(zip(self._offsets.tolist(), self._lengths.tolist()))  # per prompt (first row, rows)
         self._zero_rows_list = self._zero_rows.tolist()
         self._sources = [tuple(s.packed) for s in self.store.shards]
-        # a shard's group as [modules * (rows + 1), E]: the rows of a several-shard gather, one call per shard
-        self._flat_sources = [tuple(p.view(-1, p.shape[2]) for p in src) for src in self._sources]
         # small host batches are gathered by numpy over these views (per shard)
         self._source_bits = [tuple(map(host_bits, src)) for src in self._sources] if self._on_host else None
         self._places = {m: (c.group, c.index) for m, c in store.columns.items()}
@@ -410,9 +408,8 @@ class TensorReplacer:
         views, given for a small batch of a host store). Rows in one shard: see
         :meth:`_gather_one_shard`. A small host batch over several shards is copied by numpy slot
         by slot. A larger one (or one on an accelerator) gathers each touched shard's rows into a
-        slot-major staging buffer, contiguous per shard, then the batch's slots from it: one
-        contiguous gather per touched shard and one for the batch, where a copy into each
-        shard's own slots paid two strided torch calls per shard."""
+        staging buffer, a block of slots per shard, then the batch's slots from it: one gather
+        per touched shard and one for the batch."""
         if not isinstance(plan, _ShardBlocks):
             shard, rows = plan
             if type(shard) is int:
@@ -420,20 +417,14 @@ class TensorReplacer:
             else:  # the shard of each slot
                 take_slot_rows(self._source_bits, storage_bits, shard, rows)
             return
+        rows, columns = self._index_tensor(plan.rows), self._index_tensor(plan.columns)
         for g, dst in enumerate(storage):
-            m, n, e = dst.shape
-            staging = torch.empty((plan.replaced + 1) * m, e, dtype=dst.dtype, device=dst.device)  # slot-major
-            staging[plan.replaced * m:].zero_()
-            modules = np.arange(m)
-            flat = self._index_tensor((plan.rows[:, None] + modules * self._zero_rows[plan.shards][:, None]
-                                       + modules).ravel())  # the row in its shard's [modules * (rows + 1), E] view
+            m, _, e = dst.shape
+            staging = torch.empty(m, plan.replaced + 1, e, dtype=dst.dtype, device=dst.device)
+            staging[:, plan.replaced].zero_()  # the padding's and unmatched slots' row
             for shard, start, stop in plan.blocks:
-                torch.index_select(self._flat_sources[shard][g], 0, flat[start * m:stop * m], out=staging[start * m:stop * m])
-            flat = self._index_tensor((plan.columns * m + modules[:, None]).ravel())
-            if dst.is_contiguous():
-                torch.index_select(staging, 0, flat, out=dst.view(-1, e))
-            else:  # a leading() view of a larger context
-                dst.copy_(torch.index_select(staging, 0, flat).view(m, n, e))
+                gather_rows(self._sources[shard][g], staging[:, start:stop], rows[start:stop])
+            gather_rows(staging, dst, columns)
 
     def _gather_one_shard(self, shard: int, rows, storage: tuple[torch.Tensor, ...], storage_bits) -> None:
         """``rows`` of one shard, by batch shape: a batch of a few runs of consecutive rows (a
@@ -502,12 +493,11 @@ class TensorReplacer:
 
 
 class _ShardBlocks(NamedTuple):
-    """A batch's replaced slots grouped by the shard that holds their rows (``shards``,
-    ``rows``: of each in that order; ``blocks``: ``(shard, start, stop)`` of each run). They
-    fill a staging buffer of ``replaced + 1`` slots (the last one zeros) from which slot
-    ``i`` of the batch takes staging slot ``columns[i]``."""
+    """A batch's replaced slots grouped by the shard that holds their rows (``rows``: of each
+    in that order; ``blocks``: ``(shard, start, stop)`` of each run). They fill a staging
+    buffer of ``replaced + 1`` slots (the last one zeros) from which slot ``i`` of the batch
+    takes staging slot ``columns[i]``."""
 
-    shards: np.ndarray
     rows: np.ndarray
     blocks: list[tuple[int, int, int]]
     columns: np.ndarray
@@ -522,7 +512,7 @@ class _ShardBlocks(NamedTuple):
         bounds = [0, *(np.flatnonzero(shard[1:] != shard[:-1]) + 1).tolist(), len(slots)]
         columns = np.full(mask.shape[0], len(slots), dtype=np.int64)
         columns[slots] = np.arange(len(slots))
-        return _ShardBlocks(shard, rows[slots], [(int(shard[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])],
+        return _ShardBlocks(rows[slots], [(int(shard[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])],
                             columns, len(slots))
 
 

@@ -362,6 +362,42 @@ def test_sharded_store_matches_per_slot_oracle(sc, shard_bytes, data):
         assert dirty.mask[len(positions):].all() and all(bool((b[:, len(positions):] == 7).all()) for b in dirty.storage)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-gather", "index_select"])
+def test_a_large_batch_over_several_shards_matches_per_slot_oracle(native, tmp_path, monkeypatch):
+    """More slots than the small-batch paths take, rows in four shards (and unmatched requests,
+    positions past a prompt, padding): the staging gather, into a fresh context, an out= one
+    and a leading() view of a dirty feed."""
+    from fxreplace import ReferenceStore, StoreWriter, gather
+
+    if not native:
+        monkeypatch.setattr(gather, "_gather", None)
+    lengths, decode = [30, 25, 40, 12], [0, 0, 0, 0]
+    caps = captures_for(lengths, decode, modules=("m0", "m1", "m2"), widths=(4, 4, 3), seed=5)
+    with StoreWriter(tmp_path / "ref", shard_bytes=1) as writer:
+        for p in (2, 0, 3, 1):
+            writer.add(None, caps[p], prompt_idx=p)
+    r = TensorReplacer(ReferenceStore.load(tmp_path / "ref"), on_unknown="passthrough")
+    assert len(r.store.shards) == 4
+    rng = np.random.default_rng(0)
+    req_prompts = [[2, 0, 3, 1, None][i % 5] for i in range(40)]
+    req_ids = [f"big-{i}" for i in range(len(req_prompts))]
+    for rid, p in zip(req_ids, req_prompts):
+        if p is not None:
+            r.register_request(rid, None, prompt_idx=p)
+    counts = [int(c) for c in rng.integers(1, 4, len(req_ids))]
+    positions = [int(s) + j for c in counts for s in [rng.integers(0, 38)] for j in range(c)] + [0] * 5
+    assert len(positions) > 64
+    expected = build_context_loop(caps, req_prompts, positions, slot_owners(len(positions), len(req_ids),
+                                                                            num_scheduled_tokens=counts))
+    _assert_same(r.build_context_for_batch(req_ids, counts, positions), *expected)
+    _assert_same(r.build_context_for_batch(req_ids, counts, positions, out=r.warmup_context(len(positions))), *expected)
+    dirty = r.warmup_context(len(positions) + 3)
+    for block in dirty.storage:
+        block.fill_(7.0)
+    _assert_same(r.build_context_for_batch(req_ids, counts, positions, out=dirty.leading(len(positions))), *expected)
+    assert all(bool((b[:, len(positions):] == 7).all()) for b in dirty.storage)
+
+
 # ---------------------------------------------------------------- bad batches, devices, buffers, threads
 
 
