@@ -53,8 +53,8 @@ def _values(shape, dtype, seed):
 
 
 def test_the_c_gather_is_built_where_the_tests_run():
-    assert gather.NATIVE, ("fxreplace._gather was not built: install a C compiler with OpenMP (gcc) and reinstall "
-                           "the package; without it large decode batches gather with index_select, 1.4-2x slower")
+    assert gather.NATIVE, ("fxreplace._gather was not built: install a C compiler with OpenMP (gcc) and Python's "
+                           "headers, and reinstall the package; without it large decode batches gather with index_select, up to 1.6x slower")
 
 
 @settings(max_examples=40, deadline=None)
