@@ -22,7 +22,7 @@ NATIVE = _gather is not None
 def gather_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
     """``dst[:, i] = src[:, rows[i]]`` for ``[modules, rows, E]`` tensors, ``rows`` an int64
     tensor on ``src``'s device. ``dst`` may be a view into a larger context (``leading()``)."""
-    if _gather is not None and _host_rows(src) and _host_rows(dst) and rows.device.type == "cpu" and (
+    if _gather is not None and _host_rows(src) and _host_rows(dst) and _no_overlap(dst) and rows.device.type == "cpu" and (
             rows.dtype == torch.int64 and rows.is_contiguous() and rows.dim() == 1 and src.dtype == dst.dtype
             and src.shape[0] == dst.shape[0] and src.shape[2] == dst.shape[2] and dst.shape[1] == rows.shape[0]):
         size = src.element_size()
@@ -38,3 +38,8 @@ def gather_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> Non
 def _host_rows(t: torch.Tensor) -> bool:
     """A host ``[modules, rows, E]`` tensor whose rows are contiguous, each module's at one stride."""
     return t.device.type == "cpu" and t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def _no_overlap(t: torch.Tensor) -> bool:
+    """No two of ``t``'s modules share memory (an expanded tensor's do: index_select refuses to write it)."""
+    return t.shape[0] <= 1 or t.stride(0) >= t.shape[1] * t.shape[2]

@@ -105,3 +105,10 @@ def test_the_c_gather_loads_no_openmp_runtime_of_its_own():
     assert done.returncode == 0, done.stderr
     before, after = json.loads(done.stdout)
     assert any("libgomp" in path for path in before) and after == before, done.stdout
+
+
+def test_an_output_whose_modules_share_memory_is_refused_not_overwritten():
+    src = torch.randn(3, 10, 8)
+    dst = torch.zeros(1, 4, 8).expand(3, 4, 8)  # one buffer seen as three modules
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        gather_rows(src, dst, torch.tensor([0, 1, 2, 3]))
