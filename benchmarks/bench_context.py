@@ -55,10 +55,16 @@ def timed(fn, reps):
 
 
 def interleaved(fns: dict, reps: int) -> dict:
-    """Median seconds per function, alternating calls so machine noise hits all alike."""
+    """Median seconds per function, alternating calls so machine noise hits all alike. Each
+    round starts one function later, so no function always runs right after the same one: a
+    call's time depends on what the call before it left in the cache (a gather right after
+    another of the same rows into the same buffer reads them from the cache; a build after a
+    copy finds its output buffer evicted), by as much as 1.3x."""
     times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
+    calls = list(fns.items())
+    for rep in range(reps):
+        shift = rep % len(calls)
+        for k, fn in calls[shift:] + calls[:shift]:
             start = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - start)
@@ -70,7 +76,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller loop baseline runs")
     args = ap.parse_args()
     torch.manual_seed(0)
-    reps = 5 if args.quick else 15
+    reps = 12 if args.quick else 24  # multiples of the 4 and 6 functions timed per case: each starts a round as often
     loop_reps = 1 if args.quick else 3
 
     prompts, positions_per_prompt = 4, 8192 + 256
