@@ -112,3 +112,28 @@ def test_an_output_whose_modules_share_memory_is_refused_not_overwritten():
     dst = torch.zeros(1, 4, 8).expand(3, 4, 8)  # one buffer seen as three modules
     with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
         gather_rows(src, dst, torch.tensor([0, 1, 2, 3]))
+
+
+def test_gathers_from_several_threads_at_once_each_get_their_own_rows():
+    """The C loop releases the GIL: builds on two threads (two engines' steps) run it at once."""
+    import threading
+
+    src = _values((8, 2048, 64), torch.bfloat16, seed=3)
+    jobs = [(torch.randint(0, 2048, (300,), generator=torch.Generator().manual_seed(i)),
+             torch.empty(8, 300, 64, dtype=torch.bfloat16)) for i in range(4)]
+    failures = []
+
+    def work(rows, dst):
+        for _ in range(30):
+            dst.zero_()
+            gather_rows(src, dst, rows)
+            if not torch.equal(bits(dst), bits(src)[:, rows]):
+                failures.append(rows[:4].tolist())
+
+    with threads(2):
+        workers = [threading.Thread(target=work, args=job) for job in jobs]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    assert not failures
