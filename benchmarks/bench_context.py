@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from fxreplace import ReferenceStore, StoreWriter, TensorReplacer
-from fxreplace.gather import NATIVE, gather_rows
+from fxreplace.gather import NATIVE, gather_rows, index_select_rows
 from fxreplace.store.format import Shard
 from fxreplace.testing import build_context_loop, slot_owners
 
@@ -208,12 +208,9 @@ def gather_floor(replacer: TensorReplacer, rows: torch.Tensor, out):
 
 
 def index_select_gather(replacer: TensorReplacer, rows: torch.Tensor, out):
-    """The same gather as :func:`gather_floor` by one dim-0 ``index_select`` over every
-    module's rows (what the package does where its C loop is not built)."""
-    src = replacer.store.packed[0]
-    flat = (torch.arange(src.shape[0]).unsqueeze(1) * src.shape[1] + rows).view(-1)
-    dst = out.storage[0].view(-1, src.shape[2])
-    return lambda: torch.index_select(src.view(-1, src.shape[2]), 0, flat, out=dst)
+    """The same gather as :func:`gather_floor` as the package does it where its C loop is
+    not built (:func:`fxreplace.gather.index_select_rows`)."""
+    return lambda: index_select_rows(replacer.store.packed[0], out.storage[0], rows)
 
 
 def bench_small_decode(replacer: TensorReplacer, quick: bool) -> tuple[float, float]:

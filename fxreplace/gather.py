@@ -28,7 +28,14 @@ def gather_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> Non
         size = src.element_size()
         _gather.gather_rows(src.data_ptr(), src.stride(0) * size, src.shape[1], dst.data_ptr(), dst.stride(0) * size,
                             src.shape[2] * size, src.shape[0], rows.data_ptr(), rows.shape[0], torch.get_num_threads())
-    elif src.is_contiguous() and dst.is_contiguous():  # one gather over all modules' rows spreads over torch's threads
+    else:
+        index_select_rows(src, dst, rows)
+
+
+def index_select_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
+    """:func:`gather_rows` by torch's ``index_select``: where the C loop is not built, and
+    for tensors it does not take (off the host, strided rows)."""
+    if src.is_contiguous() and dst.is_contiguous():  # one gather over all modules' rows spreads over torch's threads
         flat_rows = (torch.arange(src.shape[0], device=rows.device).unsqueeze(1) * src.shape[1] + rows).view(-1)
         torch.index_select(src.view(-1, src.shape[2]), 0, flat_rows, out=dst.view(-1, dst.shape[2]))
     else:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxreplace import gather
-from fxreplace.gather import gather_rows
+from fxreplace.gather import gather_rows, index_select_rows
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.bool]
 
@@ -32,17 +32,6 @@ def threads(n: int):
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.bool else t.view(torch.int8)  # NaN != NaN: compare the bits
-
-
-@contextlib.contextmanager
-def index_select_only():
-    """gather_rows as where the C loop is not built."""
-    built = gather._gather
-    gather._gather = None
-    try:
-        yield
-    finally:
-        gather._gather = built
 
 
 def _values(shape, dtype, seed):
@@ -67,8 +56,8 @@ def test_gather_rows_copies_every_bit_of_the_asked_rows(modules, stored, width, 
     whole = _values((modules, len(rows) + spare, width), dtype, seed=7)  # dst: the leading slots of a larger context
     before = whole.clone()
     dst = whole[:, : len(rows)]
-    with threads(workers), (contextlib.nullcontext() if native else index_select_only()):
-        gather_rows(src, dst, rows)
+    with threads(workers):
+        (gather_rows if native else index_select_rows)(src, dst, rows)
     assert torch.equal(bits(dst), bits(src)[:, rows])
     assert torch.equal(bits(whole)[:, len(rows):], bits(before)[:, len(rows):])  # the slots after the view: untouched
 
@@ -92,7 +81,7 @@ def test_the_c_gather_loads_no_openmp_runtime_of_its_own():
             return {line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line or "iomp" in line}
         before = runtimes()
         from fxreplace import _gather
-        from fxreplace.gather import gather_rows
+        from fxreplace.gather import gather_rows, index_select_rows
         src = torch.randn(48, 4096, 128).to(torch.bfloat16)
         rows = torch.randint(0, 4096, (512,))
         dst = torch.empty(48, 512, 128, dtype=torch.bfloat16)
