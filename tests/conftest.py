@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -37,3 +39,26 @@ def pytest_collection_modifyitems(items):
         test = f"{item.path.name}::{item.originalname}"
         if item.path.name in COMPAT_MODULES or test in COMPAT_TESTS:
             item.add_marker(pytest.mark.compat)
+
+
+_CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT")
+
+
+def pytest_configure(config):
+    """Compile caches (inductor's, vLLM's) live in a folder of this run, removed at its end: a
+    run reads no stale cache of an earlier one and leaves no GBs behind (the README's test
+    command installs the compat environment on the same disk right after the main suite).
+    A variable the user set is kept. xdist workers inherit the controller's environment."""
+    if hasattr(config, "workerinput"):
+        return
+    unset = [name for name in _CACHE_VARIABLES if name not in os.environ]
+    if unset:
+        config._fxreplace_caches = tempfile.mkdtemp(prefix="fxreplace-test-caches-")
+        for name in unset:
+            os.environ[name] = os.path.join(config._fxreplace_caches, name.lower())
+
+
+def pytest_unconfigure(config):
+    caches = getattr(config, "_fxreplace_caches", None)
+    if caches:
+        shutil.rmtree(caches, ignore_errors=True)
