@@ -97,7 +97,7 @@ def main():
             positions = list(range(100, 100 + n - 16)) + [0] * 16  # a chunk mid-prompt, then padding
             req_prompts = [0]
             owners = slot_owners(len(positions), 1, positions=positions, is_prefill=True)
-            build = lambda out=None: replacer.build_context(req_ids, positions, True, out=out)  # noqa: E731
+            build = lambda out=None: replacer.build_context(req_ids, position_ids, True, out=out)  # noqa: E731
             label = f"prefill {n}"
         else:
             req_ids = [f"d{i}" for i in range(batch)]
@@ -108,8 +108,9 @@ def main():
             positions = [int(s) + j for s in starts for j in range(k)]
             positions += [0] * (batch * k // 8)  # batch-bucket padding
             owners = slot_owners(len(positions), batch, is_prefill=False, tokens_per_req=k)
-            build = lambda out=None: replacer.build_context(req_ids, positions, False, tokens_per_req=k, out=out)  # noqa: E731
+            build = lambda out=None: replacer.build_context(req_ids, position_ids, False, tokens_per_req=k, out=out)  # noqa: E731
             label = f"decode {batch}x{k}"
+        position_ids = torch.tensor(positions)  # engines hand positions as a tensor (vLLM's, Neuron's position_ids)
         loop = lambda: build_context_loop(flat, req_prompts, positions, owners)  # noqa: E731
 
         reused = replacer.warmup_context(len(positions))

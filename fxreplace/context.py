@@ -53,12 +53,13 @@ class ReplacementContext(Mapping):
                  places: Mapping[str, tuple[int, int]] | None = None):
         if mask.dtype != torch.bool or mask.dim() != 1:
             raise ValueError(f"mask must be a 1-D bool tensor, got {mask.dtype} of shape {tuple(mask.shape)}")
-        for name, t in tensors.items():
-            if t.dim() < 1 or t.shape[0] != mask.shape[0]:
-                raise ValueError(
-                    f"replacement for {name!r} has shape {tuple(t.shape)}; expected "
-                    f"[{mask.shape[0]}, ...] to match the mask"
-                )
+        # the tensors of a context built over storage are its groups' blocks: a group's rows are theirs
+        shapes = ((f"group {g}", s.shape[1:]) for g, s in enumerate(storage)) if storage else (
+            (repr(name), t.shape) for name, t in tensors.items())
+        for what, shape in shapes:
+            if len(shape) < 1 or shape[0] != mask.shape[0]:
+                raise ValueError(f"replacement for {what} has shape {tuple(shape)}; expected "
+                                 f"[{mask.shape[0]}, ...] to match the mask")
         self._tensors = dict(tensors)
         self.mask = mask
         self.storage = storage  # per group [capture names, num_tokens, E], when built by a TensorReplacer
@@ -72,7 +73,8 @@ class ReplacementContext(Mapping):
     def from_storage(cls, storage: tuple[torch.Tensor, ...], mask: torch.Tensor,
                      places: Mapping[str, tuple[int, int]]) -> "ReplacementContext":
         """The context whose tensors are the blocks ``storage[g][i]`` named by ``places``."""
-        return cls({m: storage[g][i] for m, (g, i) in places.items()}, mask, storage, places)
+        blocks = [s.unbind(0) for s in storage]  # one call per group, not a Python index per name
+        return cls({m: blocks[g][i] for m, (g, i) in places.items()}, mask, storage, places)
 
     def leading(self, num_tokens: int) -> "ReplacementContext":
         """The first ``num_tokens`` slots, sharing this context's memory: an ``out=``

@@ -114,6 +114,7 @@ class BatchLookup(NamedTuple):
     req_ids: list[str]
     generation: int  # the replacer's registration generation it was made at
     prompts: list[int]  # internal prompt per request (-1 unmatched), then -1 for padding
+    prompt_array: np.ndarray  # the same as int64, for large batches' numpy arithmetic
     matched: bool  # any request matched
     offsets: list[int]  # per request: first row in its shard (0 where unmatched)
     stored: list[range]  # per request: the positions it has rows for (none where unmatched)

@@ -113,7 +113,7 @@ class TensorReplacer:
         self._spare: list[tuple[torch.Tensor, ...]] = []
         self._generation = 0  # bumped by every registration and release: invalidates _last_batch
         # the last batch looked up: an engine's consecutive decode steps run the same requests
-        self._last_batch = BatchLookup([], -1, [], False, [], [], 0)
+        self._last_batch = BatchLookup([], -1, [], np.zeros(0, np.int64), False, [], [], 0)
 
     @property
     def capture_names(self) -> list[str]:
@@ -237,7 +237,7 @@ class TensorReplacer:
                     f"a decode batch of {len(req_ids)} requests x {tokens_per_req} tokens needs {needed} slots but has "
                     f"{n} positions: requests {list(req_ids)[n // tokens_per_req:][:4]} would be dropped"
                 )
-            counts = [int(tokens_per_req)] * len(req_ids)
+            counts = np.full(len(req_ids), tokens_per_req, dtype=np.int64)
         return self._gather(req_ids, counts, positions, device, out)
 
     def build_context_for_batch(
@@ -292,7 +292,7 @@ class TensorReplacer:
         shards = [self._shard_list[p] if p >= 0 else 0 for p in prompts[:-1]]
         touched = {s for s, p in zip(shards, prompts) if p >= 0}
         lookup = self._last_batch = BatchLookup(
-            list(req_ids), generation, prompts, max(prompts) >= 0, [o for o, _ in spans],
+            list(req_ids), generation, prompts, np.array(prompts, dtype=np.int64), max(prompts) >= 0, [o for o, _ in spans],
             [range(length) for _, length in spans], shards if len(touched) > 1 else touched.pop() if touched else 0)
         return lookup
 
@@ -330,7 +330,7 @@ class TensorReplacer:
         out.num_replaced = len(rows)
         return True
 
-    def _slot_rows(self, lookup: BatchLookup, counts: list[int], positions: np.ndarray | list[int]):
+    def _slot_rows(self, lookup: BatchLookup, counts: Sequence[int], positions: np.ndarray | list[int]):
         """The plan and the mask of a batch. The plan of a batch whose rows lie in one shard
         (every batch of a one-shard store, a prefill chunk) is ``(shard, rows)``, the store row
         of every slot (the shard's zero row where it holds none); that of a batch over several
@@ -357,8 +357,8 @@ class TensorReplacer:
                 s += c
             return (shards if several else shard, rows), mask
         positions = np.asarray(positions, dtype=np.int64)
-        owners = np.repeat(np.arange(len(counts) + 1), counts + [n - sum(counts)])
-        prompt = np.array(prompts)[owners]
+        per_request = np.asarray(counts, dtype=np.int64)
+        prompt = np.repeat(lookup.prompt_array, np.append(per_request, n - per_request.sum()))
         known = prompt >= 0
         prompt = np.maximum(prompt, 0)
         mask = known & (positions >= 0) & (positions < self._lengths[prompt])
@@ -370,7 +370,7 @@ class TensorReplacer:
         first = int(touched[0]) if touched.size else 0
         return (first, np.where(mask, local, self._zero_rows[first])), mask
 
-    def _gather(self, req_ids, counts: list[int], positions: np.ndarray | list[int], device, out) -> ReplacementContext:
+    def _gather(self, req_ids, counts: Sequence[int], positions: np.ndarray | list[int], device, out) -> ReplacementContext:
         """Request ``i`` owns the next ``counts[i]`` slots, the rest is padding -> context."""
         plan, mask = self._slot_rows(self._lookup(req_ids), counts, positions)
         n = len(positions)
