@@ -42,8 +42,10 @@ class ReplacementContext(Mapping):
     Built by a :class:`~fxreplace.TensorReplacer`, the tensors are blocks of
     ``storage``: one ``[capture names, num_tokens, E]`` tensor per group of the store, so
     each capture name's tensor is contiguous and one gather per group fills them all.
-    ``places[name]`` is ``(group, block)``; ``num_replaced`` counts the mask's True rows
-    as the build wrote them (None for a context made by hand).
+    ``places[name]`` is ``(group, block)``, and a name's tensor is made when first read:
+    a context whose reader takes ``storage`` whole (an engine's bound feed) makes none.
+    ``num_replaced`` counts the mask's True rows as the build wrote them (None for a context
+    made by hand).
     """
 
     __slots__ = ("_tensors", "mask", "storage", "places", "_mask_array", "_storage_bits", "checked_by", "num_replaced",
@@ -73,8 +75,7 @@ class ReplacementContext(Mapping):
     def from_storage(cls, storage: tuple[torch.Tensor, ...], mask: torch.Tensor,
                      places: Mapping[str, tuple[int, int]]) -> "ReplacementContext":
         """The context whose tensors are the blocks ``storage[g][i]`` named by ``places``."""
-        blocks = [s.unbind(0) for s in storage]  # one call per group, not a Python index per name
-        return cls({m: blocks[g][i] for m, (g, i) in places.items()}, mask, storage, places)
+        return cls({}, mask, storage, places)
 
     def leading(self, num_tokens: int) -> "ReplacementContext":
         """The first ``num_tokens`` slots, sharing this context's memory: an ``out=``
@@ -108,13 +109,17 @@ class ReplacementContext(Mapping):
         return SelectedContext(self, names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            g, i = self.places[name]  # KeyError: no such capture name
+            tensor = self._tensors[name] = self.storage[g][i]
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
+        return iter(self.places if self.storage else self._tensors)
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self.places if self.storage else self._tensors)
 
     @property
     def num_tokens(self) -> int:
@@ -134,7 +139,7 @@ class ReplacementContext(Mapping):
         return moved
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self._tensors.items())
+        shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self.items())
         return f"ReplacementContext({{{shapes}}}, active={int(self.mask.sum())}/{self.num_tokens})"
 
 

@@ -94,13 +94,15 @@ class TensorReplacer:
         self._index = PromptIndex(store.prompt_token_ids) if store.prompt_token_ids is not None else None
         self._device = self.store.packed[0].device
         self._on_host = self._device.type == "cpu"
-        # host-side tables: the row arithmetic of every build runs in numpy
-        self._offsets = store.offsets.cpu().numpy()
-        self._lengths = store.lengths.cpu().numpy()
-        self._shard_of = store.prompt_shard.cpu().numpy()
+        # host-side tables: the row arithmetic of every build runs in numpy. Each ends with an
+        # entry of no rows that prompt -1 (unmatched requests, padding) indexes, so a large
+        # batch's mask needs no separate "matched" test
+        self._offsets = np.append(store.offsets.cpu().numpy(), 0)
+        self._lengths = np.append(store.lengths.cpu().numpy(), 0)
+        self._shard_of = np.append(store.prompt_shard.cpu().numpy(), 0)
         self._shard_list = self._shard_of.tolist()
         self._zero_rows = np.array([s.zero_row for s in store.shards], dtype=np.int64)
-        self._spans = list(zip(self._offsets.tolist(), self._lengths.tolist()))  # per prompt (first row, rows)
+        self._spans = list(zip(self._offsets.tolist(), self._lengths.tolist()))  # per prompt (first row, rows), then (0, 0)
         self._zero_rows_list = self._zero_rows.tolist()
         self._sources = [tuple(s.packed) for s in self.store.shards]
         # small host batches are gathered by numpy over these views (per shard)
@@ -288,8 +290,8 @@ class TensorReplacer:
             prompts = [_UNMATCHED if p == _MISSING else p for p in prompts]
         prompts.append(_UNMATCHED)
         # per request: first row in its shard, stored rows and shard (0 where unmatched), for decode steps
-        spans = [self._spans[p] if p >= 0 else (0, 0) for p in prompts[:-1]]
-        shards = [self._shard_list[p] if p >= 0 else 0 for p in prompts[:-1]]
+        spans = [self._spans[p] for p in prompts[:-1]]
+        shards = [self._shard_list[p] for p in prompts[:-1]]
         touched = {s for s, p in zip(shards, prompts) if p >= 0}
         lookup = self._last_batch = BatchLookup(
             list(req_ids), generation, prompts, np.array(prompts, dtype=np.int64), max(prompts) >= 0, [o for o, _ in spans],
@@ -359,9 +361,7 @@ class TensorReplacer:
         positions = np.asarray(positions, dtype=np.int64)
         per_request = np.asarray(counts, dtype=np.int64)
         prompt = np.repeat(lookup.prompt_array, np.append(per_request, n - per_request.sum()))
-        known = prompt >= 0
-        prompt = np.maximum(prompt, 0)
-        mask = known & (positions >= 0) & (positions < self._lengths[prompt])
+        mask = (positions >= 0) & (positions < self._lengths[prompt])
         local = self._offsets[prompt] + positions
         shard = self._shard_of[prompt]
         touched = shard[mask]
@@ -468,11 +468,13 @@ class TensorReplacer:
             for k, bufs in enumerate(self._spare):
                 if bufs[0].shape[1] == n and _UNSHARED is not None and all(_use_count(b) == _UNSHARED for b in bufs):
                     self._spare.append(self._spare.pop(k))
-                    return ReplacementContext.from_storage(bufs, mask, self._places)
-            bufs = tuple(torch.empty(m, n, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
-            self._spare.append(bufs)
-            del self._spare[:-_SPARE_BUFFERS]
-            return ReplacementContext.from_storage(bufs, mask, self._places)
+                    break
+            else:
+                bufs = tuple(torch.empty(m, n, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
+                self._spare.append(bufs)
+                del self._spare[:-_SPARE_BUFFERS]
+            # the context holds views, not the buffers themselves: their use count says while it lives
+            return ReplacementContext.from_storage(tuple(b.view_as(b) for b in bufs), mask, self._places)
 
     def _checked_out(self, out: ReplacementContext, n: int) -> CheckedOut:
         """Check ``out`` once (remembered on it: a context's shapes and device never change)."""

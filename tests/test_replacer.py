@@ -444,6 +444,15 @@ def test_to_the_same_device_keeps_the_buffers_for_out(replacer):
         replacer.build_context(["a"], [0, 1, 2], True, device="cpu", out=moved)
 
 
+def test_a_living_context_keeps_its_buffers_before_any_tensor_is_read(replacer):
+    replacer.register_request("a", [1, 2, 3, 4, 5])
+    big = list(range(80))  # more slots than a small batch (which numpy views, holding its buffers)
+    alive = replacer.build_context(["a"], big, True)  # its capture tensors are made when first read
+    other = replacer.build_context(["a"], big[2:] + [0, 0], True)
+    assert other.storage[0].data_ptr() != alive.storage[0].data_ptr(), "a living context's buffers were reused"
+    assert torch.equal(alive["m0"], replacer.build_context(["a"], big, True)["m0"])
+
+
 def test_fresh_contexts_recycle_only_buffers_nobody_holds(replacer):
     replacer.register_request("a", [1, 2, 3, 4, 5])
     first = replacer.build_context(["a"], [0, 1, 2], True)
