@@ -50,8 +50,10 @@ Inductor).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -182,6 +184,7 @@ def main() -> None:
     new = 16 if args.quick else 32
     num_prompts, prompt_len = 8, 64
     tmp = tempfile.mkdtemp(prefix="fxreplace_bench_vllm_")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # the checkpoint and reference, also when a run fails
     ckpt = str(save_tiny_checkpoint(ARCH, os.path.join(tmp, "ckpt"), **shape))
     from transformers import AutoModelForCausalLM
 
