@@ -332,7 +332,7 @@ class TensorReplacer:
         out.num_replaced = len(rows)
         return True
 
-    def _slot_rows(self, lookup: BatchLookup, counts: Sequence[int], positions: np.ndarray | list[int]):
+    def _slot_rows(self, lookup: BatchLookup, counts: Sequence[int] | np.ndarray, positions: np.ndarray | list[int]):
         """The plan and the mask of a batch. The plan of a batch whose rows lie in one shard
         (every batch of a one-shard store, a prefill chunk) is ``(shard, rows)``, the store row
         of every slot (the shard's zero row where it holds none); that of a batch over several
@@ -370,7 +370,7 @@ class TensorReplacer:
         first = int(touched[0]) if touched.size else 0
         return (first, np.where(mask, local, self._zero_rows[first])), mask
 
-    def _gather(self, req_ids, counts: Sequence[int], positions: np.ndarray | list[int], device, out) -> ReplacementContext:
+    def _gather(self, req_ids, counts: Sequence[int] | np.ndarray, positions: np.ndarray | list[int], device, out) -> ReplacementContext:
         """Request ``i`` owns the next ``counts[i]`` slots, the rest is padding -> context."""
         plan, mask = self._slot_rows(self._lookup(req_ids), counts, positions)
         n = len(positions)
