@@ -131,7 +131,8 @@ def run_on_ray(cluster: RayCluster, name: str, ckpt: str, prompts_path, fxreplac
     script.write_text(SCRIPT)
     started = time.monotonic()
     stdout = run_python([str(script), ckpt, str(prompts_path), json.dumps(fxreplace), json.dumps(engine), str(new)],
-                        timeout_s=TIMEOUT_S, tp=2, compiled=compiled, env=ray_env(cluster))
+                        timeout_s=TIMEOUT_S, tp=2, compiled=compiled, env=ray_env(cluster),
+                        logs=cluster.directory)
     TIMINGS[name] = time.monotonic() - started
     return result_line(stdout)
 
@@ -188,7 +189,8 @@ def test_pp2_capture_on_ray_writes_a_store_per_stage_that_joins_to_hf(cluster, s
     started = time.monotonic()
     stdout = run_python(["-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--eager", "--prompts",
                          str(setup.prompts_path), "--out", str(out), "--max-new-tokens", str(CAPTURE_NEW),
-                         "--engine-args", json.dumps(engine)], timeout_s=TIMEOUT_S, tp=2, env=ray_env(cluster))
+                         "--engine-args", json.dumps(engine)], timeout_s=TIMEOUT_S, tp=2, env=ray_env(cluster),
+                         logs=cluster.directory)
     TIMINGS["capture pp=2 eager"] = time.monotonic() - started
     assert f"captured {len(setup.prompts)} prompts" in stdout and "(0 dropped)" in stdout, stdout
     stages = stage_dirs(out)
@@ -268,7 +270,7 @@ def test_blame_through_a_ray_engine_ranks_the_planted_router_first(cluster, refe
     started = time.monotonic()
     stdout = run_python(["-m", "fxreplace", "blame", str(checkpoint), "--reference", str(reference_dir), "--engine",
                          "vllm", "--dtype", "float32", "--eager", "--report-dir", str(out), "--engine-args",
-                         json.dumps(engine)], timeout_s=TIMEOUT_S, tp=2, env=ray_env(cluster))
+                         json.dumps(engine)], timeout_s=TIMEOUT_S, tp=2, env=ray_env(cluster), logs=cluster.directory)
     TIMINGS["blame tp=2 eager"] = time.monotonic() - started
     data = json.loads((out / "blame.json").read_text())
     component, _, layer = EXPECTED["router"][0]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,9 +35,10 @@ def engine_env(tp: int = 1, compiled: bool = False) -> dict:
 
 
 def run_python(args: list[str], *, timeout_s: float, tp: int = 1, compiled: bool = False,
-               env: dict | None = None) -> str:
+               env: dict | None = None, logs: Path | None = None) -> str:
     """``python *args`` in its own session with :func:`engine_env` (updated with ``env``); its
-    stdout (fails the test on a non-zero exit or a timeout, showing stderr)."""
+    stdout. A non-zero exit or a timeout fails the test with :func:`failure_report` (``logs``:
+    a folder whose log files may hold the cause, a Ray cluster's)."""
     proc = subprocess.Popen([sys.executable, *args], env={**engine_env(tp, compiled), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -43,14 +46,33 @@ def run_python(args: list[str], *, timeout_s: float, tp: int = 1, compiled: bool
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"{args[:3]} did not finish within {timeout_s} s:\n{stderr[-4000:]}")
+        pytest.fail(failure_report(f"did not finish within {timeout_s} s", args, stdout, stderr, logs), pytrace=False)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # leftovers of a finished run
         except ProcessLookupError:
             pass
-    assert proc.returncode == 0, (stdout[-2000:], stderr[-6000:])
+    if proc.returncode != 0:
+        pytest.fail(failure_report(f"exited with {proc.returncode}", args, stdout, stderr, logs), pytrace=False)
     return stdout
+
+
+_CAUSE = re.compile(r"Error|Exception|Killed|killed|memory|Traceback|died|FAILED|Timeout")
+
+
+def failure_report(what: str, args: list[str], stdout: str, stderr: str, logs: Path | None) -> str:
+    """Why an engine script failed, cause first: CI shows a failure's first lines, and an
+    engine's stderr is mostly start-up logging. Then the lines of ``logs``' files that
+    name an error (a Ray worker killed for memory says so only there), then the tails."""
+    causes = [line for line in stderr.splitlines() if _CAUSE.search(line)][-12:]
+    log_causes = []
+    for path in sorted(logs.rglob("*")) if logs is not None else ():
+        if path.is_file() and path.suffix in (".log", ".out", ".err"):
+            found = [line for line in path.read_text(errors="replace").splitlines() if _CAUSE.search(line)]
+            log_causes += [f"{path.relative_to(logs)}: {line[:300]}" for line in found[-3:]]
+    return "\n".join([f"python {' '.join(args[:4])} ... {what}; its error lines:", *causes,
+                      *(["error lines of its logs:", *log_causes[-20:]] if log_causes else []),
+                      "--- stderr tail ---", stderr[-6000:], "--- stdout tail ---", stdout[-2000:]])
 
 
 def result_line(stdout: str):
