@@ -10,7 +10,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#define AHEAD 16 /* rows requested ahead: enough in flight to hide a memory access */
+/* Rows requested ahead, into every cache level (prefetcht0). Side by side on bench_context's
+ * decode rows (256-byte rows, the store in memory), 32 rows ahead into L1 gathered 1.4-1.8x
+ * faster than 16 ahead as non-temporal prefetches (prefetchnta), which the cache may drop before
+ * the copy reads them; 24 to 96 ahead were alike, for 128-byte to 4 KiB rows. */
+#define AHEAD 32
 
 static PyObject *gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -47,7 +51,7 @@ static PyObject *gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (ahead < total) {
             const int64_t am = ahead / slots;
             const char *row = src + am * src_stride + rows[ahead - am * slots] * row_bytes;
-            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 0);
+            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 3);
         }
 #endif
         memcpy(dst + m * dst_stride + i * row_bytes, src + m * src_stride + rows[i] * row_bytes, (size_t)row_bytes);
