@@ -118,10 +118,12 @@ def cluster(tmp_path_factory):
           + ", ".join(f"{k} {v:.0f} s" for k, v in TIMINGS.items()))
 
 
-def ray_env(cluster: RayCluster) -> dict:
-    """What an engine process needs to use the cluster: its address, the driver's node
-    address, the platform plugin on its path."""
-    return dict(RAY_ADDRESS=cluster.address, VLLM_HOST_IP=NODE_IPS[0], PYTHONPATH=cluster.env["PYTHONPATH"])
+def run_on_cluster(cluster: RayCluster, args: list[str], compiled: bool = False) -> str:
+    """``python *args``, an engine process of the cluster (one worker on each node): its stdout.
+    It gets the cluster's address, the driver's node address and the platform plugin; a
+    failure is reported with the error lines of the cluster's logs."""
+    env = dict(RAY_ADDRESS=cluster.address, VLLM_HOST_IP=NODE_IPS[0], PYTHONPATH=cluster.env["PYTHONPATH"])
+    return run_python(args, timeout_s=TIMEOUT_S, tp=2, compiled=compiled, env=env, logs=cluster.directory)
 
 
 def run_on_ray(cluster: RayCluster, name: str, ckpt: str, prompts_path, fxreplace: dict, engine: dict, new: int,
@@ -130,9 +132,8 @@ def run_on_ray(cluster: RayCluster, name: str, ckpt: str, prompts_path, fxreplac
     script = cluster.directory / "engine.py"
     script.write_text(SCRIPT)
     started = time.monotonic()
-    stdout = run_python([str(script), ckpt, str(prompts_path), json.dumps(fxreplace), json.dumps(engine), str(new)],
-                        timeout_s=TIMEOUT_S, tp=2, compiled=compiled, env=ray_env(cluster),
-                        logs=cluster.directory)
+    stdout = run_on_cluster(cluster, [str(script), ckpt, str(prompts_path), json.dumps(fxreplace), json.dumps(engine),
+                                      str(new)], compiled)
     TIMINGS[name] = time.monotonic() - started
     return result_line(stdout)
 
@@ -187,10 +188,9 @@ def test_pp2_capture_on_ray_writes_a_store_per_stage_that_joins_to_hf(cluster, s
     out = setup.dir / "ray_pp"
     engine = dict(ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray")
     started = time.monotonic()
-    stdout = run_python(["-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--eager", "--prompts",
-                         str(setup.prompts_path), "--out", str(out), "--max-new-tokens", str(CAPTURE_NEW),
-                         "--engine-args", json.dumps(engine)], timeout_s=TIMEOUT_S, tp=2, env=ray_env(cluster),
-                         logs=cluster.directory)
+    stdout = run_on_cluster(cluster, ["-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--eager", "--prompts",
+                                      str(setup.prompts_path), "--out", str(out), "--max-new-tokens", str(CAPTURE_NEW),
+                                      "--engine-args", json.dumps(engine)])
     TIMINGS["capture pp=2 eager"] = time.monotonic() - started
     assert f"captured {len(setup.prompts)} prompts" in stdout and "(0 dropped)" in stdout, stdout
     stages = stage_dirs(out)
@@ -268,9 +268,9 @@ def test_blame_through_a_ray_engine_ranks_the_planted_router_first(cluster, refe
     out = tmp_path / "blame"
     engine = {"distributed_executor_backend": "ray", "tensor_parallel_size": 2, "enable_prefix_caching": False}
     started = time.monotonic()
-    stdout = run_python(["-m", "fxreplace", "blame", str(checkpoint), "--reference", str(reference_dir), "--engine",
-                         "vllm", "--dtype", "float32", "--eager", "--report-dir", str(out), "--engine-args",
-                         json.dumps(engine)], timeout_s=TIMEOUT_S, tp=2, env=ray_env(cluster), logs=cluster.directory)
+    stdout = run_on_cluster(cluster, ["-m", "fxreplace", "blame", str(checkpoint), "--reference", str(reference_dir),
+                                      "--engine", "vllm", "--dtype", "float32", "--eager", "--report-dir", str(out),
+                                      "--engine-args", json.dumps(engine)])
     TIMINGS["blame tp=2 eager"] = time.monotonic() - started
     data = json.loads((out / "blame.json").read_text())
     component, _, layer = EXPECTED["router"][0]
