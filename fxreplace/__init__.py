@@ -11,7 +11,7 @@ from .passes import Injection, InjectionSpec, PassResult, insert_replacements
 from .points import locate_injection_point
 from .replacer import TensorReplacer
 from .sharding import ShapeError, ShardSpec
-from .store import CaptureError, ReferenceStore, StoreError, StoreWriter, load_captures, load_legacy, load_token_ids, merge_stores
+from .store import CaptureError, ReferenceStore, StoreError, StoreWriter, load_captures, load_legacy, load_token_ids, merge_stores, repack_store
 from .targets import Target, TargetError, resolve_targets
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "load_token_ids",
     "locate_injection_point",
     "merge_stores",
+    "repack_store",
     "observe",
     "register_adapter",
     "resolve_targets",

@@ -547,6 +547,19 @@ def _inspect(args) -> int:
     return 0
 
 
+def _repack(args) -> int:
+    from .store import CaptureError, ReferenceStore, repack_store
+
+    try:
+        before = len(ReferenceStore.load(args.reference).shards)
+        store = ReferenceStore.load(repack_store(args.reference, args.out, shard_bytes=args.shard_mib << 20))
+    except (CaptureError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"{args.out}: {store.num_prompts} prompts in {len(store.shards)} shard(s), repacked from {before} "
+          f"shard(s) of {args.reference}; every source shard matched its recorded digests")
+    return 0
+
+
 def _verify_store(path: str) -> int:
     """Read every byte of a reference store: digests recorded at write, then finiteness."""
     from .store import CaptureError, ReferenceStore
@@ -679,6 +692,14 @@ def build_parser() -> Parser:
                          help="check a reference store byte by byte against its recorded digests")
     inspect.add_argument("--tokens", type=positive_int, default=4, help="tokens of the probe forward")
     inspect.set_defaults(func=_inspect)
+
+    repack = command("repack", "rewrite a reference store of many small shards (a vLLM capture writes one per idle) "
+                               "as few large ones; prompts and rows unchanged")
+    repack.add_argument("reference", type=reference_path, help="the store directory to read (left as it is)")
+    repack.add_argument("--out", required=True, help="a new or empty directory for the repacked store")
+    repack.add_argument("--shard-mib", type=positive_int, default=256,
+                        help="MiB per output shard (consecutive shards are joined up to it; a larger one stays whole)")
+    repack.set_defaults(func=_repack)
     return parser
 
 

@@ -492,6 +492,26 @@ def test_cli_inspect_verify_reports_a_sound_store_and_names_a_flipped_tensor(tmp
         main(["inspect", "--verify", str(file.parent)])
 
 
+def test_cli_repack_joins_an_idling_engines_small_shards(tmp_path, capsys):
+    from fxreplace import StoreWriter
+    from fxreplace.cli import main
+
+    caps, ids = _prompt_captures(6)
+    with StoreWriter(tmp_path / "ref") as writer:
+        for p in range(6):
+            writer.add(ids[p], caps[p])
+            writer.sync()  # a capturing engine idles after every request: a shard each
+    assert main(["repack", str(tmp_path / "ref"), "--out", str(tmp_path / "packed")]) == 0
+    assert "6 prompts in 1 shard(s), repacked from 6 shard(s)" in capsys.readouterr().out
+    packed, expected = ReferenceStore.load(tmp_path / "packed"), ReferenceStore.from_captures(caps, prompt_token_ids=ids)
+    assert packed.prompt_token_ids == ids and all(torch.equal(packed.rows(p, "a"), expected.rows(p, "a")) for p in range(6))
+    with pytest.raises(SystemExit, match="is not an empty directory"):
+        main(["repack", str(tmp_path / "ref"), "--out", str(tmp_path / "packed")])
+    with pytest.raises(SystemExit) as usage:
+        main(["repack", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
+    assert usage.value.code == 2 and "no reference store at" in capsys.readouterr().err
+
+
 def test_writer_memory_is_bounded_by_one_shard_not_by_the_store(tmp_path):
     from fxreplace import StoreWriter
 

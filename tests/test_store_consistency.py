@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxreplace import CaptureError, ReferenceStore, StoreError, StoreWriter, TensorReplacer, merge_stores
+from fxreplace import CaptureError, ReferenceStore, StoreError, StoreWriter, TensorReplacer, merge_stores, repack_store
 from fxreplace.reference import Reference
 from fxreplace.store import GENERATED_LOGITS, load_captures, load_legacy
 
@@ -491,6 +491,58 @@ def test_random_stores_merge_bit_exact_and_inconsistent_ones_never_do(tmp_path_f
     with pytest.raises(StoreError):
         merge_stores(inputs, root / "refused")
     assert not (root / "refused").exists()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 5), min_size=1, max_size=9), written=st.sampled_from([1, 200, 600]),
+       repacked=st.sampled_from([1, 500, 2000, 1 << 20]), first=st.integers(0, 3))
+def test_a_repacked_store_holds_the_same_prompts_bit_for_bit_in_fewer_shards(tmp_path_factory, lengths, written,
+                                                                              repacked, first):
+    root = tmp_path_factory.mktemp("repack")
+    prompts = range(first, first + len(lengths))  # indices need not start at 0
+    texts = [f"text {p}" for p in range(first + len(lengths))]
+    with StoreWriter(root / "src", shard_bytes=written, metadata={"vocab_size": 16, "prompt_texts": texts}) as w:
+        for p, L in zip(prompts, lengths):
+            ids, caps = _captures(p, L, (3, 8))
+            w.add(ids, caps, prompt_idx=p, extras=generation(16, p))
+            if p % 3 == 0:
+                w.sync()  # an idle: a small shard of its own
+    src = ReferenceStore.load(root / "src")
+    out = ReferenceStore.load(repack_store(root / "src", root / "out", shard_bytes=repacked))
+    assert out.prompt_ids == src.prompt_ids and out.prompt_token_ids == src.prompt_token_ids
+    assert (out.num_steps, out.prefill, out.metadata) == (src.num_steps, src.prefill, src.metadata)
+    assert out.finite_checked and out.verify()["prompts"] == len(lengths)
+    for p in prompts:
+        for name in ("a", "b"):
+            assert torch.equal(out.rows(p, name), src.rows(p, name))
+        assert torch.equal(out.extra(GENERATED_LOGITS, p), src.extra(GENERATED_LOGITS, p))
+    sizes = [sum(t.numel() * t.element_size() for t in s.packed) for s in src.shards]
+    assert len(out.shards) <= len(src.shards)
+    if repacked >= sum(sizes) + 2000:  # room for every shard and its extras: one shard
+        assert len(out.shards) == 1
+    assert all(s.zero_row == s.rows and not s.packed[0][:, s.rows].any() for s in out.shards)
+    replacer = TensorReplacer(out, src.prompt_token_ids)
+    p = prompts[-1]
+    replacer.register_request("r", src.prompt_token_ids[src.internal_index(p)])
+    ctx = replacer.build_context_for_batch(["r"], [1], [lengths[-1] + 2])  # the decode step's row
+    assert bool(ctx.mask[0]) and torch.equal(ctx["b"][0], src.rows(p, "b")[-1])
+
+
+def test_repack_refuses_a_damaged_shard_and_writes_nothing(tmp_path):
+    write(tmp_path / "src", range(4), shard_bytes=1)
+    shard = tmp_path / "src" / "shard-00002.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x40  # a byte of the last tensor's data: loading reads headers only, it still loads
+    shard.write_bytes(bytes(raw))
+    assert ReferenceStore.load(tmp_path / "src").num_prompts == 4
+    with pytest.raises(StoreError, match=r"shard-00002.safetensors: tensor .* differs .* corrupted"):
+        repack_store(tmp_path / "src", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["src"]
+    write(tmp_path / "other", range(2))
+    with pytest.raises(FileExistsError, match="other is not an empty directory"):
+        repack_store(tmp_path / "src", tmp_path / "other")
+    with pytest.raises(ValueError, match="shard_bytes must be a positive int"):
+        repack_store(tmp_path / "other", tmp_path / "out", shard_bytes=0)
 
 
 # ---------------------------------------------------------------- config and replacer arguments

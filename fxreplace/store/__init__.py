@@ -20,18 +20,19 @@ of every tensor. A directory store lists its shards in ``index.json``. Loading r
 headers and the per-prompt tables only (O(index)) and memory-maps the groups; the
 index is validated against the tensors' metadata, never by reading the rows.
 :class:`StoreWriter` streams prompts into shards as they finish; :func:`merge_stores`
-combines stores captured by several engines.
+combines stores captured by several engines; :func:`repack_store` joins a store's small
+shards into fewer.
 """
 
 from .format import (FORMAT_NAME, FORMAT_VERSION, GENERATED_LOGITS, GENERATED_TOKENS, INDEX_FILE, PER_PROMPT_METADATA,
                      SHARD_PATTERN, TENSORS_FILE, WRITER_MARKER, CaptureColumns, CaptureError, Group, Shard, StoreError)
 from .legacy import load_captures, load_legacy, load_token_ids
-from .merge import merge_stores
+from .merge import merge_stores, repack_store
 from .reference_store import ReferenceStore
 from .writer import StoreWriter
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "GENERATED_LOGITS", "GENERATED_TOKENS", "PER_PROMPT_METADATA", "INDEX_FILE", "SHARD_PATTERN", "TENSORS_FILE", "WRITER_MARKER",
     "CaptureColumns", "CaptureError", "Group", "Shard", "StoreError", "ReferenceStore", "StoreWriter",
-    "merge_stores", "load_captures", "load_legacy", "load_token_ids",
+    "merge_stores", "repack_store", "load_captures", "load_legacy", "load_token_ids",
 ]

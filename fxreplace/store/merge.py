@@ -1,4 +1,5 @@
-"""Combining stores captured by several engines into one."""
+"""Combining stores captured by several engines into one, and a store's many small shards
+into fewer."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
-from .format import (SHARD_PATTERN, StoreError, _write_index, as_path, check_extras_agree, combine_metadata, first_duplicate,
-                     publish_directory, shard_entry, staging_directory)
-from .reference_store import ReferenceStore
+import torch
+
+from .format import (SHARD_PATTERN, Shard, StoreError, _write_index, _write_shard, as_path, check_extras_agree,
+                     combine_metadata, first_duplicate, per_prompt_slice, publish_directory, shard_entry,
+                     staging_directory)
+from .reference_store import ReferenceStore, verify_shard_file
 
 
 def merge_stores(stores: Iterable[str | os.PathLike], out: str | os.PathLike) -> Path:
@@ -63,6 +67,91 @@ def merge_stores(stores: Iterable[str | os.PathLike], out: str | os.PathLike) ->
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def repack_store(store: str | os.PathLike, out: str | os.PathLike, *, shard_bytes: int = 256 << 20) -> Path:
+    """Rewrite a store whose shards are small (an engine in capture mode writes one at
+    every idle that finished requests) as few shards of about ``shard_bytes`` each.
+
+    Consecutive shards are joined until the next would pass ``shard_bytes``; a shard
+    already larger stays whole. Prompts, their indices and order, token ids, extras and
+    metadata are unchanged, and so is every row, bit for bit. Each source shard's file is
+    checked against the digests recorded when it was written before its rows are copied
+    (a damaged file is refused, never rewritten with fresh digests). Memory holds one
+    output shard. ``out`` must be new or empty, and appears whole or not at all.
+    """
+    if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+        raise ValueError(f"shard_bytes must be a positive int (bytes per output shard), got {shard_bytes!r}")
+    source = as_path(store, "store")
+    out = as_path(out, "out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} is not an empty directory; repack_store writes a new store")
+    src = ReferenceStore.load(source)
+    if any(shard.path is None for shard in src.shards):  # pragma: no cover - a loaded store is on disk
+        raise ValueError(f"{source}: only a store on disk can be repacked")
+    staging = staging_directory(out)
+    try:
+        entries = []
+        for run in _runs_of_shards(src, shard_bytes):
+            for s in run:
+                verify_shard_file(src.shards[s])
+            tensors, index = _joined(src, run)._shard_content(0)
+            name = SHARD_PATTERN.format(len(entries))
+            _write_shard(staging / name, tensors, index)
+            entries.append(shard_entry(name, index["prompts"]))
+        _write_index(staging, entries, src.groups, src.metadata)
+        publish_directory(staging, out, replace=False)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _shard_nbytes(shard: Shard) -> int:
+    tensors = [*shard.packed, *(t for pair in shard.extras.values() for t in pair)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _runs_of_shards(src: ReferenceStore, shard_bytes: int) -> list[list[int]]:
+    """The source shards of each output shard: consecutive ones while they fit ``shard_bytes``."""
+    runs, size = [], 0
+    for s, shard in enumerate(src.shards):
+        nbytes = _shard_nbytes(shard)
+        if not runs or size + nbytes > shard_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(s)
+        size += nbytes
+    return runs
+
+
+def _joined(src: ReferenceStore, run: list[int]) -> ReferenceStore:
+    """A one-shard store in memory of the prompts of ``src``'s shards ``run``, in store order."""
+    shard_of = src.prompt_shard.tolist()
+    members, offsets, rows = [], [], 0
+    for s in run:
+        mine = [i for i, k in enumerate(shard_of) if k == s]
+        members += mine
+        offsets += [int(src.offsets[i]) + rows for i in mine]
+        rows += src.shards[s].rows
+    shards = [src.shards[s] for s in run]
+    packed = []
+    for g, group in enumerate(src.groups):
+        zero_row = torch.zeros(len(group.capture_names), 1, group.width, dtype=group.dtype)
+        packed.append(torch.cat([shard.packed[g][:, :shard.rows] for shard in shards] + [zero_row], dim=1))
+    extras = {}
+    for name in src.extra_names:
+        values = [shard.extras[name][0] for shard in shards]
+        starts = torch.tensor([0] + [v.shape[0] for v in values]).cumsum(0)
+        extra_offsets = [shard.extras[name][1][:-1] + start for shard, start in zip(shards, starts)]
+        extras[name] = (torch.cat(values), torch.cat(extra_offsets + [starts[-1:]]))
+    tokens = src.prompt_token_ids
+    return ReferenceStore(
+        src.groups, [Shard(packed, rows, extras)], [src.prompt_ids[i] for i in members],
+        torch.zeros(len(members), dtype=torch.long), torch.tensor(offsets, dtype=torch.long), src.lengths[members],
+        None if tokens is None else [tokens.array(i) for i in members],
+        [src.num_steps[i] for i in members] if src.num_steps else None,
+        [src.prefill[i] for i in members] if src.prefill else None,
+        per_prompt_slice(src.metadata, members), src.finite_checked)
 
 
 def _check_distinct(named: list[tuple[Path, ReferenceStore]]) -> None:

@@ -288,26 +288,31 @@ class ReferenceStore:
         otherwise. Raises :class:`StoreError` naming the file and tensor; returns a summary."""
         if any(s.path is None for s in self.shards):
             raise ValueError("verify() checks files on disk; this store was built in memory")
-        checked_bytes = 0
-        for shard in self.shards:
-            header, data_start, _ = _read_header(shard.path)
-            digests = json.loads(header["__metadata__"]["fxreplace_index"]).get("digests", {})
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                begin, end = entry["data_offsets"]
-                got = _file_digest(shard.path, data_start + begin, end - begin)
-                if digests.get(name) != got:
-                    raise StoreError(
-                        f"{_describe(shard.path)}: tensor {name!r}: content digest {got[:16]}... differs from the "
-                        f"{str(digests.get(name))[:16]}... recorded when it was written: the file is corrupted"
-                    )
-                checked_bytes += end - begin
+        checked_bytes = sum(map(verify_shard_file, self.shards))
         if self.finite_checked:
             self.check_finite()
         return {"shards": len(self.shards), "bytes": checked_bytes, "prompts": self.num_prompts,
                 "finite": self.finite_checked}
 
+
+def verify_shard_file(shard: Shard) -> int:
+    """Compare each tensor of ``shard``'s file with the SHA-256 recorded when it was written;
+    raise :class:`StoreError` naming the file and tensor, else return the bytes read."""
+    header, data_start, _ = _read_header(shard.path)
+    digests = json.loads(header["__metadata__"]["fxreplace_index"]).get("digests", {})
+    checked_bytes = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        got = _file_digest(shard.path, data_start + begin, end - begin)
+        if digests.get(name) != got:
+            raise StoreError(
+                f"{_describe(shard.path)}: tensor {name!r}: content digest {got[:16]}... differs from the "
+                f"{str(digests.get(name))[:16]}... recorded when it was written: the file is corrupted"
+            )
+        checked_bytes += end - begin
+    return checked_bytes
 
 
 def _same_file(path: Path, before: os.stat_result) -> bool:
