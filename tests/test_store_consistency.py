@@ -543,6 +543,13 @@ def test_repack_refuses_a_damaged_shard_and_writes_nothing(tmp_path):
         repack_store(tmp_path / "src", tmp_path / "other")
     with pytest.raises(ValueError, match="shard_bytes must be a positive int"):
         repack_store(tmp_path / "other", tmp_path / "out", shard_bytes=0)
+    live = StoreWriter(tmp_path / "live")
+    live.add(*prompt(0))
+    live.sync()  # complete as of this sync, but a capturing engine may still add to it
+    with pytest.raises(StoreError, match=r"a store writer is still writing .*live .*delete .*\.fxreplace-writing"):
+        repack_store(tmp_path / "live", tmp_path / "out")
+    live.close()
+    assert ReferenceStore.load(repack_store(tmp_path / "live", tmp_path / "out")).num_prompts == 1
 
 
 # ---------------------------------------------------------------- config and replacer arguments

@@ -10,7 +10,7 @@ from typing import Iterable
 
 import torch
 
-from .format import (SHARD_PATTERN, Shard, StoreError, _write_index, _write_shard, as_path, check_extras_agree,
+from .format import (SHARD_PATTERN, WRITER_MARKER, Shard, StoreError, _write_index, _write_shard, as_path, check_extras_agree,
                      combine_metadata, first_duplicate, per_prompt_slice, publish_directory, shard_entry,
                      staging_directory)
 from .reference_store import ReferenceStore, verify_shard_file
@@ -77,8 +77,8 @@ def repack_store(store: str | os.PathLike, out: str | os.PathLike, *, shard_byte
     already larger stays whole. Prompts, their indices and order, token ids, extras and
     metadata are unchanged, and so is every row, bit for bit. Each source shard's file is
     checked against the digests recorded when it was written before its rows are copied
-    (a damaged file is refused, never rewritten with fresh digests). Memory holds one
-    output shard. ``out`` must be new or empty, and appears whole or not at all.
+    (a damaged file is refused, never rewritten with fresh digests), and a store whose
+    writer has not finished is refused. Memory holds one output shard. ``out`` must be new or empty, and appears whole or not at all.
     """
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise ValueError(f"shard_bytes must be a positive int (bytes per output shard), got {shard_bytes!r}")
@@ -86,6 +86,9 @@ def repack_store(store: str | os.PathLike, out: str | os.PathLike, *, shard_byte
     out = as_path(out, "out")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} is not an empty directory; repack_store writes a new store")
+    if (source / WRITER_MARKER).exists():
+        raise StoreError(f"a store writer is still writing {source} (a capture that has not finished): finish it "
+                         f"first; if its writer died, delete {source / WRITER_MARKER} to repack what it wrote")
     src = ReferenceStore.load(source)
     if any(shard.path is None for shard in src.shards):  # pragma: no cover - a loaded store is on disk
         raise ValueError(f"{source}: only a store on disk can be repacked")
