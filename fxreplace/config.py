@@ -149,6 +149,17 @@ class ReplacementConfig:
         tensors = self.resolve()[0]  # a store (memory-mapped) carries its token ids
         return tensors.prompt_token_ids if isinstance(tensors, ReferenceStore) else None
 
+    def capture_names(self) -> list[str]:
+        """The reference's capture names, without packing its tensors (a store's come from its
+        index; captures name theirs in every prompt: the first prompt's are read)."""
+        from .store import ReferenceStore
+
+        tensors = self.resolve()[0]
+        if isinstance(tensors, ReferenceStore):
+            return tensors.capture_names
+        first = next(iter(tensors.values() if isinstance(tensors, Mapping) else tensors), {})
+        return list(first) if isinstance(first, Mapping) else []
+
     def build_replacer(self, **kwargs):
         """A :class:`~fxreplace.TensorReplacer` over the reference (``on_unknown``
         this config's unless given: an engine that refuses unknown prompts before

@@ -94,3 +94,17 @@ def test_reference_token_ids_from_each_source(ref_dir, tmp_path):
     cfg = ReplacementConfig(tensors_path=tmp_path / "broken.pt", prompt_token_ids_path=tmp_path / "ids.json")
     assert cfg.reference_token_ids() == [[4, 5]]
     assert ReplacementConfig(tensors=[{"m": stepwise(2, 1)}]).reference_token_ids() is None
+
+
+def test_capture_names_from_each_source_without_packing_the_tensors(ref_dir, monkeypatch):
+    import fxreplace.replacer
+
+    def no_replacer(*args, **kwargs):
+        raise AssertionError("a front end asking for the capture names packs no copy of the reference")
+
+    monkeypatch.setattr(fxreplace.replacer, "TensorReplacer", no_replacer)
+    assert ReplacementConfig(tensors_path=ref_dir).capture_names() == ["m"]  # from the store's index
+    two = {"a": stepwise(2, 1), "b": stepwise(2, 1, E=3)}
+    assert ReplacementConfig(tensors=[two, two]).capture_names() == ["a", "b"]
+    assert ReplacementConfig(tensors={7: {"x.gate": torch.randn(3, 4)}}).capture_names() == ["x.gate"]
+    assert ReplacementConfig(tensors=ReferenceStore.load(ref_dir)).capture_names() == ["m"]

@@ -165,7 +165,7 @@ def _check_selection(processor, request) -> None:
     else:
         names = processor.__dict__.get(_CAPTURES_ATTR)
         if names is None:
-            names = set(config.config.build_replacer(on_unknown="passthrough").capture_names)
+            names = set(config.config.capture_names())
             setattr(processor, _CAPTURES_ATTR, names)
         unknown = [c for c in captures if c not in names]
         if not unknown:
