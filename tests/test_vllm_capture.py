@@ -149,6 +149,17 @@ def test_eager_capture_equals_hf_under_chunking_speculation_preemption_and_abort
     assert errors["router"] < ATOL and errors["logits"] < ATOL, errors
 
 
+def test_a_repacked_capture_is_the_same_reference_in_one_shard(setup, eager, tmp_path):
+    """The engine's one shard per idle, joined by `fxreplace repack`: the same prompts,
+    generations, logits and rows, and the same metadata (engine, targets, vocabulary)."""
+    _, out = eager
+    run(["-m", "fxreplace", "repack", str(out), "--out", str(tmp_path / "packed")])
+    captured, packed = load_reference(out), load_reference(tmp_path / "packed")
+    assert len(packed.store.shards) == 1 < len(captured.store.shards)
+    assert packed.metadata == captured.metadata and packed.store.prompt_ids == captured.store.prompt_ids
+    assert compare(captured, packed) == {"router": 0.0, "logits": 0.0}  # bit for bit
+
+
 # Eager TP=2 adds nothing over these (test_vllm_tp.py covers its plumbing) and costs ~2 min.
 @pytest.mark.parametrize("mode,tp", [("compiled", 1), ("compiled", 2)])
 def test_cli_capture_equals_hf(setup, mode, tp):

@@ -33,7 +33,7 @@ import vllm  # noqa: F401  (needs vLLM: no skip)
 from fxreplace.instrument import instrument
 from fxreplace.models import get_family, tiny_model
 from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
-from vllm_engines import result_line, run_python
+from vllm_engines import remove_leaked_cpu_shm, result_line, run_python
 
 ARCH = "Qwen3MoeForCausalLM"
 NEW = 8
@@ -160,3 +160,20 @@ def check_against_hf(ref: Ref, outs: list[dict], label: str) -> None:
     report["unknown"] = d = max_diff(ref.hf_lp("unknown", out["tokens"], forced=False), len(ref.prompts["unknown"]), out)
     assert d < ATOL, (label, d)
     print(f"\n{label}: max |vLLM - HF| " + ", ".join(f"{k} {v:.1e}" for k, v in report.items()))
+
+
+def test_a_killed_workers_shared_memory_is_removed_and_a_live_ones_kept(tmp_path):
+    """What the engine runner clears before each engine: segments nobody maps or holds open."""
+    leaked, live, mapped = (tmp_path / f"{port}-pp:0-[0-1]-cpushm_0" for port in (40977, 40978, 40979))
+    for path in (leaked, live, mapped):
+        path.write_bytes(bytes(64))
+    other = tmp_path / "psm_0002524e"  # not a vLLM CPU worker's
+    other.write_bytes(b"")
+    held = open(live, "rb")
+    view = torch.from_file(str(mapped), shared=True, size=64, dtype=torch.uint8)  # an mmap of the file
+    try:
+        assert remove_leaked_cpu_shm(tmp_path) == [leaked.name]
+        assert not leaked.exists() and live.exists() and mapped.exists() and other.exists()
+    finally:
+        held.close()
+        del view
