@@ -229,6 +229,36 @@ def test_vllm_internals_fxreplace_relies_on_are_present(monkeypatch):
                                  "vllm.v1.core.sched.output.SchedulerOutput has no 'finished_req_ids'"]
 
 
+def test_a_pipeline_stage_leaves_the_targets_in_other_stages_layers_to_them():
+    """Under PP a stage holds vLLM's placeholder for each layer of the other stages: a target
+    naming such a layer (or a module in it) is theirs, a pattern over every layer is each stage's."""
+    from torch import nn
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from fxreplace import Target
+    from fxreplace.vllm.internals import split_by_stage
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Module()
+            self.mlp.gate = nn.Linear(2, 2)
+
+    stage = nn.Module()  # layers 1-2 of 4, as stage 1 of a PP=3 split holds them
+    stage.model = nn.Module()
+    stage.model.layers = nn.ModuleList([PPMissingLayer(), Layer(), Layer(), PPMissingLayer()])
+    targets = ["model.layers.*.mlp.gate", "model.layers.1.mlp.gate", Target("model.layers.0.mlp.gate", name="g0"),
+               "model.layers.3", "model.layers.3*", "model.layers.30.mlp.gate", "model.layers.[03].mlp.gate"]
+    here, there = split_by_stage(stage, targets)
+    assert here == ["model.layers.*.mlp.gate", "model.layers.1.mlp.gate", "model.layers.3*", "model.layers.30.mlp.gate",
+                    "model.layers.[03].mlp.gate"]  # wildcards, and names that match no layer, fail where they resolve
+    assert there == [targets[2], "model.layers.3"]
+    whole = nn.Module()  # no pipeline parallelism: every target is this stage's
+    whole.model = nn.Module()
+    whole.model.layers = nn.ModuleList([Layer(), Layer()])
+    assert split_by_stage(whole, targets) == (targets, [])
+
+
 def test_config_carrier_hash_and_pickle(tmp_path):
     import pickle
 

@@ -8,7 +8,8 @@ router logits, vLLM must give HF's log-probabilities under them) and the capture
 tests' (``test_vllm_capture.py``: the captured reference equals HF capture):
 
 * replacement, TP=2 and PP=2 eager, PP=2 compiled (each pipeline stage instruments
-  and replaces its own layers);
+  and replaces its own layers, whether the targets are a pattern or name each layer);
+* ``fxreplace blame`` through one PP=2 engine (components named by layer);
 * capture, TP=2 (rank 0 writes ``out``) and PP=2 (each stage writes its layers to
   ``out/pp<rank>``, the last stage the generation; ``merge_stages`` joins them);
 * the front end's refusals of layouts fxreplace cannot run (no cluster needed).
@@ -145,10 +146,16 @@ def ref(tmp_path_factory):
 
 @pytest.mark.parametrize("layout,mode", [("tp", "eager"), ("pp", "eager"), ("pp", "compiled")])
 def test_replacement_on_ray_matches_hf_with_forced_router(cluster, ref, layout, mode):
+    """PP=2 eager names each router by its layer (as blame's components do): each stage
+    replaces the ones it holds and leaves the others' to them; compiled, the family's
+    pattern resolves on each stage to its own layers."""
     engine = dict(ENGINE, enforce_eager=mode == "eager",
                   **({"tensor_parallel_size": 2} if layout == "tp" else {"pipeline_parallel_size": 2}))
-    res = run_on_ray(cluster, f"replace {layout}=2 {mode}", ref.ckpt, ref.prompts_path,
-                     {"tensors_path": ref.ref_dir, "on_unknown": "passthrough"}, engine, TP_NEW, mode == "compiled")
+    fxreplace = {"tensors_path": ref.ref_dir, "on_unknown": "passthrough"}
+    if (layout, mode) == ("pp", "eager"):  # model.layers.0.mlp.gate, model.layers.1.mlp.gate, ... (vLLM's output[0])
+        fxreplace["targets"] = [{"pattern": name, "point": "output[0]"} for name in ref.hf.targets]
+    res = run_on_ray(cluster, f"replace {layout}=2 {mode}", ref.ckpt, ref.prompts_path, fxreplace, engine, TP_NEW,
+                     mode == "compiled")
     workers = res["workers"]
     assert len(workers) == 2 and all(w is not None for w in workers), workers
     assert sorted(w["host_ip"] for w in workers) == list(NODE_IPS)  # one worker on each node
@@ -263,15 +270,16 @@ def test_unsupported_layouts_are_refused_before_any_worker_starts(ref, setup):
 
 def test_blame_through_a_ray_engine_ranks_the_planted_router_first(cluster, reference_dir, tmp_path):
     """``fxreplace blame --engine vllm --engine-args '{"distributed_executor_backend": "ray", ...}'``:
-    one engine (a TP=2 worker on each node) serves the whole search and finds the fault."""
+    one engine (a PP=2 stage on each node) serves the whole search and finds the fault. Blame
+    names each component by its layer: each stage replaces the components of its own layers."""
     checkpoint = planted_checkpoint(tmp_path / "ckpt", "router")
     out = tmp_path / "blame"
-    engine = {"distributed_executor_backend": "ray", "tensor_parallel_size": 2, "enable_prefix_caching": False}
+    engine = {"distributed_executor_backend": "ray", "pipeline_parallel_size": 2, "enable_prefix_caching": False}
     started = time.monotonic()
     stdout = run_on_cluster(cluster, ["-m", "fxreplace", "blame", str(checkpoint), "--reference", str(reference_dir),
                                       "--engine", "vllm", "--dtype", "float32", "--eager", "--report-dir", str(out),
                                       "--engine-args", json.dumps(engine)])
-    TIMINGS["blame tp=2 eager"] = time.monotonic() - started
+    TIMINGS["blame pp=2 eager"] = time.monotonic() - started
     data = json.loads((out / "blame.json").read_text())
     component, _, layer = EXPECTED["router"][0]
     top = data["ranking"][0]

@@ -208,6 +208,11 @@ class VllmCapture:
         targets = capture.get("targets") or get_family(arch).vllm_targets
         if not targets:
             raise TargetError(f"fxreplace capture: the {arch} family has no vllm_targets; give capture 'targets'")
+        targets, elsewhere = internals.split_by_stage(self.model, list(targets))
+        if not targets:  # every stage writes a store of its own layers, joined by merge_stages
+            raise TargetError(f"fxreplace capture: pipeline stage {self.stage} holds none of the targets "
+                              f"{[t if isinstance(t, str) else t.pattern for t in elsewhere][:4]}; give every stage "
+                              "one (e.g. a pattern such as 'model.layers.*.mlp.gate')")
         resolved = resolve_targets(self.model, targets)
         instrument(self.model, [Target(r.module_name, point=r.point, name=r.capture_name) for r in resolved],
                    max_tokens=self.max_tokens)

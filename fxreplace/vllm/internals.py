@@ -81,6 +81,9 @@ CHECK_STOP = ("vllm.v1.core.sched.utils", "check_stop")
 #: models (whose replicas vLLM runs with ``data_parallel_size`` 1 and rank 0).
 PARALLEL_CONFIG = ("vllm.config.parallel", "ParallelConfig")
 PARALLEL_CONFIG_FIELDS = ("data_parallel_index", "data_parallel_size")
+#: ``PPMissingLayer``: what a pipeline stage's model holds in place of the layers of the
+#: other stages.
+PP_MISSING_LAYER = ("vllm.model_executor.models.utils", "PPMissingLayer")
 
 
 def _import(where: tuple[str, str]):
@@ -230,6 +233,24 @@ def eager_forward(runner, num_tokens: int) -> None:
             setattr(m, DO_NOT_COMPILE, value)
 
 
+def split_by_stage(model, targets: list) -> tuple[list, list]:
+    """``targets`` as (this pipeline stage's, other stages'). A target is another stage's
+    when its pattern names a layer that stage holds (here a placeholder), or a module
+    inside one, e.g. ``model.layers.3.mlp.gate`` on a stage without layer 3; a pattern
+    with a wildcard before the layer number (``model.layers.*.mlp.gate``) is every
+    stage's, matching the layers each holds. Without pipeline parallelism all are this
+    stage's."""
+    placeholder = _import(PP_MISSING_LAYER)
+    elsewhere = [name for name, module in model.named_modules() if isinstance(module, placeholder)]
+    here, there = [], []
+    for target in targets:
+        pattern = target if isinstance(target, str) else target.pattern
+        fixed = re.split(r"[*?\[]", pattern, maxsplit=1)[0]  # the start no wildcard can change
+        other = any(fixed.startswith(f"{layer}.") or pattern == layer for layer in elsewhere)
+        (there if other else here).append(target)
+    return here, there
+
+
 def computed_tokens(runner):
     """Tokens each request of the batch has computed before this step (numpy, host)."""
     return runner.input_batch.num_computed_tokens_cpu
@@ -282,6 +303,7 @@ def check() -> list[str]:
     need(EXECUTE_MODEL_STATE_CLASS, EXECUTE_MODEL_STATE_FIELDS, lambda cls, attr: attr in getattr(cls, "_fields", ()))
     need(MODEL_RUNNER_OUTPUT, MODEL_RUNNER_OUTPUT_FIELDS, has_field)
     need(PARALLEL_CONFIG, PARALLEL_CONFIG_FIELDS, has_field)
+    need(PP_MISSING_LAYER, (), has_attr)
     need(SCHEDULER_OUTPUT, CAPTURE_SCHEDULER_OUTPUT_FIELDS, has_field)
     try:
         check_stop()

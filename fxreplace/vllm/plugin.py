@@ -36,7 +36,7 @@ import logging
 from ..matching import PromptIndex
 from . import internals
 from .config import parse_config, refuse_unsupported, wrap_in_place
-from .replacement import SelectingReplacement, VllmReplacement, selection_of, switched_off
+from .replacement import NoTargetOnThisStage, SelectingReplacement, VllmReplacement, selection_of, switched_off
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -188,7 +188,11 @@ def _load_model(original):
                 attach(self, state)
             elif config is not None:
                 kind = SelectingReplacement if config.config.select_captures else VllmReplacement
-                state = kind(self, config.config)
+                try:
+                    state = kind(self, config.config)
+                except NoTargetOnThisStage as exc:
+                    logger.info("fxreplace: %s", exc)
+                    return out
                 setattr(self, internals.STATE_ATTR, state)
                 _wrap_steps(self, state)
                 state.check_points(self)

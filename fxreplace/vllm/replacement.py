@@ -38,6 +38,11 @@ DEBUG_STATE_ENV = "FXREPLACE_DEBUG_STATE"
 OFF_VALUES = ("off", "false", "0", False, 0)
 
 
+class NoTargetOnThisStage(Exception):
+    """Every target lies in layers that other pipeline stages hold: this stage's runner
+    stays as vLLM made it (a single-layer target under pipeline parallelism)."""
+
+
 def switched_off(sampling_params) -> bool:
     extra = getattr(sampling_params, "extra_args", None)
     return bool(extra) and extra.get("fxreplace") in OFF_VALUES
@@ -63,7 +68,7 @@ class VllmReplacement:
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         # the reference lives where the model runs: each step gathers into the model's buffers
         self.replacer = self._build_replacer(config, self.device)
-        self.targets = self._targets(arch, config)
+        self.targets, self.other_stages_captures = self._targets(arch, config)
         self.max_tokens = int(runner.max_num_tokens)
         instrument(self.model, self.targets, max_tokens=self.max_tokens)
         # Bind before warmup compiles: the graph reads these buffers from its first trace.
@@ -95,7 +100,9 @@ class VllmReplacement:
             where = config.tensors_path or "the in-memory tensors"
             raise type(exc)(f"fxreplace: cannot load the reference from {where}: {exc}") from exc
 
-    def _targets(self, arch: str, config: ReplacementConfig) -> list[Target]:
+    def _targets(self, arch: str, config: ReplacementConfig) -> tuple[list[Target], set[str]]:
+        """This stage's targets, resolved and checked against the reference, and the capture
+        names of the targets other pipeline stages hold."""
         explicit = config.targets
         if explicit is not None:
             targets = list(explicit)
@@ -108,6 +115,14 @@ class VllmReplacement:
                 raise TargetError(f"fxreplace: {exc.args[0]}; give 'targets' in the fxreplace config") from None
             if not targets:
                 raise TargetError(f"fxreplace: the {arch} family has no vllm_targets; give 'targets' in the config")
+        targets, elsewhere = internals.split_by_stage(self.model, targets)
+        shown = f"{[t if isinstance(t, str) else t.pattern for t in elsewhere][:4]}{' ...' if len(elsewhere) > 4 else ''}"
+        if not targets:
+            raise NoTargetOnThisStage(f"this pipeline stage holds none of the {len(elsewhere)} target(s) ({shown}): "
+                                      "it replaces nothing")
+        if elsewhere:
+            logger.info("fxreplace: %d target(s) lie in layers other pipeline stages hold (%s): they replace there",
+                        len(elsewhere), shown)
         resolved = resolve_targets(self.model, targets)
         stored = set(self.replacer.capture_names)
         out, missing = [], []
@@ -126,7 +141,7 @@ class VllmReplacement:
         if missing:
             logger.warning("fxreplace: %d default target(s) have no reference tensors and stay unreplaced: %s",
                            len(missing), missing[:4])
-        return out
+        return out, {t if isinstance(t, str) else t.name or t.pattern for t in elsewhere}
 
     def check_points(self, runner) -> None:
         """Run every target's injection point once (an eager dummy forward, replacement
@@ -274,7 +289,7 @@ class SelectingReplacement(VllmReplacement):
             if selection is None:
                 continue
             wanted = set(selection["captures"])  # validated in the front end
-            ignored = sorted(wanted - set(self.capture_names))
+            ignored = sorted(wanted - set(self.capture_names) - self.other_stages_captures)
             if ignored:
                 logger.error("fxreplace: request %s selects capture(s) %s that no instrumented target reads; "
                              "they are not replaced", new.req_id, ignored)
