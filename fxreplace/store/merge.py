@@ -78,7 +78,8 @@ def repack_store(store: str | os.PathLike, out: str | os.PathLike, *, shard_byte
     metadata are unchanged, and so is every row, bit for bit. Each source shard's file is
     checked against the digests recorded when it was written before its rows are copied
     (a damaged file is refused, never rewritten with fresh digests), and a store whose
-    writer has not finished is refused. Memory holds one output shard. ``out`` must be new or empty, and appears whole or not at all.
+    writer has not finished is refused. Memory holds one output shard. ``out`` must be
+    new or empty, and appears whole or not at all.
     """
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise ValueError(f"shard_bytes must be a positive int (bytes per output shard), got {shard_bytes!r}")
@@ -90,8 +91,6 @@ def repack_store(store: str | os.PathLike, out: str | os.PathLike, *, shard_byte
         raise StoreError(f"a store writer is still writing {source} (a capture that has not finished): finish it "
                          f"first; if its writer died, delete {source / WRITER_MARKER} to repack what it wrote")
     src = ReferenceStore.load(source)
-    if any(shard.path is None for shard in src.shards):  # pragma: no cover - a loaded store is on disk
-        raise ValueError(f"{source}: only a store on disk can be repacked")
     staging = staging_directory(out)
     try:
         entries = []
