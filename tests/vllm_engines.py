@@ -66,9 +66,10 @@ def remove_leaked_cpu_shm(shm: Path = Path("/dev/shm")) -> list[str]:
     exclusively and unlinked only when the worker exits normally. Every engine teardown
     kills its workers, so each TP/PP engine leaves its segments behind, and a later engine
     whose rendezvous port repeats one of them fails at start-up with "create shm in
-    SHMManager failed. errno: 17" (a clean-clone test run lost a Ray PP=2 engine to it). A segment in use is mapped
-    or held open by its worker from its creation on, so the ones that no process maps or
-    holds open are leftovers; another test's engine starting meanwhile keeps its own."""
+    SHMManager failed. errno: 17" (a clean-clone test run lost a Ray PP=2 engine to it). A
+    segment in use is mapped or held open by its worker from its creation on, so the ones
+    that no process maps or holds open are leftovers; another test's engine starting
+    meanwhile keeps its own."""
     leftovers = {path.name for path in shm.glob("*-cpushm_*")}
     if not leftovers:
         return []

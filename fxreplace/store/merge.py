@@ -91,13 +91,16 @@ def repack_store(store: str | os.PathLike, out: str | os.PathLike, *, shard_byte
         raise StoreError(f"a store writer is still writing {source} (a capture that has not finished): finish it "
                          f"first; if its writer died, delete {source / WRITER_MARKER} to repack what it wrote")
     src = ReferenceStore.load(source)
+    members_of = [[] for _ in src.shards]  # each shard's prompts (internal indices), in store order
+    for i, s in enumerate(src.prompt_shard.tolist()):
+        members_of[s].append(i)
     staging = staging_directory(out)
     try:
         entries = []
         for run in _runs_of_shards(src, shard_bytes):
             for s in run:
                 verify_shard_file(src.shards[s])
-            tensors, index = _joined(src, run)._shard_content(0)
+            tensors, index = _joined(src, run, members_of)._shard_content(0)
             name = SHARD_PATTERN.format(len(entries))
             _write_shard(staging / name, tensors, index)
             entries.append(shard_entry(name, index["prompts"]))
@@ -126,14 +129,13 @@ def _runs_of_shards(src: ReferenceStore, shard_bytes: int) -> list[list[int]]:
     return runs
 
 
-def _joined(src: ReferenceStore, run: list[int]) -> ReferenceStore:
-    """A one-shard store in memory of the prompts of ``src``'s shards ``run``, in store order."""
-    shard_of = src.prompt_shard.tolist()
+def _joined(src: ReferenceStore, run: list[int], members_of: list[list[int]]) -> ReferenceStore:
+    """A one-shard store in memory of the prompts of ``src``'s shards ``run`` (``members_of``:
+    each shard's prompts), in store order."""
     members, offsets, rows = [], [], 0
     for s in run:
-        mine = [i for i, k in enumerate(shard_of) if k == s]
-        members += mine
-        offsets += [int(src.offsets[i]) + rows for i in mine]
+        members += members_of[s]
+        offsets.append(src.offsets[members_of[s]] + rows)
         rows += src.shards[s].rows
     shards = [src.shards[s] for s in run]
     packed = []
@@ -149,7 +151,7 @@ def _joined(src: ReferenceStore, run: list[int]) -> ReferenceStore:
     tokens = src.prompt_token_ids
     return ReferenceStore(
         src.groups, [Shard(packed, rows, extras)], [src.prompt_ids[i] for i in members],
-        torch.zeros(len(members), dtype=torch.long), torch.tensor(offsets, dtype=torch.long), src.lengths[members],
+        torch.zeros(len(members), dtype=torch.long), torch.cat(offsets), src.lengths[members],
         None if tokens is None else [tokens.array(i) for i in members],
         [src.num_steps[i] for i in members] if src.num_steps else None,
         [src.prefill[i] for i in members] if src.prefill else None,
