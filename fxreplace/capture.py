@@ -12,13 +12,15 @@ conversations), and the text is recorded beside the ids (``metadata["prompt_text
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 import torch
 
 from .components import resolve_components
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
-from .reference import Reference
+from .reference import Reference, load_reference
+from .store import StoreWriter
 from .targets import TargetError, TargetLike, resolve_targets
 
 #: One prompt: token ids (a list or a 1-D tensor), a text, or a chat conversation.
@@ -36,6 +38,9 @@ def capture_reference(
     chat: bool = False,
     components: Mapping[str, TargetLike] | None = None,
     progress: bool = True,
+    out: str | os.PathLike | None = None,
+    shard_bytes: int = 256 << 20,
+    metadata: Mapping[str, Any] | None = None,
 ) -> Reference:
     """Greedy-generate ``max_new_tokens`` per prompt and record, per prompt:
     each target's value in the step-wise capture format (step 0 = prefill
@@ -50,6 +55,15 @@ def capture_reference(
     ``components`` (``{kind: Target}``, e.g. a family's ``components``) are recorded
     too, ``[T, H]`` rows per layer and kind, for :func:`fxreplace.blame`; the
     metadata's ``"components"`` names each one's kind and layer.
+
+    ``out``: a new or empty directory the prompts stream into as they complete (a
+    :class:`~fxreplace.store.StoreWriter`, ``shard_bytes`` per shard, ``index.json``
+    rewritten at each shard), so memory holds one shard whatever the number of prompts;
+    a capture killed midway leaves the completed shards loadable and the writer's marker
+    saying the store is unfinished (:func:`fxreplace.store.unfinished`). The reference
+    returned is then the store memory-mapped from ``out``. Without ``out`` it is built in
+    memory. ``metadata``: keys recorded beside the ones derived from the model (e.g.
+    ``source_model``).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -70,37 +84,50 @@ def capture_reference(
         instrument(model, targets)
     try:
         names = [t.capture_name for t in model._fxreplace.targets]
-        device = next(model.parameters()).device
-        captures, tokens, logits = [], [], []
-        for prompt in tqdm(prompts, desc="capture", disable=not progress):
-            steps: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-
-            def record(name: str, computed: torch.Tensor) -> None:
-                if not isinstance(computed, torch.Tensor):
-                    raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor; "
-                                      "capture the reference at the logits (e.g. the unfused model's router)")
-                steps[name].append(computed.detach().reshape(1, -1, computed.shape[-1]).clone())
-
-            generated, step_logits = [], []
-            with observe(model, record):
-                out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-                for step in range(max_new_tokens):
-                    last = out.logits[0, -1]
-                    step_logits.append(last.float().cpu())
-                    generated.append(int(last.argmax()))
-                    if step + 1 == max_new_tokens:
-                        break
-                    out = model(
-                        input_ids=torch.tensor([[generated[-1]]], device=device),
-                        past_key_values=out.past_key_values,
-                        use_cache=True,
-                    )
-            captures.append({n: [t.cpu() for t in s] for n, s in steps.items()})
-            tokens.append(generated)
-            logits.append(torch.stack(step_logits))
+        info = _metadata(model, names, max_new_tokens, texts, found)
+        info.update(metadata or {})
+        generated = _generate(model, names, prompts, max_new_tokens)
+        if out is None:
+            parts = list(tqdm(generated, total=len(prompts), desc="capture", disable=not progress))
+            captures, tokens, logits = (list(column) for column in zip(*parts))
+            return Reference.from_parts(captures, prompts, tokens, logits, info)
+        with StoreWriter(out, shard_bytes=shard_bytes, metadata=info) as writer:
+            for prompt, (captured, tokens, logits) in zip(
+                    prompts, tqdm(generated, total=len(prompts), desc="capture", disable=not progress)):
+                writer.add(prompt, captured, extras=Reference.extras(tokens, logits))
+        return load_reference(out)
     finally:
         if owned:
             uninstrument(model)
+
+
+def _generate(model, names: list[str], prompts: list[list[int]], max_new_tokens: int):
+    """Per prompt, as it completes: ``({capture name: [steps]}, generated tokens, logits [steps, vocab])``."""
+    device = next(model.parameters()).device
+    for prompt in prompts:
+        steps: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+
+        def record(name: str, computed: torch.Tensor) -> None:
+            if not isinstance(computed, torch.Tensor):
+                raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor; "
+                                  "capture the reference at the logits (e.g. the unfused model's router)")
+            steps[name].append(computed.detach().reshape(1, -1, computed.shape[-1]).cpu().clone())
+
+        generated, step_logits = [], []
+        with observe(model, record):
+            out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
+            for step in range(max_new_tokens):
+                last = out.logits[0, -1]
+                step_logits.append(last.float().cpu())
+                generated.append(int(last.argmax()))
+                if step + 1 == max_new_tokens:
+                    break
+                out = model(input_ids=torch.tensor([[generated[-1]]], device=device),
+                            past_key_values=out.past_key_values, use_cache=True)
+        yield steps, generated, torch.stack(step_logits)
+
+
+def _metadata(model, names: list[str], max_new_tokens: int, texts: list, found: list) -> dict:
     config = model.config
     metadata = {
         "source_model": getattr(config, "name_or_path", "") or "",
@@ -114,7 +141,7 @@ def capture_reference(
     }
     if found:
         metadata["components"] = {c.capture_name: {"kind": c.kind, "layer": c.layer} for c in found}
-    return Reference.from_parts(captures, prompts, tokens, logits, metadata)
+    return metadata
 
 
 def architecture(config, default: str) -> str:

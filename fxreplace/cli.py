@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -110,13 +111,17 @@ def junit_path(path: str) -> str:
 def load_reference_arg(path: str):
     """The reference a command line names; a damaged or foreign file is a usage error."""
     from .reference import load_reference
-    from .store import CaptureError
+    from .store import CaptureError, unfinished
 
     try:
-        return load_reference(path)
+        reference = load_reference(path)
     except (CaptureError, ValueError, OSError) as e:
         raise UsageError(f"cannot read the reference {path}: {e}",
                          f"`fxreplace inspect --verify {path}` checks it; `fxreplace capture` writes one") from None
+    if unfinished(path):
+        print(f"warning: the reference {path} is unfinished (its capture is running or was stopped): it holds the "
+              f"{reference.num_prompts} prompts written so far", file=sys.stderr)
+    return reference
 
 
 def load_tokenizer(spec: str, *, required_by: str | None = None):
@@ -252,6 +257,7 @@ def _capture(args) -> int:
         return _capture_vllm(args)
     from .blame import family_components
     from .capture import capture_reference
+    from .store.format import publish_directory, staging_directory
 
     ids, texts = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)
     components = _components(args.component) if args.component else None
@@ -261,10 +267,21 @@ def _capture(args) -> int:
     targets = args.target or default_targets(model)
     if args.components and not args.component:
         components = family_components(model)
-    reference = capture_reference(model, prompts, targets, args.max_new_tokens, components=components)
-    reference.metadata["source_model"] = args.model
-    reference.metadata["prompt_texts"] = texts
-    reference.save(args.out)
+    # prompts stream into the store as they complete; an earlier store at --out is replaced
+    # whole at the end (captured beside it, then renamed into place)
+    out = Path(args.out)
+    replacing = any(out.iterdir())
+    into = staging_directory(out) if replacing else out
+    try:
+        reference = capture_reference(model, prompts, targets, args.max_new_tokens, components=components, out=into,
+                                      metadata={"source_model": args.model, "prompt_texts": texts})
+        if replacing:
+            publish_directory(into, out, replace=True)
+    except FileExistsError as e:
+        raise UsageError(f"--out {args.out}: {e}", "choose a new or empty --out") from None
+    finally:
+        if replacing:
+            shutil.rmtree(into, ignore_errors=True)
     print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.capture_names)} targets -> {args.out}")
     return 0
 

@@ -13,7 +13,7 @@ from fxreplace.metrics import compare_logits
 from fxreplace.models import tiny_model
 from fxreplace.reference import Reference, load_reference
 from fxreplace.runner import Runner, RunnerConfig
-from fxreplace.store import ReferenceStore
+from fxreplace.store import ReferenceStore, unfinished
 from fxreplace.validation import logit_validation
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -268,3 +268,56 @@ def test_a_busy_engine_still_prints_progress_lines(reference, monkeypatch, capsy
     err = capsys.readouterr().err
     assert "validate (off): engine busy for 0 s (round 0: 3 prompts, up to 8 steps; a compiled engine compiles" in err
     assert "round 1: 1 prompts, up to 4 steps)" in err, "every call, not only the first"
+
+
+def test_capture_streams_into_shards_equal_to_the_in_memory_capture(model, reference, tmp_path):
+    streamed = capture_reference(model, PROMPTS, ["model.layers.*.mlp.gate"], STEPS, progress=False,
+                                 out=tmp_path / "ref", shard_bytes=1)
+    assert len(streamed.store.shards) == len(PROMPTS), "one shard per prompt as it completed"
+    assert not unfinished(tmp_path / "ref")
+    for p in range(len(PROMPTS)):
+        assert streamed.tokens(p) == reference.tokens(p)
+        assert torch.equal(streamed.logits(p), reference.logits(p))
+        for name in reference.store.capture_names:
+            assert torch.equal(streamed.store.rows(p, name), reference.store.rows(p, name))
+
+
+_KILLED_CAPTURE = """
+import sys
+from fxreplace.capture import capture_reference
+from fxreplace.models import tiny_model
+prompts = [[1 + i % 97, 2 + i // 97, 3] for i in range(2000)]
+capture_reference(tiny_model("Qwen3MoeForCausalLM"), prompts, ["model.layers.*.mlp.gate"], 8, progress=False,
+                  out=sys.argv[1], shard_bytes=1)
+"""
+
+
+def test_capture_killed_midway_keeps_its_completed_prompts_and_says_unfinished(model, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "ref"
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CAPTURE, str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and child.poll() is None:
+            index = out / "index.json"
+            if index.exists() and json.loads(index.read_text())["shards"][2:]:
+                break
+            time.sleep(0.05)
+        assert child.poll() is None, "the capture ended before it could be killed midway"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    assert unfinished(out)
+    partial = load_reference(out)
+    assert 3 <= partial.num_prompts < 2000
+    kept = [partial.prompt_tokens(p) for p in range(partial.num_prompts)]
+    assert kept == [[1 + i % 97, 2 + i // 97, 3] for i in range(partial.num_prompts)]
+    again = capture_reference(model, kept, ["model.layers.*.mlp.gate"], 8, progress=False)
+    for p in range(partial.num_prompts):
+        assert partial.tokens(p) == again.tokens(p)
+        assert torch.equal(partial.store.rows(p, "model.layers.0.mlp.gate"), again.store.rows(p, "model.layers.0.mlp.gate"))

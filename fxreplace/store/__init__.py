@@ -29,10 +29,10 @@ from .format import (FORMAT_NAME, FORMAT_VERSION, GENERATED_LOGITS, GENERATED_TO
 from .legacy import load_captures, load_legacy, load_token_ids
 from .merge import merge_stores, repack_store
 from .reference_store import ReferenceStore
-from .writer import StoreWriter
+from .writer import StoreWriter, unfinished
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "GENERATED_LOGITS", "GENERATED_TOKENS", "PER_PROMPT_METADATA", "INDEX_FILE", "SHARD_PATTERN", "TENSORS_FILE", "WRITER_MARKER",
     "CaptureColumns", "CaptureError", "Group", "Shard", "StoreError", "ReferenceStore", "StoreWriter",
-    "merge_stores", "repack_store", "load_captures", "load_legacy", "load_token_ids",
+    "unfinished", "merge_stores", "repack_store", "load_captures", "load_legacy", "load_token_ids",
 ]

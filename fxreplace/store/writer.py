@@ -95,6 +95,7 @@ class StoreWriter:
         self._next_prompt = max(self._next_prompt, prompt + 1)
         if self._builder.nbytes >= self.shard_bytes:
             self._flush()
+            self._write_index()  # a writer killed later leaves this shard loadable (and its marker: unfinished)
         return prompt
 
     @property
@@ -160,3 +161,9 @@ class StoreWriter:
         if exc_type is None:
             self.close()
 
+
+
+def unfinished(directory: str | os.PathLike) -> bool:
+    """Whether a store writer still owns ``directory`` or died before closing it: the
+    store then holds only the shards written so far (it loads, but lacks later prompts)."""
+    return (as_path(directory, "directory") / WRITER_MARKER).exists()
