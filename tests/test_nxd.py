@@ -1,0 +1,105 @@
+"""NxD Inference's layout (fxreplace.models.nxd): the stand-in keeps NxD's contracts and HF's
+arithmetic, the one-call mapping instruments its inner model with HF capture names, and
+replacement fed per step in NxDI's bucketed layouts (context encoding padded to a bucket,
+token generation one row per sequence, speculation 1 + k rows) gives back HF's logits from a
+model whose routers are off. Runs in both environments (the compat one is what NxDI pins)."""
+
+import pytest
+import torch
+
+from fxreplace import instrument
+from fxreplace.capture import capture_reference
+from fxreplace.models import get_family, tiny_model
+from fxreplace.models.nxd import BucketedApplication, NeuronConfig, NxDQwen3MoeModel, nxd_targets
+from fxreplace.replacer import TensorReplacer
+
+pytestmark = pytest.mark.compat
+
+HF_ARCH = "Qwen3MoeForCausalLM"
+PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]]
+NEW_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_model(HF_ARCH)
+
+
+@pytest.fixture(scope="module")
+def reference(hf):
+    return capture_reference(hf, PROMPTS, get_family(HF_ARCH).targets, max_new_tokens=NEW_TOKENS, progress=False)
+
+
+def stand_in(hf, speculation_length=0, router_fault=0.0, **config):
+    """The NxDI-shaped model converted from ``hf``; ``router_fault`` perturbs every router's weight."""
+    model = NxDQwen3MoeModel.from_hf(hf, NeuronConfig(speculation_length=speculation_length, **config))
+    generator = torch.Generator().manual_seed(1)
+    for layer in model.layers:
+        weight = layer.mlp.router.linear_router.weight
+        weight.data += router_fault * torch.randn(weight.shape, generator=generator)
+    return BucketedApplication(model)
+
+
+def run_steps(app, reference, feed=None):
+    """Teacher-forced steps over the reference's generation: one context encoding, then token
+    generation steps of 1 + speculation tokens per sequence. ``feed(kind, positions)`` is
+    called before each step. Returns the largest |logits - reference logits|."""
+    batch, length = len(PROMPTS), len(PROMPTS[0])
+    worst = 0.0
+    if feed:
+        feed("context", torch.arange(length).expand(batch, length))
+    out = app.forward(torch.tensor(PROMPTS), torch.arange(length).expand(batch, length))
+    worst = max((out[b, -1] - reference.logits(b)[0]).abs().max().item() for b in range(batch))
+    k = app.token_generation_length
+    for step in range(1, NEW_TOKENS - k + 1, k):
+        tokens = torch.tensor([reference.tokens(b)[step - 1:step - 1 + k] for b in range(batch)])
+        positions = torch.arange(length + step - 1, length + step - 1 + k).expand(batch, k)
+        if feed:
+            feed("token", positions)
+        out = app.forward(tokens, positions)
+        worst = max([worst] + [(out[b] - reference.logits(b)[step:step + k]).abs().max().item() for b in range(batch)])
+    return worst
+
+
+def feeder(app, model, reference):
+    """feed() before each step, from one TensorReplacer, in the layout the step's router rows have."""
+    replacer = TensorReplacer(reference.store)
+    requests = [f"seq{b}" for b in range(len(PROMPTS))]
+    for request, prompt in zip(requests, PROMPTS):
+        replacer.register_request(request, prompt)
+
+    def feed(kind, positions):
+        if kind == "context":  # each sequence padded to the bucket: its padded rows are no request's
+            bucket, length = app.bucket(positions.shape[1]), positions.shape[1]
+            rows = [p if p < length else -1 for _ in requests for p in range(bucket)]
+            ctx = replacer.build_context_for_batch(requests, [bucket] * len(requests), rows)
+            assert ctx.num_tokens == app.rows(length) and int(ctx.mask.sum()) == len(requests) * length
+        else:
+            ctx = replacer.build_context(requests, positions.reshape(-1).tolist(), is_prefill=False,
+                                         tokens_per_req=positions.shape[1])
+        model.feed(ctx)
+
+    return feed
+
+
+def test_nxd_targets_map_the_inner_router_to_hf_capture_names(hf):
+    targets = nxd_targets(HF_ARCH)
+    app = stand_in(hf)
+    model = instrument(app.model, targets, max_tokens=app.max_tokens)
+    assert model.targets == ["layers.0.mlp.router", "layers.1.mlp.router"]
+    assert [t.capture_name for t in model._fxreplace.targets] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+
+
+@pytest.mark.parametrize("speculation_length", [0, 2])
+def test_stand_in_reproduces_hf_in_every_bucketed_layout(hf, reference, speculation_length):
+    assert run_steps(stand_in(hf, speculation_length), reference) < 1e-4
+
+
+@pytest.mark.parametrize("speculation_length", [0, 2])
+def test_fed_hf_router_logits_give_back_hf_logits(hf, reference, speculation_length):
+    app = stand_in(hf, speculation_length, router_fault=0.1)
+    assert run_steps(app, reference) > 0.1  # the planted fault shows
+    model = instrument(app.model, nxd_targets(HF_ARCH), max_tokens=app.max_tokens)
+    assert run_steps(app, reference, feeder(app, model, reference)) < 1e-4
+    model.clear()
+    assert run_steps(app, reference) > 0.1  # cleared: the faulty routers again
