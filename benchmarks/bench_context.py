@@ -8,8 +8,6 @@ Prints a table and a final JSON line::
      "decode_gather_floor_fraction": per decode case, the builder's gather primitive alone on
      the same store rows (no lookup, no mask) over the out= build: how much of the gap to
      memcpy is the builder's and how much the memory system's (scattered 256-byte rows),
-     "native_gather": whether that primitive is the package's C loop, "index_select_vs_gather":
-     per decode case, the same gather by torch's index_select over the primitive,
      "decode8_us": build_context_for_batch(out=) for 8 decode requests, "decode8_floor_us": the
      bare index_select + mask copy it cannot go below, "register_ms": median register_request
      with 10,000 stored prompts, "sharded_vs_one_shard": per decode batch, a step's build from a
@@ -38,7 +36,7 @@ import numpy as np
 import torch
 
 from fxreplace import ReferenceStore, StoreWriter, TensorReplacer
-from fxreplace.gather import NATIVE, gather_rows, index_select_rows
+from fxreplace.gather import index_select_rows
 from fxreplace.store.format import Shard
 from fxreplace.testing import build_context_loop, slot_owners
 
@@ -89,7 +87,6 @@ def main():
     cases = [("prefill", n, 1, 1) for n in (1024, 4096, 8192)] + [("decode", 0, b, k) for b in (64, 256) for k in (1, 4)] + [
         ("decode", 0, 1024, 1)]
     rows, speedups, fractions, fresh_fractions, fresh_ratio, floor_fractions = [], {}, {}, {}, {}, {}
-    index_select_ratios = {}
     for kind, n, batch, k in cases:
         if kind == "prefill":
             req_ids = ["p0"]
@@ -133,15 +130,13 @@ def main():
             # would be in the cache more often than the fresh build's, and read faster
             apart = replacer.warmup_context(len(positions))
             fns["floor"] = gather_floor(replacer, store_rows, apart)
-            fns["index_select"] = index_select_gather(replacer, store_rows, apart)
-            for gather in ("floor", "index_select"):
+            for gather in ("floor",):
                 apart.storage[0].zero_()
                 fns[gather]()
                 assert torch.equal(apart.storage[0], reused.storage[0]), f"{label}: {gather} gathers other rows than the build"
         t = interleaved(fns, reps)
         if kind == "decode":
             floor_fractions[label] = t["floor"] / t["reused"]
-            index_select_ratios[label] = t["index_select"] / t["floor"]
         t_loop = timed(loop, loop_reps)
         speedups[label] = t_loop / t["reused"]
         fractions[label] = t["copy"] / t["reused"]
@@ -157,11 +152,8 @@ def main():
         print(f"{label:<14}{tl*1e3:>9.1f}{tr*1e3:>11.3f}{tf*1e3:>10.3f}{sp:>8.0f}x{bw/1e9:>7.2f}{cbw/1e9:>11.2f}"
               f"{fc:>13.2f}{tf/tr:>14.2f}")
 
-    print(f"gather primitive: {'the C loop (fxreplace._gather)' if NATIVE else 'index_select (the C loop is not built)'}")
     print("decode gather floor (the bare gather primitive on the same rows) / out= build: "
           + ", ".join(f"{label} {f:.2f}" for label, f in floor_fractions.items()))
-    print("decode gather by index_select / by the gather primitive: "
-          + ", ".join(f"{label} {f:.2f}" for label, f in index_select_ratios.items()))
     decode_us, floor_us = bench_small_decode(replacer, quick=args.quick)
     print(f"8 decode requests, build_context_for_batch(out=) into a bound 8192-slot feed: {decode_us:.1f} us median "
           f"(floor: one index_select + mask copy {floor_us:.1f} us)")
@@ -184,8 +176,6 @@ def main():
         "copy_bandwidth_fraction_fresh": {label: round(f, 3) for label, f in fresh_fractions.items()},
         "fresh_vs_out": round(fresh_ratio["prefill 8192"], 3),
         "decode_gather_floor_fraction": {label: round(f, 3) for label, f in floor_fractions.items()},
-        "native_gather": NATIVE,
-        "index_select_vs_gather": {label: round(f, 3) for label, f in index_select_ratios.items()},
         "decode8_us": round(decode_us, 1),
         "decode8_floor_us": round(floor_us, 1),
         "register_ms": round(register_ms, 4),
@@ -205,15 +195,9 @@ def case_rows(replacer: TensorReplacer, req_prompts: list[int], positions: list[
 
 
 def gather_floor(replacer: TensorReplacer, rows: torch.Tensor, out):
-    """The builder's gather primitive (:func:`fxreplace.gather.gather_rows`) of ``rows``
+    """The builder's gather primitive (:func:`fxreplace.gather.index_select_rows`) of ``rows``
     over every module into ``out``'s storage, alone: the bare gather of those bytes,
     without the builder's lookups and mask."""
-    return lambda: gather_rows(replacer.store.packed[0], out.storage[0], rows)
-
-
-def index_select_gather(replacer: TensorReplacer, rows: torch.Tensor, out):
-    """The same gather as :func:`gather_floor` as the package does it where its C loop is
-    not built (:func:`fxreplace.gather.index_select_rows`)."""
     return lambda: index_select_rows(replacer.store.packed[0], out.storage[0], rows)
 
 

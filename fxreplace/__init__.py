@@ -1,30 +1,50 @@
-"""fxreplace: inject reference tensors into compiled LLM graphs to find which component drifts."""
+"""fxreplace: inject reference tensors into compiled LLM graphs to find which component drifts.
+
+What a user calls is here: instrument a model, build replacement contexts from a reference
+store, capture a reference, validate and blame, run the bucketed runner (capture and the
+runner load when first used: they import transformers). Plumbing (the graph pass, the runtime op, prompt matching, file formats) lives in
+the submodules.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 from .adapters import get_adapter, register_adapter
 from .blame import blame
 from .config import ConfigError, ReplacementConfig, TensorReplacementConfig
-from .context import ReplacementContext, get_active_context, get_replacement_tensor, set_active_context
+from .context import ReplacementContext
 from .export import export, export_input_name
 from .instrument import TargetNotHitError, instrument, observe, uninstrument
-from .matching import PromptIndex
-from .passes import Injection, InjectionSpec, PassResult, insert_replacements
-from .points import locate_injection_point
 from .replacer import TensorReplacer
 from .sharding import ShapeError, ShardSpec
-from .store import CaptureError, ReferenceStore, StoreError, StoreWriter, load_captures, load_legacy, load_token_ids, merge_stores, repack_store
-from .targets import Target, TargetError, resolve_targets
+from .store import CaptureError, ReferenceStore, StoreError, StoreWriter, merge_stores, repack_store
+from .targets import Target, TargetError
+from .validation import logit_validation
+
+_LAZY = {
+    "capture_reference": "fxreplace.capture",
+    "Runner": "fxreplace.runner",
+    "RunnerConfig": "fxreplace.runner",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fxreplace' has no attribute {name!r}")
+
 
 __all__ = [
-    "blame",
     "CaptureError",
     "ConfigError",
-    "Injection",
-    "InjectionSpec",
-    "PassResult",
-    "PromptIndex",
     "ReferenceStore",
     "ReplacementConfig",
     "ReplacementContext",
+    "Runner",
+    "RunnerConfig",
     "ShapeError",
     "ShardSpec",
     "StoreError",
@@ -34,22 +54,16 @@ __all__ = [
     "TargetNotHitError",
     "TensorReplacementConfig",
     "TensorReplacer",
+    "blame",
+    "capture_reference",
     "export",
     "export_input_name",
-    "get_active_context",
     "get_adapter",
-    "get_replacement_tensor",
-    "insert_replacements",
     "instrument",
-    "load_captures",
-    "load_legacy",
-    "load_token_ids",
-    "locate_injection_point",
+    "logit_validation",
     "merge_stores",
-    "repack_store",
     "observe",
     "register_adapter",
-    "resolve_targets",
-    "set_active_context",
+    "repack_store",
     "uninstrument",
 ]

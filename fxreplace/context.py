@@ -1,35 +1,16 @@
-"""ReplacementContext: the replacement tensors for one forward pass, and the
-context-local "active context" used by hand-instrumented models."""
+"""ReplacementContext: the replacement tensors for one forward pass, as plain data.
+
+Nothing in a context changes when it is read: a compiled graph that reads one guards on
+what it holds (its names, its tensors' shapes), and any state that changed on a read would
+become a recompile reason. What a :class:`~fxreplace.TensorReplacer` remembers about the
+contexts it builds into lives in the replacer."""
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Mapping
-from typing import Any, Iterator, NamedTuple
+from typing import Iterator
 
-import numpy as np
 import torch
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class CheckedOut(NamedTuple):
-    """How a :class:`~fxreplace.TensorReplacer` checked a context as ``out=`` (its shapes
-    and device never change, so once is enough)."""
-
-    replacer: Any  # the TensorReplacer that checked it (None: none did)
-    slots: int
-    on_device: bool  # on the replacer's device: it gathers straight into the context
-    views: Any  # fastpath.HostViews of a host context of a host store, else None
-
-
-_UNCHECKED = CheckedOut(None, 0, False, None)
-
-
-def host_bits(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy view of a host tensor's bits, whatever its dtype (bfloat16 and float8
-    included): copies between such views move the values exactly."""
-    return tensor.view(_SAME_SIZE_INT[tensor.element_size()]).numpy()
 
 
 class ReplacementContext(Mapping):
@@ -41,15 +22,12 @@ class ReplacementContext(Mapping):
 
     Built by a :class:`~fxreplace.TensorReplacer`, the tensors are blocks of
     ``storage``: one ``[capture names, num_tokens, E]`` tensor per group of the store, so
-    each capture name's tensor is contiguous and one gather per group fills them all.
-    ``places[name]`` is ``(group, block)``, and a name's tensor is made when first read:
-    a context whose reader takes ``storage`` whole (an engine's bound feed) makes none.
-    ``num_replaced`` counts the mask's True rows as the build wrote them (None for a context
-    made by hand).
+    each capture name's tensor is contiguous and one gather per group fills them all
+    (``places[name]`` is ``(group, block)``). ``num_replaced`` counts the mask's True rows
+    as the last build wrote them (None for a context made by hand).
     """
 
-    __slots__ = ("_tensors", "mask", "storage", "places", "_mask_array", "_storage_bits", "checked_by", "num_replaced",
-                 "__weakref__")
+    __slots__ = ("tensors", "mask", "storage", "places", "num_replaced", "__weakref__")
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = (),
                  places: Mapping[str, tuple[int, int]] | None = None):
@@ -62,14 +40,14 @@ class ReplacementContext(Mapping):
             if len(shape) < 1 or shape[0] != mask.shape[0]:
                 raise ValueError(f"replacement for {what} has shape {tuple(shape)}; expected "
                                  f"[{mask.shape[0]}, ...] to match the mask")
-        self._tensors = dict(tensors)
+        self.places = dict(places or {})
+        if storage and not tensors:
+            blocks = [s.unbind(0) for s in storage]
+            tensors = {name: blocks[g][i] for name, (g, i) in self.places.items()}
+        self.tensors = dict(tensors)
         self.mask = mask
         self.storage = storage  # per group [capture names, num_tokens, E], when built by a TensorReplacer
-        self.places = dict(places or {})
-        self._mask_array = None
-        self._storage_bits = None
-        self.checked_by = _UNCHECKED  # a CheckedOut once a TensorReplacer checked it as out=
-        self.num_replaced: int | None = None  # mask's True rows as its TensorReplacer build wrote them (None: not built)
+        self.num_replaced: int | None = None
 
     @classmethod
     def from_storage(cls, storage: tuple[torch.Tensor, ...], mask: torch.Tensor,
@@ -81,23 +59,9 @@ class ReplacementContext(Mapping):
         """The first ``num_tokens`` slots, sharing this context's memory: an ``out=``
         target for a smaller batch (engines keep one max-size context bound to the graph)."""
         if not self.storage:
-            return ReplacementContext({m: t[:num_tokens] for m, t in self._tensors.items()}, self.mask[:num_tokens])
+            return ReplacementContext({m: t[:num_tokens] for m, t in self.tensors.items()}, self.mask[:num_tokens])
         return ReplacementContext.from_storage(tuple(s[:, :num_tokens] for s in self.storage), self.mask[:num_tokens],
                                                self.places)
-
-    def mask_array(self):
-        """The mask as a numpy array sharing its memory (host masks only): engines set
-        and clear a few flags per step through it at a fraction of a torch call's cost."""
-        if self._mask_array is None:
-            self._mask_array = self.mask.numpy()
-        return self._mask_array
-
-    def storage_bits(self) -> tuple[np.ndarray, ...]:
-        """``storage`` as numpy views of its bits (host contexts only; see :func:`host_bits`):
-        a gather of a few rows into them costs less than a torch call."""
-        if self._storage_bits is None:
-            self._storage_bits = tuple(host_bits(s) for s in self.storage)
-        return self._storage_bits
 
     def mask_for(self, name: str) -> torch.Tensor:
         """The rows replaced at capture ``name`` (a :class:`SelectedContext` narrows them per capture name)."""
@@ -109,17 +73,13 @@ class ReplacementContext(Mapping):
         return SelectedContext(self, names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self._tensors.get(name)
-        if tensor is None:
-            g, i = self.places[name]  # KeyError: no such capture name
-            tensor = self._tensors[name] = self.storage[g][i]
-        return tensor
+        return self.tensors[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.places if self.storage else self._tensors)
+        return iter(self.tensors)
 
     def __len__(self) -> int:
-        return len(self.places if self.storage else self._tensors)
+        return len(self.tensors)
 
     @property
     def num_tokens(self) -> int:
@@ -134,7 +94,7 @@ class ReplacementContext(Mapping):
             moved = ReplacementContext.from_storage(tuple(s.to(device) for s in self.storage), self.mask.to(device),
                                                     self.places)
         else:
-            moved = ReplacementContext({k: v.to(device) for k, v in self._tensors.items()}, self.mask.to(device))
+            moved = ReplacementContext({k: v.to(device) for k, v in self.tensors.items()}, self.mask.to(device))
         moved.num_replaced = self.num_replaced
         return moved
 
@@ -190,29 +150,3 @@ class PerRequest(tuple):
 
     def __new__(cls, selections=()):
         return super().__new__(cls, (frozenset(s) for s in selections))
-
-
-_active: contextvars.ContextVar[ReplacementContext | None] = contextvars.ContextVar(
-    "fxreplace_active_context", default=None
-)
-
-
-def set_active_context(ctx: ReplacementContext | None) -> None:
-    """Make ``ctx`` the context that :func:`get_replacement_tensor` reads.
-
-    Context-local (``contextvars``): concurrent forward passes in different
-    threads or asyncio tasks each see their own context.
-    """
-    _active.set(ctx)
-
-
-def get_active_context() -> ReplacementContext | None:
-    return _active.get()
-
-
-def get_replacement_tensor(name: str) -> torch.Tensor | None:
-    """The active context's tensor for ``name``, or None when there is none."""
-    ctx = _active.get()
-    if ctx is None:
-        return None
-    return ctx.get(name)

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ._compat import size_hint
-from .passes import Injection, InjectionSpec, insert_replacements
+from .injection import Injection
+from .passes import InjectionSpec, insert_replacements
 from .points import check_adapter_fits, find_injection_node, is_linear
 from .sharding import ShapeError
 from .targets import TargetLike, resolve_targets

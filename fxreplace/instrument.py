@@ -24,9 +24,11 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.compiler import is_dynamo_compiling
 
 from .context import ReplacementContext
-from .passes import Injection, InjectionSpec, _is_dynamo_compiling, insert_replacements, recording, with_element
+from .injection import Injection, recording, with_element
+from .passes import InjectionSpec, insert_replacements
 from .points import InjectionPoint, check_adapter_fits, computes_linear_output, locate_injection_point
 from .sharding import ShapeError
 from .targets import ResolvedTarget, Target, TargetError, TargetLike, closest_names, resolve_targets
@@ -114,7 +116,7 @@ def _output_point_forward(original, point: InjectionPoint, injection: Injection,
     Eager engines call it once per target per forward, so their common case comes first:
     a slot armed eagerly with its fed buffers, a plain tensor at ``output`` or ``output[i]``
     of a tuple and a call the Injection has checked with those buffers take the fast path
-    (:meth:`~fxreplace.fastpath.CheckedCalls.fed_entry`). Anything else, and any
+    (:meth:`~fxreplace.injection.CheckedCalls.fed_entry`). Anything else, and any
     tracing, goes through the Injection."""
     index = point.output_index
     module_name, where = point.module_name, point.point
@@ -124,7 +126,7 @@ def _output_point_forward(original, point: InjectionPoint, injection: Injection,
         output = original(*args, **kwargs)
         # (Dynamo may start tracing inside an eager forward: then the Injection decides)
         if (slot.state is SlotState.FED and type(output) is kind and not injection.observers
-                and not _is_dynamo_compiling()):
+                and not is_dynamo_compiling()):
             value = output if index is None else output[index]
             if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
                 entry = injection.checked.fed_entry(value)
@@ -269,7 +271,7 @@ class InstrumentedModel:
         (give each thread its own ``copy.deepcopy(model)``). Inside a compiled graph the
         check is not traced: callers of a compiled model serialize their calls themselves."""
         state = self._fxreplace
-        exclusive = not _is_dynamo_compiling()
+        exclusive = not is_dynamo_compiling()
         if exclusive and not state.running.acquire(blocking=False):
             raise ConcurrentForwardError(
                 f"this instrumented {type(self).__name__} is already running a forward (in another thread): one "

@@ -2,12 +2,14 @@
 
 Every builder reduces the batch to two per-slot arrays, the owning request of each
 slot and its position, computes the store row of every slot on the host (numpy: the
-scheduler's metadata lives there), then gathers those rows from each group of the
-:class:`~fxreplace.store.ReferenceStore` (per touched shard) on the store's device, with
-one primitive chosen by the batch's shape (see ``TensorReplacer._run``). Python loops over
-requests (to look up their prompt); over slots only in batches of at most ``_SMALL_BATCH``
-slots (decode steps), where that costs less than numpy calls. An engine's steady decode
-step takes the shorter path of :mod:`fxreplace.fastpath` (``decode_into``).
+scheduler's metadata lives there), then copies those rows from each group of the
+:class:`~fxreplace.store.ReferenceStore` (per touched shard) on the store's device with the
+primitives of :mod:`fxreplace.gather`. Python loops over requests (to look up their prompt);
+over slots only in batches of at most ``_SMALL_BATCH`` slots (decode steps), where that
+costs less than numpy calls. An engine's steady decode step takes :meth:`TensorReplacer.decode_into`.
+
+What the replacer remembers between builds (the last batch's lookup, the ``out=`` contexts
+it checked, buffers of dropped contexts) lives here: a context is plain data.
 
 Thread safety: registration, release, ``requests`` and building may be called from
 several threads; building into the same ``out=`` context from two threads at once
@@ -16,24 +18,27 @@ is the caller's race.
 
 from __future__ import annotations
 
+import operator
 import threading
+import weakref
 from typing import Any, Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from .context import CheckedOut, ReplacementContext, host_bits, same_device
-from .fastpath import (INT_DTYPES, BatchLookup, HostViews, decode_rows, is_int_list, step_positions, take_rows,
-                       take_slot_rows, take_step_rows)
-from .gather import gather_rows
+from .context import ReplacementContext, same_device
+from .gather import host_bits, index_select_rows, take_rows, take_slot_rows
 from .matching import PromptIndex
 from .store import CaptureError, ReferenceStore
 
 OnUnknown = Literal["error", "passthrough"]
+ON_UNKNOWN = ("error", "passthrough")  # what a request the reference does not hold gets
 _UNMATCHED = -1  # a registered request whose prompt is not in the reference
 _MISSING = -2  # a request that was never registered
 _SMALL_BATCH = 64  # slots up to which the row arithmetic runs in plain Python (decode steps)
 _SPARE_BUFFERS = 4  # context buffers kept for reuse once their context is dropped
+_CHECKED_OUTS = 64  # out= contexts whose check is remembered (an engine keeps one per batch size)
+_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -72,8 +77,8 @@ class TensorReplacer:
         on_unknown: OnUnknown = "error",
         allow_nonfinite: bool = False,
     ):
-        if on_unknown not in ("error", "passthrough"):
-            raise ValueError(f"on_unknown must be 'error' or 'passthrough', got {on_unknown!r}")
+        if on_unknown not in ON_UNKNOWN:
+            raise ValueError(f"on_unknown must be one of {ON_UNKNOWN}, got {on_unknown!r}")
         if not isinstance(allow_nonfinite, bool):
             raise TypeError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
         if isinstance(reference_captures, ReferenceStore):
@@ -113,6 +118,7 @@ class TensorReplacer:
         self._prompt_of: dict[str, int] = {}  # request id -> internal prompt (or _UNMATCHED)
         self._registered_as: dict[str, tuple] = {}  # request id -> (token ids, prompt_idx) it was registered with
         self._spare: list[tuple[torch.Tensor, ...]] = []
+        self._checked_outs: dict[int, _CheckedOut] = {}  # id(out) -> how it was checked
         self._generation = 0  # bumped by every registration and release: invalidates _last_batch
         # the last batch looked up: an engine's consecutive decode steps run the same requests
         self._last_batch = BatchLookup([], -1, [], np.zeros(0, np.int64), False, [], [], 0)
@@ -255,7 +261,7 @@ class TensorReplacer:
         An engine tries :meth:`decode_into` first and builds here when it declines."""
         counts = num_scheduled_tokens
         positions = _as_index_array(positions, "positions")
-        if not is_int_list(counts):  # engines pass a list of ints: used as it is
+        if not _is_int_list(counts):  # engines pass a list of ints: used as it is
             counts = _as_index_array(counts, "num_scheduled_tokens").tolist()
         if len(counts) != len(req_ids):
             raise ValueError(f"got {len(counts)} num_scheduled_tokens for {len(req_ids)} requests")
@@ -319,16 +325,19 @@ class TensorReplacer:
         Otherwise it returns False having written nothing, and :meth:`build_context_for_batch`
         handles, checks and explains every case."""
         last = self._last_batch
-        checked = out.checked_by
-        views = checked.views
-        if checked.replacer is not self or views is None or last.generation != self._generation or last.req_ids != req_ids:
+        checked = self._checked_outs.get(id(out))
+        if (checked is None or checked.bits is None or checked.context() is not out or last.generation != self._generation
+                or last.req_ids != req_ids):
             return False
-        positions = step_positions(positions)
-        rows = None if positions is None else decode_rows(last, positions)
+        positions = _step_positions(positions)
+        rows = None if positions is None else _decode_rows(last, positions)
         if rows is None or checked.slots != len(rows):
             return False
-        take_step_rows(last, views, rows)
-        views.mask.fill(True)
+        if type(last.shard) is int:
+            take_rows(self._source_bits[last.shard], checked.bits, rows)
+        else:
+            take_slot_rows(self._source_bits, checked.bits, last.shard, rows)
+        checked.mask_bits.fill(True)
         out.num_replaced = len(rows)
         return True
 
@@ -374,10 +383,11 @@ class TensorReplacer:
         """Request ``i`` owns the next ``counts[i]`` slots, the rest is padding -> context."""
         plan, mask = self._slot_rows(self._lookup(req_ids), counts, positions)
         n = len(positions)
+        small = self._source_bits is not None and n <= _SMALL_BATCH  # numpy copies its rows
         replaced = mask.count(True) if type(mask) is list else int(np.count_nonzero(mask))
         if out is None:
             ctx = self._fresh_context(n)
-            self._run(plan, ctx.storage, self._numpy_storage(ctx, n))
+            self._run(plan, ctx.storage, tuple(map(host_bits, ctx.storage)) if small else None)
             ctx.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
             ctx.num_replaced = replaced
             return ctx.to(device)
@@ -385,35 +395,33 @@ class TensorReplacer:
         if device is not None and not same_device(out.mask.device, device):
             raise ValueError(f"out= is on {out.mask.device}; it cannot also move the context to {device}")
         if checked.on_device:
-            self._run(plan, out.storage, self._numpy_storage(out, n))
+            self._run(plan, out.storage, checked.bits if small else None)
         else:  # gather where the reference lives, then one copy per group
             staged = self._fresh_context(n)
-            self._run(plan, staged.storage, self._numpy_storage(staged, n))
+            self._run(plan, staged.storage, tuple(map(host_bits, staged.storage)) if small else None)
             for src, dst in zip(staged.storage, out.storage):
                 dst.copy_(src, non_blocking=True)
-        if checked.views is not None:
-            checked.views.mask[:] = mask  # no tensor made for a handful of flags
+        if checked.mask_bits is not None:
+            checked.mask_bits[:] = mask  # no tensor made for a handful of flags
         else:
             out.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
         out.num_replaced = replaced
         return out
 
-    def _numpy_storage(self, ctx: ReplacementContext, n: int) -> tuple[np.ndarray, ...] | None:
-        """``ctx``'s storage as numpy views where :meth:`_run` gathers by numpy: a small batch
-        of a host store (``ctx`` then lives on the host too)."""
-        return ctx.storage_bits() if self._source_bits is not None and n <= _SMALL_BATCH else None
-
     def _run(self, plan, storage: tuple[torch.Tensor, ...], storage_bits: tuple[np.ndarray, ...] | None) -> None:
-        """Carry out a plan of :meth:`_slot_rows` into ``storage`` (``storage_bits``: its numpy
-        views, given for a small batch of a host store). Rows in one shard: see
-        :meth:`_gather_one_shard`. A small host batch over several shards is copied by numpy slot
-        by slot. A larger one (or one on an accelerator) gathers each touched shard's rows into a
-        staging buffer, a block of slots per shard, then the batch's slots from it: one gather
-        per touched shard and one for the batch."""
+        """Carry out a plan of :meth:`_slot_rows` into ``storage``. ``storage_bits`` (its numpy
+        views) is given for a small batch of a host store: numpy copies its few rows for less
+        than a torch call costs. Anything else is ``index_select``: rows of one shard straight
+        into ``storage``; rows of several shards first into a staging buffer, a block of slots
+        per touched shard, then the batch's slots from it."""
         if not isinstance(plan, _ShardBlocks):
             shard, rows = plan
-            if type(shard) is int:
-                self._gather_one_shard(shard, rows, storage, storage_bits)
+            if storage_bits is None:
+                index = self._index_tensor(rows)
+                for src, dst in zip(self._sources[shard], storage):
+                    index_select_rows(src, dst, index)
+            elif type(shard) is int:
+                take_rows(self._source_bits[shard], storage_bits, rows)
             else:  # the shard of each slot
                 take_slot_rows(self._source_bits, storage_bits, shard, rows)
             return
@@ -423,41 +431,11 @@ class TensorReplacer:
             staging = torch.empty(m, plan.replaced + 1, e, dtype=dst.dtype, device=dst.device)
             staging[:, plan.replaced].zero_()  # the padding's and unmatched slots' row
             for shard, start, stop in plan.blocks:
-                gather_rows(self._sources[shard][g], staging[:, start:stop], rows[start:stop])
-            gather_rows(staging, dst, columns)
-
-    def _gather_one_shard(self, shard: int, rows, storage: tuple[torch.Tensor, ...], storage_bits) -> None:
-        """``rows`` of one shard, by batch shape: a batch of a few runs of consecutive rows (a
-        prefill chunk, its padding) copies them as blocks, at memcpy speed; a small host batch
-        (a decode step) is gathered by numpy over the bits, which costs less than a torch call
-        for a few rows; other scattered rows by :func:`~fxreplace.gather.gather_rows` (numpy
-        would stage a copy of a strided ``out=``)."""
-        if len(rows) <= _SMALL_BATCH:
-            if storage_bits is not None:  # given only for a host store
-                take_rows(self._source_bits[shard], storage_bits, rows)
-                return
-        else:
-            runs = _runs(rows, self._zero_rows_list[shard])
-            if runs is not None:
-                self._copy_runs(self._sources[shard], storage, runs)
-                return
-        index = self._index_tensor(rows)
-        for src, dst in zip(self._sources[shard], storage):
-            gather_rows(src, dst, index)
+                index_select_rows(self._sources[shard][g], staging[:, start:stop], rows[start:stop])
+            index_select_rows(staging, dst, columns)
 
     def _index_tensor(self, rows) -> torch.Tensor:
         return torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
-
-    @staticmethod
-    def _copy_runs(sources, storage, runs) -> None:
-        """Block copies of runs of consecutive store rows (zeros for padding runs): a
-        block copy moves a run at memcpy speed where a gather pays per row."""
-        for src, dst in zip(sources, storage):
-            for start, stop, row in runs:
-                if row is None:
-                    dst[:, start:stop].zero_()
-                else:
-                    dst[:, start:stop].copy_(src[:, row:row + stop - start])
 
     def _fresh_context(self, n: int) -> ReplacementContext:
         """A context of ``n`` slots on the store's device, reusing the buffers of a dropped
@@ -476,10 +454,11 @@ class TensorReplacer:
             # the context holds views, not the buffers themselves: their use count says while it lives
             return ReplacementContext.from_storage(tuple(b.view_as(b) for b in bufs), mask, self._places)
 
-    def _checked_out(self, out: ReplacementContext, n: int) -> CheckedOut:
-        """Check ``out`` once (remembered on it: a context's shapes and device never change)."""
-        checked = out.checked_by
-        if checked.replacer is not self or checked.slots != n:
+    def _checked_out(self, out: ReplacementContext, n: int) -> "_CheckedOut":
+        """Check ``out`` once: a context's shapes and device never change, so the replacer
+        remembers the check (and, for a host context of a host store, numpy views of it)."""
+        checked = self._checked_outs.get(id(out))
+        if checked is None or checked.context() is not out or checked.slots != n:
             want = [(m, n, e, dt) for m, e, dt in self._shapes]
             got = [(*s.shape, s.dtype) for s in out.storage]
             if got != want or out.mask.shape[0] != n or out.places != self._places:
@@ -488,10 +467,43 @@ class TensorReplacer:
                     f"slots; got {out!r}"
                 )
             on_device = out.mask.device == self._device
-            views = HostViews(self._source_bits, out.storage_bits(), out.mask_array()) if (
-                on_device and self._source_bits is not None) else None
-            checked = out.checked_by = CheckedOut(self, n, on_device, views)
+            host = on_device and self._source_bits is not None
+            checked = _CheckedOut(weakref.ref(out), n, on_device, tuple(map(host_bits, out.storage)) if host else None,
+                                  out.mask.numpy() if host else None)
+            if len(self._checked_outs) >= _CHECKED_OUTS:  # forget the dropped ones (or all, if none was)
+                self._checked_outs = {k: c for k, c in self._checked_outs.items() if c.context() is not None}
+                if len(self._checked_outs) >= _CHECKED_OUTS:
+                    self._checked_outs = {}
+            self._checked_outs[id(out)] = checked
         return checked
+
+
+class _CheckedOut(NamedTuple):
+    """How the replacer checked a context as ``out=``: the context (weakly: its id may be
+    reused once it is dropped), its slots, whether it lives on the store's device (the
+    gather then writes it directly), and numpy views of its storage and mask for a host
+    context of a host store."""
+
+    context: Any  # weakref.ref to the context
+    slots: int
+    on_device: bool
+    bits: tuple[np.ndarray, ...] | None
+    mask_bits: np.ndarray | None
+
+
+class BatchLookup(NamedTuple):
+    """One batch's request lookup (see ``TensorReplacer._lookup``)."""
+
+    req_ids: list[str]
+    generation: int  # the replacer's registration generation it was made at
+    prompts: list[int]  # internal prompt per request (-1 unmatched), then -1 for padding
+    prompt_array: np.ndarray  # the same as int64, for large batches' numpy arithmetic
+    matched: bool  # any request matched
+    offsets: list[int]  # per request: first row in its shard (0 where unmatched)
+    stored: list[range]  # per request: the positions it has rows for (none where unmatched)
+    # the shard holding every matched request's rows (0 when none matched); when they lie in
+    # several, each request's shard (0 where unmatched)
+    shard: int | list[int]
 
 
 class _ShardBlocks(NamedTuple):
@@ -518,31 +530,14 @@ class _ShardBlocks(NamedTuple):
                             columns, len(slots))
 
 
-_MAX_RUNS = 32  # above this many runs of consecutive rows, one gather beats block copies
-
-
-def _runs(rows: np.ndarray, zero_row: int) -> list[tuple[int, int, int | None]] | None:
-    """``rows`` as runs ``(first slot, end slot, first store row or None for zeros)`` of
-    consecutive store rows or of zero rows; None when there are more than ``_MAX_RUNS``."""
-    if rows.shape[0] == 0:
-        return []
-    zero = rows == zero_row
-    same_run = np.where(zero[1:], zero[:-1], ~zero[:-1] & (np.diff(rows) == 1))
-    starts = np.flatnonzero(~same_run) + 1
-    if starts.shape[0] >= _MAX_RUNS:
-        return None
-    bounds = [0, *starts.tolist(), rows.shape[0]]
-    return [(a, b, None if zero[a] else int(rows[a])) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
 def _as_index_array(values, what: str) -> np.ndarray | list[int]:
     """A 1-D int64 array, or for at most ``_SMALL_BATCH`` values a list of Python ints
     (engines' decode steps: numpy costs more than the work for a handful of values);
     floats and bools are refused (a fractional position has no row)."""
-    if type(values) is list and len(values) <= _SMALL_BATCH and is_int_list(values):
+    if type(values) is list and len(values) <= _SMALL_BATCH and _is_int_list(values):
         return values
     if isinstance(values, torch.Tensor):
-        if values.dtype not in INT_DTYPES:
+        if values.dtype not in _INT_DTYPES:
             raise ValueError(f"{what} must be integers, got a {values.dtype} tensor")
         if values.dim() == 1 and values.shape[0] <= _SMALL_BATCH:
             return values.tolist()
@@ -559,3 +554,24 @@ def _as_index_array(values, what: str) -> np.ndarray | list[int]:
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D [num_slots], got shape {tuple(arr.shape)}")
     return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+
+
+def _step_positions(positions) -> list[int] | None:
+    """A decode step's positions as Python ints (an int tensor of one dimension, or a list
+    of ints); None for anything else, which the general path checks and explains."""
+    if type(positions) is torch.Tensor:
+        return positions.tolist() if positions.dtype in _INT_DTYPES and positions.ndim == 1 else None
+    return positions if _is_int_list(positions) else None
+
+
+def _decode_rows(last: BatchLookup, positions: list[int]) -> list[int] | None:
+    """Store rows of a decode step of ``last``'s requests (one position each), or None
+    unless every request matched and holds a row at its position."""
+    # "p in range(rows)" is 0 <= p < rows (unmatched requests hold range(0))
+    if len(positions) != len(last.stored) or not all(map(operator.contains, last.stored, positions)):
+        return None
+    return list(map(operator.add, last.offsets, positions))
+
+
+def _is_int_list(values) -> bool:
+    return type(values) is list and set(map(type, values)) <= {int}

@@ -4,7 +4,8 @@ validated when it is made, errors naming the field."""
 import pytest
 import torch
 
-from fxreplace import ConfigError, ReferenceStore, ReplacementConfig, Target, TensorReplacementConfig, load_token_ids
+from fxreplace import ConfigError, ReferenceStore, ReplacementConfig, Target, TensorReplacementConfig
+from fxreplace.store import load_token_ids
 from fxreplace.sharding import ShardSpec
 
 

@@ -424,7 +424,7 @@ def test_a_forward_with_its_own_replacements_leaves_the_fed_buffers_in_place(pla
 def test_eager_bound_feed_checks_each_batch_size_once(plain, monkeypatch):
     """An engine's batch size changes from step to step: each size's first call is checked
     in full, later calls of any size seen before reuse that check (and stay exact)."""
-    from fxreplace.passes import Injection
+    from fxreplace.injection import Injection
 
     fed = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
     bound = random_context(GATES, E, tokens=16, seed=3, mask=torch.ones(16, dtype=torch.bool))

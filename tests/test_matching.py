@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxreplace import PromptIndex
+from fxreplace.matching import PromptIndex
 
 
 def test_longest_verified_prefix_wins():

@@ -8,7 +8,8 @@ import fxreplace.models as families
 from fxreplace.adapters import get_adapter, register_adapter, sigmoid_bias_grouped_topk, softmax_topk_renorm, topk_softmax_scatter
 from fxreplace.context import ReplacementContext
 from fxreplace.instrument import instrument
-from fxreplace.passes import Injection, InjectionSpec, insert_replacements
+from fxreplace.injection import Injection
+from fxreplace.passes import InjectionSpec, insert_replacements
 from fxreplace.points import find_injection_node, module_paths
 from fxreplace.sharding import ShapeError, ShardSpec
 from fxreplace.targets import Target

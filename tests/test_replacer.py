@@ -7,12 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxreplace import (
-    ReplacementContext,
-    TensorReplacer,
-    get_replacement_tensor,
-    set_active_context,
-)
+from fxreplace import ReplacementContext, TensorReplacer
+from fxreplace.active_context import get_replacement_tensor, set_active_context
 from fxreplace.testing import build_context_loop, slot_owners
 
 
@@ -205,16 +201,14 @@ def _assert_same(ctx, expected, mask):
         assert torch.equal(ctx[m], t), m
 
 
-@pytest.fixture(params=["python", "runs", "gather"])
+@pytest.fixture(params=["small", "large"])
 def row_path(request, monkeypatch):
-    """Run a test on every row path: small batches in Python; large ones in numpy, then
-    block copies of runs of consecutive store rows, or one gather (batches of many runs)."""
+    """Run a test on both row paths: small batches (slot arithmetic in Python, rows copied by
+    numpy) and large ones (numpy arithmetic, rows copied by index_select)."""
     import fxreplace.replacer as replacer_module
 
-    if request.param != "python":
+    if request.param == "large":
         monkeypatch.setattr(replacer_module, "_SMALL_BATCH", -1)
-    if request.param == "gather":
-        monkeypatch.setattr(replacer_module, "_MAX_RUNS", 0)
     return request.param
 
 
@@ -362,15 +356,12 @@ def test_sharded_store_matches_per_slot_oracle(sc, shard_bytes, data):
         assert dirty.mask[len(positions):].all() and all(bool((b[:, len(positions):] == 7).all()) for b in dirty.storage)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c-gather", "index_select"])
-def test_a_large_batch_over_several_shards_matches_per_slot_oracle(native, tmp_path, monkeypatch):
+def test_a_large_batch_over_several_shards_matches_per_slot_oracle(tmp_path):
     """More slots than the small-batch paths take, rows in four shards (and unmatched requests,
     positions past a prompt, padding): the staging gather, into a fresh context, an out= one
     and a leading() view of a dirty feed."""
-    from fxreplace import ReferenceStore, StoreWriter, gather
+    from fxreplace import ReferenceStore, StoreWriter
 
-    if not native:
-        monkeypatch.setattr(gather, "_gather", None)
     lengths, decode = [30, 25, 40, 12], [0, 0, 0, 0]
     caps = captures_for(lengths, decode, modules=("m0", "m1", "m2"), widths=(4, 4, 3), seed=5)
     with StoreWriter(tmp_path / "ref", shard_bytes=1) as writer:

@@ -4,7 +4,8 @@ import pickle
 import pytest
 import torch
 
-from fxreplace import CaptureError, ReferenceStore, TensorReplacementConfig, load_legacy, load_token_ids
+from fxreplace import CaptureError, ReferenceStore, TensorReplacementConfig
+from fxreplace.store import load_legacy, load_token_ids
 
 
 def stepwise(prompt_len, decode_steps, E=4, kv_cache=False, seed=0):

@@ -52,9 +52,9 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..context import host_bits
+from ..gather import host_bits
 from ..instrument import instrument, observe
-from ..passes import recording
+from ..injection import recording
 from ..reference import Reference
 from ..store import ReferenceStore, StoreError, StoreWriter
 from ..targets import Target, TargetError, resolve_targets

@@ -1,0 +1,232 @@
+"""The runtime op of a replacement: ``where(mask, adapter(shard(replacement)), computed)``.
+
+:class:`Injection` is what the graph pass (:mod:`fxreplace.passes`) inserts into graphs as
+a ``call_function`` and what output-point forwards (:mod:`fxreplace.instrument`) call
+directly, so both paths share one implementation, and its eager cache: an eager engine
+runs the same few batch shapes step after step with the same bound buffers, and what a
+first call checked in full (shapes, dtypes, devices, which buffers) stays true while those
+buffers stay, so later calls only read the buffers' current contents. Nothing of the
+cache is used while a graph is recorded (it would become a guard or a constant).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+from torch._C import _len_torch_dispatch_stack as _dispatch_modes  # no public way to ask (make_fx, export)
+from torch.compiler import is_dynamo_compiling
+
+from .adapters import Adapter, get_adapter, identity
+from .sharding import ShapeError, ShardSpec, layout_hint, require, rows_before_sharding, shard_columns, shard_rows
+from .targets import TargetError
+
+def recording() -> bool:
+    """Whether the running code is traced into a graph by Dynamo, or recorded by
+    make_fx/export/AOTAutograd (a dispatch mode) or torch.jit.trace (torch_neuronx.trace)."""
+    return is_dynamo_compiling() or bool(_dispatch_modes()) or torch.jit.is_tracing()
+
+
+class Injection:
+    """``where(mask, adapter(shard(replacement)), computed)`` for one target.
+
+    The callable that the pass inserts into graphs (as a ``call_function``
+    target) and that output-point wrappers call directly, so both paths share one
+    implementation. ``replacement=None`` passes ``computed`` through unchanged.
+    With ``leading_rows=True`` the replacement and mask are max-size buffers and
+    only their leading rows (as many as the tokens of this call) are read. ``observers`` see the
+    computed value first (reference capture, router agreement).
+
+    Eager calls with buffers it checked before take the fast path of
+    the eager cache (``checked``): with such buffers on the host, a call that
+    replaces no row returns ``computed`` and, with the buffers of :meth:`share_fed`, a call
+    that replaces every row returns the buffer's leading rows themselves (no copy, no kernel).
+    """
+
+    def __init__(self, module_name: str, module: nn.Module, adapter=None, shard: ShardSpec | None = None):
+        self.module_name = module_name
+        self.module = module
+        self.adapter: Adapter = get_adapter(adapter)
+        self.shard = shard
+        self.observers: list[Callable[[torch.Tensor], None]] = []
+        self.__name__ = "fxreplace_inject"  # name hint for FX code generation
+        # eager engines call this once per target per forward with the same bound buffers
+        self.checked = CheckedCalls()
+
+    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
+        """See :meth:`CheckedCalls.share_fed`."""
+        self.checked.share_fed(values, mask)
+
+    def __call__(self, computed, replacement=None, mask=None, rank=None, leading_rows=False):
+        if self.observers:
+            for observe in self.observers:
+                observe(computed)
+        if replacement is None:
+            return computed
+        if recording():  # no Python state, which would become a guard or a constant of the graph
+            return self._inject(computed, replacement, mask, rank, leading_rows)
+        if type(computed) is torch.Tensor:
+            entry = self.checked.lookup(computed, replacement, mask, leading_rows)
+            if entry is not None:
+                return entry.inject(computed)
+        out = self._inject(computed, replacement, mask, rank, leading_rows)
+        if (self.adapter is identity and self.shard is None and type(computed) is torch.Tensor and computed.dim() == 2
+                and replacement.dtype == computed.dtype):
+            self.checked.remember(computed, replacement, mask, leading_rows)
+        return out
+
+    def _inject(self, computed, replacement, mask, rank, leading_rows):
+        name, spec = self.module_name, self.shard
+        parts = tuple(computed) if isinstance(computed, (tuple, list)) else (computed,)
+        flats = [part.reshape(-1, part.shape[-1]) for part in parts]
+        tokens = rows_before_sharding(flats[0].shape[0], self.shard)
+        _check_dtype_and_device(name, replacement, mask, flats[0])
+        if leading_rows:
+            replacement, mask = replacement[:tokens], mask[:tokens]
+        require(
+            replacement.dim() == 2 and replacement.shape[0] == tokens,
+            lambda: f"replacement for {name} has shape {tuple(replacement.shape)}, but the module computes "
+            f"{_shapes(parts)} here, so it needs [{tokens}, E]"
+            + layout_hint(spec, replacement.shape, flats[0].shape),
+        )
+        require(
+            mask.dtype == torch.bool and mask.dim() == 1 and mask.shape[0] == tokens,
+            lambda: f"mask for {name} must be bool [{tokens}], got {mask.dtype} {tuple(mask.shape)}",
+        )
+        if rank is None and self.shard is not None:
+            rank = self.shard.rank
+        replacement = shard_rows(replacement, spec, rank, f"tokens of the replacement for {name} ({spec})")
+        mask = shard_rows(mask, spec, rank, f"tokens of the mask for {name} ({spec})").unsqueeze(-1)
+        full = self.adapter(replacement, self.module)
+        values = tuple(full) if isinstance(full, (tuple, list)) else (full,)
+        if len(values) != len(parts):
+            raise TargetError(f"the adapter for {name} returns {len(values)} tensor(s) {_shapes(values)}, but the "
+                             f"point computes {len(parts)}: {_shapes(parts)}; pick one with point='output[i]' or use a "
+                             "pair adapter (e.g. 'topk_softmax_pairs') for a (weights, ids) point")
+        if len(values) > 1 and spec is not None and spec.mode == "expert":
+            raise ShapeError(f"{name}: expert sharding slices dense [T, E] values; top-k pairs hold global expert "
+                             "ids, so give this rank the full pairs (no shard spec)")
+        out = []
+        for full_value, flat, part in zip(values, flats, parts):
+            value = shard_columns(full_value, spec, rank, f"experts of {name} ({spec})")
+            require(
+                tuple(value.shape) == tuple(flat.shape),
+                lambda: f"replacement for {name} becomes {tuple(value.shape)} after shard/adapter, but the module "
+                f"computes {tuple(flat.shape)} (from {tuple(part.shape)})"
+                + layout_hint(spec, full_value.shape, flat.shape),
+            )
+            out.append(torch.where(mask, value.to(flat.dtype), flat).reshape(part.shape))
+        return rebuild(computed, out) if isinstance(computed, (tuple, list)) else out[0]
+
+
+def rebuild(like: tuple | list, parts: list):
+    """``parts`` as a sequence of ``like``'s type (a namedtuple takes its fields as arguments)."""
+    return type(like)(*parts) if hasattr(like, "_fields") else type(like)(parts)
+
+
+def with_element(sequence: tuple | list, index: int, value):
+    """``sequence`` with element ``index`` replaced by ``value``, of the same type."""
+    if type(sequence) is tuple:
+        return sequence[:index] + (value,) + sequence[index + 1:]
+    parts = list(sequence)
+    parts[index] = value
+    return rebuild(sequence, parts)
+
+
+def _check_dtype_and_device(name: str, replacement: torch.Tensor, mask: torch.Tensor, computed: torch.Tensor) -> None:
+    """Float replacements are cast to the computed dtype; anything else would be a
+    silent change of meaning (token ids, a truncated int). Devices must agree."""
+    if computed.dtype.is_floating_point and not replacement.dtype.is_floating_point:
+        raise TypeError(f"replacement for {name} is {replacement.dtype}, but the module computes {computed.dtype}: "
+                        "give floating-point values (the captured tensor), not a cast of them")
+    for what, tensor in (("replacement", replacement), ("mask", mask)):
+        if tensor.device != computed.device:
+            raise ValueError(f"{what} for {name} is on {tensor.device}, but the module computes on "
+                             f"{computed.device}: build the context with device={str(computed.device)!r}")
+
+
+def _shapes(tensors) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in tensors)
+
+
+# ---------------------------------------------------------------------- the eager cache
+
+CHECKED_SHAPES = 8  # batch shapes whose checked calls are kept (an engine's common batch sizes)
+
+
+class CheckedCall(NamedTuple):
+    """What an eager call of an Injection checked, for one computed shape: the buffers it
+    was called with, the computed dtype and device, and views of the buffers' rows it reads."""
+
+    replacement: torch.Tensor
+    mask: torch.Tensor
+    leading_rows: bool
+    dtype: torch.dtype
+    device: int
+    mask_column: torch.Tensor
+    rows: torch.Tensor
+    host_mask: memoryview | None  # the mask's bytes, when it lives on the host (read without a kernel)
+    hands_rows_on: bool  # the rows are fed buffers that their feeder rewrites: a call replacing every row may return them
+    all_replaced: bytes
+    none_replaced: bytes
+
+    def matches(self, computed: torch.Tensor, replacement, mask, leading_rows) -> bool:
+        return (self.replacement is replacement and self.mask is mask and self.leading_rows is leading_rows
+                and self.dtype is computed.dtype and self.device == computed.get_device())
+
+    def inject(self, computed: torch.Tensor) -> torch.Tensor:
+        """``where(mask, rows, computed)``; a host mask that replaces no row, or every row
+        of buffers that may be handed on, needs no kernel."""
+        host = self.host_mask
+        if host is not None:
+            if self.hands_rows_on and host == self.all_replaced:
+                return self.rows
+            if host == self.none_replaced:
+                return computed
+        return torch.where(self.mask_column, self.rows, computed)
+
+
+class CheckedCalls:
+    """One Injection's checked calls, per computed shape; those made with the fed buffers
+    (see :meth:`share_fed`) also by shape alone, for output points armed with them."""
+
+    def __init__(self):
+        self.entries: dict[torch.Size, CheckedCall] = {}
+        self.fed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fed_entries: dict[torch.Size, CheckedCall] = {}
+
+    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
+        """``values``/``mask`` are buffers that their feeder rewrites before every forward
+        (``feed(bind=True)``): a call with them whose rows are all replaced may return the
+        values' rows themselves. None: no buffers are shared."""
+        self.fed = None if values is None else (values, mask)
+        self.entries.clear()
+        self.fed_entries.clear()
+
+    def lookup(self, computed: torch.Tensor, replacement, mask, leading_rows) -> CheckedCall | None:
+        entry = self.entries.get(computed.shape)
+        return entry if entry is not None and entry.matches(computed, replacement, mask, leading_rows) else None
+
+    def fed_entry(self, value: torch.Tensor) -> CheckedCall | None:
+        """The checked call of the fed buffers for ``value``'s shape (host buffers only)."""
+        entry = self.fed_entries.get(value.shape)
+        return entry if entry is not None and entry.dtype is value.dtype and value.is_cpu else None
+
+    def remember(self, computed: torch.Tensor, replacement, mask, leading_rows) -> None:
+        """Keep the checked views of a call the general path accepted: the views are of the
+        buffers, so later calls read their current contents. Entries of other replacements
+        are dropped (none holds a tensor of an earlier call), and at most ``CHECKED_SHAPES`` kept."""
+        tokens = computed.shape[0]
+        rows = slice(0, tokens) if leading_rows else slice(None)
+        host_mask = memoryview(mask[rows].numpy()).cast("B") if mask.device.type == "cpu" and leading_rows else None
+        fed = self.fed is not None and self.fed[0] is replacement and self.fed[1] is mask and host_mask is not None
+        kept = {shape: c for shape, c in self.entries.items() if c.replacement is replacement}
+        self.entries = kept if len(kept) < CHECKED_SHAPES else {}
+        entry = self.entries[computed.shape] = CheckedCall(
+            replacement, mask, leading_rows, computed.dtype, computed.get_device(), mask[rows].unsqueeze(-1),
+            replacement[rows], host_mask, fed, b"\1" * tokens, bytes(tokens))
+        if fed:
+            if len(self.fed_entries) >= CHECKED_SHAPES:
+                self.fed_entries.clear()
+            self.fed_entries[computed.shape] = entry
