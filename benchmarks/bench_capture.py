@@ -157,8 +157,6 @@ def child(args) -> None:
     workload once and reports its peak RSS."""
     from vllm import LLM, SamplingParams
 
-    from fxreplace.vllm.capture import finish_capture
-
     spec = json.loads(args.spec)
     prompts = [{"prompt_token_ids": p} for p in prompt_set(spec["prompts"], spec["prompt_len"], spec["vocab"])]
     extra, hooks = {}, {"s": 0.0}
@@ -173,7 +171,7 @@ def child(args) -> None:
         sampler = RssSampler(capture_state(llm) if args.config == "capture" else None)
         engine_mib = sampler.rss_mib()
         llm.generate(prompts, sp, use_tqdm=False)
-        counts = llm.collective_rpc(finish_capture)[0] if args.config == "capture" else {}
+        counts = llm.collective_rpc("fxreplace_finish_capture")[0] if args.config == "capture" else {}
         sampler.stop()
         size = sum(e.stat().st_size for e in os.scandir(args.out)) if args.config == "capture" else 0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -54,7 +54,6 @@ ENGINE = dict(max_model_len=192, block_size=32, max_num_batched_tokens=64, max_n
 SCRIPT = textwrap.dedent("""
     import json, sys
     from vllm import LLM, SamplingParams
-    from fxreplace.vllm.capture import finish_capture
 
     if __name__ == "__main__":
         ckpt, prompts_path, out, engine = sys.argv[1:5]
@@ -71,7 +70,7 @@ SCRIPT = textwrap.dedent("""
         llm.llm_engine.step()
         llm.llm_engine.abort_request(["to-abort"])
         outs += llm.generate([{"prompt_token_ids": prompts[-1]}], sp, use_tqdm=False)
-        counts = llm.collective_rpc(finish_capture)[0]
+        counts = llm.collective_rpc("fxreplace_finish_capture")[0]
         print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "counts": counts}))
 """ % NEW)
 

@@ -54,22 +54,6 @@ ENGINE = dict(max_model_len=256, block_size=32, max_num_batched_tokens=64, max_n
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     from vllm import LLM, SamplingParams
-    from fxreplace.vllm.capture import finish_capture
-
-    def worker_state(worker):
-        import fxreplace.vllm as fxv
-        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
-        state = fxv.get_state(worker.model_runner)
-        if state is None:
-            return None
-        info = {"pid": os.getpid(), "host_ip": os.environ.get("VLLM_HOST_IP"),
-                "pp_rank": get_pp_group().rank_in_group, "tp_rank": get_tensor_model_parallel_rank()}
-        if hasattr(state, "replacer"):
-            info.update(errors=state.errors, tokens_replaced=state.tokens_replaced, steps=state.steps,
-                        requests=dict(state.requests), targets=[t.pattern for t in state.targets])
-        else:
-            info.update(names=state.names, out=str(state.out), writes=state.writes)
-        return info
 
     if __name__ == "__main__":
         ckpt, prompts_path, fxreplace, engine, new = sys.argv[1:6]
@@ -82,11 +66,11 @@ SCRIPT = textwrap.dedent("""
                             **({} if capture else {"logprobs": 5, "prompt_logprobs": 5}))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         if capture:
-            counts = llm.collective_rpc(finish_capture)
+            counts = llm.collective_rpc("fxreplace_finish_capture")
         else:  # finished ids reach the workers with the next step: schedule one more
             llm.generate([{"prompt_token_ids": prompts[-1]}], SamplingParams(max_tokens=1), use_tqdm=False)
             counts = None
-        states = llm.collective_rpc(worker_state)
+        states = llm.collective_rpc("fxreplace_worker_state")
         result = [{"tokens": list(o.outputs[0].token_ids)} if capture else
                   {"tokens": list(o.outputs[0].token_ids),
                    "logprobs": [{str(t): v.logprob for t, v in s.items()} for s in o.outputs[0].logprobs],

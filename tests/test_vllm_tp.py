@@ -44,15 +44,6 @@ SCRIPT = textwrap.dedent("""
     import json, sys, torch
     from vllm import LLM, SamplingParams
 
-    def worker_state(worker):
-        import os
-        import fxreplace.vllm as fxv
-        state = fxv.get_state(worker.model_runner)
-        if state is None:
-            return None
-        return {"pid": os.getpid(), "errors": state.errors, "tokens_replaced": state.tokens_replaced,
-                "steps": state.steps, "requests": dict(state.requests)}
-
     if __name__ == "__main__":
         ckpt, ref_dir, prompts_path, mode = sys.argv[1:5]
         prompts = json.load(open(prompts_path))
@@ -67,7 +58,7 @@ SCRIPT = textwrap.dedent("""
         # engine runs none (and LLMEngine.step() would wait forever), so schedule one more
         # request: one token of the unknown prompt.
         llm.generate([{"prompt_token_ids": prompts[-1]}], SamplingParams(max_tokens=1), use_tqdm=False)
-        states = llm.collective_rpc(worker_state)
+        states = llm.collective_rpc("fxreplace_worker_state")
         result = []
         for o in outs:
             result.append({

@@ -21,11 +21,12 @@ import pytest
 
 def engine_env(tp: int = 1, compiled: bool = False) -> dict:
     """The environment of a test engine: one OpenMP thread, a 1 GiB KV cache, one
-    core per TP worker, callable ``collective_rpc``; the test run's own VLLM_*/FXREPLACE_*
+    core per TP worker; no VLLM_ALLOW_INSECURE_SERIALIZATION (users do not set it: fxreplace's
+    worker methods are called by name); the test run's own VLLM_*/FXREPLACE_*
     settings are not inherited. Compiled engines use the eager Dynamo backend when
     ``FXREPLACE_TEST_DYNAMO_EAGER`` is set."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
-    env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+    env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="1" if tp > 1 else "0")
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # else a NUMA assertion

@@ -446,6 +446,10 @@ class VllmCapture:
         return {"completed": self.completed, "dropped": self.dropped, "in_flight": len(self.active),
                 "preemptions": self.preemptions, "drafts_accepted": self.drafts_accepted}
 
+    def summary(self) -> dict:
+        """What this runner captured so far (``fxreplace_worker_state``; JSON-able)."""
+        return {"names": self.names, "out": str(self.out), "writes": self.writes, **self.counts()}
+
 
 class _Recorder:
     """Observer: copies each target's computed ``[T, E]`` into its columns of the
@@ -562,7 +566,7 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
         llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
-        counts = [c for c in llm.collective_rpc(finish_capture) if c is not None]
+        counts = [c for c in llm.collective_rpc(internals.FINISH_CAPTURE_METHOD) if c is not None]
     finally:
         try:
             llm.llm_engine.engine_core.shutdown()
@@ -574,15 +578,16 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
     return counts[-1] if counts else {}  # workers in rank order: the last stage's writer is last
 
 
-def _worker_state(worker):
+def _writing_capture(worker):
     state = internals.get_state(worker.model_runner)
     return state if isinstance(state, VllmCapture) and state.writes else None
 
 
 def finish_capture(worker) -> dict | None:
-    """``llm.collective_rpc(finish_capture)``: close the store (last shard, index) and
-    return the counts. Until then the store is complete whenever the engine idles."""
-    state = _worker_state(worker)
+    """``llm.collective_rpc("fxreplace_finish_capture")`` (the plugin's worker method): close
+    the store (last shard, index) and return the counts. Until then the store is complete
+    whenever the engine idles."""
+    state = _writing_capture(worker)
     if state is None:
         return None
     state.close()

@@ -84,6 +84,14 @@ PARALLEL_CONFIG_FIELDS = ("data_parallel_index", "data_parallel_size")
 #: ``PPMissingLayer``: what a pipeline stage's model holds in place of the layers of the
 #: other stages.
 PP_MISSING_LAYER = ("vllm.model_executor.models.utils", "PPMissingLayer")
+#: ``WorkerBase``: the plugin adds the methods below to it, for ``llm.collective_rpc(name)``
+#: (a worker wrapper forwards unknown attributes to its worker). A name crosses vLLM's
+#: serializer as a string; a function would need pickle (``VLLM_ALLOW_INSECURE_SERIALIZATION``).
+WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
+#: close a capturing worker's store, return its counts (:func:`fxreplace.vllm.capture.finish_capture`)
+FINISH_CAPTURE_METHOD = "fxreplace_finish_capture"
+#: what a worker's fxreplace state did so far (:func:`fxreplace.vllm.plugin.worker_state`)
+WORKER_STATE_METHOD = "fxreplace_worker_state"
 
 
 def _import(where: tuple[str, str]):
@@ -94,6 +102,10 @@ def _import(where: tuple[str, str]):
 
 def engine_args():
     return _import(ENGINE_ARGS)
+
+
+def worker_base():
+    return _import(WORKER_BASE)
 
 
 def input_processor():
@@ -304,6 +316,7 @@ def check() -> list[str]:
     need(MODEL_RUNNER_OUTPUT, MODEL_RUNNER_OUTPUT_FIELDS, has_field)
     need(PARALLEL_CONFIG, PARALLEL_CONFIG_FIELDS, has_field)
     need(PP_MISSING_LAYER, (), has_attr)
+    need(WORKER_BASE, (), has_attr)
     need(SCHEDULER_OUTPUT, CAPTURE_SCHEDULER_OUTPUT_FIELDS, has_field)
     try:
         check_stop()

@@ -65,7 +65,30 @@ def register() -> None:
     for cls in runners:  # CPUModelRunner overrides load_model: wrap each class's own
         if internals.LOAD_MODEL in cls.__dict__:
             _wrap(cls, internals.LOAD_MODEL, _load_model)
+    worker = internals.worker_base()
+    setattr(worker, internals.FINISH_CAPTURE_METHOD, _finish_capture)
+    setattr(worker, internals.WORKER_STATE_METHOD, worker_state)
     _registered = True
+
+
+def _finish_capture(worker) -> dict | None:
+    from .capture import finish_capture
+
+    return finish_capture(worker)
+
+
+def worker_state(worker) -> dict | None:
+    """``llm.collective_rpc("fxreplace_worker_state")``: this worker's process, ranks and what
+    its fxreplace state did so far (None: the worker holds none)."""
+    import os
+
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+    state = internals.get_state(worker.model_runner)
+    if state is None:
+        return None
+    return {"pid": os.getpid(), "host_ip": os.environ.get("VLLM_HOST_IP"), "pp_rank": get_pp_group().rank_in_group,
+            "tp_rank": get_tensor_model_parallel_rank(), **state.summary()}
 
 
 class _ToVllmLogger(logging.Handler):

@@ -252,6 +252,11 @@ class VllmReplacement:
     def requests(self) -> dict:
         return self.replacer.requests
 
+    def summary(self) -> dict:
+        """What this runner replaced so far (``fxreplace_worker_state``; JSON-able)."""
+        return {"errors": self.errors, "tokens_replaced": self.tokens_replaced, "steps": self.steps,
+                "requests": dict(self.requests), "targets": [t.pattern for t in self.targets]}
+
     @property
     def tokens_replaced(self) -> int:
         """Tokens whose rows were replaced, over the engine's life (reads the device count: a sync)."""
