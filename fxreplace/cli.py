@@ -1,9 +1,11 @@
 """The ``fxreplace`` command: demo, capture, validate, blame, inspect.
 
-Exit codes: 0 success (every ``--fail-on`` gate passed); 1 a ``--fail-on`` gate failed,
-``inspect --verify`` found a damaged store, or the ``hf`` extra is missing; 2 a usage
-error (a bad argument, a missing file, a wrong target): one ``error:`` line that names
-the problem and the fix, with the traceback only under ``--debug``.
+Exit codes: 0 success (every ``--fail-on`` gate passed); 1 a check failed (a ``--fail-on``
+gate, or ``inspect --verify`` found a damaged store); 2 a user's mistake (a bad argument, a
+missing file or extra, a wrong target, an unwritable folder): one ``error:`` line that names
+the problem and the fix; 3 an internal error (fxreplace's fault: one line, ``--debug`` for
+the traceback); 130 interrupted (Ctrl-C). Every failure after the arguments are parsed is
+one line that ends with what the run left on disk (:class:`Produced`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import traceback
 from pathlib import Path
 
 HF_EXTRA = {"transformers", "tqdm", "matplotlib"}  # the `hf` extra: every command needs it
-EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DTYPES = ["float32", "bfloat16", "float16"]
 #: Files that make a directory hold a tokenizer (transformers 5 builds an empty one from a bare config).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -32,6 +34,59 @@ class UsageError(SystemExit):
 
     def __str__(self) -> str:
         return f"error: {self.message}"
+
+
+class Produced:
+    """What the running command has left on disk so far: the end of the one line an
+    interrupted or failed run prints. Commands replace the description as they go."""
+
+    def __init__(self):
+        self.describe = lambda: "nothing was written"
+
+    def __str__(self) -> str:
+        try:
+            return self.describe()
+        except Exception as e:  # never hide the failure being reported behind a second one
+            return f"what was written could not be read back ({type(e).__name__}: {e})"
+
+
+def one_line(text: str, limit: int = 600) -> str:
+    """``text`` (an exception's message may span lines) as one line of at most ``limit`` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def store_state(path) -> str:
+    """What a store folder holds, in a few words: nothing, a loadable store of N prompts, or
+    one that does not load (and why)."""
+    from .store import ReferenceStore, unfinished
+
+    directory = Path(path)
+    if not directory.is_dir() or not any(directory.iterdir()):
+        return "nothing"
+    try:
+        store = ReferenceStore.load(directory)
+    except Exception as e:  # noqa: BLE001 - any reason it does not load is what to report
+        if unfinished(directory):
+            return "an unfinished store with no prompt written yet"
+        return f"a store that does not load ({one_line(e, 160)})"
+    if unfinished(directory):
+        return (f"an unfinished store: the {plural(store.num_prompts, 'prompt')} written so far load, "
+                "the later ones are missing")
+    return f"a loadable store of {plural(store.num_prompts, 'prompt')}"
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def folder_state(path, option: str) -> str:
+    """What a report folder holds now."""
+    directory = Path(path).resolve()
+    names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    if not names:
+        return f"{option} {directory} holds nothing"
+    return f"{option} {directory} holds {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
 
 
 class Parser(argparse.ArgumentParser):
@@ -164,6 +219,24 @@ def check_writable_dir(path: str, option: str) -> None:
         raise UsageError(f"{option} {path} is not a writable directory: {e}", f"choose another {option}") from None
 
 
+def check_capture_out(path: str, *, replace: bool) -> None:
+    """``capture --out``, checked before the capture runs: a writable folder that is new or
+    empty, or (``replace``: the HF capture, which writes at its end) holds only a store, which
+    the capture replaces with what fxreplace derived from it."""
+    from .store.format import foreign_entries
+
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"--out {path} is a file", "give a new or empty directory")
+    if directory.is_dir() and any(directory.iterdir()):
+        foreign = foreign_entries(directory)
+        if foreign or not replace:
+            what = f"holds files that are not a store's ({foreign[:3]})" if foreign else f"holds {store_state(path)}"
+            raise UsageError(f"--out {path} {what}; the capture would fail at its end",
+                             "give a new or empty --out, or delete it first")
+    check_writable_dir(path, "--out")
+
+
 def check_reference_matches(reference, reference_path: str, model_name: str, arch: str) -> None:
     """A reference captured from another architecture would be replayed into the wrong
     modules (or the same names with another meaning) without any shape error."""
@@ -245,6 +318,8 @@ def checked_ids(ids: list, vocab_size: int, path: str) -> list[list[int]]:
 def _demo(args) -> int:
     from .demo import DemoConfig, run_demo
 
+    check_writable_dir(args.report_dir, "--report-dir")
+    args.produced.describe = lambda: f"{folder_state(args.report_dir, '--report-dir')}; rerun `fxreplace demo`"
     run_demo(DemoConfig(prompts=args.prompts, new_tokens=args.new_tokens, compile=not args.eager, report_dir=args.report_dir))
     return 0
 
@@ -261,7 +336,7 @@ def _capture(args) -> int:
 
     ids, texts = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)
     components = _components(args.component) if args.component else None
-    check_writable_dir(args.out, "--out")
+    check_capture_out(args.out, replace=True)
     model = load_model(args.model)
     prompts = checked_ids(ids, model.config.vocab_size, args.prompts)
     targets = args.target or default_targets(model)
@@ -272,6 +347,13 @@ def _capture(args) -> int:
     out = Path(args.out)
     replacing = any(out.iterdir())
     into = staging_directory(out) if replacing else out
+    if replacing:
+        before = store_state(out)
+        args.produced.describe = lambda: (f"--out {out.resolve()} unchanged: it holds {before} (the new capture, "
+                                          "written beside it, was removed); rerun the command to capture")
+    else:
+        args.produced.describe = lambda: (f"--out {out.resolve()} holds {store_state(out)}; capture again into a "
+                                          "new --out (or delete this one) for every prompt")
     try:
         reference = capture_reference(model, prompts, targets, args.max_new_tokens, components=components, out=into,
                                       metadata={"source_model": args.model, "prompt_texts": texts})
@@ -295,15 +377,34 @@ def _capture_vllm(args) -> int:
         vocab_size = json.load(f)["vocab_size"]
     ids = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)[0]
     prompts = checked_ids(ids, vocab_size, args.prompts)
+    check_capture_out(args.out, replace=False)
     from .vllm.capture import capture_with_vllm
 
+    args.produced.describe = lambda: (f"{vllm_capture_state(args.out)}; the requests in flight were not written: "
+                                      "capture again into a new --out for every prompt")
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     engine_args.setdefault("max_model_len", max(longest, 128))
     counts = capture_with_vllm(args.model, prompts, args.out, max_new_tokens=args.max_new_tokens, targets=args.target,
                                dtype=args.dtype, enforce_eager=args.eager, **engine_args)
     print(f"captured {counts.get('completed', 0)} prompts x {args.max_new_tokens} tokens with vLLM "
           f"({counts.get('dropped', 0)} dropped) -> {args.out}")
-    return 0 if counts.get("completed") == len(prompts) else 1
+    if counts.get("completed") != len(prompts):
+        print(f"error: the engine completed {counts.get('completed', 0)} of {len(prompts)} prompts; "
+              f"{vllm_capture_state(args.out)}; hint: rerun with --debug and report it", file=sys.stderr)
+        return EXIT_INTERNAL
+    return EXIT_OK
+
+
+def vllm_capture_state(out) -> str:
+    """What a vLLM capture left in ``out``: one store, or (pipeline parallel) one per stage."""
+    from .vllm.capture import MERGED_DIR, stage_dirs
+
+    stages = stage_dirs(out)
+    if not stages:
+        return f"--out {Path(out).resolve()} holds {store_state(out)}"
+    merged = Path(out) / MERGED_DIR
+    return (f"--out {Path(out).resolve()} holds the stages' stores ({', '.join(f'{p.name}: {store_state(p)}' for p in stages)})"
+            f" and {MERGED_DIR}: {store_state(merged)}")
 
 
 def _engine_args(text: str) -> dict:
@@ -394,6 +495,7 @@ def _validate(args) -> int:
 
     reference = load_reference_arg(args.reference)
     check_writable_dir(args.report_dir, "--report-dir")
+    args.produced.describe = lambda: f"no report written ({folder_state(args.report_dir, '--report-dir')})"
     model = load_model(args.model)
     check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
     _check_vocab(reference, args.model, model.config.vocab_size)
@@ -452,6 +554,7 @@ def _validate_vllm(args) -> int:
     reference = load_reference_arg(args.reference)
     check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
     check_writable_dir(args.report_dir, "--report-dir")
+    args.produced.describe = lambda: f"no report written ({folder_state(args.report_dir, '--report-dir')})"
     from .vllm.engine import VllmEngine
 
     longest = _longest_sequence(reference)
@@ -493,6 +596,7 @@ def _blame(args) -> int:
 
     reference = load_reference_arg(args.reference)
     check_writable_dir(args.report_dir, "--report-dir")
+    args.produced.describe = lambda: blame_state(args)
     try:
         if args.engine == "vllm":
             if args.model.startswith("builtin:"):
@@ -534,6 +638,17 @@ def _blame(args) -> int:
     return 0
 
 
+def blame_state(args) -> str:
+    """An unfinished blame's products: components captured from ``--clean`` are kept in the
+    reference and reused by the next run."""
+    from .store.format import BLAME_COMPONENTS_DIR
+
+    components = Path(args.reference).resolve() / BLAME_COMPONENTS_DIR
+    kept = (f"; the components captured from --clean are kept in {components} and reused by a rerun"
+            if components.is_dir() else "")
+    return f"no blame report written ({folder_state(args.report_dir, '--report-dir')}){kept}"
+
+
 def _inspect(args) -> int:
     import torch
 
@@ -567,11 +682,13 @@ def _inspect(args) -> int:
 def _repack(args) -> int:
     from .store import CaptureError, ReferenceStore, repack_store
 
+    args.produced.describe = lambda: (f"--out {Path(args.out).resolve()} holds {store_state(args.out)} (a repack "
+                                      f"appears whole or not at all); {args.reference} unchanged")
     try:
         before = len(ReferenceStore.load(args.reference).shards)
         store = ReferenceStore.load(repack_store(args.reference, args.out, shard_bytes=args.shard_mib << 20))
     except (CaptureError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise UsageError(one_line(e), f"`fxreplace inspect --verify {args.reference}` checks the store") from None
     print(f"{args.out}: {store.num_prompts} prompts in {len(store.shards)} shard(s), repacked from {before} "
           f"shard(s) of {args.reference}; every source shard matched its recorded digests")
     return 0
@@ -581,14 +698,19 @@ def _verify_store(path: str) -> int:
     """Read every byte of a reference store: digests recorded at write, then finiteness."""
     from .store import CaptureError, ReferenceStore
 
-    try:
-        summary = ReferenceStore.load(path).verify()
-    except (CaptureError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
-    finite = "every row finite" if summary["finite"] else "rows not checked for NaN/Inf (written with allow_nonfinite)"
-    print(f"{path}: OK: {summary['prompts']} prompts in {summary['shards']} shard(s), "
-          f"{summary['bytes'] / 2**20:.1f} MiB match the SHA-256 digests recorded at write; {finite}")
-    return 0
+    from .store.format import DERIVED_DIRS
+
+    parts = [Path(path)] + sorted(p.parent for name in DERIVED_DIRS for p in Path(path).glob(f"{name}/*/index.json"))
+    for part in parts:  # the store, then the stores fxreplace added to it (blame's components)
+        try:
+            summary = ReferenceStore.load(part).verify()
+        except (CaptureError, OSError) as e:
+            print(f"error: {one_line(e)}", file=sys.stderr)
+            return EXIT_GATE_FAILED
+        finite = "every row finite" if summary["finite"] else "rows not checked for NaN/Inf (written with allow_nonfinite)"
+        print(f"{part}: OK: {summary['prompts']} prompts in {summary['shards']} shard(s), "
+              f"{summary['bytes'] / 2**20:.1f} MiB match the SHA-256 digests recorded at write; {finite}")
+    return EXIT_OK
 
 
 def positive_int(text: str) -> int:
@@ -612,7 +734,8 @@ def build_parser() -> Parser:
     parser = Parser(prog="fxreplace", formatter_class=DefaultsFormatter,
                     description="Tensor replacement for accuracy debugging of compiled LLMs.",
                     epilog="exit codes: 0 success; 1 a --fail-on gate failed (or inspect --verify found damage); "
-                           "2 usage error (one 'error:' line; --debug shows the traceback)")
+                           "2 a user's mistake; 3 an internal error; 130 interrupted (each one line saying what "
+                           "was written; --debug adds the traceback)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="print the traceback of an error too")
@@ -721,27 +844,46 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; a user's mistake raises :class:`UsageError` (exit 2) after its one line."""
+    """Run one command. Every failure is one line on stderr (``--debug`` adds the traceback)
+    and an exit code of its own: a user's mistake raises :class:`UsageError` (2), an
+    interrupt exits 130 and an internal error 3, each line ending with what was left on disk."""
     from .config import ConfigError
     from .targets import TargetError
 
-    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    produced = Produced()
     try:
         args = build_parser().parse_args(argv)
+        args.produced = produced
         try:
             return args.func(args)
         except (TargetError, ConfigError) as e:  # a --target that names no module, a bad replacement config
             raise UsageError(str(e), f"`fxreplace inspect {getattr(args, 'model', None) or 'MODEL'}` lists the "
                              "injection points") from e
+        except ModuleNotFoundError as e:
+            if e.name not in HF_EXTRA:
+                raise
+            raise UsageError(f"fxreplace {argv[0]} needs {e.name}", "pip install 'fxreplace[hf]'") from None
+        except OSError as e:  # the environment's: a full disk, a folder removed or made read-only meanwhile
+            raise UsageError(f"{one_line(e)}; {produced}") from e
     except UsageError as error:
         if debug:
             traceback.print_exc()
         print(error, file=sys.stderr)
         raise
-    except ModuleNotFoundError as error:
-        if error.name not in HF_EXTRA:
-            raise
-        sys.exit(f"fxreplace {sys.argv[1] if argv is None else argv[0]} needs {error.name}: pip install 'fxreplace[hf]'")
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        below_a_bar = "\n" if sys.stderr.isatty() else ""  # a progress bar's line has no end on a terminal
+        print(f"{below_a_bar}interrupted: {produced}", file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    except Exception as error:  # noqa: BLE001 - fxreplace's own fault: one line, the traceback on demand
+        if debug:
+            traceback.print_exc()
+        print(f"error: internal error, {type(error).__name__}: {one_line(error)}; {produced}; hint: rerun with "
+              "--debug for the traceback and report it", file=sys.stderr)
+        raise SystemExit(EXIT_INTERNAL) from None
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 import json
 import pickle
+import re
 
 import pytest
 import torch
@@ -489,8 +490,10 @@ def test_cli_inspect_verify_reports_a_sound_store_and_names_a_flipped_tensor(tmp
     body[begin] ^= 0x01  # token 1 becomes 0: still a valid id, only the digest can tell
     _write_raw(file, header, bytes(body))
     assert ReferenceStore.load(file).prompt_token_ids[0] == [0, 2, 3]
-    with pytest.raises(SystemExit, match=r"error: .*reference.safetensors: tensor 'tokens.values': content digest"):
-        main(["inspect", "--verify", str(file.parent)])
+    capsys.readouterr()
+    assert main(["inspect", "--verify", str(file.parent)]) == 1  # a failed check, not a usage error
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"error: .*reference.safetensors: tensor 'tokens.values': content digest.*", err), err
 
 
 def test_cli_repack_joins_an_idling_engines_small_shards(tmp_path, capsys):

@@ -23,8 +23,7 @@ import torch
 
 from ..reference import LOGITS, TOKENS
 from ..store import ReferenceStore, StoreWriter
-
-SUBDIR = "blame-components"
+from ..store.format import BLAME_COMPONENTS_DIR as SUBDIR
 
 
 class OnDemand:

@@ -32,6 +32,13 @@ TENSORS_FILE = "reference.safetensors"
 INDEX_FILE = "index.json"
 SHARD_PATTERN = "shard-{:05d}.safetensors"
 WRITER_MARKER = ".fxreplace-writing"  # present while a StoreWriter owns the directory
+#: Folders fxreplace adds inside a store, derived from its prompts (``fxreplace blame --clean``
+#: keeps the components it captured there): part of the reference, replaced with it, copied
+#: by repack (same prompt indices), left out by a merge (indices change; blame captures again).
+BLAME_COMPONENTS_DIR = "blame-components"
+DERIVED_DIRS = (BLAME_COMPONENTS_DIR,)
+#: A vLLM capture's counts, written beside its store (fxreplace.vllm.capture).
+CAPTURE_STATS_FILE = "capture.json"
 _MAX_HEADER_BYTES = 256 << 20  # a header beyond this is not a store (safetensors itself caps at 100 MB)
 
 _DTYPES = {
@@ -381,8 +388,16 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _is_store_file(name: str) -> bool:
-    return name in (TENSORS_FILE, INDEX_FILE) or re.fullmatch(r"shard-\d{5,}\.safetensors(\.tmp)?", name) is not None
+def is_store_entry(name: str) -> bool:
+    """Whether a directory entry of this name is part of a store (its files, or a folder
+    fxreplace derived from it): anything else is someone else's and never replaced."""
+    return (name in (TENSORS_FILE, INDEX_FILE, CAPTURE_STATS_FILE, *DERIVED_DIRS)
+            or re.fullmatch(r"shard-\d{5,}\.safetensors(\.tmp)?", name) is not None)
+
+
+def foreign_entries(directory: Path) -> list[str]:
+    """The entries of ``directory`` that are not a store's (see :func:`is_store_entry`)."""
+    return sorted(p.name for p in directory.iterdir() if not is_store_entry(p.name))
 
 
 def publish_directory(staging: Path, directory: Path, *, replace: bool) -> None:
@@ -406,7 +421,7 @@ def publish_directory(staging: Path, directory: Path, *, replace: bool) -> None:
             if not replace:
                 raise FileExistsError(f"{directory} is not empty; a new store needs a new or empty directory")
             try:
-                foreign = sorted(p.name for p in directory.iterdir() if not _is_store_file(p.name))
+                foreign = foreign_entries(directory)
             except FileNotFoundError:
                 continue  # another saver moved it aside meanwhile
             if foreign:

@@ -10,8 +10,8 @@ from typing import Iterable
 
 import torch
 
-from .format import (SHARD_PATTERN, WRITER_MARKER, Shard, StoreError, _write_index, _write_shard, as_path, check_extras_agree,
-                     combine_metadata, first_duplicate, per_prompt_slice, publish_directory, shard_entry,
+from .format import (DERIVED_DIRS, SHARD_PATTERN, WRITER_MARKER, Shard, StoreError, _write_index, _write_shard, as_path,
+                     check_extras_agree, combine_metadata, first_duplicate, per_prompt_slice, publish_directory, shard_entry,
                      staging_directory)
 from .reference_store import ReferenceStore, verify_shard_file
 
@@ -28,6 +28,8 @@ def merge_stores(stores: Iterable[str | os.PathLike], out: str | os.PathLike) ->
     names, dtypes or widths, different extras (names, dtypes, trailing shapes, e.g. logits
     of another vocabulary), and metadata that differs in any key but the per-prompt ones
     (``prompt_texts``, concatenated in merged order). ``out`` appears whole or not at all.
+    Folders fxreplace derived from a store (``blame-components``) are left out: prompt
+    indices change, and blame captures them again where it needs them.
     """
     if isinstance(stores, (str, bytes, os.PathLike)) or not hasattr(stores, "__iter__"):
         raise TypeError(f"stores must be a list of store paths, got {type(stores).__name__} {stores!r:.60}")
@@ -79,7 +81,8 @@ def repack_store(store: str | os.PathLike, out: str | os.PathLike, *, shard_byte
     checked against the digests recorded when it was written before its rows are copied
     (a damaged file is refused, never rewritten with fresh digests), and a store whose
     writer has not finished is refused. Memory holds one output shard. ``out`` must be
-    new or empty, and appears whole or not at all.
+    new or empty, and appears whole or not at all, with the folders fxreplace derived from
+    the store (``blame-components``) copied.
     """
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise ValueError(f"shard_bytes must be a positive int (bytes per output shard), got {shard_bytes!r}")
@@ -105,6 +108,9 @@ def repack_store(store: str | os.PathLike, out: str | os.PathLike, *, shard_byte
             _write_shard(staging / name, tensors, index)
             entries.append(shard_entry(name, index["prompts"]))
         _write_index(staging, entries, src.groups, src.metadata)
+        for name in DERIVED_DIRS:  # same prompt indices: still this reference's
+            if (source / name).is_dir():
+                shutil.copytree(source / name, staging / name)
         publish_directory(staging, out, replace=False)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

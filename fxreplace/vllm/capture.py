@@ -57,6 +57,7 @@ from ..instrument import instrument, observe
 from ..injection import recording
 from ..reference import Reference
 from ..store import ReferenceStore, StoreError, StoreWriter
+from ..store.format import CAPTURE_STATS_FILE
 from ..targets import Target, TargetError, resolve_targets
 from . import internals
 
@@ -65,7 +66,7 @@ logger = logging.getLogger("fxreplace.vllm")
 SHARD_BYTES = 32 << 20  # rows and logits of finished requests held before they go to disk as one shard
 FIRST_LOGIT_ROWS = 1024  # a request's first logits allocation holds at most this many (its max_tokens may be the
                           # model length; a longer generation grows it)
-STATS_FILE = "capture.json"
+STATS_FILE = CAPTURE_STATS_FILE
 PREFIX_CACHE_HINT = ("capture needs every prompt token computed: turn prefix caching off with "
                      "enable_prefix_caching=False (LLM/EngineArgs) or --no-enable-prefix-caching (server)")
 ASYNC_HINT = "capture reads each step's sampled tokens: turn async scheduling off (async_scheduling=False / --no-async-scheduling)"

@@ -1,0 +1,160 @@
+"""Failures after the arguments are parsed are one line too, with an exit code of their own
+(2 a user's mistake, 3 an internal error, 130 an interrupt), and the line says what the run
+left on disk. Long runs check their output folders before they start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import fxreplace.capture
+import fxreplace.cli
+from fxreplace.cli import main as cli
+from fxreplace.store import ReferenceStore
+
+ARCH = "Qwen3MoeForCausalLM"
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def exit_code(argv) -> int:
+    with pytest.raises(SystemExit) as raised:
+        cli(argv)
+    return raised.value.code
+
+
+def small_store(path, first: int = 1) -> None:
+    ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=[[first, 2]]).save(path)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    monkeypatch.setattr(fxreplace.cli, "load_model", lambda spec: pytest.fail("a model loaded before the check"))
+
+
+def test_ctrl_c_during_a_capture_exits_130_with_one_line_and_the_old_store_intact(tmp_path):
+    """A script's Ctrl-C (SIGINT to the process group, as a terminal sends it) during
+    `fxreplace capture` into a folder holding a store: one line saying the store is unchanged,
+    exit 130, and the store still loads."""
+    out = tmp_path / "ref"
+    small_store(out)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[4 + (i * 7 + j) % 100 for j in range(16)] for i in range(2000)]))
+    proc = subprocess.Popen([sys.executable, "-m", "fxreplace", "capture", f"builtin:{ARCH}", "--prompts", str(prompts),
+                             "--out", str(out), "--max-new-tokens", "8"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 240
+        while "capture:" not in "".join(err) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)  # the capture loop has started (its progress bar)
+        assert proc.poll() is None, "".join(err)[-2000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    text = "".join(err)
+    last = text.strip().splitlines()[-1]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert last == (f"interrupted: --out {out.resolve()} unchanged: it holds a loadable store of 1 prompt (the new "
+                    "capture, written beside it, was removed); rerun the command to capture"), last
+    assert ReferenceStore.load(out).prompt_token_ids == [[1, 2]]
+
+
+def test_an_internal_error_is_one_line_exit_3_naming_what_was_written_and_debug_adds_the_traceback(
+        tmp_path, capsys, monkeypatch):
+    (tmp_path / "p.json").write_text("[[1, 2, 3]]")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape mismatch\nin two lines")
+
+    monkeypatch.setattr(fxreplace.capture, "capture_reference", broken)  # a bug in fxreplace's capture
+    argv = ["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "r")]
+    assert exit_code(argv) == 3
+    err = one_error_line(capsys)
+    assert err.startswith("error: internal error, RuntimeError: shape mismatch in two lines; --out ")
+    assert "holds nothing; capture again into a new --out" in err and err.endswith("hint: rerun with --debug for the traceback and report it")
+    assert exit_code(argv + ["--debug"]) == 3
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_capture_checks_its_out_folder_before_it_runs(tmp_path, capsys, no_model_loads):
+    (tmp_path / "p.json").write_text("[[1, 2, 3]]")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    argv = ["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "notes")]
+    assert exit_code(argv) == 2
+    err = one_error_line(capsys)
+    assert "--out" in err and "holds files that are not a store's (['todo.txt']); the capture would fail at its end" in err
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+
+
+def test_a_vllm_capture_refuses_an_out_holding_a_store_before_the_engine_starts(tmp_path, capsys, monkeypatch):
+    from fxreplace.vllm.testing import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(ARCH, tmp_path / "ckpt")
+    (tmp_path / "p.json").write_text("[[1, 2, 3]]")
+    small_store(tmp_path / "ref")
+    capsys.readouterr()
+    import fxreplace.vllm.capture
+
+    monkeypatch.setattr(fxreplace.vllm.capture, "capture_with_vllm", lambda *a, **k: pytest.fail("the engine started"))
+    assert exit_code(["capture", str(ckpt), "--engine", "vllm", "--prompts", str(tmp_path / "p.json"),
+                      "--out", str(tmp_path / "ref")]) == 2
+    err = one_error_line(capsys)
+    assert "holds a loadable store of 1 prompt; the capture would fail at its end; hint: give a new or empty --out" in err
+
+
+def test_a_reference_blame_extended_stays_a_reference(tmp_path, capsys):
+    """``blame --clean`` keeps the components it captured in REF/blame-components: re-capture
+    replaces them with the store (they describe its prompts), repack carries them, verify checks them."""
+    ref = tmp_path / "ref"
+    small_store(ref)
+    small_store(ref / "blame-components" / "00000")
+    assert cli(["inspect", "--verify", str(ref)]) == 0
+    out = capsys.readouterr().out
+    assert f"{ref}: OK: 1 prompts" in out and f"{ref / 'blame-components' / '00000'}: OK: 1 prompts" in out
+    assert cli(["repack", str(ref), "--out", str(tmp_path / "packed")]) == 0
+    assert ReferenceStore.load(tmp_path / "packed" / "blame-components" / "00000").prompt_token_ids == [[1, 2]]
+    (tmp_path / "p.json").write_text("[[5, 6, 7]]")
+    assert cli(["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "p.json"), "--out", str(ref),
+                "--max-new-tokens", "1"]) == 0
+    assert ReferenceStore.load(ref).prompt_token_ids == [[5, 6, 7]]
+    assert not (ref / "blame-components").exists()  # the old prompts' components went with the old store
+
+
+def test_the_demo_checks_its_report_dir_before_it_runs(tmp_path, capsys, monkeypatch):
+    import fxreplace.demo
+
+    monkeypatch.setattr(fxreplace.demo, "run_demo", lambda config: pytest.fail("the demo ran"))
+    (tmp_path / "file").write_text("")
+    assert exit_code(["demo", "--report-dir", str(tmp_path / "file" / "report")]) == 2
+    assert "--report-dir" in one_error_line(capsys)
+
+
+def test_a_store_whose_writer_died_says_so_in_the_line(tmp_path, capsys, monkeypatch):
+    """An interrupted run reports a store left by a writer that did not close as such."""
+    from fxreplace.store import StoreWriter
+
+    writer = StoreWriter(tmp_path / "ref")
+    writer.add([1, 2], {"m": torch.zeros(2, 3)})
+    writer.sync()  # then the process dies: the marker stays
+    assert fxreplace.cli.store_state(tmp_path / "ref") == ("an unfinished store: the 1 prompt written so far load, "
+                                                          "the later ones are missing")
+    assert fxreplace.cli.store_state(tmp_path / "empty") == "nothing"
