@@ -59,6 +59,7 @@ def one_line(text: str, limit: int = 600) -> str:
 def store_state(path) -> str:
     """What a store folder holds, in a few words: nothing, a loadable store of N prompts, or
     one that does not load (and why)."""
+    from .metrics import plural
     from .store import ReferenceStore, unfinished
 
     directory = Path(path)
@@ -74,10 +75,6 @@ def store_state(path) -> str:
         return (f"an unfinished store: the {plural(store.num_prompts, 'prompt')} written so far load, "
                 "the later ones are missing")
     return f"a loadable store of {plural(store.num_prompts, 'prompt')}"
-
-
-def plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def folder_state(path, option: str) -> str:

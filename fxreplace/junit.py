@@ -9,6 +9,8 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from .metrics import pct
+
 
 def write_validation_junit(result, gate, path: str | Path) -> Path:
     """One case per prompt: failed when :meth:`Gate.failures` names a reason."""
@@ -36,7 +38,7 @@ def write_blame_junit(result, path: str | Path) -> Path:
     for b in result.ranking:
         case = ET.SubElement(suite, "testcase", classname=f"fxreplace.blame.{b.kind}", name=b.component)
         if b in guilty:
-            ET.SubElement(case, "failure", message=f"accounts for {b.share:.0%} of the divergence "
+            ET.SubElement(case, "failure", message=f"accounts for {pct(b.share)} of the divergence "
                           f"(KL {_g(b.kl_off)} -> {_g(b.kl_on)} when replaced)", type="accuracy").text = result.verdict
     return _write(suite, path)
 

@@ -176,3 +176,8 @@ def fmt(v) -> str:
 def pct(v) -> str:
     """A fraction as a whole percentage for tables and verdicts, '-' for missing."""
     return "-" if v is None else f"{0.0 if abs(v) < 0.005 else v:.0%}"  # no "-0%" for rounding noise
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 round``, ``2 rounds``; ``pass`` -> ``passes``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"

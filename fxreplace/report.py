@@ -6,7 +6,7 @@ import html
 import re
 from pathlib import Path
 
-from .metrics import fmt, pct
+from .metrics import fmt, pct, plural
 
 import matplotlib
 
@@ -232,7 +232,7 @@ def blame_section(result) -> str:
     parts = [
         "<h2>Blame: which components explain the divergence</h2>",
         f"<p class='verdict' id='verdict'><b>Verdict:</b> {html.escape(result.verdict)}</p>",
-        f"<p>{len(result.passes)} validation passes in {result.rounds} rounds (passes of one round run side by side "
+        f"<p>{plural(len(result.passes), 'validation pass')} in {plural(result.rounds, 'round')} (passes of one round run side by side "
         f"as copies of the prompts; budget {result.budget}), {len(result.captured)} components captured on demand, "
         f"{result.seconds:.1f} s.</p>",
         "<img src='blame_heatmap.png' style='max-width:100%'>",
@@ -264,7 +264,8 @@ def blame_section(result) -> str:
     return "\n".join(parts)
 
 
-def _plot_blame(result, path: Path) -> None:
+def blame_figure(result):
+    """The heat map of a blame result: share per kind x layer, and per layer."""
     import numpy as np
 
     layers, rows = result.layers or [0], result.kinds + ["arises here"]
@@ -280,13 +281,19 @@ def _plot_blame(result, path: Path) -> None:
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
     for (i, j), v in np.ndenumerate(grid):
         if not np.isnan(v):
-            ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=7, color="white" if v > 0.6 else "black")
+            ax.text(j, i, pct(v), ha="center", va="center", fontsize=7, color="white" if v > 0.6 else "black")
     ax.axhline(len(rows) - 1.5, color="black", linewidth=0.8)
     ax.set_xticks(range(len(layers)), [str(k) for k in layers], fontsize=8)
     ax.set_yticks(range(len(rows)), rows, fontsize=8)
     ax.set_xlabel("layer")
     fig.colorbar(image, ax=ax, label="share of the divergence")
-    ax.set_title("Share per component (kind x layer) and arising per layer (grey: not measured)", fontsize=9)
+    # two lines: one is wider than the figure of a few layers, and a title is not shrunk to fit
+    ax.set_title("Share per component (kind x layer)\nand arising per layer (grey: not measured)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def _plot_blame(result, path: Path) -> None:
+    fig = blame_figure(result)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # whatever the labels' sizes, nothing cut off
     plt.close(fig)

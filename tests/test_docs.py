@@ -1,6 +1,7 @@
 """The docs site builds with `mkdocs build --strict` (broken links, missing pages, API
 entries that do not resolve fail it), and its CLI reference is the parser's own help."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,15 @@ def test_mkdocs_build_strict(tmp_path):
     assert "--fail-on" in cli and "fxreplace validate" in cli and "default: bfloat16" in cli
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "capture_reference" in api and "Greedy-generate" in api, "mkdocstrings rendered the docstrings"
+    # the docstrings' Sphinx roles are links (or code where the site documents no such object), never raw text
+    raw = {str(page.relative_to(tmp_path)): re.findall(r":(?:meth|func|class|attr|mod|data|exc|obj):`?[\w.~<]{0,40}",
+                                                       page.read_text())
+           for page in (tmp_path / "site").rglob("*.html")}
+    assert not {page: found for page, found in raw.items() if found}
+    assert re.search(r'<a class="autorefs autorefs-internal"[^>]*href="#fxreplace.store.StoreWriter"><code>StoreWriter</code>',
+                     api), "a :class: role became a link"
+    # code blocks and the CLI help wrap at the column's edge rather than run past it
+    assert "css/fxreplace.css" in cli and "white-space: pre-wrap" in (tmp_path / "site" / "css" / "fxreplace.css").read_text()
 
 
 def test_the_family_example_registers_a_working_family(monkeypatch):

@@ -78,3 +78,25 @@ def test_the_two_pages_link_to_each_other_whichever_is_written_first(tmp_path):
     result().write_report(tmp_path)
     assert "<a href='blame.html'>blame report</a>" in (tmp_path / "report.html").read_text()
     assert "<a href='report.html'>validation report</a>" in (tmp_path / "blame.html").read_text()
+
+
+def test_the_blame_page_reads_cleanly(tmp_path):
+    """One round is "1 round"; a share that rounds to zero from below is "0%", never "-0%"
+    (table, verdict, heat map); the heat map's title fits its figure, however few the layers."""
+    from dataclasses import replace
+
+    from fxreplace.blame.result import LayerShare, Origin
+    from fxreplace.report import blame_figure
+
+    blame = replace(blamed(), rounds=1, layer_shares=[LayerShare(0, "model.layers.0", 1.0, 1.0),
+                                                      LayerShare(1, "model.layers.1", 0.998, -0.002)])
+    page = write_blame_report(blame, tmp_path).read_text()
+    assert "0 validation passes in 1 round (" in page and "-0%" not in page
+    assert "1 round (budget 8)" in blame.table() and "-0%" not in blame.table()
+    assert Origin(layer=1, share=-0.002, component=None, kind=None).describe().startswith("layer 1 (0%)")
+    fig = blame_figure(blame)
+    assert {t.get_text() for t in fig.axes[0].texts} == {"100%", "0%"}
+    renderer = fig.canvas.get_renderer()
+    title, figure = fig.axes[0].title.get_window_extent(renderer), fig.bbox
+    assert figure.x0 <= title.x0 and title.x1 <= figure.x1 and title.y1 <= figure.y1, (title, figure)
+    plt.close(fig)

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..metrics import EXPLAINS, fmt, pct
+from ..metrics import EXPLAINS, fmt, pct, plural
 
 #: A part of the divergence that matters: more than what a replacement that explains it may leave.
 #: An origin adds at least this much; the layers holding no origin hold less together, or the
@@ -84,9 +84,9 @@ class Origin:
 
     def describe(self) -> str:
         if self.component is None:
-            return (f"layer {self.layer} ({self.share:.0%}): none of {'/'.join(self.kinds_tried) or 'its kinds'} "
+            return (f"layer {self.layer} ({pct(self.share)}): none of {'/'.join(self.kinds_tried) or 'its kinds'} "
                     "explains it; look at the norms or the residual path")
-        return f"layer {self.layer} {self.kind} {self.component} ({self.share:.0%})"
+        return f"layer {self.layer} {self.kind} {self.component} ({pct(self.share)})"
 
 
 @dataclass
@@ -178,7 +178,7 @@ class BlameResult:
         if self.layer_shares:
             lines.append("arising per layer (the residual stream after the layer replaced): " + ", ".join(
                 f"{s.layer}: {pct(s.share)}" for s in self.layer_shares))
-        lines.append(f"{len(self.passes)} validation passes in {self.rounds} rounds (budget {self.budget}), "
+        lines.append(f"{plural(len(self.passes), 'validation pass')} in {plural(self.rounds, 'round')} (budget {self.budget}), "
                      f"{len(self.captured)} components captured on demand, {self.seconds:.1f} s")
         return "\n".join(lines)
 
