@@ -13,8 +13,8 @@ device key, which Ray only reports for the accelerator kinds it knows, so a
 custom resource name does not get that far.
 
 :class:`RayCluster` starts a head (127.0.0.2) and a second node (127.0.0.3), one
-CPU each, each with its own ``--temp-dir`` (127.0.0.0/8 only: nothing listens
-beyond this machine), checks with ``ray status`` that both are alive, and stops
+CPU each, each with its own ``--temp-dir`` (advertised at 127.0.0.x; Ray's servers still
+listen on every interface while it runs), checks with ``ray status`` that both are alive, and stops
 them by pid, even when a test failed: each node's session, then any process left whose
 command line names a node's temp dir (``ray stop`` would stop every Ray on the machine).
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 
 PLUGIN_MODULE = "fxreplace_test_ray_platform"
 # Ray rewrites 127.0.0.1 (and "localhost") to the host's interface address; the rest of
-# 127.0.0.0/8 it keeps, so nothing listens beyond this machine.
+# 127.0.0.0/8 it keeps as the nodes' advertised addresses (its servers bind every interface).
 NODE_IPS = ("127.0.0.2", "127.0.0.3")
 START_TIMEOUT_S = 120
 
@@ -115,6 +115,18 @@ class RayCluster:
                 return
             time.sleep(1)
         raise RuntimeError(f"ray cluster at {self.address}: {count} node(s) not alive after {START_TIMEOUT_S} s")
+
+    def listening_addresses(self) -> set[str]:
+        """The local addresses the head's GCS port is listened on (``/proc/net/tcp``: what
+        docs/cluster.md says Ray does with ``--node-ip-address``)."""
+        port = int(self.address.split(":")[1])
+        found = set()
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, local_port = local.split(":")
+            if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN
+                found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+        return found
 
     def node_ips(self) -> list[str]:
         """The alive nodes' addresses as Ray reports them (``ray.nodes()`` in a driver of its own)."""

@@ -38,6 +38,7 @@ from fxreplace.models import get_family, tiny_model
 from fxreplace.reference import Reference, load_reference
 from fxreplace.store import merge_stores
 from fxreplace.vllm import ConfigError, FxReplaceConfig
+from fxreplace.vllm import shm
 from fxreplace.vllm.testing import save_tiny_checkpoint
 from test_vllm import GPT_OSS, GPT_OSS_CONFIG
 from test_vllm_server import Server, parse
@@ -168,8 +169,11 @@ def test_cli_capture_equals_hf(setup, mode, tp):
         engine["distributed_executor_backend"] = "mp"
     args = ["-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--prompts", str(setup.prompts_path),
             "--out", str(out), "--max-new-tokens", str(NEW), "--engine-args", json.dumps(engine)]
+    segments_before = shm.segments()
     stdout = run(args + (["--eager"] if mode == "eager" else []), tp=tp, compiled=mode == "compiled")
     assert f"captured {len(setup.prompts)} prompts" in stdout and "(0 dropped)" in stdout, stdout
+    # the engine's shared memory (TP: message queues, CPU group segments) went with it
+    assert shm.unused(shm.segments() - segments_before) == []
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == []  # one store, written once (by TP rank 0)
     errors = compare(setup.hf, load_reference(out))
     print(f"\nvLLM {mode} TP={tp} vs HF: {errors}")

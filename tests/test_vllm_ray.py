@@ -93,6 +93,7 @@ def cluster(tmp_path_factory):
     try:
         cluster.start()
         assert cluster.node_ips() == list(NODE_IPS)  # two nodes, each at its own loopback address
+        assert cluster.listening_addresses() == {"0.0.0.0"}  # but reachable on every interface (docs/cluster.md)
         cluster.idle_rss_mib = cluster.rss_mib()
         yield cluster
     finally:

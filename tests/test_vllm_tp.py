@@ -33,7 +33,7 @@ import vllm  # noqa: F401  (needs vLLM: no skip)
 from fxreplace.instrument import instrument
 from fxreplace.models import get_family, tiny_model
 from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
-from vllm_engines import remove_leaked_cpu_shm, result_line, run_python
+from vllm_engines import remove_leaked_shm, result_line, run_python
 
 ARCH = "Qwen3MoeForCausalLM"
 NEW = 8
@@ -154,17 +154,21 @@ def check_against_hf(ref: Ref, outs: list[dict], label: str) -> None:
 
 
 def test_a_killed_workers_shared_memory_is_removed_and_a_live_ones_kept(tmp_path):
-    """What the engine runner clears before each engine: segments nobody maps or holds open."""
+    """What the engine runner clears before each engine: vLLM's segments (CPU groups' and
+    message queues') that nobody maps or holds open; other files are not vLLM's."""
     leaked, live, mapped = (tmp_path / f"{port}-pp:0-[0-1]-cpushm_0" for port in (40977, 40978, 40979))
-    for path in (leaked, live, mapped):
+    queue, live_queue = tmp_path / "psm_0002524e", tmp_path / "psm_0002524f"  # message queues
+    for path in (leaked, live, mapped, queue, live_queue):
         path.write_bytes(bytes(64))
-    other = tmp_path / "psm_0002524e"  # not a vLLM CPU worker's
+    other = tmp_path / "someone-elses"
     other.write_bytes(b"")
-    held = open(live, "rb")
+    held, held_queue = open(live, "rb"), open(live_queue, "rb")
     view = torch.from_file(str(mapped), shared=True, size=64, dtype=torch.uint8)  # an mmap of the file
     try:
-        assert remove_leaked_cpu_shm(tmp_path) == [leaked.name]
-        assert not leaked.exists() and live.exists() and mapped.exists() and other.exists()
+        assert remove_leaked_shm(tmp_path) == sorted([leaked.name, queue.name])
+        assert not leaked.exists() and not queue.exists()
+        assert live.exists() and mapped.exists() and live_queue.exists() and other.exists()
     finally:
         held.close()
+        held_queue.close()
         del view

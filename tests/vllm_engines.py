@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from fxreplace.vllm import shm as shm_segments
+
 
 def engine_env(tp: int = 1, compiled: bool = False) -> dict:
     """The environment of a test engine: one OpenMP thread, a 1 GiB KV cache, one
@@ -40,7 +42,7 @@ def run_python(args: list[str], *, timeout_s: float, tp: int = 1, compiled: bool
     """``python *args`` in its own session with :func:`engine_env` (updated with ``env``); its
     stdout. A non-zero exit or a timeout fails the test with :func:`failure_report` (``logs``:
     a folder whose log files may hold the cause, a Ray cluster's)."""
-    remove_leaked_cpu_shm()
+    remove_leaked_shm()
     proc = subprocess.Popen([sys.executable, *args], env={**engine_env(tp, compiled), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -59,45 +61,11 @@ def run_python(args: list[str], *, timeout_s: float, tp: int = 1, compiled: bool
     return stdout
 
 
-def remove_leaked_cpu_shm(shm: Path = Path("/dev/shm")) -> list[str]:
-    """Unlink the CPU workers' shared-memory segments that no live process uses.
-
-    vLLM's CPU workers of a TP or PP group communicate through one segment per rank,
-    ``/dev/shm/<port>-<group>-cpushm_<rank>`` (the port of the group's rendezvous), created
-    exclusively and unlinked only when the worker exits normally. Every engine teardown
-    kills its workers, so each TP/PP engine leaves its segments behind, and a later engine
-    whose rendezvous port repeats one of them fails at start-up with "create shm in
-    SHMManager failed. errno: 17" (a clean-clone test run lost a Ray PP=2 engine to it). A
-    segment in use is mapped or held open by its worker from its creation on, so the ones
-    that no process maps or holds open are leftovers; another test's engine starting
-    meanwhile keeps its own."""
-    leftovers = {path.name for path in shm.glob("*-cpushm_*")}
-    if not leftovers:
-        return []
-    inside = f"{shm.resolve()}/"
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            used = [line[line.index(inside):] for line in (proc / "maps").read_text().splitlines() if inside in line]
-            fds = list((proc / "fd").iterdir())
-        except OSError:  # gone meanwhile, or another user's (whose segments are not ours to unlink)
-            continue
-        used += [target for target in map(_link_target, fds) if target.startswith(inside)]
-        leftovers.difference_update(path.removeprefix(inside) for path in used)
-    for name in leftovers:
-        try:
-            (shm / name).unlink()
-        except OSError:
-            pass
-    return sorted(leftovers)
-
-
-def _link_target(fd: Path) -> str:
-    try:
-        return os.readlink(fd)
-    except OSError:  # closed meanwhile
-        return ""
+def remove_leaked_shm(shm: Path = shm_segments.SHM) -> list[str]:
+    """Unlink every vLLM shared-memory segment of ``shm`` that no live process uses
+    (:mod:`fxreplace.vllm.shm`): what killed engines (a timeout's, another test run's) left.
+    fxreplace removes its own engines' at teardown; a killed one cannot."""
+    return shm_segments.remove_unused(shm_segments.segments(shm), shm)
 
 
 _CAUSE = re.compile(r"Error|Exception|Killed|killed|memory|Traceback|died|FAILED|Timeout")

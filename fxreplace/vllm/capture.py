@@ -59,7 +59,7 @@ from ..reference import Reference
 from ..store import ReferenceStore, StoreError, StoreWriter
 from ..store.format import CAPTURE_STATS_FILE
 from ..targets import Target, TargetError, resolve_targets
-from . import internals
+from . import internals, shm
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -563,16 +563,20 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
     if targets:
         capture["targets"] = list(targets)
     llm_kwargs.setdefault("seed", 0)
-    llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": {"capture": capture}}, **llm_kwargs)
+    cleanup = shm.Cleanup()
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
-        counts = [c for c in llm.collective_rpc(internals.FINISH_CAPTURE_METHOD) if c is not None]
-    finally:
+        llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": {"capture": capture}}, **llm_kwargs)
         try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
+            params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+            llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+            counts = [c for c in llm.collective_rpc(internals.FINISH_CAPTURE_METHOD) if c is not None]
+        finally:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+    finally:
+        cleanup.after_teardown()
     stages = stage_dirs(out)
     if stages:
         merge_stages(stages, Path(out) / MERGED_DIR)

@@ -31,6 +31,7 @@ import torch
 from ..config import ReplacementConfig
 from ..context import PerRequest
 from ..runner import Generation
+from . import shm
 
 OFF = {"fxreplace": "off"}
 
@@ -50,7 +51,12 @@ class VllmEngine:
         self.logprobs = logprobs
         llm_kwargs.setdefault("max_logprobs", logprobs)
         llm_kwargs.setdefault("seed", 0)
-        self.llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": replacement}, **llm_kwargs)
+        self._shm = shm.Cleanup()
+        try:
+            self.llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": replacement}, **llm_kwargs)
+        except BaseException:
+            self._shm.after_teardown()  # what a failed start left
+            raise
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._ids = itertools.count()
 
@@ -91,6 +97,7 @@ class VllmEngine:
         except Exception:
             pass
         self.llm = None
+        self._shm.after_teardown()
 
 
 class VllmBlameEngine:
