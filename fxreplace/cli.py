@@ -1,4 +1,4 @@
-"""The ``fxreplace`` command: demo, capture, validate, blame, inspect.
+"""The ``fxreplace`` command: demo, capture, validate, blame, repro, inspect.
 
 Exit codes: 0 success (every ``--fail-on`` gate passed); 1 a check failed (a ``--fail-on``
 gate, or ``inspect --verify`` found a damaged store); 2 a user's mistake (a bad argument, a
@@ -646,6 +646,50 @@ def blame_state(args) -> str:
     return f"no blame report written ({folder_state(args.report_dir, '--report-dir')}){kept}"
 
 
+def _repro_write(args) -> int:
+    """Write the repro folder of a blamed (or named) component (see :mod:`fxreplace.repro`)."""
+    import torch
+
+    from .repro import README, ReproError, blamed_component, check_out_dir, write_repro
+
+    if not args.blame and not args.component:
+        raise UsageError("repro write needs the component: --blame BLAME_JSON (its first origin) or --component NAME")
+    try:
+        check_out_dir(args.out)
+    except ReproError as e:
+        raise UsageError(str(e), "--out names a new folder, or one holding a repro to replace") from None
+    out = Path(args.out).resolve()
+    args.produced.describe = lambda: f"--out {out} " + (
+        "holds a complete repro" if (out / README).is_file() else "holds no complete repro: rerun the command")
+    reference = load_reference_arg(args.reference)
+    try:
+        component = args.component or blamed_component(args.blame)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--blame {args.blame}: {e}", "give the blame.json `fxreplace blame` wrote") from None
+    target, clean = load_model(args.model), load_model(args.clean)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    chosen = f"--blame {args.blame}" if not args.component else f"--component {args.component}"
+    command = (f"fxreplace repro write {args.model} --reference {args.reference} --clean {args.clean} {chosen} "
+               f"--dtype {args.dtype} --inputs {args.inputs} --out {args.out}")
+    try:
+        out = write_repro(target, clean, reference, component, args.out, dtype=dtype, inputs=args.inputs,
+                          command=command, source={"model": args.clean, "target": args.model})
+    except ReproError as e:
+        raise UsageError(str(e)) from None
+    print(f"repro of {component} -> {out}; run it: fxreplace repro run {out} --backend inductor "
+          f"(or python {out / 'run.py'} --backend inductor)")
+    return 0
+
+
+def _repro_run(args) -> int:
+    from .repro_run import ReproError, run
+
+    try:
+        return run(args.dir, args.backend, args.bisect, args.tolerance)
+    except ReproError as e:
+        raise UsageError(str(e), "write the folder with `fxreplace repro write`") from None
+
+
 def _inspect(args) -> int:
     import torch
 
@@ -822,6 +866,30 @@ def build_parser() -> Parser:
                        help="write JUnit XML: one test case per ranked component, failed when it accounts for a share "
                             "of the divergence")
     blame.set_defaults(func=_blame)
+
+    repro = command("repro", "the blamed component alone, as a ticket for the compiler team: write its folder "
+                             "(exported program, inputs from the reference run, reference outputs), run it per backend")
+    steps = repro.add_subparsers(dest="step", required=True, metavar="STEP")
+    write = steps.add_parser("write", help="export the target's component with its reference inputs and outputs",
+                             parents=[common], formatter_class=DefaultsFormatter)
+    write.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF directory (the target's weights)")
+    write.add_argument("--reference", required=True, type=reference_path, help="the reference blame used")
+    write.add_argument("--clean", required=True, type=model_spec, help="the reference model (its component's inputs)")
+    write.add_argument("--blame", metavar="BLAME_JSON", type=existing_file,
+                       help="blame.json of `fxreplace blame`: its first origin's component")
+    write.add_argument("--component", metavar="NAME", help="the component instead (a capture name or module path)")
+    write.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the target's dtype (as blamed)")
+    write.add_argument("--inputs", type=positive_int, default=4,
+                       help="calls kept: the prompts where the target's component departs most from the reference's")
+    write.add_argument("--out", required=True, help="the repro folder to write")
+    write.set_defaults(func=_repro_write)
+    run = steps.add_parser("run", help="run a repro folder under a backend: the port or the compiler?",
+                           parents=[common], formatter_class=DefaultsFormatter)
+    run.add_argument("dir", help="a folder written by `fxreplace repro write`")
+    from .repro_run import add_arguments
+
+    add_arguments(run)
+    run.set_defaults(func=_repro_run)
 
     inspect = command("inspect", "list candidate injection points with their shapes, or --verify a reference")
     inspect.add_argument("model", nargs="?", type=model_spec, help="builtin:ARCH or a local HF directory")

@@ -14,7 +14,16 @@ def on_page_markdown(markdown, page, config, files):
 
     parser = build_parser()
     sections = [f"```text\n{parser.format_help()}```"]
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for name, sub in commands.choices.items():
-        sections.append(f"## `fxreplace {name}`\n\n```text\n{sub.format_help()}```")
+    sections += _commands(parser, "fxreplace", "##")
     return markdown.replace(MARKER, "\n\n".join(sections))
+
+
+def _commands(parser, prefix: str, level: str) -> list[str]:
+    """A section per subcommand, and one per step of a command that has steps (``repro write``)."""
+    sections = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                sections.append(f"{level} `{prefix} {name}`\n\n```text\n{sub.format_help()}```")
+                sections += _commands(sub, f"{prefix} {name}", level + "#")
+    return sections

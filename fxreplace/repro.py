@@ -1,0 +1,345 @@
+"""``fxreplace repro``: the guilty component as a standalone ticket for the compiler team.
+
+From a blame verdict (or a component named by the user), the reference model and the
+target: the component's inputs are captured in the reference run (its forward's
+arguments, one teacher-forced forward per prompt over the prompt and the reference's
+generated tokens), and a folder is written holding
+
+- ``component.pt2``: the *target's* component as a ``torch.export`` program with its
+  weights (stored as raw bytes; no sample inputs, so nothing in it is a pickle),
+- ``inputs.safetensors`` / ``reference_outputs.safetensors``: a handful of those inputs
+  (the prompts where the target's component departs most from the reference's) and the
+  reference component's outputs on them,
+- ``repro.json`` (what it came from, the tolerance), ``README.md`` (the command that wrote
+  it and how to run it) and ``run.py`` (:mod:`fxreplace.repro_run`, which needs only torch
+  and safetensors).
+
+``fxreplace repro run DIR --backend inductor`` (or ``python DIR/run.py``) then says whether
+the port or the compiler is wrong, without the model, the reference store or vLLM.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from . import repro_run
+from .components import Component, layer_of, resolve_components
+from .targets import Target, TargetLike, resolve_targets
+
+#: Relative error a component may show against the reference, by the target's dtype: rounding
+#: to bf16 alone leaves ~1e-2 in an attention block; a planted or compiler fault leaves far more.
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+#: Op namespaces torch itself provides (no library to import before loading the program).
+README = "README.md"
+BUILTIN_NAMESPACES = {"aten", "prims", "_operator", "higher_order", "quantized", "_c10d_functional"}
+
+
+class ReproError(ValueError):
+    """A repro that cannot be written (unknown component, no component in the verdict, an input
+    the export cannot take)."""
+
+
+@dataclass
+class Call:
+    """One call of the component in the reference run: its arguments, and what it returned."""
+
+    prompt: int
+    args: tuple
+    kwargs: dict
+    output: object
+
+
+def find_component(model: nn.Module, name: str, components: Mapping[str, TargetLike] | None = None) -> Component:
+    """The component ``name`` (a blame capture name, e.g. ``model.layers.3.mlp.gate``): one the
+    family declares (or ``components``), else the module of that name, whole output compared."""
+    if components is None:
+        from .blame import BlameError, family_components
+
+        try:
+            components = family_components(model)
+        except BlameError:
+            components = {}
+    for c in resolve_components(model, components):
+        if c.capture_name == name:
+            return c
+    resolved = resolve_targets(model, [Target(name, point="output")])  # a TargetError names the closest modules
+    if len(resolved) != 1:
+        raise ReproError(f"component {name!r} matches {len(resolved)} modules ({resolved[0].module_name}, ...): "
+                         "name one module")
+    r = resolved[0]
+    return Component("module", layer_of(r.module_name), r.module_name, r.capture_name,
+                     Target(r.module_name, point="output"))
+
+
+def blamed_component(blame_result) -> str:
+    """The component a blame result names first (a :class:`~fxreplace.blame.BlameResult`, its
+    ``to_dict()`` or the path of its ``blame.json``)."""
+    if isinstance(blame_result, (str, Path)):
+        blame_result = json.loads(Path(blame_result).read_text())
+    if not isinstance(blame_result, dict):
+        blame_result = blame_result.to_dict()
+    named = [o["component"] for o in blame_result.get("origins", []) if o.get("component")]
+    if not named:
+        raise ReproError(f"the blame verdict names no component ({blame_result.get('verdict', '')[:160]}); "
+                         "name one with --component (a module, e.g. model.layers.2.input_layernorm)")
+    return named[0]
+
+
+@torch.no_grad()
+def capture_calls(model: nn.Module, module_name: str, sequences: Sequence[Sequence[int]]) -> list[Call]:
+    """The module's calls (arguments and output) in one teacher-forced forward per sequence."""
+    module = model.get_submodule(module_name)
+    calls: list[Call] = []
+    pending: list[tuple] = []
+
+    def before(_, args, kwargs):
+        pending.append((args, kwargs))
+
+    def after(_, args, kwargs, output):
+        a, k = pending.pop()
+        calls.append(Call(prompt, a, k, pytree.tree_map(_detach, output)))
+
+    hooks = [module.register_forward_pre_hook(before, with_kwargs=True),
+             module.register_forward_hook(after, with_kwargs=True)]
+    device = next(model.parameters()).device
+    try:
+        for prompt, ids in enumerate(sequences):
+            model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    for call in calls:
+        bad = [type(x).__name__ for x in pytree.tree_leaves((call.args, call.kwargs))
+               if not isinstance(x, (torch.Tensor, bool, int, float, str, type(None)))]
+        if bad:
+            raise ReproError(f"{module_name} is called with {bad[0]} arguments; a repro takes tensors and plain "
+                             "values only: name a module whose forward takes tensors")
+    return calls
+
+
+def _detach(x):
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+
+class _Positional(nn.Module):
+    """The component with its inputs' tensors as positional arguments (the other arguments, such as
+    ``use_cache=False`` or a None mask, fixed as captured) and its output's tensors as a tuple: the
+    exported program then takes and returns plain tensors, which is all the runner knows."""
+
+    def __init__(self, component: nn.Module, call: Call):
+        super().__init__()
+        self.component = component
+        leaves, self.spec = pytree.tree_flatten((call.args, call.kwargs))
+        self.fixed = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.slots = [isinstance(x, torch.Tensor) for x in leaves]
+
+    def forward(self, *tensors):
+        given = iter(tensors)
+        leaves = [next(given) if slot else fixed for slot, fixed in zip(self.slots, self.fixed)]
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return tuple(x for x in pytree.tree_leaves(self.component(*args, **kwargs)) if isinstance(x, torch.Tensor))
+
+
+def _tensors(call: Call, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The call's input tensors in order, floating ones in ``dtype``."""
+    return [x.to(dtype) if dtype is not None and x.is_floating_point() else x
+            for x in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(x, torch.Tensor)]
+
+
+def _outputs(output) -> list[tuple[str, torch.Tensor]]:
+    """The output's tensors with their names as a point spells them (``output[0]``)."""
+    named = []
+    for path, x in pytree.tree_flatten_with_path(output)[0]:
+        if isinstance(x, torch.Tensor):
+            named.append(("output" + "".join(f"[{getattr(k, 'idx', getattr(k, 'key', k))}]" for k in path), x))
+    return named
+
+
+def _compared(names: list[str], point: str, is_tuple: bool) -> list[bool]:
+    """Which outputs the component's point reads: ``output[k]``'s, else the whole output, or the
+    first of a tuple for a point inside the module (``auto``: a router's logits)."""
+    if point.startswith("output["):
+        prefix = point
+    elif point == "output" or not is_tuple:
+        prefix = "output"
+    else:
+        prefix = "output[0]"
+    return [n == prefix or n.startswith(prefix + "[") or prefix == "output" for n in names]
+
+
+def _op_libraries(program) -> list[str]:
+    """Python modules that register the custom ops the program calls (imported before loading it)."""
+    from torch._library.custom_ops import OPDEFS
+
+    found = []
+    for node in program.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
+                target.namespace not in BUILTIN_NAMESPACES:
+            opdef = OPDEFS.get(target._schema.name)
+            module = getattr(getattr(opdef, "_init_fn", None), "__module__", None) or target.namespace
+            if module not in found:
+                found.append(module)
+    return found
+
+
+def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: str | Path, *,
+                dtype: torch.dtype | None = None, prompts: Sequence[int] | None = None, inputs: int = 4,
+                components: Mapping[str, TargetLike] | None = None, command: str | None = None,
+                source: Mapping[str, str] | None = None) -> Path:
+    """Write the repro folder of ``component`` to ``out`` (replaced if it holds a repro).
+
+    ``target``: the HF model under test (its component is exported, in ``dtype`` if given);
+    ``clean``: the reference model; ``reference``: the reference (or its directory) whose
+    prompts and generated tokens the inputs come from (``prompts``: which; default all);
+    ``component``: a capture name, a :class:`Component`, or a blame result naming it;
+    ``inputs``: how many calls to keep (those whose target output departs most from the
+    reference's); ``source``: ``{"model": ..., "target": ...}`` as the README names them.
+    """
+    from .reference import load_reference
+
+    if isinstance(reference, (str, Path)):
+        reference = load_reference(reference)
+    if not isinstance(component, (str, Component)):
+        component = blamed_component(component)
+    if isinstance(component, str):
+        component = find_component(clean, component, components)
+    indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
+    if inputs < 1 or not indices:
+        raise ReproError(f"a repro needs at least one input (inputs={inputs}, prompts={indices})")
+    out = _fresh_dir(Path(out))
+    sequences = [reference.prompt_tokens(p) + reference.tokens(p)[:-1] for p in indices]
+    calls = capture_calls(clean, component.module_name, sequences)
+    for call in calls:
+        call.prompt = indices[call.prompt]
+    module = target.get_submodule(component.module_name)
+    if dtype is not None:
+        module = copy.deepcopy(module).to(dtype)
+    dtype = next(module.parameters(), torch.empty(0)).dtype
+    names = [n for n, _ in _outputs(calls[0].output)]
+    compared = _compared(names, component.target.point, isinstance(calls[0].output, (tuple, list)))
+    references = [[x for _, x in _outputs(c.output)] for c in calls]
+    with torch.no_grad():
+        departs = [max(repro_run.error(got, want) for got, want, use in
+                       zip(_Positional(module, c)(*_tensors(c, dtype)), ref, compared) if use)
+                   for c, ref in zip(calls, references)]
+    # the calls where the target departs most (ties: in prompt order), then in prompt order
+    kept = sorted(sorted(range(len(calls)), key=lambda i: -departs[i])[:inputs])
+    calls, references, departs = [calls[i] for i in kept], [references[i] for i in kept], [departs[i] for i in kept]
+    program = _export(module, calls, dtype, component.module_name)
+    program.example_inputs = None  # torch.export would store them as a pickle
+    torch.export.save(program, out / repro_run.PROGRAM)
+    repro_run.check_no_pickle(out / repro_run.PROGRAM)
+    save_file({f"{i}.{j}": t.contiguous() for i, c in enumerate(calls) for j, t in enumerate(_tensors(c, dtype))},
+              out / repro_run.INPUTS)
+    save_file({f"{i}.{k}": t.contiguous() for i, ref in enumerate(references) for k, t in enumerate(ref)},
+              out / repro_run.OUTPUTS)
+    source = dict(source or {})
+    meta = {
+        "format": 1,
+        "component": component.capture_name, "kind": component.kind, "layer": component.layer,
+        "module_name": component.module_name, "module": type(module).__name__, "point": component.target.point,
+        "model": source.get("model") or reference.metadata.get("source_model") or type(clean).__name__,
+        "target": source.get("target") or type(target).__name__,
+        "dtype": str(dtype).removeprefix("torch."), "tolerance": TOLERANCE.get(dtype, 1e-3),
+        "outputs": [{"name": n, "compared": c} for n, c in zip(names, compared)],
+        "inputs": [{"prompt": c.prompt, "tokens": len(sequences[indices.index(c.prompt)]),
+                    "tensors": len(_tensors(c)), "shapes": [list(t.shape) for t in _tensors(c)],
+                    "error_at_write": d} for c, d in zip(calls, departs)],
+        "prompt_tokens": {str(c.prompt): sequences[indices.index(c.prompt)] for c in calls},
+        "op_libraries": _op_libraries(program),
+        "command": command, "torch": torch.__version__,
+    }
+    (out / repro_run.META).write_text(json.dumps(meta, indent=1))
+    shutil.copyfile(repro_run.__file__, out / "run.py")
+    (out / README).write_text(_readme(meta))  # last: a folder holding it is complete
+    return out
+
+
+def check_out_dir(out: str | Path) -> None:
+    """``out`` may take a repro: absent, empty, or holding a previous repro (which it replaces)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / repro_run.META).is_file())):
+        raise ReproError(f"{out} is not empty and holds no repro: choose another folder")
+
+
+def _fresh_dir(out: Path) -> Path:
+    """``out``, empty: created, or cleared when it holds a previous repro (never another folder)."""
+    check_out_dir(out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _export(module: nn.Module, calls: list[Call], dtype, name: str):
+    """The component as an exported program over every call's shapes (dimensions that vary
+    between the calls dynamic), checked against the module on each call."""
+    from torch.export import Dim
+
+    first = _tensors(calls[0], dtype)
+    wrapper = _Positional(module, calls[0]).eval()
+    sizes = [[t.shape for t in _tensors(c)] for c in calls]
+    varying = [{d: Dim.AUTO for d in range(t.dim()) if len({s[j][d] for s in sizes}) > 1} or None
+               for j, t in enumerate(first)]  # the sequence length, when the prompts' lengths differ
+    shapes = (tuple(varying),)
+    try:
+        program = torch.export.export(wrapper, tuple(first), dynamic_shapes=shapes, strict=False)
+    except Exception as e:  # export's errors are many kinds; the message says which
+        raise ReproError(f"torch.export cannot export {name} ({type(module).__name__}): {str(e).splitlines()[0]}") from e
+    exported = program.module()
+    with torch.no_grad():
+        for call in calls:
+            args = _tensors(call, dtype)
+            for got, want in zip(exported(*args), wrapper(*args)):
+                if repro_run.error(got, want) > 1e-6:
+                    raise ReproError(f"the exported {name} does not reproduce the module on prompt {call.prompt}'s "
+                                     f"input (shapes {[list(t.shape) for t in args]}): torch.export specialised it")
+    return program
+
+
+def _readme(meta: dict) -> str:
+    prompts = ", ".join(f"{p} ({len(ids)} tokens)" for p, ids in meta["prompt_tokens"].items())
+    libraries = (f"\nThe program calls custom ops of {', '.join(meta['op_libraries'])}: the runner imports "
+                 "it before loading the program.\n") if meta["op_libraries"] else ""
+    return f"""# Repro: {meta['component']}
+
+The target's `{meta['module_name']}` ({meta['module']}, {meta['kind']}, layer {meta['layer']}) in
+{meta['dtype']}, alone: the component a compiled model's divergence from its reference was
+traced to, with the inputs it received in the reference run and the reference's outputs.
+
+- reference model: `{meta['model']}`; target: `{meta['target']}`
+- inputs: {len(meta['inputs'])} calls, from the reference's prompts {prompts} (each the prompt and the
+  reference's generated tokens, teacher-forced: token ids in `repro.json`)
+- compared: {', '.join(o['name'] for o in meta['outputs'] if o['compared'])} (relative error, tolerance
+  {meta['tolerance']:g} for {meta['dtype']})
+- written by: `{meta['command'] or 'fxreplace.repro.write_repro'}` (torch {meta['torch']})
+{libraries}
+## Run it
+
+```bash
+python run.py --backend eager        # the port: does the target's component match the reference?
+python run.py --backend inductor     # the compiler: does a backend change it? (aot_eager, xla, MODULE:FUNCTION)
+python run.py --backend inductor --bisect   # the first inductor stage or pass that breaks it
+```
+
+`run.py` needs torch and safetensors only (`fxreplace repro run DIR` is the same). It prints each
+input's error against the reference and a verdict: disagreeing already in eager is the port (weights,
+conversion, code); only the compiled backend disagreeing is the compiler. Exit status 0: agrees, 1: a
+disagreement, 2: the folder cannot be run.
+
+Files: `component.pt2` (`torch.export.save`: graph as JSON, weights as raw bytes, no pickle: `run.py`
+checks before loading), `inputs.safetensors` (input `i`'s tensors as `i.0`, `i.1`, ...),
+`reference_outputs.safetensors` (`i.k`: output `k` of the reference's component on input `i`),
+`repro.json` (what it came from).
+"""
