@@ -37,12 +37,14 @@ class ShardSpec:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"shard mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if isinstance(self.rank, torch.Tensor):
             if self.rank.dim() != 0 or self.rank.dtype.is_floating_point or self.rank.dtype == torch.bool:
                 raise ValueError(f"a rank tensor must be a 0-d integer tensor, got {self.rank!r}")
             check_rank_value(self.rank, self.world_size)
+        elif isinstance(self.rank, bool) or not hasattr(type(self.rank), "__index__"):  # 1.0, "1": fail at the forward
+            raise ValueError(f"rank must be an int or a 0-d integer tensor, got {type(self.rank).__name__} {self.rank!r}")
         elif not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} out of range for world_size {self.world_size}")
 

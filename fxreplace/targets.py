@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import string
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
@@ -46,6 +47,21 @@ class Target:
     shard: ShardSpec | None = None
     name: str | None = None
 
+    def __post_init__(self):
+        """Checked here, where a target is made, not at the first model it meets."""
+        if not isinstance(self.pattern, str) or not self.pattern:
+            raise TargetError(f"Target pattern must be a qualified module name (str), got "
+                              f"{type(self.pattern).__name__} {self.pattern!r}")
+        if not (isinstance(self.point, str) or callable(self.point)):
+            raise TargetError(f"Target {self.pattern!r}: point must be 'auto', 'output', 'output[i]' or a callable, "
+                              f"got {type(self.point).__name__} {self.point!r}")
+        if self.shard is not None and not isinstance(self.shard, ShardSpec):
+            raise TargetError(f"Target {self.pattern!r}: shard must be a ShardSpec, got {type(self.shard).__name__}")
+        if self.name is not None:
+            if not isinstance(self.name, str):
+                raise TargetError(f"Target {self.pattern!r}: name must be a str, got {type(self.name).__name__}")
+            _check_template(self.pattern, self.name)
+
 
 @dataclass(frozen=True)
 class ResolvedTarget:
@@ -59,6 +75,25 @@ class ResolvedTarget:
 
 
 TargetLike = Union[str, Target]
+
+
+def _check_template(pattern: str, name: str) -> None:
+    """A name template may use no more ``{}`` fields than the pattern has wildcards."""
+    wildcards = _glob_regex(pattern).groups
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(name) if f is not None]
+    except ValueError as e:
+        raise TargetError(f"Target {pattern!r}: name template {name!r} is malformed: {e}") from None
+    automatic = sum(1 for f in fields if f == "")
+    numbered = [int(f) for f in fields if f.isdigit()]
+    other = [f for f in fields if f and not f.isdigit()]
+    needed = max([automatic] + [n + 1 for n in numbered])
+    if other:
+        raise TargetError(f"Target {pattern!r}: name template {name!r} has named fields {other}; hint: use {{}} or "
+                          "{0}, {1}... for what the pattern's wildcards matched")
+    if needed > wildcards:
+        raise TargetError(f"Target {pattern!r}: name template {name!r} uses {needed} field(s) but the pattern has "
+                          f"{wildcards} wildcard(s); hint: one {{}} per * or ** of the pattern")
 
 
 def _glob_regex(pattern: str) -> re.Pattern:
@@ -85,9 +120,11 @@ def resolve_targets(model: nn.Module, targets: Iterable[TargetLike] | TargetLike
         targets = [targets]  # one pattern, not its characters
     names = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, ResolvedTarget] = {}
-    for target in targets:
+    for i, target in enumerate(targets):
         if isinstance(target, str):
             target = Target(target)
+        elif not isinstance(target, Target):
+            raise TargetError(f"targets[{i}] must be a pattern (str) or a Target, got {type(target).__name__} {target!r:.60}")
         regex = _glob_regex(target.pattern)
         matched = False
         for name in names:

@@ -82,7 +82,13 @@ def prepare_engine_args(engine_args, capture: dict) -> None:
     user asked for them, in which case it refuses with how to turn them off; with
     data parallelism it tells the engines so (``capture`` travels to them): vLLM
     resets the data-parallel size of a dense model's replicas to 1, so an engine
-    could not tell it has siblings writing beside it."""
+    could not tell it has siblings writing beside it. An ``out`` that is not empty here is
+    refused before any engine process starts (its writer would refuse it at load time)."""
+    out = Path(capture["out"])
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        held = "a file" if not out.is_dir() else f"not empty ({sorted(p.name for p in out.iterdir())[:3]})"
+        raise ConfigError(f"fxreplace capture out {str(out)!r} is {held}: a capture writes a new store; "
+                          "give a new or empty directory")
     if engine_args.data_parallel_size > 1:
         capture[DATA_PARALLEL_KEY] = int(engine_args.data_parallel_size)
     if engine_args.pipeline_parallel_size > 1 and engine_args.speculative_config:

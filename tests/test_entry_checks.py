@@ -1,0 +1,57 @@
+"""Values are checked where they enter, by type and range, with an error naming the argument,
+instead of failing deep inside a forward or an engine (each case below did)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxreplace import ReplacementConfig, instrument
+from fxreplace.config import ConfigError
+from fxreplace.models import tiny_model
+from fxreplace.sharding import ShardSpec
+from fxreplace.store import ReferenceStore
+from fxreplace.targets import Target, TargetError
+
+ARCH = "Qwen3MoeForCausalLM"
+
+
+def test_a_target_that_is_not_a_pattern_or_a_target_is_named():
+    with pytest.raises(TargetError, match=r"targets\[1\] must be a pattern \(str\) or a Target, got int 3"):
+        instrument(tiny_model(ARCH), ["model.layers.*.mlp.gate", 3])
+    with pytest.raises(TargetError, match=r"Target pattern must be a qualified module name \(str\), got int 3"):
+        Target(3)
+
+
+def test_a_name_template_with_more_fields_than_wildcards_is_refused_when_made():
+    with pytest.raises(TargetError, match=r"name template '\{\}\.\{\}' uses 2 field\(s\) but the pattern has 1 wildcard"):
+        Target("model.layers.*.mlp.gate", name="{}.{}")
+    with pytest.raises(TargetError, match=r"named fields \['layer'\]"):
+        Target("model.layers.*.mlp.gate", name="model.layers.{layer}.mlp.gate")
+    assert Target("model.layers.*.mlp.gate", name="r.{0}").name == "r.{0}"
+
+
+@pytest.mark.parametrize("rank", [1.0, "1", True])
+def test_a_shard_rank_must_be_an_integer(rank):
+    with pytest.raises(ValueError, match="rank must be an int or a 0-d integer tensor"):
+        ShardSpec("expert", 2, rank)
+    assert ShardSpec("expert", 2, torch.tensor(1)).world_size == 2
+
+
+def test_config_typos_are_refused_naming_the_field(tmp_path):
+    ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=[[1, 2]]).save(tmp_path / "ref")
+    with pytest.raises(ConfigError, match="on_unknown must be 'error' or 'passthrough', got 'passthru'"):
+        ReplacementConfig(tensors_path=tmp_path / "ref", on_unknown="passthru")
+    with pytest.raises(ConfigError, match="select_captures must be true or false, got 'yes'"):
+        ReplacementConfig(tensors_path=tmp_path / "ref", select_captures="yes")
+
+
+def test_a_vllm_capture_into_a_store_is_refused_before_any_engine_process_starts(tmp_path):
+    from fxreplace.vllm.capture import capture_with_vllm
+    from fxreplace.vllm.testing import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(ARCH, tmp_path / "ckpt")
+    ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=[[1, 2]]).save(tmp_path / "ref")
+    with pytest.raises(ConfigError, match=r"capture out .*ref' is not empty \(\['index.json', 'reference.safetensors'\]\)"):
+        capture_with_vllm(str(ckpt), [[1, 2, 3]], tmp_path / "ref", max_new_tokens=1)
+    assert ReferenceStore.load(tmp_path / "ref").prompt_token_ids == [[1, 2]]
