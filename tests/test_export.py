@@ -9,6 +9,7 @@ import torch
 from torch.export import Dim
 
 import fxreplace.models as families
+from fxreplace import TensorReplacer
 from fxreplace.export import export, export_input_name
 from fxreplace.instrument import instrument
 from graph_helpers import input_ids, off_context, random_context
@@ -74,6 +75,24 @@ def test_dynamic_export_follows_the_sequence_length(dynamic_program, eager):
         module(**wrong)
 
 
+def engine_contexts(tokens):
+    """What an engine alternates, built by a TensorReplacer: an all-off warm-up, a fresh
+    build, builds into out= (a partial mask, new values) and into a leading() view of a
+    max-size feed, all-off again."""
+    gen = torch.Generator().manual_seed(5)
+    flat = {p: {n: torch.randn(rows, 8, generator=gen) * 3 for n in GATES} for p, rows in ((0, 20), (1, tokens - 2))}
+    replacer = TensorReplacer(flat)
+    replacer.register_request("a", None, prompt_idx=0)
+    replacer.register_request("b", None, prompt_idx=1)
+    out, feed = replacer.warmup_context(tokens), replacer.warmup_context(2 * tokens)
+    yield replacer.warmup_context(tokens)
+    yield replacer.build_context(["a"], list(range(tokens)), is_prefill=True)
+    yield replacer.build_context(["b"], list(range(tokens)), is_prefill=True, out=out)
+    yield replacer.build_context(["a"], list(range(3, 3 + tokens)), is_prefill=True, out=out)
+    yield replacer.build_context(["a"], list(range(tokens)), is_prefill=True, out=feed.leading(tokens))
+    yield replacer.warmup_context(tokens)
+
+
 def test_aot_inductor_equals_eager(dynamic_program, eager, tmp_path):
     path = torch._inductor.aoti_compile_and_package(dynamic_program, package_path=str(tmp_path / "qwen.pt2"))
     runner = torch._inductor.aoti_load_package(path)
@@ -81,3 +100,6 @@ def test_aot_inductor_equals_eager(dynamic_program, eager, tmp_path):
         for ctx in contexts(tokens, seed=3)[:2]:
             out = runner(**program_inputs(ctx, tokens)).logits
             torch.testing.assert_close(out, eager_logits(eager, ctx, tokens), rtol=1e-4, atol=1e-4)
+        for step, ctx in enumerate(engine_contexts(tokens)):  # the one compiled program serves them all
+            out = runner(**program_inputs(ctx, tokens)).logits
+            torch.testing.assert_close(out, eager_logits(eager, ctx, tokens), rtol=1e-4, atol=1e-4, msg=f"step {step}")
