@@ -60,6 +60,7 @@ from ..store import ReferenceStore, StoreError, StoreWriter
 from ..store.format import CAPTURE_STATS_FILE
 from ..targets import Target, TargetError, resolve_targets
 from . import internals, shm
+from .protocol import StepHooks
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -186,11 +187,13 @@ class VllmCapture:
     """Capture state of one model runner: instrumented model, observation buffer,
     the requests in flight and the writer."""
 
-    def __init__(self, runner, capture: dict):
+    def __init__(self, side, capture: dict):
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         from fxreplace.models import architecture, get_family
 
+        runner = side.runner
+        self.side = side
         if runner.cache_config.enable_prefix_caching:
             raise ConfigError(f"fxreplace capture with prefix caching on: {PREFIX_CACHE_HINT}")
         if runner.use_async_scheduling:
@@ -199,7 +202,7 @@ class VllmCapture:
         self.stage = pp.rank_in_group if pp.world_size > 1 else None  # None: no pipeline
         self.samples = pp.is_last_rank  # computes logits and samples: knows when a request is complete
         self.runner = runner
-        self.model = runner.model
+        self.model = side.model
         self.out = Path(capture["out"])
         parallel = runner.vllm_config.parallel_config
         if max(capture.get(DATA_PARALLEL_KEY, 1), parallel.data_parallel_size) > 1:
@@ -207,7 +210,7 @@ class VllmCapture:
         if self.stage is not None:
             self.out = self.out / STAGE_DIR.format(self.stage)  # each stage its own layers
         self.writes = get_tensor_model_parallel_rank() == 0
-        self.max_tokens = int(runner.max_num_tokens)
+        self.max_tokens = int(side.max_tokens)
         self.max_model_len = int(runner.model_config.max_model_len)
         self.vocab = runner.model_config.get_vocab_size()
         arch = architecture(runner.model_config.hf_config, type(self.model).__name__)
@@ -215,7 +218,7 @@ class VllmCapture:
         targets = capture.get("targets") or get_family(arch).vllm_targets
         if not targets:
             raise TargetError(f"fxreplace capture: the {arch} family has no vllm_targets; give capture 'targets'")
-        targets, elsewhere = internals.split_by_stage(self.model, list(targets))
+        targets, elsewhere = side.split_by_stage(list(targets))
         if not targets:  # every stage writes a store of its own layers, joined by merge_stages
             raise TargetError(f"fxreplace capture: pipeline stage {self.stage} holds none of the targets "
                               f"{[t if isinstance(t, str) else t.pattern for t in elsewhere][:4]}; give every stage "
@@ -225,7 +228,7 @@ class VllmCapture:
                    max_tokens=self.max_tokens)
         self.names = [r.capture_name for r in resolved]
         dtype = next(self.model.parameters()).dtype
-        probed = _probe_widths(runner, self.model, self.max_tokens)
+        probed = _probe_widths(side, self.model, self.max_tokens)
         widths = [probed[name] for name in self.names]
         edges = np.cumsum([0, *widths]).tolist()
         self.columns = {name: slice(a, b) for name, a, b in zip(self.names, edges, edges[1:])}
@@ -259,6 +262,11 @@ class VllmCapture:
                     self.names[0] if self.names else "-", self.out, "" if self.writes else " (written by TP rank 0)")
 
     # ------------------------------------------------------------ per step
+
+    def hooks(self) -> StepHooks:
+        """Per-step hooks on one capturing runner instance."""
+        return StepHooks(begin_step=self.begin_step, after_forward=self.after_forward, end_step=self.end_step,
+                         after_sample=self.after_sample)
 
     def begin_step(self, scheduler_output) -> None:
         """Drop requests the scheduler finished before they completed (a stage before the
@@ -306,15 +314,12 @@ class VllmCapture:
         copies them, with the logits)."""
         if not self.writes or not self.active:
             return
-        req_ids = internals.batch_requests(self.runner)
-        if scheduler_output.total_num_scheduled_tokens == len(req_ids):  # one token each: a decode step
-            ends = range(1, len(req_ids) + 1)
-        else:
-            ends = list(itertools.accumulate(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids)))
+        layout = self.side.layout(scheduler_output, positions)  # vLLM pads only after the last request
+        ends = list(itertools.accumulate(layout.counts))
         total = ends[-1] if ends else 0
         if self.host_buffer is not self.buffer:
             self.host_buffer[:total].copy_(self.buffer[:total])
-        self.step = (list(map(self.active.get, req_ids)), ends, positions[:total].tolist())
+        self.step = (list(map(self.active.get, layout.req_ids)), ends, layout.positions[:total].tolist())
 
     def end_step(self, output) -> None:
         """After ``execute_model``: keep the step's rows and the raw logits of every sampled row
@@ -494,7 +499,7 @@ def _host_float32(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
-def _probe_widths(runner, model, max_tokens: int) -> dict[str, int]:
+def _probe_widths(side, model, max_tokens: int) -> dict[str, int]:
     """Each target's feature width, seen in one eager dummy forward before the engine
     serves (so any module works, and a target the forward misses fails the start-up)."""
     widths = {}
@@ -505,14 +510,8 @@ def _probe_widths(runner, model, max_tokens: int) -> dict[str, int]:
         widths[name] = int(computed.shape[-1])
 
     with observe(model, record):
-        internals.eager_forward(runner, min(8, max_tokens))
+        side.off_forward(min(8, max_tokens))
     return widths
-
-
-def attach(runner, capture: VllmCapture) -> None:
-    """Per-step hooks on one capturing runner instance."""
-    internals.wrap_steps(runner, begin_step=capture.begin_step, after_forward=capture.after_forward,
-                         end_step=capture.end_step, after_sample=capture.after_sample)
 
 
 def merge_stages(stages, out) -> Path:
@@ -591,7 +590,7 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
 
 def _writing_capture(worker):
     state = internals.get_state(worker.model_runner)
-    return state if isinstance(state, VllmCapture) and state.writes else None
+    return state if getattr(state, "writes", False) else None  # a capture state (any runner's) that writes
 
 
 def finish_capture(worker) -> dict | None:

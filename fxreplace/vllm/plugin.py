@@ -35,7 +35,9 @@ import logging
 
 from ..matching import PromptIndex
 from . import internals
-from .config import parse_config, refuse_unsupported, wrap_in_place
+from . import neuron_internals
+from .config import NEURON_KEYS, ConfigError, parse_config, refuse_unsupported, wrap_in_place
+from .runners import VllmRunner
 from .replacement import NoTargetOnThisStage, SelectingReplacement, VllmReplacement, selection_of, switched_off
 
 logger = logging.getLogger("fxreplace.vllm")
@@ -64,7 +66,15 @@ def register() -> None:
     _wrap(internals.input_processor(), internals.PROCESS_INPUTS, _process_inputs)
     for cls in runners:  # CPUModelRunner overrides load_model: wrap each class's own
         if internals.LOAD_MODEL in cls.__dict__:
-            _wrap(cls, internals.LOAD_MODEL, _load_model)
+            _wrap(cls, internals.LOAD_MODEL, _load_model(VllmRunner))
+    try:  # vllm-neuron's runner, where that platform plugin is installed
+        neuron_runner = neuron_internals.runner_class()
+    except (ImportError, AttributeError):
+        neuron_runner = None
+    if neuron_runner is not None:
+        from .neuron import NeuronRunner
+
+        _wrap(neuron_runner, neuron_internals.LOAD_MODEL, _load_model(NeuronRunner))
     worker = internals.worker_base()
     setattr(worker, internals.FINISH_CAPTURE_METHOD, _finish_capture)
     setattr(worker, internals.WORKER_STATE_METHOD, worker_state)
@@ -123,6 +133,7 @@ def _wrap(cls: type, name: str, make) -> None:
 
 def _create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
+        _refuse_shared_key_on_neuron(getattr(self, "additional_config", None))
         wrap_in_place(getattr(self, "additional_config", None))
         config = parse_config(getattr(self, "additional_config", None))
         if config is not None:
@@ -134,6 +145,18 @@ def _create_engine_config(original):
         return original(self, *args, **kwargs)
 
     return create_engine_config
+
+
+def _refuse_shared_key_on_neuron(additional_config) -> None:
+    """On vllm-neuron, ``neuron_config.tensor_replacement`` configures vllm-neuron's own replacer:
+    fxreplace reading it too would replace twice, so there fxreplace is configured under
+    ``fxreplace`` only."""
+    neuron = additional_config.get(NEURON_KEYS[0]) if isinstance(additional_config, dict) else None
+    if isinstance(neuron, dict) and neuron.get(NEURON_KEYS[1]) is not None and neuron_internals.on_neuron():
+        from .neuron import SHARED_KEY_HINT
+
+        raise ConfigError(f"fxreplace: {SHARED_KEY_HINT}; to use vllm-neuron's own replacer instead, leave fxreplace's "
+                          "plugin out of VLLM_PLUGINS")
 
 
 def _process_inputs(original):
@@ -198,36 +221,48 @@ def _check_selection(processor, request) -> None:
     raise internals.refuse(f"fxreplace: request {request.request_id} {problem}", parameter="extra_args")
 
 
-def _load_model(original):
-    def load_model(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        if internals.get_state(self) is None:
-            config = parse_config(self.vllm_config.additional_config)
-            if config is not None and config.config.capture is not None:
-                from .capture import VllmCapture, attach
+def _load_model(side_kind):
+    """A runner class's ``load_model`` wrapper: after loading, the runner seen as ``side_kind``
+    (a runner protocol implementation) gets fxreplace's state when configured."""
+    def wrap(original):
+        def load_model(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            if internals.get_state(self) is None:
+                config = parse_config(self.vllm_config.additional_config)
+                if config is not None:
+                    attach_state(side_kind(self), config)
+            return out
 
-                state = VllmCapture(self, config.config.capture)
-                setattr(self, internals.STATE_ATTR, state)
-                attach(self, state)
-            elif config is not None:
-                kind = SelectingReplacement if config.config.select_captures else VllmReplacement
-                try:
-                    state = kind(self, config.config)
-                except NoTargetOnThisStage as exc:
-                    logger.info("fxreplace: %s", exc)
-                    return out
-                setattr(self, internals.STATE_ATTR, state)
-                _wrap_steps(self, state)
-                state.check_points(self)
-        return out
+        return load_model
 
-    return load_model
+    return wrap
 
 
-def _wrap_steps(runner, state: "VllmReplacement") -> None:
-    """Per-step wrappers on one configured runner instance: requests are registered
-    and released per step and the buffers filled before each forward; every row the
-    forward reads is rewritten (padding rows off), so nothing is cleared after it.
-    Dummy/profile runs see replacement off."""
-    internals.wrap_steps(runner, begin_step=state.update_requests, before_forward=state.prepare,
-                         dummy_forward=state.clear)
+def attach_state(side, config) -> None:
+    """After a runner loaded its model: when fxreplace is configured, build its capture or
+    replacement state through the runner protocol (instrumenting the model before the runner
+    compiles it), install the state's per-step hooks on that runner instance and keep the
+    state on it. Unconfigured, nothing is installed: no per-step code runs."""
+    runner = side.runner
+    if config.config.capture is not None:
+        if not side.bound:
+            raise ConfigError(f"fxreplace capture on {side.engine} is not supported: capture the reference with HF "
+                              "(fxreplace capture) or with vLLM on CPU/GPU, then replace on this engine")
+        from .capture import VllmCapture
+
+        state = VllmCapture(side, config.config.capture)
+        setattr(runner, internals.STATE_ATTR, state)
+        side.install(state.hooks())
+    else:
+        if side.bound:
+            kind = SelectingReplacement if config.config.select_captures else VllmReplacement
+        else:
+            from .neuron import StepInputReplacement as kind
+        try:
+            state = kind(side, config.config)
+        except NoTargetOnThisStage as exc:
+            logger.info("fxreplace: %s", exc)
+            return
+        setattr(runner, internals.STATE_ATTR, state)
+        side.install(state.hooks())
+        state.check_points()

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 
-import numpy as np
 import torch
 
 from ..config import ReplacementConfig
@@ -30,7 +29,7 @@ from ..context import ReplacementContext
 from ..instrument import instrument
 from ..replacer import TensorReplacer
 from ..targets import Target, TargetError, resolve_targets
-from . import internals
+from .protocol import StepHooks
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -55,38 +54,38 @@ def selection_of(sampling_params):
     return value if isinstance(value, dict) else None
 
 
-class VllmReplacement:
-    """fxreplace state of one model runner: the replacer and the instrumented model, whose
-    buffers are bound to one context: every target reads its one mask."""
+class Replacement:
+    """fxreplace's replacement state of one model runner, whatever the runner: the replacer,
+    the instrumented model and the per-step request bookkeeping. A runner side
+    (:class:`~fxreplace.vllm.protocol.RunnerSide`) says what to instrument and how each
+    forward lays out its slots; :class:`VllmReplacement` fills buffers bound to the model,
+    :class:`~fxreplace.vllm.neuron.StepInputReplacement` hands each compiled call its context."""
 
-    def __init__(self, runner, config: ReplacementConfig):
+    def __init__(self, side, config: ReplacementConfig, *, reference_device=None):
         from fxreplace.models import architecture  # configured engines only: unconfigured start-up stays light
 
-        self.runner = runner
-        self.model = runner.model
-        arch = architecture(runner.model_config.hf_config, type(runner.model).__name__)
-        self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        # the reference lives where the model runs: each step gathers into the model's buffers
-        self.replacer = self._build_replacer(config, self.device)
+        self.side = side
+        self.runner = side.runner
+        self.model = side.model
+        arch = architecture(side.hf_config, type(side.model).__name__)
+        self.device = side.device
+        # by default the reference lives where the model runs: each step gathers into the model's buffers
+        self.replacer = self._build_replacer(config, self.device if reference_device is None else reference_device)
         self.targets, self.other_stages_captures = self._targets(arch, config)
-        self.max_tokens = int(runner.max_num_tokens)
+        self.max_tokens = int(side.max_tokens)
         instrument(self.model, self.targets, max_tokens=self.max_tokens)
-        # Bind before warmup compiles: the graph reads these buffers from its first trace.
-        # Each step gathers straight into their first rows (no second copy).
-        self.feed = self.replacer.warmup_context(self.max_tokens)
-        self.model.feed(self.feed, bind=True)
-        self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
         self.steps = 0  # forwards that held at least one request matched to the reference
         self.host_tokens_replaced = 0
         self.device_tokens_replaced = torch.zeros((), dtype=torch.int64, device=self.device)
         self.errors = 0
         self.registered = 0  # requests registered (matched or not) and released, over the engine's life
         self.released = 0
-        self.armed = False  # whether the mask may hold True rows (clear() is a no-op otherwise)
-        self.on_host = self.feed.mask.device.type == "cpu"
         self.debug_state_path = os.environ.get(DEBUG_STATE_ENV) or None
-        logger.info("fxreplace: instrumented %d target(s) of %s (%s ...), %d reference prompt(s), buffers of %d tokens",
-                    len(self.targets), arch, self.targets[0].pattern, self.replacer.store.num_prompts, self.max_tokens)
+        self.arch = arch
+
+    def _log_instrumented(self, how: str) -> None:
+        logger.info("fxreplace: instrumented %d target(s) of %s (%s ...), %d reference prompt(s), %s",
+                    len(self.targets), self.arch, self.targets[0].pattern, self.replacer.store.num_prompts, how)
 
     # ------------------------------------------------------------ setup
 
@@ -109,13 +108,14 @@ class VllmReplacement:
         else:
             from fxreplace.models import get_family
 
+            which = self.side.family_targets  # the family's targets for this runner's model code
             try:
-                targets = list(get_family(arch).vllm_targets)
+                targets = list(getattr(get_family(arch), which, ()))
             except KeyError as exc:
                 raise TargetError(f"fxreplace: {exc.args[0]}; give 'targets' in the fxreplace config") from None
             if not targets:
-                raise TargetError(f"fxreplace: the {arch} family has no vllm_targets; give 'targets' in the config")
-        targets, elsewhere = internals.split_by_stage(self.model, targets)
+                raise TargetError(f"fxreplace: the {arch} family has no {which}; give 'targets' in the config")
+        targets, elsewhere = self.side.split_by_stage(targets)
         shown = f"{[t if isinstance(t, str) else t.pattern for t in elsewhere][:4]}{' ...' if len(elsewhere) > 4 else ''}"
         if not targets:
             raise NoTargetOnThisStage(f"this pipeline stage holds none of the {len(elsewhere)} target(s) ({shown}): "
@@ -143,12 +143,12 @@ class VllmReplacement:
                            len(missing), missing[:4])
         return out, {t if isinstance(t, str) else t.name or t.pattern for t in elsewhere}
 
-    def check_points(self, runner) -> None:
+    def check_points(self) -> None:
         """Run every target's injection point once (an eager dummy forward, replacement
         off) before the engine serves, so a wrong point (e.g. a tuple output) or a
         reference whose feature width differs from the module fails the start-up
         instead of the first request."""
-        internals.eager_forward(runner, min(8, self.max_tokens))
+        self.side.off_forward(min(8, self.max_tokens))
 
     # ------------------------------------------------------------ per step
 
@@ -192,43 +192,6 @@ class VllmReplacement:
             logger.warning("fxreplace: cannot write %s=%s: %s", DEBUG_STATE_ENV, path, exc)
             self.debug_state_path = None
 
-    def prepare(self, scheduler_output, positions) -> None:
-        """Fill the buffers for this forward from the batch vLLM actually runs: every
-        row it reads, the padding after the scheduled tokens included (mask off there).
-
-        One build per step: a steady decode step (the same requests as the last step, one
-        token each) is the replacer's :meth:`~fxreplace.TensorReplacer.decode_into` into the
-        bound buffers' leading rows, anything else its general build."""
-        try:
-            self._fill(internals.batch_requests(self.runner), scheduler_output, positions)
-        except Exception as exc:
-            self.errors += 1
-            self.clear()
-            logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
-
-    def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
-        """Fill the buffers for ``req_ids``; returns the batch's scheduled token counts and
-        the rows written (padding included), or None when nothing is replaced."""
-        out = self._views.get(len(req_ids))
-        if out is not None and self.replacer.decode_into(req_ids, positions, out):  # a steady decode step
-            self._count(out)
-            return [1] * len(req_ids), len(req_ids)
-        if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
-            self.clear()
-            return None
-        if scheduler_output.total_num_scheduled_tokens == len(req_ids):  # one token each: a decode step
-            counts = [1] * len(req_ids)
-        else:
-            counts = list(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids))
-        if positions is None or not positions.is_cpu:  # device positions: recompute on the host
-            positions = _host_positions(self.runner, counts, sum(counts) if positions is None else positions.shape[0])
-        rows = positions.shape[0]
-        out = self._views.get(rows)
-        if out is None:
-            out = self._new_view(rows)
-        self._count(self.replacer.build_context_for_batch(req_ids, counts, positions, out=out))
-        return counts, rows
-
     def _count(self, ctx: ReplacementContext) -> None:
         """A forward whose buffers ``ctx`` filled (its mask may hold True rows)."""
         self.armed = True
@@ -237,16 +200,6 @@ class VllmReplacement:
             self.host_tokens_replaced += ctx.num_replaced
         else:  # summed on the device: reading it each step would wait for the forward
             self.device_tokens_replaced += ctx.mask.sum()
-
-    def _new_view(self, n: int) -> ReplacementContext:
-        """The bound buffers' first ``n`` rows as an ``out=`` context, kept for the next forward of ``n`` rows."""
-        view = self._views[n] = self.feed.leading(n)
-        return view
-
-    def clear(self) -> None:
-        if self.armed:
-            self.feed.mask.fill_(False)  # every target's mask buffer is this one tensor
-            self.armed = False
 
     @property
     def requests(self) -> dict:
@@ -263,6 +216,72 @@ class VllmReplacement:
         return self.host_tokens_replaced + (0 if self.on_host else int(self.device_tokens_replaced))
 
 
+class VllmReplacement(Replacement):
+    """Replacement through static buffers bound to the model before it compiles (vLLM's
+    GPU/CPU runner): every target reads its rows and one mask from them, and each step
+    fills their leading rows in place."""
+
+    def __init__(self, side, config: ReplacementConfig):
+        super().__init__(side, config)
+        # Bind before warmup compiles: the graph reads these buffers from its first trace.
+        # Each step gathers straight into their first rows (no second copy).
+        self.feed = self.replacer.warmup_context(self.max_tokens)
+        self.model.feed(self.feed, bind=True)
+        self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
+        self.armed = False  # whether the mask may hold True rows (clear() is a no-op otherwise)
+        self.on_host = self.feed.mask.device.type == "cpu"
+        self._log_instrumented(f"buffers of {self.max_tokens} tokens")
+
+    def hooks(self) -> StepHooks:
+        """Requests are registered and released per step and the buffers filled before each
+        forward; every row the forward reads is rewritten (padding rows off), so nothing is
+        cleared after it. Forwards outside a step see replacement off."""
+        return StepHooks(begin_step=self.update_requests, before_forward=self.prepare,
+                         off_forward=lambda num_tokens: self.clear())
+
+    def prepare(self, scheduler_output, positions) -> None:
+        """Fill the buffers for this forward from the batch vLLM actually runs: every
+        row it reads, the padding after the scheduled tokens included (mask off there).
+
+        One build per step: a steady decode step (the same requests as the last step, one
+        token each) is the replacer's :meth:`~fxreplace.TensorReplacer.decode_into` into the
+        bound buffers' leading rows, anything else its general build."""
+        try:
+            self._fill(self.side.batch_requests(), scheduler_output, positions)
+        except Exception as exc:
+            self.errors += 1
+            self.clear()
+            logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
+
+    def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
+        """Fill the buffers for ``req_ids``; returns the batch's scheduled token counts and
+        the rows written (padding included), or None when nothing is replaced."""
+        out = self._views.get(len(req_ids))
+        if out is not None and self.replacer.decode_into(req_ids, positions, out):  # a steady decode step
+            self._count(out)
+            return [1] * len(req_ids), len(req_ids)
+        if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
+            self.clear()
+            return None
+        layout = self.side.layout(scheduler_output, positions, req_ids)
+        rows = layout.num_slots
+        out = self._views.get(rows)
+        if out is None:
+            out = self._new_view(rows)
+        self._count(layout.build(self.replacer, out))
+        return layout.counts, rows
+
+    def _new_view(self, n: int) -> ReplacementContext:
+        """The bound buffers' first ``n`` rows as an ``out=`` context, kept for the next forward of ``n`` rows."""
+        view = self._views[n] = self.feed.leading(n)
+        return view
+
+    def clear(self) -> None:
+        if self.armed:
+            self.feed.mask.fill_(False)  # every target's mask buffer is this one tensor
+            self.armed = False
+
+
 class SelectingReplacement(VllmReplacement):
     """``select_captures=True``: each request picks the captures that replace it
     (``extra_args={"fxreplace": {"captures": [...]}}``; without a selection, all).
@@ -274,8 +293,8 @@ class SelectingReplacement(VllmReplacement):
     compiled graph serves them all.
     """
 
-    def __init__(self, runner, config: ReplacementConfig):
-        super().__init__(runner, config)
+    def __init__(self, side, config: ReplacementConfig):
+        super().__init__(side, config)
         self.capture_names = list(dict.fromkeys(t.name for t in self.targets))
         bound = self.feed.select(self.capture_names)
         self.masks = [bound.mask_for(name) for name in self.capture_names]
@@ -321,15 +340,3 @@ class SelectingReplacement(VllmReplacement):
                 mask.fill_(False)
         super().clear()
 
-
-def _host_positions(runner, counts: list[int], num_tokens: int) -> torch.Tensor:
-    """Each scheduled token's position from the batch's computed-token counts, then
-    zeros for the padding up to ``num_tokens``."""
-    num_reqs, total = len(counts), sum(counts)
-    counts = np.asarray(counts, dtype=np.int64)
-    owner = np.repeat(np.arange(num_reqs), counts)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    computed = internals.computed_tokens(runner)[:num_reqs].astype(np.int64)
-    positions = np.zeros(num_tokens, dtype=np.int64)
-    positions[:total] = computed[owner] + np.arange(total) - starts[owner]
-    return torch.from_numpy(positions)

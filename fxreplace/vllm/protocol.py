@@ -1,0 +1,144 @@
+"""The runner protocol: what fxreplace needs from a serving engine's model runner, so
+one replacement state and one row recording serve every runner (vLLM's GPU/CPU runner
+in :mod:`fxreplace.vllm.runners`, vllm-neuron's Neuron runner in :mod:`fxreplace.vllm.neuron`).
+
+A runner side tells fxreplace
+
+* the module to instrument (the original model, under any compile wrapper), its Hugging Face
+  config and device, and the rows of its largest forward (``max_tokens``);
+* whether replacement rows are *bound*: static buffers bound to the model before it compiles
+  and filled in place before each forward (vLLM's compiled and CUDA-graph runners), or
+  *per-step inputs*: a context handed to each compiled call (Neuron's bucketed graphs);
+* each forward's :class:`StepLayout`: the requests in slot order, the tokens each computes,
+  the padding and the position of every slot;
+
+and installs the per-step hooks of :class:`StepHooks` where its runner steps. Everything
+else (request registration, the build of the step's context, the recording of observed
+rows by request and position) is the same code for every runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+#: The request id of padding slots inside a layout (never a real request's id: vLLM's ids
+#: are printable, this one starts with NUL). A replacer built with on_unknown="passthrough"
+#: leaves its slots unreplaced, so padding between requests costs no special case.
+PADDING_ID = "\0fxreplace-padding"
+
+
+@dataclass
+class StepLayout:
+    """One forward's slots: request ``i`` computes ``counts[i]`` tokens in consecutive slots,
+    followed by ``padding[i]`` padding slots (None: no padding between requests); every slot
+    after the last request's is padding. ``positions`` (host, int64) holds every slot's position,
+    padding included (whatever the runner put there: Neuron repeats a prefill's last position
+    and pads decode with 0)."""
+
+    req_ids: list[str]
+    counts: list[int]
+    positions: torch.Tensor
+    padding: list[int] | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.positions.shape[0])
+
+    def check(self) -> None:
+        """Refuse a layout whose requests need more slots than the forward has."""
+        used = sum(self.counts) + (sum(self.padding) if self.padding else 0)
+        if len(self.counts) != len(self.req_ids) or (self.padding is not None and len(self.padding) != len(self.req_ids)):
+            raise ValueError(f"a step layout of {len(self.req_ids)} requests has {len(self.counts)} token counts"
+                             f"{'' if self.padding is None else f' and {len(self.padding)} padding counts'}")
+        if used > self.num_slots:
+            raise ValueError(f"requests {self.req_ids[:4]} schedule {used} slots (tokens and padding) but the forward "
+                             f"has {self.num_slots} positions")
+
+    def starts(self) -> list[int]:
+        """The first slot of each request."""
+        starts, slot = [], 0
+        for i, count in enumerate(self.counts):
+            starts.append(slot)
+            slot += count + (self.padding[i] if self.padding else 0)
+        return starts
+
+    def build(self, replacer, out):
+        """The step's context, written into ``out`` (see
+        :meth:`~fxreplace.TensorReplacer.build_context_for_batch`): every slot of the forward,
+        the padding's mask False. ``replacer`` must pass unknown requests through."""
+        if not self.padding or not any(self.padding):
+            return replacer.build_context_for_batch(self.req_ids, self.counts, self.positions, out=out)
+        ids, counts = [], []
+        for req_id, count, pad in zip(self.req_ids, self.counts, self.padding):
+            ids += [req_id, PADDING_ID] if pad else [req_id]
+            counts += [count, pad] if pad else [count]
+        return replacer.build_context_for_batch(ids, counts, self.positions, out=out)
+
+
+@dataclass
+class StepHooks:
+    """Callbacks a runner side installs where its runner steps (any may be None):
+
+    * ``begin_step(step)``: before each scheduler step (``step``: the scheduler's output);
+    * ``before_forward(step, positions)`` right before each forward of a step, ``positions``
+      the forward's host or device positions; for a per-step-input runner it returns the
+      context the compiled call receives;
+    * ``off_forward(num_tokens)`` before a forward outside a step (warm-ups, dummy and profile
+      runs, graph capture); a per-step-input runner gets the all-off context it returns;
+    * ``after_forward(step, positions)`` after each forward of a step, even when it raised;
+    * ``end_step(output)`` after each step; ``after_sample(output)`` after a separate sampling.
+    """
+
+    begin_step: Callable | None = None
+    before_forward: Callable | None = None
+    off_forward: Callable | None = None
+    after_forward: Callable | None = None
+    end_step: Callable | None = None
+    after_sample: Callable | None = None
+
+
+class RunnerSide(Protocol):
+    """What fxreplace reads and hooks in one engine's model runner."""
+
+    runner: Any  # the engine's model runner object
+    model: torch.nn.Module  # the module fxreplace instruments (under any compile wrapper)
+    hf_config: Any  # the model's Hugging Face config (family and default targets)
+    device: torch.device  # where the model runs
+    max_tokens: int  # slots of the largest forward
+    bound: bool  # True: static buffers bound before compile; False: a context per compiled call
+    engine: str  # a short name for messages ("vllm", "vllm-neuron")
+
+    def split_by_stage(self, targets: list) -> tuple[list, list]:
+        """``targets`` as (this pipeline stage's, other stages')."""
+
+    def batch_requests(self) -> list[str]:
+        """The request ids of the step being run, in slot order."""
+
+    def layout(self, step, positions) -> StepLayout:
+        """The layout of the forward of ``step`` whose positions are ``positions``."""
+
+    def install(self, hooks: StepHooks) -> None:
+        """Install the per-step hooks on this runner instance."""
+
+    def off_forward(self, num_tokens: int) -> None:
+        """Run the model once eagerly on ``num_tokens`` dummy tokens, replacement off (start-up check)."""
+
+
+@dataclass
+class RecordedRows:
+    """Rows observed in one forward, by request: ``spans[i] = (first slot, tokens, first position)``
+    of request ``req_ids[i]``; the rows themselves stay in the observation buffer until copied."""
+
+    req_ids: list[str]
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, layout: StepLayout) -> "RecordedRows":
+        """Where each request's computed rows lie in a forward of ``layout`` (padding skipped)."""
+        positions = layout.positions
+        spans = [(start, count, int(positions[start]) if count else 0)
+                 for start, count in zip(layout.starts(), layout.counts)]
+        return cls(list(layout.req_ids), spans)
