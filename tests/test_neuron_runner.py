@@ -62,7 +62,7 @@ class TinyNeuronModel(nn.Module):
 class NewRequest:
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: object = None
+    sampling_params: object = field(default_factory=lambda: SimpleNamespace(max_tokens=16))
 
 
 @dataclass
@@ -104,7 +104,7 @@ class FakeNeuronRunner:
         self.use_async_scheduling = False
         self._tensor_replacer = None
         self.input_batch = InputBatch()
-        self.tokens: dict[str, list[int]] = {}  # request -> its tokens so far
+        self.tokens: dict[str, list[int]] = {}  # request -> its tokens so far (kept after it finishes: the test reads them)
         self.computed: dict[str, int] = {}
         self.prompt_len: dict[str, int] = {}
         self.dp_padding = 0  # requests another data-parallel rank has beyond this one's bucket
@@ -139,9 +139,6 @@ class FakeNeuronRunner:
         return self._call(self.model, torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
 
     def execute_model(self, so: SchedulerOutput):
-        for req_id in so.finished_req_ids:
-            self.tokens.pop(req_id, None)
-            self.computed.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             self.tokens[new.req_id], self.computed[new.req_id] = list(new.prompt_token_ids), 0
             self.prompt_len[new.req_id] = len(new.prompt_token_ids)
@@ -156,7 +153,8 @@ class FakeNeuronRunner:
         prefill = any(self.computed[r] < self.prompt_len[r] for r in self.input_batch.req_ids)  # vllm-neuron's test
         for req_id in self.input_batch.req_ids:
             start, count = self.computed[req_id], so.num_scheduled_tokens[req_id]
-            seq = self.tokens[req_id] + [(7 * start + j) % VOCAB for j in range(len(self.tokens[req_id]), start + count)]
+            seq = self.tokens[req_id]
+            seq += [(7 * p + 1) % VOCAB for p in range(len(seq), start + count)]  # sampled tokens and drafts, all kept
             pos = list(range(start, start + count))
             input_ids += seq[start:start + count]
             positions += pos
@@ -177,8 +175,6 @@ class FakeNeuronRunner:
         out = self._execute_model_forward(torch.tensor(input_ids), torch.tensor(positions), None, None)
         for req_id in self.input_batch.req_ids:
             self.computed[req_id] += so.num_scheduled_tokens[req_id]
-            self.tokens[req_id] += [(7 * len(self.tokens[req_id]) + 1) % VOCAB] * max(
-                0, self.computed[req_id] + 1 - len(self.tokens[req_id]))
         return out
 
     def _execute_model_forward(self, input_ids, positions, logits_indices, attn_metadata, spec_decode_metadata=None):
@@ -248,10 +244,14 @@ class Spy:
         self.calls = []
         self.dummy = None
         compiled.register_forward_pre_hook(self, with_kwargs=True)
-        compiled.register_forward_hook(lambda module, args, output: self.calls[-1].append(output.detach().cpu()))
+        compiled.register_forward_hook(
+            lambda module, args, kwargs, output: self.calls[-1].append(output.detach().cpu()) if "replacements" in kwargs
+            else None, with_kwargs=True)
 
     def __call__(self, module, args, kwargs):
-        ctx = kwargs["replacements"]
+        ctx = kwargs.get("replacements")
+        if ctx is None:  # capture: nothing fed
+            return
         self.calls.append([{n: ctx[n].detach().cpu().clone() for n in ctx}, ctx.mask.detach().cpu().clone(),
                            {k: kwargs[k].detach().cpu().clone() for k in ("input_ids", "positions")}])
 
@@ -337,6 +337,37 @@ def test_fake_neuron_runner_right_rows_padding_off_one_graph_per_bucket(wrapped_
     # every kind of padding occurred: a prefill's (its bucket), a decode batch's, data-parallel padding
     assert [len(s) for s in runner.slots] == [8, 16, 8, 4, 12, 4, 4, 6]
     assert state.tokens_replaced == sum(1 for slots in runner.slots for s in slots if s and s[0] in KNOWN)
+
+
+@pytest.mark.compat
+def test_fake_neuron_runner_capture_records_the_rows_of_the_eager_model(wrapped_runner_class, tmp_path):
+    """Capture through the same protocol: every (request, position) the steps computed is stored
+    with the row the eager model computes over that request's whole sequence; padding never is."""
+    from fxreplace.instrument import observe
+    from fxreplace.store import ReferenceStore
+
+    torch._dynamo.reset()
+    runner = wrapped_runner_class({"fxreplace": {"capture": {"out": str(tmp_path / "ref"), "targets": TARGETS}}})
+    with torch._dynamo.config.patch(recompile_limit=64):
+        runner.load_model()
+        state = get_state(runner)
+        drive(runner, Spy(runner.model))
+    state.close()
+    store = ReferenceStore.load(tmp_path / "ref")
+    eager = TinyNeuronModel()
+    eager.load_state_dict(state.model.state_dict(), strict=False)
+    eager = instrument(eager, TARGETS)
+    assert sorted(map(tuple, store.prompt_token_ids)) == sorted(tuple(p) for p in PROMPTS.values())
+    for p in store.prompt_ids:
+        i = store.internal_index(p)
+        req_id = next(r for r, prompt in PROMPTS.items() if list(store.prompt_token_ids[i]) == prompt)
+        tokens = runner.tokens[req_id][:runner.computed[req_id]]
+        seen = {}
+        with torch.no_grad(), observe(eager, lambda name, value: seen.__setitem__(name, value.clone())):
+            eager(torch.tensor(tokens), torch.arange(len(tokens)))
+        assert int(store.lengths[i]) == len(tokens)
+        for name in store.capture_names:
+            torch.testing.assert_close(store.rows(p, name), seen[name], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.compat

@@ -245,12 +245,11 @@ def attach_state(side, config) -> None:
     state on it. Unconfigured, nothing is installed: no per-step code runs."""
     runner = side.runner
     if config.config.capture is not None:
-        if not side.bound:
-            raise ConfigError(f"fxreplace capture on {side.engine} is not supported: capture the reference with HF "
-                              "(fxreplace capture) or with vLLM on CPU/GPU, then replace on this engine")
-        from .capture import VllmCapture
-
-        state = VllmCapture(side, config.config.capture)
+        if side.bound:
+            from .capture import VllmCapture as kind
+        else:
+            from .neuron import StepInputCapture as kind
+        state = kind(side, config.config.capture)
         setattr(runner, internals.STATE_ATTR, state)
         side.install(state.hooks())
     else:
