@@ -396,3 +396,15 @@ def test_fake_neuron_runner_on_torch_xla(wrapped_runner_class):
     import torch_xla
 
     run_and_check(wrapped_runner_class, device=torch_xla.device(), backend="openxla", sync=torch_xla.sync)
+
+
+def test_the_fake_runner_provides_every_vllm_neuron_name_fxreplace_reads(monkeypatch):
+    """``neuron_internals.check()`` against the fake (vllm-neuron itself is not installed here):
+    only the scheduler module, which the fake does not model, is reported; a renamed runner
+    method is reported by name."""
+    monkeypatch.setattr(neuron_internals, "NEURON_MODEL_RUNNER", (__name__, "FakeNeuronRunner"))
+    monkeypatch.setattr(neuron_internals, "NEURON_SCHEDULER", (__name__, "NoSuchScheduler"))
+    scheduler_gone = f"{__name__}.NoSuchScheduler is gone (module '{__name__}' has no attribute 'NoSuchScheduler')"
+    assert neuron_internals.check() == [scheduler_gone]
+    monkeypatch.delattr(FakeNeuronRunner, "_execute_model_forward")
+    assert neuron_internals.check() == ["FakeNeuronRunner has no '_execute_model_forward'", scheduler_gone]

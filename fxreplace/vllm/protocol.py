@@ -110,6 +110,7 @@ class RunnerSide(Protocol):
     max_tokens: int  # slots of the largest forward
     bound: bool  # True: static buffers bound before compile; False: a context per compiled call
     engine: str  # a short name for messages ("vllm", "vllm-neuron")
+    family_targets: str  # the family attribute holding its default targets in this runner's model code
 
     def split_by_stage(self, targets: list) -> tuple[list, list]:
         """``targets`` as (this pipeline stage's, other stages')."""
@@ -117,14 +118,16 @@ class RunnerSide(Protocol):
     def batch_requests(self) -> list[str]:
         """The request ids of the step being run, in slot order."""
 
-    def layout(self, step, positions) -> StepLayout:
-        """The layout of the forward of ``step`` whose positions are ``positions``."""
+    def layout(self, step, positions, req_ids: list[str] | None = None) -> StepLayout:
+        """The layout of the forward of ``step`` whose positions are ``positions`` (``req_ids``: the
+        step's requests when the caller read them already)."""
 
     def install(self, hooks: StepHooks) -> None:
         """Install the per-step hooks on this runner instance."""
 
     def off_forward(self, num_tokens: int) -> None:
-        """Run the model once eagerly on ``num_tokens`` dummy tokens, replacement off (start-up check)."""
+        """Run the model once eagerly on ``num_tokens`` dummy tokens, replacement off (the start-up
+        check of a bound runner; a runner whose device runs no eager forward has none)."""
 
 
 @dataclass
