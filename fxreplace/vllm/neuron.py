@@ -203,7 +203,8 @@ class StepInputCapture:
     """Reference capture on vllm-neuron: every target writes what it computed into one static
     observation buffer (inside the compiled graph), and after each forward of a step its rows are
     stored by (request, position) through the step's layout (padding skipped); a request's rows go
-    to the store when the scheduler reports it finished, every other one when :meth:`close` runs.
+    to the store when the scheduler reports it finished, every other one when :meth:`close` runs
+    (``llm.collective_rpc("fxreplace_finish_capture")``).
     The store holds prompts and rows (no generated logits). Target widths are read from the
     modules (the Neuron device runs no eager forward to observe them): targets computed by a
     linear layer."""
@@ -281,6 +282,10 @@ class StepInputCapture:
 
     def counts(self) -> dict:
         return {"completed": self.completed, "dropped": self.dropped, "in_flight": len(self.active)}
+
+    def summary(self) -> dict:
+        """What this runner captured so far (``fxreplace_worker_state``; JSON-able)."""
+        return {"names": self.names, "out": str(self.out), "writes": self.writes, **self.counts()}
 
 
 def _linear_width(module, name: str) -> int:
