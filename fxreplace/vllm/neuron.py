@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, ReplacementConfig
-from ..context import ReplacementContext, host_bits
+from ..context import ReplacementContext
+from ..gather import host_bits
 from ..instrument import instrument, observe
 from ..store import StoreWriter
 from ..targets import Target, TargetError, resolve_targets
