@@ -14,7 +14,8 @@ Online::
         --additional-config '{"fxreplace": {"tensors_path": "REF_DIR"}}'
 
 Users of the Neuron tool can keep ``additional_config={"neuron_config":
-{"tensor_replacement": TensorReplacementConfig(...)}}``. The plugin is inert
+{"tensor_replacement": TensorReplacementConfig(...)}}`` (not on vllm-neuron, where that key is
+vllm-neuron's own replacer's: :mod:`fxreplace.vllm.neuron`). The plugin is inert
 when neither key is present. :class:`VllmEngine` runs teacher-forced validation
 through vLLM (``fxreplace validate --engine vllm``).
 """
