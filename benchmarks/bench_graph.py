@@ -1,10 +1,11 @@
 """Cost of instrument() under torch.compile (inductor), Qwen3-MoE mid-size, fp32.
 
 Variants, timed interleaved (medians): plain compiled model; instrumented with
-replacement off (mask all False); on with the model's own router logits (same
-routing, so only the inserted ops cost); on with different logits. Also the
-compile-time ratio and how many graphs the instrumented model compiled over the
-on/off/new-value calls. Prints a table and a final JSON line.
+replacement off (an all-off warm-up context of a TensorReplacer); on with the model's own
+router logits (same routing, so only the inserted ops cost), built by the replacer into an
+``out=`` context; on with different logits, built fresh. The variants alternate the way an
+engine alternates contexts, so "graphs compiled" (over every call) holds the promise that one
+graph serves them all. Also the compile-time ratio. Prints a table and a final JSON line.
 
 Every compiled variant shares the *same* weight tensors (as instrument() does
 for users: it rewrites the model in place). Separate copies are not a fair
@@ -25,8 +26,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from fxreplace.context import ReplacementContext
-from fxreplace.instrument import instrument
+from fxreplace import TensorReplacer, instrument
 
 TARGETS = ["model.layers.*.mlp.gate"]
 
@@ -83,11 +83,15 @@ def main():
     model = instrument(sharing_weights(plain), TARGETS)
     ids = torch.randint(0, 1024, (1, tokens), generator=torch.Generator().manual_seed(0))
     same = own_router_logits(plain, ids)
-    on_same = ReplacementContext(same, torch.ones(tokens, dtype=torch.bool))
     gen = torch.Generator().manual_seed(1)
-    on_other = ReplacementContext({n: torch.randn(tokens, 16, generator=gen) for n in same},
-                                  torch.ones(tokens, dtype=torch.bool))
-    off = ReplacementContext({n: torch.zeros(tokens, 16) for n in same}, torch.zeros(tokens, dtype=torch.bool))
+    # prompt 0: the model's own router logits; prompt 1: other logits
+    replacer = TensorReplacer({0: {n: t.reshape(tokens, -1) for n, t in same.items()},
+                               1: {n: torch.randn(tokens, 16, generator=gen) for n in same}})
+    replacer.register_request("same", None, prompt_idx=0)
+    replacer.register_request("other", None, prompt_idx=1)
+    positions = list(range(tokens))
+    on_same = replacer.build_context(["same"], positions, is_prefill=True, out=replacer.warmup_context(tokens))
+    off = replacer.warmup_context(tokens)
 
     compiled_plain = torch.compile(sharing_weights(plain))
     compiled_twin = torch.compile(sharing_weights(plain))
@@ -98,7 +102,8 @@ def main():
         "plain_twin": lambda: compiled_twin(input_ids=ids, use_cache=False),
         "off": lambda: compiled(input_ids=ids, use_cache=False, replacements=off),
         "on_same_routing": lambda: compiled(input_ids=ids, use_cache=False, replacements=on_same),
-        "on_other_logits": lambda: compiled(input_ids=ids, use_cache=False, replacements=on_other),
+        "on_other_logits": lambda: compiled(input_ids=ids, use_cache=False,
+                                            replacements=replacer.build_context(["other"], positions, is_prefill=True)),
     }
     with torch.no_grad():
         # Warm inductor's process-wide state and kernel cache once, so neither

@@ -39,7 +39,7 @@ def resolve_components(model: nn.Module, components: Mapping[str, TargetLike]) -
     found = []
     for order, (kind, target) in enumerate(components.items()):
         for r in resolve_targets(model, [target]):
-            exact = Target(r.module_name, point=r.point, adapter=r.adapter, shard=r.shard, name=r.capture_name)
+            exact = r.as_target()
             found.append((layer_of(r.capture_name), order, Component(kind, layer_of(r.capture_name), r.module_name,
                                                                      r.capture_name, exact)))
     return [c for _, _, c in sorted(found, key=lambda t: (-1 if t[0] is None else t[0], t[1]))]

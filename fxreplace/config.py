@@ -28,6 +28,12 @@ class ConfigError(ValueError):
     """A replacement configuration that cannot be used; the message names the field."""
 
 
+def check_on_unknown(value) -> None:
+    """What a request the reference does not hold gets: ``"error"`` or ``"passthrough"``."""
+    if value not in ON_UNKNOWN:
+        raise ConfigError(f"on_unknown must be 'error' or 'passthrough', got {value!r}")
+
+
 @dataclass
 class ReplacementConfig:
     """Where the reference comes from and how requests are served.
@@ -86,8 +92,7 @@ class ReplacementConfig:
                 setattr(self, key, _existing_path(key, path))
         if self.targets is not None:
             self.targets = parse_targets(self.targets)
-        if self.on_unknown not in ON_UNKNOWN:
-            raise ConfigError(f"on_unknown must be 'error' or 'passthrough', got {self.on_unknown!r}")
+        check_on_unknown(self.on_unknown)
         if not isinstance(self.select_captures, bool):
             raise ConfigError(f"select_captures must be true or false, got {self.select_captures!r}")
 
@@ -121,54 +126,6 @@ class ReplacementConfig:
                 value = {**value, "targets": [_target_dict(t) for t in value["targets"]]}
             out[f.name] = value
         return out
-
-    # ------------------------------------------------------------ use
-
-    def resolve(self) -> tuple[Any, Any]:
-        """``(tensors, prompt_token_ids)``, loading files where paths were given
-        (token ids None when only a store holds them: it keeps its own)."""
-        from .store import load_captures, load_token_ids
-
-        tensors = self.tensors if self.tensors is not None else load_captures(self.tensors_path)
-        token_ids = self.prompt_token_ids
-        if self.prompt_token_ids_path is not None:
-            token_ids = load_token_ids(self.prompt_token_ids_path)
-        return tensors, token_ids
-
-    def reference_token_ids(self) -> Any:
-        """The reference prompts' token ids (None when the reference has none),
-        without reading the tensors when the token ids are given on their own."""
-        from .store import ReferenceStore, load_token_ids
-
-        if self.prompt_token_ids is not None:
-            return self.prompt_token_ids
-        if self.prompt_token_ids_path is not None:
-            return load_token_ids(self.prompt_token_ids_path)
-        if self.tensors is None and self.tensors_path is None:  # no reference source: nothing to match
-            return None
-        tensors = self.resolve()[0]  # a store (memory-mapped) carries its token ids
-        return tensors.prompt_token_ids if isinstance(tensors, ReferenceStore) else None
-
-    def capture_names(self) -> list[str]:
-        """The reference's capture names, without packing its tensors (a store's come from its
-        index; captures name theirs in every prompt: the first prompt's are read)."""
-        from .store import ReferenceStore
-
-        tensors = self.resolve()[0]
-        if isinstance(tensors, ReferenceStore):
-            return tensors.capture_names
-        first = next(iter(tensors.values() if isinstance(tensors, Mapping) else tensors), {})
-        return list(first) if isinstance(first, Mapping) else []
-
-    def build_replacer(self, **kwargs):
-        """A :class:`~fxreplace.TensorReplacer` over the reference (``on_unknown``
-        this config's unless given: an engine that refuses unknown prompts before
-        they reach the replacer passes ``"passthrough"``)."""
-        from .replacer import TensorReplacer
-
-        tensors, token_ids = self.resolve()
-        kwargs.setdefault("on_unknown", self.on_unknown)
-        return TensorReplacer(tensors, prompt_token_ids=token_ids, **kwargs)
 
 
 #: The Neuron tool's name for the same configuration.

@@ -31,7 +31,7 @@ from .injection import Injection, recording, with_element
 from .passes import InjectionSpec, insert_replacements
 from .points import InjectionPoint, check_adapter_fits, computes_linear_output, locate_injection_point
 from .sharding import ShapeError
-from .targets import ResolvedTarget, Target, TargetError, TargetLike, closest_names, resolve_targets
+from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
 
 class TargetNotHitError(RuntimeError):
@@ -305,8 +305,7 @@ class InstrumentedModel:
             module = twin.get_submodule(target.module_name)
             if id(module.__dict__.get("forward")) in own_forwards:
                 del module.__dict__["forward"]
-        instrument(twin, [Target(t.module_name, point=t.point, adapter=t.adapter, shard=t.shard, name=t.capture_name)
-                          for t in state.targets], max_tokens=state.max_tokens)
+        instrument(twin, [t.as_target() for t in state.targets], max_tokens=state.max_tokens)
         if state.fed:
             twin._fxreplace.remember_buffers(twin)
             for injection in twin._fxreplace.injections:

@@ -110,13 +110,11 @@ def find_injection_node(gm: fx.GraphModule, module_name: str, point: Point) -> f
             raise TargetError(f"point callable for {where} returned {node!r}, which is not one of its nodes")
         return node
     check_point(point)
-    is_output, index = parse_output_point(point)
+    _, index = parse_output_point(point)
     outputs = _module_outputs(gm, module_name, nodes)
-    if point == "auto":
+    if point == "auto":  # the output when it is one tensor (or nothing is linear), else the logits
         linear = [n for n in nodes if is_linear(n, gm)]
-        if len(outputs) == 1 and isinstance(outputs[0], fx.Node) or not linear:
-            is_output = True
-        else:
+        if linear and not (len(outputs) == 1 and isinstance(outputs[0], fx.Node)):
             return linear[0]
     if index is None and len(outputs) == 1 or index is not None and module_name == "" and index < len(outputs):
         node = outputs[index or 0]

@@ -21,18 +21,17 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from typing import Any, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
+from .config import OnUnknown, ReplacementConfig, check_on_unknown
 from .context import ReplacementContext, same_device
 from .gather import host_bits, index_select_rows, take_rows, take_slot_rows
 from .matching import PromptIndex
-from .store import CaptureError, ReferenceStore
+from .store import CaptureError, ReferenceStore, load_captures, load_token_ids
 
-OnUnknown = Literal["error", "passthrough"]
-ON_UNKNOWN = ("error", "passthrough")  # what a request the reference does not hold gets
 _UNMATCHED = -1  # a registered request whose prompt is not in the reference
 _MISSING = -2  # a request that was never registered
 _SMALL_BATCH = 64  # slots up to which the row arithmetic runs in plain Python (decode steps)
@@ -77,8 +76,7 @@ class TensorReplacer:
         on_unknown: OnUnknown = "error",
         allow_nonfinite: bool = False,
     ):
-        if on_unknown not in ON_UNKNOWN:
-            raise ValueError(f"on_unknown must be one of {ON_UNKNOWN}, got {on_unknown!r}")
+        check_on_unknown(on_unknown)
         if not isinstance(allow_nonfinite, bool):
             raise TypeError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
         if isinstance(reference_captures, ReferenceStore):
@@ -122,6 +120,15 @@ class TensorReplacer:
         self._generation = 0  # bumped by every registration and release: invalidates _last_batch
         # the last batch looked up: an engine's consecutive decode steps run the same requests
         self._last_batch = BatchLookup([], -1, [], np.zeros(0, np.int64), False, [], [], 0)
+
+    @classmethod
+    def from_config(cls, config: ReplacementConfig, **kwargs) -> "TensorReplacer":
+        """The replacer over a config's reference (``on_unknown`` the config's unless given:
+        an engine that refuses unknown prompts before they reach the replacer passes
+        ``"passthrough"``)."""
+        tensors, token_ids = reference_source(config)
+        kwargs.setdefault("on_unknown", config.on_unknown)
+        return cls(tensors, prompt_token_ids=token_ids, **kwargs)
 
     @property
     def capture_names(self) -> list[str]:
@@ -575,3 +582,39 @@ def _decode_rows(last: BatchLookup, positions: list[int]) -> list[int] | None:
 
 def _is_int_list(values) -> bool:
     return type(values) is list and set(map(type, values)) <= {int}
+
+
+# ------------------------------------------------------------------ a config's reference
+
+
+def reference_source(config: ReplacementConfig) -> tuple[Any, Any]:
+    """``(tensors, prompt_token_ids)`` of a config, loading files where paths were given
+    (token ids None when only a store holds them: it keeps its own)."""
+    tensors = config.tensors if config.tensors is not None else load_captures(config.tensors_path)
+    token_ids = config.prompt_token_ids
+    if config.prompt_token_ids_path is not None:
+        token_ids = load_token_ids(config.prompt_token_ids_path)
+    return tensors, token_ids
+
+
+def reference_token_ids(config: ReplacementConfig) -> Any:
+    """The reference prompts' token ids (None when the reference has none), without
+    reading the tensors when the token ids are given on their own."""
+    if config.prompt_token_ids is not None:
+        return config.prompt_token_ids
+    if config.prompt_token_ids_path is not None:
+        return load_token_ids(config.prompt_token_ids_path)
+    if config.tensors is None and config.tensors_path is None:  # no reference source: nothing to match
+        return None
+    tensors = reference_source(config)[0]  # a store (memory-mapped) carries its token ids
+    return tensors.prompt_token_ids if isinstance(tensors, ReferenceStore) else None
+
+
+def reference_capture_names(config: ReplacementConfig) -> list[str]:
+    """The reference's capture names, without packing its tensors (a store's come from its
+    index; captures name theirs in every prompt: the first prompt's are read)."""
+    tensors = reference_source(config)[0]
+    if isinstance(tensors, ReferenceStore):
+        return tensors.capture_names
+    first = next(iter(tensors.values() if isinstance(tensors, Mapping) else tensors), {})
+    return list(first) if isinstance(first, Mapping) else []

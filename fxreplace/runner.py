@@ -132,7 +132,7 @@ class Runner:
         self.model = model
         self.observed = observed
         self.config = config
-        self.replacer = replacer.build_replacer() if isinstance(replacer, ReplacementConfig) else replacer
+        self.replacer = TensorReplacer.from_config(replacer) if isinstance(replacer, ReplacementConfig) else replacer
         self.cfg = runner_config or RunnerConfig()
         self.dtype = dtype
         self.device = torch.device(device)

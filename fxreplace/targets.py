@@ -73,6 +73,11 @@ class ResolvedTarget:
     adapter: Union[str, Callable, None]
     shard: ShardSpec | None
 
+    def as_target(self) -> Target:
+        """The :class:`Target` naming this module alone, with everything else kept."""
+        return Target(self.module_name, point=self.point, adapter=self.adapter, shard=self.shard,
+                      name=self.capture_name)
+
 
 TargetLike = Union[str, Target]
 

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from fxreplace import ConfigError, ReferenceStore, ReplacementConfig, Target, TensorReplacementConfig
+from fxreplace import TensorReplacer
+from fxreplace.replacer import reference_capture_names, reference_token_ids
 from fxreplace.store import load_token_ids
 from fxreplace.sharding import ShardSpec
 
@@ -30,11 +32,11 @@ def test_config_requires_exactly_one_source(ref_dir):
 
 
 def test_config_reads_store_directory_with_its_token_ids(ref_dir, tmp_path):
-    replacer = ReplacementConfig(tensors_path=ref_dir).build_replacer()
+    replacer = TensorReplacer.from_config(ReplacementConfig(tensors_path=ref_dir))
     assert replacer.register_request("r", [9, 8, 1]) == 0
     with pytest.raises(KeyError, match="start with no stored prompt"):  # the one default: "error"
         replacer.register_request("u", [1, 2])
-    assert ReplacementConfig(tensors_path=ref_dir, on_unknown="passthrough").build_replacer().register_request("u", [1]) is None
+    assert TensorReplacer.from_config(ReplacementConfig(tensors_path=ref_dir, on_unknown="passthrough")).register_request("u", [1]) is None
     (tmp_path / "ids.json").write_text("[[9, 8]]")
     assert load_token_ids(tmp_path / "ids.json") == [[9, 8]]
 
@@ -88,13 +90,13 @@ def test_dict_round_trip_and_target_forms(ref_dir):
 
 
 def test_reference_token_ids_from_each_source(ref_dir, tmp_path):
-    assert ReplacementConfig(tensors_path=ref_dir).reference_token_ids() == [[9, 8]]  # the store's own
-    assert ReplacementConfig(tensors=[{"m": stepwise(2, 1)}], prompt_token_ids=[[1, 2]]).reference_token_ids() == [[1, 2]]
+    assert reference_token_ids(ReplacementConfig(tensors_path=ref_dir)) == [[9, 8]]  # the store's own
+    assert reference_token_ids(ReplacementConfig(tensors=[{"m": stepwise(2, 1)}], prompt_token_ids=[[1, 2]])) == [[1, 2]]
     (tmp_path / "ids.json").write_text("[[4, 5]]")
     (tmp_path / "broken.pt").write_bytes(b"not read")  # given token ids: the tensors file is not opened
     cfg = ReplacementConfig(tensors_path=tmp_path / "broken.pt", prompt_token_ids_path=tmp_path / "ids.json")
-    assert cfg.reference_token_ids() == [[4, 5]]
-    assert ReplacementConfig(tensors=[{"m": stepwise(2, 1)}]).reference_token_ids() is None
+    assert reference_token_ids(cfg) == [[4, 5]]
+    assert reference_token_ids(ReplacementConfig(tensors=[{"m": stepwise(2, 1)}])) is None
 
 
 def test_capture_names_from_each_source_without_packing_the_tensors(ref_dir, monkeypatch):
@@ -104,8 +106,8 @@ def test_capture_names_from_each_source_without_packing_the_tensors(ref_dir, mon
         raise AssertionError("a front end asking for the capture names packs no copy of the reference")
 
     monkeypatch.setattr(fxreplace.replacer, "TensorReplacer", no_replacer)
-    assert ReplacementConfig(tensors_path=ref_dir).capture_names() == ["m"]  # from the store's index
+    assert reference_capture_names(ReplacementConfig(tensors_path=ref_dir)) == ["m"]  # from the store's index
     two = {"a": stepwise(2, 1), "b": stepwise(2, 1, E=3)}
-    assert ReplacementConfig(tensors=[two, two]).capture_names() == ["a", "b"]
-    assert ReplacementConfig(tensors={7: {"x.gate": torch.randn(3, 4)}}).capture_names() == ["x.gate"]
-    assert ReplacementConfig(tensors=ReferenceStore.load(ref_dir)).capture_names() == ["m"]
+    assert reference_capture_names(ReplacementConfig(tensors=[two, two])) == ["a", "b"]
+    assert reference_capture_names(ReplacementConfig(tensors={7: {"x.gate": torch.randn(3, 4)}})) == ["x.gate"]
+    assert reference_capture_names(ReplacementConfig(tensors=ReferenceStore.load(ref_dir))) == ["m"]

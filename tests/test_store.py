@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from fxreplace import CaptureError, ReferenceStore, TensorReplacementConfig
+from fxreplace import TensorReplacer
+from fxreplace.replacer import reference_source
 from fxreplace.store import load_legacy, load_token_ids
 
 
@@ -142,7 +144,7 @@ def test_legacy_torch_save_files_load_with_weights_only(tmp_path):
     torch.save(caps, tmp_path / "tensors.pt")
     torch.save([[1, 2, 3]], tmp_path / "ids.pt")
     cfg = TensorReplacementConfig(tensors_path=tmp_path / "tensors.pt", prompt_token_ids_path=tmp_path / "ids.pt")
-    tensors, ids = cfg.resolve()
+    tensors, ids = reference_source(cfg)
     assert torch.equal(tensors[0]["m"][1], caps[0]["m"][1]) and ids == [[1, 2, 3]]
     torch.save(torch.tensor([[1, 2, 3]]), tmp_path / "ids_tensor.pt")
     assert load_token_ids(tmp_path / "ids_tensor.pt") == [[1, 2, 3]]
@@ -161,7 +163,7 @@ def test_legacy_pickle_needing_code_is_refused_never_executed(tmp_path):
         load_legacy(tmp_path / "evil.pt")
     assert not marker.exists()
     with pytest.raises(CaptureError, match="refusing to load"):
-        TensorReplacementConfig(tensors_path=tmp_path / "evil.pt", prompt_token_ids=[[1]]).resolve()
+        reference_source(TensorReplacementConfig(tensors_path=tmp_path / "evil.pt", prompt_token_ids=[[1]]))
     assert not marker.exists()
 
 
@@ -441,7 +443,7 @@ def test_token_ids_are_refused_when_float_or_shorter_than_the_prefill():
         ReferenceStore.from_captures(caps, prompt_token_ids=[[1, 2]])
     store = ReferenceStore.from_captures(caps, prompt_token_ids=[[1, 2, 3]])
     with pytest.raises(CaptureError, match="prompt 0: 1 token ids but the capture's prefill covers 3 positions"):
-        TensorReplacementConfig(tensors=store, prompt_token_ids=[[7]]).build_replacer()
+        TensorReplacer.from_config(TensorReplacementConfig(tensors=store, prompt_token_ids=[[7]]))
     flat = ReferenceStore.from_captures({0: {"m": torch.randn(5, 4)}}, prompt_token_ids=[[1, 2]])
     assert flat.prefill == [None], "flat rows may include generated positions: no prefill to compare with"
 

@@ -34,6 +34,7 @@ import functools
 import logging
 
 from ..matching import PromptIndex
+from ..replacer import reference_capture_names, reference_token_ids
 from . import internals
 from . import neuron_internals
 from .config import NEURON_KEYS, ConfigError, parse_config, refuse_unsupported, wrap_in_place
@@ -190,7 +191,7 @@ def _reference_prompts(additional_config):
     config = parse_config(additional_config)
     if config is None or config.config.on_unknown != "error":
         return None
-    token_ids = config.config.reference_token_ids()
+    token_ids = reference_token_ids(config.config)
     if token_ids is None:  # nothing to match against: the workers report each request
         return None
     return PromptIndex(list(token_ids.values()) if isinstance(token_ids, dict) else token_ids)
@@ -211,7 +212,7 @@ def _check_selection(processor, request) -> None:
     else:
         names = processor.__dict__.get(_CAPTURES_ATTR)
         if names is None:
-            names = set(config.config.capture_names())
+            names = set(reference_capture_names(config.config))
             setattr(processor, _CAPTURES_ATTR, names)
         unknown = [c for c in captures if c not in names]
         if not unknown:

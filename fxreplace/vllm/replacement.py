@@ -94,7 +94,7 @@ class Replacement:
         try:
             # Unknown prompts reaching a worker pass through: with on_unknown="error" the
             # front end refused them already (a worker cannot fail one request).
-            return config.build_replacer(on_unknown="passthrough", device=device)
+            return TensorReplacer.from_config(config, on_unknown="passthrough", device=device)
         except Exception as exc:
             where = config.tensors_path or "the in-memory tensors"
             raise type(exc)(f"fxreplace: cannot load the reference from {where}: {exc}") from exc
@@ -131,7 +131,7 @@ class Replacement:
             if capture not in stored:
                 missing.append(f"{r.module_name} (capture name {capture!r})")
                 continue
-            out.append(Target(r.module_name, point=r.point, adapter=r.adapter, shard=r.shard, name=capture))
+            out.append(r.as_target())
         if missing and (explicit is not None or not out):
             raise TargetError(
                 f"fxreplace: the reference holds no tensors for {len(missing)} target(s): {missing[:4]}; "
