@@ -145,8 +145,10 @@ def _metadata(model, names: list[str], max_new_tokens: int, texts: list, found: 
 
 
 def architecture(config, default: str) -> str:
-    """The architecture a model config names first (the family registry key), else ``default``."""
-    return (getattr(config, "architectures", None) or [default])[0]
+    """The architecture a model config (or its config.json as a dict) names first (the family
+    registry key), else ``default``."""
+    names = config.get("architectures") if isinstance(config, Mapping) else getattr(config, "architectures", None)
+    return (names or [default])[0]
 
 
 def tokenize_prompts(prompts: Sequence[Prompt], tokenizer=None, *, chat: bool = False

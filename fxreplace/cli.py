@@ -21,6 +21,13 @@ from pathlib import Path
 HF_EXTRA = {"transformers", "tqdm", "matplotlib"}  # the `hf` extra: every command needs it
 EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def torch_dtype(name: str):
+    """The torch dtype a ``--dtype`` choice names."""
+    import torch
+
+    return getattr(torch, name)
 #: Files that make a directory hold a tokenizer (transformers 5 builds an empty one from a bare config).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -195,13 +202,15 @@ def load_tokenizer(spec: str, *, required_by: str | None = None):
 
 def model_architecture(spec: str) -> str:
     """The architecture a ``builtin:ARCH`` spec or a model directory's config.json names."""
+    from .capture import architecture
+
     if spec.startswith("builtin:"):
         return spec.removeprefix("builtin:")
     try:
         config = json.loads((Path(spec) / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UsageError(f"cannot read {Path(spec) / 'config.json'}: {e}") from None
-    return (config.get("architectures") or ["unknown"])[0]
+    return architecture(config, "unknown")
 
 
 def check_writable_dir(path: str, option: str) -> None:
@@ -496,7 +505,7 @@ def _validate(args) -> int:
     model = load_model(args.model)
     check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
     _check_vocab(reference, args.model, model.config.vocab_size)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = torch_dtype(args.dtype)
     replacement = _replacement_config(args, tensors=reference.store)
     targets = list(replacement.targets or default_targets(model))
     target = instrument(copy.deepcopy(model).to(dtype), targets)
@@ -617,7 +626,7 @@ def _blame(args) -> int:
         else:
             model = load_model(args.model)  # blame() checks it and the clean model against the reference
             clean = load_model(args.clean) if args.clean else None
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+            dtype = torch_dtype(args.dtype)
             result = blame(model, args.reference, clean=clean,
                            components=_components(args.component) if args.component else None,
                            dtype=dtype, compile="inductor" if args.compile else None, budget=args.budget)
@@ -667,7 +676,7 @@ def _repro_write(args) -> int:
     except (OSError, ValueError) as e:
         raise UsageError(f"--blame {args.blame}: {e}", "give the blame.json `fxreplace blame` wrote") from None
     target, clean = load_model(args.model), load_model(args.clean)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = torch_dtype(args.dtype)
     chosen = f"--blame {args.blame}" if not args.component else f"--component {args.component}"
     command = (f"fxreplace repro write {args.model} --reference {args.reference} --clean {args.clean} {chosen} "
                f"--dtype {args.dtype} --inputs {args.inputs} --out {args.out}")
@@ -693,6 +702,8 @@ def _repro_run(args) -> int:
 def _inspect(args) -> int:
     import torch
 
+    from .points import locate_injection_point
+
     if args.verify:
         return _verify_store(args.verify)
     if args.model is None:
@@ -715,7 +726,10 @@ def _inspect(args) -> int:
     routers = [n for n in shapes if n.endswith((".gate", ".router"))]
     for name in routers + [n for n in shapes if n not in routers]:
         cls, shape, is_tuple = shapes[name]
-        note = "returns a tuple: point 'auto' injects at its logits" if is_tuple else ""
+        note = ""
+        if is_tuple:  # where 'auto' lands is points.py's rule: ask it
+            inside = locate_injection_point(model.get_submodule(name), name).graph_module is not None
+            note = "returns a tuple: point 'auto' " + ("injects at its logits" if inside else "is its output")
         print(f"  {name:<40} {cls:<24} {str(shape):<16} {note}")
     return 0
 

@@ -174,10 +174,11 @@ def _family_vllm_components(model_dir: str) -> dict:
     import json
     from pathlib import Path
 
+    from fxreplace.capture import architecture
     from fxreplace.models import get_family
 
-    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or ["?"]
-    family = get_family(architectures[0])
+    arch = architecture(json.loads((Path(model_dir) / "config.json").read_text()), "?")
+    family = get_family(arch)
     if not family.vllm_components:
-        raise ValueError(f"the {architectures[0]} family declares no vllm_components; pass vllm_components={{kind: Target}}")
+        raise ValueError(f"the {arch} family declares no vllm_components; pass vllm_components={{kind: Target}}")
     return dict(family.vllm_components)
