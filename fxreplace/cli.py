@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import shutil
 import sys
 import traceback
@@ -253,6 +254,37 @@ def check_reference_matches(reference, reference_path: str, model_name: str, arc
                          "validate the model the reference was captured from, or capture a new one")
 
 
+def layerless(name: str) -> str:
+    """A capture name with its layer index as ``*`` (``model.layers.*.mlp.gate``)."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name, count=1)
+
+
+def check_layer_count(reference, reference_path: str, model_name: str, wanted: list[str]) -> None:
+    """Captures of the same modules at other layers: the reference comes from a model with
+    another layer count (another model), which no --target fixes."""
+    held = reference.store.capture_names
+    if not wanted or {layerless(n) for n in wanted} - {layerless(n) for n in held}:
+        return  # other modules, not other layers
+    pattern = layerless(wanted[0])
+    count = lambda names: sum(1 for n in names if layerless(n) == pattern)  # noqa: E731
+    if count(held) != count(wanted):
+        raise UsageError(f"the reference {reference_path} holds {pattern} for {count(held)} layers but {model_name} "
+                         f"has {count(wanted)}: it was captured from another model",
+                         "validate the model the reference was captured from, or capture a new reference from "
+                         f"{model_name}")
+
+
+def family_capture_names(model) -> list[str]:
+    """The capture names of the model family's targets in ``model`` (none for a family fxreplace does not know)."""
+    from .targets import resolve_targets
+
+    try:
+        targets = default_targets(model)
+    except KeyError:  # get_family: not a registered family
+        return []
+    return [r.capture_name for r in resolve_targets(model, targets)]
+
+
 def default_targets(model) -> list:
     from fxreplace.models import architecture, get_family
 
@@ -362,7 +394,7 @@ def _capture(args) -> int:
                                           "new --out (or delete this one) for every prompt")
     try:
         reference = capture_reference(model, prompts, targets, args.max_new_tokens, components=components, out=into,
-                                      metadata={"source_model": args.model, "prompt_texts": texts})
+                                      metadata={"source_model": _absolute(args.model), "prompt_texts": texts})
         if replacing:
             publish_directory(into, out, replace=True)
     except FileExistsError as e:
@@ -372,6 +404,12 @@ def _capture(args) -> int:
             shutil.rmtree(into, ignore_errors=True)
     print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.capture_names)} targets -> {args.out}")
     return 0
+
+
+def _absolute(model: str) -> str:
+    """A model directory as an absolute path: the reference records it, and hints built from it
+    (``--clean ...``) are run from other directories."""
+    return model if model.startswith("builtin:") else str(Path(model).resolve())
 
 
 def _capture_vllm(args) -> int:
@@ -390,7 +428,7 @@ def _capture_vllm(args) -> int:
                                       "capture again into a new --out for every prompt")
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     engine_args.setdefault("max_model_len", max(longest, 128))
-    counts = capture_with_vllm(args.model, prompts, args.out, max_new_tokens=args.max_new_tokens, targets=args.target,
+    counts = capture_with_vllm(_absolute(args.model), prompts, args.out, max_new_tokens=args.max_new_tokens, targets=args.target,
                                dtype=args.dtype, enforce_eager=args.eager, **engine_args)
     print(f"captured {counts.get('completed', 0)} prompts x {args.max_new_tokens} tokens with vLLM "
           f"({counts.get('dropped', 0)} dropped) -> {args.out}")
@@ -509,8 +547,10 @@ def _validate(args) -> int:
     replacement = _replacement_config(args, tensors=reference.store)
     targets = list(replacement.targets or default_targets(model))
     target = instrument(copy.deepcopy(model).to(dtype), targets)
-    missing = [t for t in (t.capture_name for t in target._fxreplace.targets) if t not in reference.store.columns]
+    wanted = [t.capture_name for t in target._fxreplace.targets]
+    missing = [t for t in wanted if t not in reference.store.columns]
     if missing:
+        check_layer_count(reference, args.reference, args.model, wanted)
         raise UsageError(f"the reference holds no captures for targets {missing}; it has {reference.store.capture_names}",
                          "give --target patterns the reference captured, or capture them (`fxreplace capture --target`)")
     bucket = args.bucket or 1 << (_longest_sequence(reference) - 1).bit_length()
@@ -625,6 +665,7 @@ def _blame(args) -> int:
                 engine.close()
         else:
             model = load_model(args.model)  # blame() checks it and the clean model against the reference
+            check_layer_count(reference, args.reference, args.model, family_capture_names(model))
             clean = load_model(args.clean) if args.clean else None
             dtype = torch_dtype(args.dtype)
             result = blame(model, args.reference, clean=clean,

@@ -53,6 +53,18 @@ class RunnerConfig:
     # (a new request and its prefill); every step's logits still come from the reference's prefix
     teacher_forcing: bool = False
 
+    def __post_init__(self):
+        """Checked when made: a bucket past ``max_len`` failed as a shape error at its first prefill."""
+        for field_name in ("prefill_buckets", "batch_buckets"):
+            buckets = getattr(self, field_name)
+            if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets):
+                raise ValueError(f"RunnerConfig.{field_name} must be positive ints, got {buckets!r}")
+        if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 1:
+            raise ValueError(f"RunnerConfig.max_len must be a positive int, got {self.max_len!r}")
+        if max(self.prefill_buckets) > self.max_len:
+            raise ValueError(f"RunnerConfig.prefill_buckets {tuple(self.prefill_buckets)} hold a bucket longer than "
+                             f"max_len {self.max_len} (the KV cache's length); hint: raise max_len or drop the bucket")
+
 
 @dataclass
 class Generation:
@@ -120,6 +132,11 @@ class Runner:
                  runner_config: RunnerConfig | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", observed: torch.nn.Module | None = None,
                  compile: str | None = None):
+        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None) if isinstance(
+            model, torch.nn.Module) else None
+        if weights is not None and weights != dtype:  # else a dtype mismatch deep in the KV cache's index_copy_
+            raise ValueError(f"the model's weights are {weights} but Runner's dtype (its KV cache's) is {dtype}; "
+                             f"hint: Runner(..., dtype={weights})")
         self.graphs_compiled = 0
         if compile is not None:
             backend = torch._dynamo.lookup_backend(compile)
@@ -159,6 +176,8 @@ class Runner:
         request i reads after each step instead of its own picks (teacher forcing); its
         ``tokens`` are still its own picks (what each step's logits choose).
         """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if forced is not None and len(forced) != len(prompts):
             raise ValueError(f"forced holds {len(forced)} continuations for {len(prompts)} prompts")
         if isinstance(replace, PerRequest):

@@ -29,6 +29,13 @@ def one_error_line(capsys) -> str:
     return err
 
 
+def last_error_line(capsys) -> str:
+    """The error line after a model loaded (transformers' progress bar writes to stderr too)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
 def exit_code(argv) -> int:
     with pytest.raises(SystemExit) as raised:
         cli(argv)
@@ -158,3 +165,28 @@ def test_a_store_whose_writer_died_says_so_in_the_line(tmp_path, capsys, monkeyp
     assert fxreplace.cli.store_state(tmp_path / "ref") == ("an unfinished store: the 1 prompt written so far load, "
                                                           "the later ones are missing")
     assert fxreplace.cli.store_state(tmp_path / "empty") == "nothing"
+
+
+def test_hints_point_at_the_actual_fix(tmp_path, capsys, monkeypatch):
+    """A reference from a model with another layer count is another model (no --target fixes
+    it); the commands a hint suggests name the reference model by its absolute path, so they
+    work from any directory."""
+    from fxreplace.models import tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    tiny_model(ARCH).save_pretrained("clean")
+    (tmp_path / "p.json").write_text("[[5, 6, 7]]")
+    assert cli(["capture", "clean", "--prompts", "p.json", "--out", "ref", "--max-new-tokens", "1"]) == 0
+    layers = tiny_model(ARCH).config.num_hidden_layers
+    assert ReferenceStore.load(tmp_path / "ref").metadata["source_model"] == str(tmp_path / "clean")
+    tiny_model(ARCH, num_hidden_layers=layers + 1).save_pretrained("deeper")
+    capsys.readouterr()
+    for command in (["validate"], ["blame"]):
+        assert exit_code(command + ["deeper", "--reference", "ref", "--dtype", "float32"]) == 2
+        err = last_error_line(capsys)
+        assert (f"the reference ref holds model.layers.*.mlp.gate for {layers} layers but deeper has {layers + 1}: it "
+                "was captured from another model; hint: validate the model the reference was captured from") in err, err
+    monkeypatch.chdir(tmp_path / "clean")  # elsewhere: the hint's --clean still names the reference model
+    assert exit_code(["blame", str(tmp_path / "clean"), "--reference", str(tmp_path / "ref"), "--dtype", "float32",
+                      "--report-dir", str(tmp_path / "blame")]) == 2
+    assert f"--clean {tmp_path / 'clean'}`" in last_error_line(capsys)

@@ -55,3 +55,21 @@ def test_a_vllm_capture_into_a_store_is_refused_before_any_engine_process_starts
     with pytest.raises(ConfigError, match=r"capture out .*ref' is not empty \(\['index.json', 'reference.safetensors'\]\)"):
         capture_with_vllm(str(ckpt), [[1, 2, 3]], tmp_path / "ref", max_new_tokens=1)
     assert ReferenceStore.load(tmp_path / "ref").prompt_token_ids == [[1, 2]]
+
+
+def test_the_runner_refuses_a_dtype_mismatch_zero_tokens_and_a_bucket_past_its_cache():
+    import copy
+
+    from fxreplace.runner import Runner, RunnerConfig
+
+    hf = tiny_model(ARCH)
+    target = copy.deepcopy(hf).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weights are torch.bfloat16 but Runner's dtype .* is torch.float32; "
+                                         r"hint: Runner\(\.\.\., dtype=torch.bfloat16\)"):
+        Runner(target, hf.config)  # was a raw index_copy_() dtype error from the KV cache at the first step
+    with pytest.raises(ValueError, match=r"prefill_buckets \(16, 64\) hold a bucket longer than max_len 32"):
+        RunnerConfig(prefill_buckets=(16, 64), max_len=32)
+    runner = Runner(hf, hf.config, runner_config=RunnerConfig(prefill_buckets=(8,), batch_buckets=(1,), max_len=16))
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int, got 0"):
+        runner.generate([[1, 2, 3]], 0, replace=False)  # generated one token before
+    assert len(runner.generate([[1, 2, 3]], 1, replace=False)[0].tokens) == 1
