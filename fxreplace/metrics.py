@@ -47,18 +47,33 @@ def compare_logits(reference: torch.Tensor, target: torch.Tensor, tol: Tolerance
     return compare_steps(reference[None], target[None], tol)[0]
 
 
+#: rows of ``[steps, vocab]`` compared at once: a chunk's fp64 temporaries stay ~tens of MiB at
+#: a 150k vocabulary, however many copies x steps a blame round compares
+COMPARE_CHUNK_ROWS = 32
+
+
 def compare_steps(reference: torch.Tensor, target: torch.Tensor, tol: Tolerances = Tolerances()) -> list[StepMetrics]:
     """:func:`compare_logits` for each row of ``[steps, vocab]`` logits, as tensor operations over
-    all rows (a blame round compares every step of every copy of the prompts)."""
+    chunks of :data:`COMPARE_CHUNK_ROWS` rows (a blame round compares every step of every copy of
+    the prompts: at once, fp64 copies of all of them would outweigh the model); the errors are read
+    at the reference's top 50 only (a top-k, not a sort of the vocabulary)."""
     _same_shape(reference, target)
+    out = []
+    for start in range(0, reference.shape[0], COMPARE_CHUNK_ROWS):
+        out += _compare_chunk(reference[start : start + COMPARE_CHUNK_ROWS], target[start : start + COMPARE_CHUNK_ROWS], tol)
+    return out
+
+
+def _compare_chunk(reference: torch.Tensor, target: torch.Tensor, tol: Tolerances) -> list[StepMetrics]:
     ref = torch.log_softmax(reference.double(), -1)
     tgt = torch.log_softmax(target.double(), -1)
     ref_tokens, tgt_tokens = reference.argmax(-1).tolist(), target.argmax(-1).tolist()
     nans = torch.isnan(target).any(-1).tolist()
-    order = ref.argsort(dim=-1, descending=True)[:, :50]
+    order = ref.topk(min(50, ref.shape[-1]), dim=-1).indices
     errors = (ref.gather(-1, order) - tgt.gather(-1, order)).abs()
     top5s, top50s = errors[:, :5].amax(-1).tolist(), errors.amax(-1).tolist()
-    kls = (ref.exp() * (ref - tgt)).sum(-1).clamp(min=0).tolist()
+    tgt.neg_().add_(ref)  # ref - tgt, in place: one fp64 chunk fewer
+    kls = (ref.exp_().mul_(tgt)).sum(-1).clamp(min=0).tolist()
     out = []
     for ref_token, tgt_token, nan, top5, top50, kl in zip(ref_tokens, tgt_tokens, nans, top5s, top50s, kls):
         if nan:
