@@ -24,6 +24,7 @@ rejected speculative drafts simply stay masked.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -97,6 +98,22 @@ def _forced_reads(forced: Sequence[int], done: int, width: int) -> list[int]:
     return reads + [reads[-1]] * (width - len(reads))
 
 
+def takes_logits_to_keep(model) -> bool:
+    """Whether ``model``'s forward (through wrappers passing ``**kwargs`` on, such as an instrumented
+    model's) takes ``logits_to_keep``, as HF causal LMs do: then a prefill computes the vocabulary
+    only at the positions it reads."""
+    for cls in type(model).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is None:
+            continue
+        params = inspect.signature(forward).parameters
+        if "logits_to_keep" in params:
+            return True
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return False
+    return False
+
+
 def propose_ngram(history: Sequence[int], n: int, k: int) -> list[int]:
     """k draft tokens: what followed the most recent earlier occurrence of the last n tokens.
 
@@ -138,6 +155,8 @@ class Runner:
             raise ValueError(f"the model's weights are {weights} but Runner's dtype (its KV cache's) is {dtype}; "
                              f"hint: Runner(..., dtype={weights})")
         self.graphs_compiled = 0
+        self.compiled = compile is not None
+        self._keeps_logits = takes_logits_to_keep(model)
         if compile is not None:
             backend = torch._dynamo.lookup_backend(compile)
 
@@ -277,13 +296,18 @@ class Runner:
         req_ids = [g.req_id for g in gens]
         ctx = (self._context(req_ids, positions[0], True, 1, replace) if rows == 1
                else self._context(req_ids, positions.flatten(), False, bucket, replace))
-        logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx)
+        # only each row's last position is read: the model computes the vocabulary there alone (row r's at
+        # index r of a [rows]-long logits_to_keep, a static shape) unless that is no smaller than the bucket
+        last = [len(g.prompt) - 1 for g in gens] + [0] * (rows - len(gens))
+        keep = torch.tensor(last) if self._keeps_logits and rows < bucket else None
+        logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx, keep=keep)
         for r, g in enumerate(gens):
             n = len(g.prompt)
             for name, values in seen.items():
                 g.observed.setdefault(name, {}).update(zip(range(n), values[r * bucket : r * bucket + n]))
-            g.tokens.append(int(logits[r, n - 1].argmax()))
-            g.logits.append(logits[r, n - 1].float().clone())
+            row = logits[r, r if keep is not None else n - 1]
+            g.tokens.append(int(row.argmax()))
+            g.logits.append(row.float().clone())
         # each prompt right-aligned to W in its row of the batch cache, all rows in one gather per layer:
         # slot j reads prompt position j - (W - n); the slots before the prompt read position 0 and stay
         # masked off (not valid)
@@ -312,8 +336,9 @@ class Runner:
             return ctx.select(rows)
         return ctx if replace is True else ctx.select(replace)
 
-    def _forward(self, inputs, positions, mask_bool, cache: StaticCache, write: int, ctx):
-        """Logits ``[batch, slots, vocab]`` and the observed target values ``{name: [batch*slots, E]}``."""
+    def _forward(self, inputs, positions, mask_bool, cache: StaticCache, write: int, ctx, keep=None):
+        """Logits ``[batch, slots, vocab]`` (``[batch, len(keep), vocab]``: only the slots ``keep`` indexes) and
+        the observed target values ``{name: [batch*slots, E]}``."""
         for layer in cache.layers:
             layer.cumulative_length.fill_(write)
         mask = torch.zeros(mask_bool.shape, dtype=self.dtype).masked_fill(~mask_bool, torch.finfo(self.dtype).min)
@@ -326,6 +351,8 @@ class Runner:
         )
         if ctx is not None:
             kwargs["replacements"] = ctx
+        if keep is not None:
+            kwargs["logits_to_keep"] = keep.to(self.device)
         self.forwards += 1
         seen: dict[str, torch.Tensor] = {}
         with torch.no_grad(), (observe(self.observed, seen.__setitem__) if self.observed is not None else nullcontext()):
@@ -337,6 +364,10 @@ class Runner:
     def _cache(self, kind: str, size: int) -> StaticCache:
         """One static cache per (kind, bucket): reused so compiled graphs see the same objects."""
         key = (kind, size)
+        if key not in self._caches and not self.compiled:
+            # eager: nothing reuses a cache's object, so one per kind at a time (the others' memory returns)
+            for other in [k for k in self._caches if k[0] == kind]:
+                del self._caches[other]
         if key not in self._caches:
             cache = StaticCache(config=self.config, max_cache_len=self.cfg.max_len)
             text = self.config.get_text_config(decoder=True)

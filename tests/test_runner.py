@@ -59,6 +59,23 @@ def test_runner_reproduces_hf_greedy_generation(hf, hf_greedy, k):
         assert runner.forwards < len(PROMPTS) + STEPS - 1, "speculation must accept some drafts"
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_prefill_computes_the_vocabulary_only_at_each_rows_last_position(hf, hf_greedy, batched):
+    """A prefill reads one position per row: the lm head sees that one (of a [rows]-long keep list when
+    batched), not the whole bucket, and the generation is HF's."""
+    runner = Runner(hf, hf.config, runner_config=RunnerConfig(max_len=128, batch_buckets=(4,), batched_prefill=batched))
+    widths = []
+    hook = hf.lm_head.register_forward_hook(lambda mod, args, out: widths.append(out.shape[1]))
+    try:
+        gens = runner.generate(PROMPTS, STEPS, replace=False)
+    finally:
+        hook.remove()
+    assert widths[0] == (4 if batched else 1) and widths[1 if batched else len(PROMPTS):] == [1] * (STEPS - 1)
+    for g, (tokens, logits) in zip(gens, hf_greedy):
+        assert g.tokens == tokens
+        torch.testing.assert_close(g.logits_tensor, logits, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("k, batched", [(0, False), (2, False), (0, True)])
 def test_forced_steps_read_the_forced_tokens(hf, k, batched):
     """Teacher forcing inside a wave: step j's logits are the model's after the prompt and the first j
