@@ -101,6 +101,55 @@ def capture_reference(
             uninstrument(model)
 
 
+@torch.no_grad()
+def capture_forced(model: torch.nn.Module, sequences: Sequence[Sequence[int]], targets: Iterable[TargetLike], *,
+                   read_from: Sequence[int] | None = None, tokens_per_forward: int = 8192):
+    """What ``targets`` compute over known token sequences (e.g. each prompt followed by the
+    reference's tokens): teacher-forced, a batch of sequences per forward (right-padded, up to
+    ``tokens_per_forward`` slots), no generation. Yields, per sequence in order,
+    ``({capture name: rows [len, E]}, picks)``, ``picks`` the model's greedy token after each
+    position from ``read_from[i]`` on (only those positions' vocabulary is computed), for checking
+    that the model reproduces the tokens that follow. ``model``: a plain model, instrumented for
+    the duration."""
+    sequences = [list(map(int, s)) for s in sequences]
+    read_from = [len(s) - 1 for s in sequences] if read_from is None else list(read_from)
+    instrument(model, list(targets))
+    try:
+        names = [t.capture_name for t in model._fxreplace.targets]
+        device = next(model.parameters()).device
+        start = 0
+        while start < len(sequences):
+            end = start + 1
+            while end < len(sequences) and (end + 1 - start) * max(map(len, sequences[start : end + 1])) <= tokens_per_forward:
+                end += 1
+            batch = sequences[start:end]
+            width = max(map(len, batch))
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for r, s in enumerate(batch):
+                ids[r, : len(s)], mask[r, : len(s)] = torch.tensor(s), 1
+            # causal attention: right padding never reaches a real position; the vocabulary only where read
+            first = min(read_from[start:end])
+            seen: dict[str, torch.Tensor] = {}
+
+            def record(name: str, computed: torch.Tensor) -> None:
+                if not isinstance(computed, torch.Tensor):
+                    raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor")
+                seen[name] = computed.detach().reshape(len(batch), width, computed.shape[-1]).cpu()
+
+            with observe(model, record):
+                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False,
+                               logits_to_keep=torch.arange(first, width, device=device)).logits
+            picks = logits.argmax(-1).cpu()
+            for r, s in enumerate(batch):
+                lo = read_from[start + r] - first
+                yield ({n: seen[n][r, : len(s)].clone() for n in names},
+                       picks[r, lo : len(s) - first].tolist())
+            start = end
+    finally:
+        uninstrument(model)
+
+
 def _generate(model, names: list[str], prompts: list[list[int]], max_new_tokens: int):
     """Per prompt, as it completes: ``({capture name: [steps]}, generated tokens, logits [steps, vocab])``."""
     device = next(model.parameters()).device

@@ -11,7 +11,6 @@ one line that ends with what the run left on disk (:class:`Produced`).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import re
 import shutil
@@ -101,18 +100,20 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}", None if "hint:" in message else f"see `{self.prog} --help`")
 
 
-def load_model(spec: str):
-    """``builtin:ARCH`` (a tiny random model from fxreplace.models) or a local HF directory (fp32)."""
+def load_model(spec: str, dtype=None):
+    """``builtin:ARCH`` (a tiny random model from fxreplace.models) or a local HF directory
+    (sharded or not), in ``dtype`` (default fp32): loaded in it, never converted from a copy."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    dtype = dtype or torch.float32
     if spec.startswith("builtin:"):
         from fxreplace.models import tiny_model
 
-        return tiny_model(spec.removeprefix("builtin:"))
+        return tiny_model(spec.removeprefix("builtin:")).to(dtype)
     check_model_dir(spec)
     try:
-        return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval()
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"cannot load the model in {spec}: {e}",
                          "a checkpoint directory holds config.json and its weights (save_pretrained)") from None
@@ -540,13 +541,13 @@ def _validate(args) -> int:
     reference = load_reference_arg(args.reference)
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: f"no report written ({folder_state(args.report_dir, '--report-dir')})"
-    model = load_model(args.model)
+    dtype = torch_dtype(args.dtype)
+    model = load_model(args.model, dtype)
     check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
     _check_vocab(reference, args.model, model.config.vocab_size)
-    dtype = torch_dtype(args.dtype)
     replacement = _replacement_config(args, tensors=reference.store)
     targets = list(replacement.targets or default_targets(model))
-    target = instrument(copy.deepcopy(model).to(dtype), targets)
+    target = instrument(model, targets)
     wanted = [t.capture_name for t in target._fxreplace.targets]
     missing = [t for t in wanted if t not in reference.store.columns]
     if missing:
@@ -561,7 +562,9 @@ def _validate(args) -> int:
         target,
         model.config,
         replacer=replacement,
-        runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(8, reference.num_prompts),), max_len=2 * bucket),
+        # teacher-forced: the decode steps read the reference's tokens, so a divergence costs no re-run
+        runner_config=RunnerConfig(prefill_buckets=(bucket,), batch_buckets=(min(8, reference.num_prompts),), max_len=2 * bucket,
+                                   teacher_forcing=True),
         dtype=dtype,
         observed=target,
         compile="inductor" if args.compile else None,
@@ -664,10 +667,18 @@ def _blame(args) -> int:
             finally:
                 engine.close()
         else:
-            model = load_model(args.model)  # blame() checks it and the clean model against the reference
-            check_layer_count(reference, args.reference, args.model, family_capture_names(model))
-            clean = load_model(args.clean) if args.clean else None
             dtype = torch_dtype(args.dtype)
+            model = load_model(args.model, dtype)  # blame() checks it and the clean model against the reference
+            check_layer_count(reference, args.reference, args.model, family_capture_names(model))
+            clean = None
+            if args.clean:
+                check_reference_matches(reference, args.reference, args.clean, model_architecture(args.clean))
+
+                def clean():
+                    """The clean model, loaded for each capture only: blame holds the target's weights alone."""
+                    loaded = load_model(args.clean)
+                    _check_vocab(reference, args.clean, loaded.config.vocab_size)
+                    return loaded
             result = blame(model, args.reference, clean=clean,
                            components=_components(args.component) if args.component else None,
                            dtype=dtype, compile="inductor" if args.compile else None, budget=args.budget)

@@ -78,7 +78,7 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
         target_model,
         config,
         replacer=TensorReplacer(reference.store),
-        runner_config=RunnerConfig(prefill_buckets=(64,), batch_buckets=(cfg.prompts,), max_len=128),
+        runner_config=RunnerConfig(prefill_buckets=(64,), batch_buckets=(cfg.prompts,), max_len=128, teacher_forcing=True),
         dtype=torch.bfloat16,
         observed=target_model,
         compile="inductor" if cfg.compile else None,

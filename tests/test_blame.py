@@ -23,6 +23,7 @@ from fxreplace.cli import main as cli
 from fxreplace.context import PerRequest, ReplacementContext
 from fxreplace.models import get_family, tiny_model
 from fxreplace.reference import load_reference
+from fxreplace.store import ReferenceStore
 from fxreplace.metrics import EXPLAINS, explained, verdict
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -308,9 +309,39 @@ def test_clean_captures_on_demand_and_reuses(cleans, references, routers_only, b
     # appended under the reference as stores of their own, read back next time instead of captured
     comps = resolve_components(cleans[ARCH], get_family(ARCH).components)
     again = OnDemand(cleans[ARCH], load_reference(routers_only), comps, routers_only)
-    assert set(result.captured) <= set(again.rows) and not again.ensure(result.captured)
+    assert all(again.present(n) for n in result.captured) and not again.ensure(result.captured)
     for name in result.captured:
-        torch.testing.assert_close(again.rows[name][1], references[ARCH].store.rows(1, name))
+        torch.testing.assert_close(again.rows(name, 1), references[ARCH].store.rows(1, name))
+
+
+def test_on_demand_capture_stores_only_the_requested_components(cleans, references, routers_only, tmp_path):
+    """One component asked: one teacher-forced capture of it alone, appended on disk as a part holding
+    only it, its rows those of the full capture; the engine's store holds what is present, no blanks."""
+    import shutil
+
+    directory = tmp_path / "ref"
+    shutil.copytree(routers_only, directory, ignore=shutil.ignore_patterns("blame-components"))  # none captured yet
+    clean = cleans[ARCH]
+    comps = resolve_components(clean, get_family(ARCH).components)
+    loads = []
+    on_demand = OnDemand(lambda: loads.append(1) or clean, load_reference(directory), comps, directory)
+    assert on_demand.store() is on_demand.reference.store and not loads, "nothing captured: the reference itself"
+    asked = "model.layers.1.self_attn"
+    assert on_demand.ensure({asked, "model.layers.0.mlp.gate"}) and loads == [1]  # the router is there already
+    parts = sorted((directory / "blame-components").iterdir())
+    assert len(parts) == 1 and ReferenceStore.load(parts[0]).capture_names == [asked]
+    for p in range(on_demand.reference.num_prompts):
+        torch.testing.assert_close(on_demand.rows(asked, p), references[ARCH].store.rows(p, asked))
+    store = on_demand.store()
+    assert sorted(store.capture_names) == sorted(on_demand.reference.store.capture_names + [asked])
+    assert not hasattr(clean, "_fxreplace"), "the clean model is restored after its capture"
+    other = copy.deepcopy(clean)
+    with torch.no_grad():
+        other.model.layers[0].self_attn.o_proj.weight.mul_(3.0)
+    refused = OnDemand(other, load_reference(directory), comps, directory)
+    with pytest.raises(ValueError, match="does not reproduce the reference.s tokens for prompt"):
+        refused.ensure({"model.layers.2.self_attn"})
+    assert len(list((directory / "blame-components").iterdir())) == 1, "a refused capture leaves no part"
 
 
 def test_the_deciding_round_carries_the_origin_layers_kinds():
@@ -383,3 +414,26 @@ def test_verdict_rests_on_kl_and_top5_error():
     assert decided.outcome == "contributes" and "95% of the mean KL" in decided.sentence
     assert verdict({"off": off, "on": summary(1e-6, 1e-4, 1.0, 0)}).outcome == "explained"
     assert verdict({"off": off, "on": summary(0.004, 0.079, 0.95, 4)}).outcome == "not_the_cause"
+
+
+def test_blame_runs_the_target_itself_when_its_dtype_matches_and_restores_it(cleans, references):
+    """No copy of the weights when the dtype already matches: the search's forwards are the
+    target's own modules (a deep copy would run copies of them, hooks included)."""
+    target = plant(cleans[ARCH], router(2))
+    ran = []
+    hook = target.model.embed_tokens.register_forward_hook(lambda mod, args, out: ran.append(mod))
+    try:
+        result = blame(target, references[ARCH], dtype=torch.float32, progress=False)
+    finally:
+        hook.remove()
+    assert ran and all(mod is target.model.embed_tokens for mod in ran) and result.passes
+    assert type(target).__name__ == ARCH and not hasattr(target, "_fxreplace")
+    assert "forward" not in target.get_submodule("model.layers.2.mlp.gate").__dict__
+    ran.clear()
+    hook = target.model.embed_tokens.register_forward_hook(lambda mod, args, out: ran.append(mod))
+    try:
+        blame(target, references[ARCH], dtype=torch.bfloat16, progress=False)
+    finally:
+        hook.remove()
+    assert ran and not any(mod is target.model.embed_tokens for mod in ran), "another dtype: a converted copy runs"
+    assert next(target.parameters()).dtype == torch.float32

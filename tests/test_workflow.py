@@ -321,3 +321,49 @@ def test_capture_killed_midway_keeps_its_completed_prompts_and_says_unfinished(m
     for p in range(partial.num_prompts):
         assert partial.tokens(p) == again.tokens(p)
         assert torch.equal(partial.store.rows(p, "model.layers.0.mlp.gate"), again.store.rows(p, "model.layers.0.mlp.gate"))
+
+
+def test_cli_validate_is_one_teacher_forced_pass_per_mode(model, tmp_path, monkeypatch):
+    """A target diverging at many steps still costs one engine call per mode: the runner reads the
+    reference's tokens instead of re-running each diverged prompt."""
+    (tmp_path / "prompts.json").write_text(json.dumps(PROMPTS))
+    assert cli(["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens",
+                str(STEPS), "--out", str(tmp_path / "ref")]) == 0
+    bad = tiny_model(ARCH)
+    with torch.no_grad():
+        bad.model.layers[0].self_attn.o_proj.weight.mul_(3.0)
+    bad.save_pretrained(tmp_path / "bad")
+    calls = []
+    generate = Runner.generate
+    monkeypatch.setattr(Runner, "generate", lambda self, *a, **k: calls.append(k.get("forced")) or generate(self, *a, **k))
+    assert cli(["validate", str(tmp_path / "bad"), "--dtype", "float32", "--reference", str(tmp_path / "ref"),
+                "--report-dir", str(tmp_path / "rep")]) == 0
+    summary = json.loads((tmp_path / "rep" / "result.json").read_text())["summary"]
+    assert sum(p["divergences"] for p in summary["off"]["prompts"].values()) > len(PROMPTS), "diverges at many steps"
+    assert len(calls) == 2 and all(forced is not None for forced in calls), "one forced call per mode"
+    assert summary["off"]["steps"] == summary["on"]["steps"] == len(PROMPTS) * STEPS
+
+
+def test_cli_reads_a_sharded_bf16_checkpoint(tmp_path, capsys):
+    """Checkpoints as users have them: several safetensors shards and an index, bf16 on disk. The
+    capture is the bf16 weights' in fp32; the target validates in bf16 against it, the weights as saved."""
+    checkpoint = tmp_path / "ckpt"
+    bf16 = tiny_model(ARCH).to(torch.bfloat16)
+    bf16.save_pretrained(checkpoint, max_shard_size="100KB")
+    assert len(list(checkpoint.glob("model-*.safetensors"))) > 1 and (checkpoint / "model.safetensors.index.json").exists()
+    (tmp_path / "prompts.json").write_text(json.dumps(PROMPTS))
+    assert cli(["capture", str(checkpoint), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", str(STEPS),
+                "--out", str(tmp_path / "ref")]) == 0
+    captured = load_reference(tmp_path / "ref")
+    rounded = tiny_model(ARCH)  # the weights as bf16 holds them; buffers (rotary frequencies) as computed
+    with torch.no_grad():
+        for param in rounded.parameters():
+            param.copy_(param.to(torch.bfloat16))
+    expected = capture_reference(rounded, PROMPTS, ["model.layers.*.mlp.gate"], STEPS, progress=False)
+    for p in range(len(PROMPTS)):
+        assert captured.tokens(p) == expected.tokens(p)
+        torch.testing.assert_close(captured.logits(p), expected.logits(p), atol=1e-5, rtol=0)
+    assert cli(["validate", str(checkpoint), "--dtype", "bfloat16", "--reference", str(tmp_path / "ref"),
+                "--report-dir", str(tmp_path / "rep")]) == 0
+    summary = json.loads((tmp_path / "rep" / "result.json").read_text())["summary"]
+    assert summary["off"]["steps"] == len(PROMPTS) * STEPS

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -111,20 +111,21 @@ def search(engine, reference, components: Sequence[Component], *, tolerances: To
     return result
 
 
-def blame(target, reference, *, clean: nn.Module | None = None, components: Mapping[str, TargetLike] | None = None,
+def blame(target, reference, *, clean: nn.Module | Callable[[], nn.Module] | None = None, components: Mapping[str, TargetLike] | None = None,
           dtype: torch.dtype | None = None, compile: str | None = None, tolerances: Tolerances = Tolerances(),
           prompts: Sequence[int] | None = None, budget: int | None = None, probes: int = PROBES,
           progress: bool = True) -> BlameResult:
     """Which components of ``target`` make it drift from ``reference``?
 
-    ``target``: an HF causal LM with the weights under test (copied, converted to ``dtype``,
-    instrumented at every component and run by the embedded
+    ``target``: an HF causal LM with the weights under test (converted to ``dtype`` in a copy
+    when it has another dtype, else used itself and restored afterwards; instrumented at every component and run by the embedded
     :class:`~fxreplace.runner.Runner`, compiled with ``compile`` as backend if given), or an
     engine whose ``generate(prompts, n, replace)`` takes capture names and whose
     ``components`` lists what it can replace. ``reference``: a
     :class:`~fxreplace.reference.Reference` or its directory. ``clean``: the clean HF model
-    the reference came from; components the reference lacks are then captured from it as
-    the search needs them (appended under the reference directory and reused next time).
+    the reference came from (or a function loading it: then it is in memory only while it captures);
+    components the reference lacks are then captured from it as the search needs them (appended
+    under the reference directory and reused next time).
     ``components``: ``{kind: Target}`` for models whose family declares none.
     ``budget``: the most validation passes (default :func:`default_budget`); ``probes``:
     streams tested side by side per localisation round.
@@ -143,17 +144,19 @@ def blame(target, reference, *, clean: nn.Module | None = None, components: Mapp
     arch = architecture(target.config, type(target).__name__)
     indices = check_inputs(reference, architecture=arch, vocab_size=target.config.vocab_size,
                            what=f"the target ({type(target).__name__})", prompts=prompts, label=label)
-    if clean is not None:
+    if isinstance(clean, nn.Module):  # a function loading it: its caller checks it
         check_inputs(reference, architecture=architecture(clean.config, type(clean).__name__),
                      vocab_size=clean.config.vocab_size, what=f"the clean model ({type(clean).__name__})",
                      prompts=prompts, label=label)
-    from ..instrument import instrument
+    from ..instrument import instrument, uninstrument
     from ..replacer import TensorReplacer
     from .ondemand import OnDemand
 
-    model = copy.deepcopy(target)
-    if dtype is not None:
-        model = model.to(dtype)
+    # the target itself when it already has the dtype (instrumented for the search, restored after):
+    # a copy would hold the weights twice
+    dtype = dtype or next(target.parameters()).dtype
+    same = dtype == next(target.parameters()).dtype and target is not clean
+    model = target if same else copy.deepcopy(target).to(dtype)
     comps = resolve_components(model, components if components is not None else family_components(model))
     if not comps:
         raise BlameError(f"the components {dict(components or {})} match no module of the target")
@@ -163,24 +166,29 @@ def blame(target, reference, *, clean: nn.Module | None = None, components: Mapp
     else:
         refuse_missing(reference, comps, model_hint="CLEAN_MODEL")
     instrument(model, [c.target for c in comps])
-    engine = blame_runner(model, target.config, on_demand.store() if on_demand else reference.store, reference,
-                          indices, comps, probes=probes, compile=compile)
-    before_search = on_demand.seconds if on_demand else 0.0  # capture_seconds counts the search's part
+    try:
+        engine = blame_runner(model, target.config, on_demand.store() if on_demand else reference.store, reference,
+                              indices, comps, probes=probes, compile=compile)
+        before_search = on_demand.seconds if on_demand else 0.0  # capture_seconds counts the search's part
 
-    def supply(names):
-        if on_demand.ensure(names):
-            engine.replacer = TensorReplacer(on_demand.store())
+        def supply(names):
+            if on_demand.ensure(names):
+                engine.replacer = None  # the previous store goes before the next is built
+                engine.replacer = TensorReplacer(on_demand.store())
 
-    def observe(prompt_ids, max_new_tokens):
-        """One pass observing what every component computes (nothing replaced)."""
-        engine.observed = model
-        try:
-            return engine.generate(prompt_ids, max_new_tokens, replace=False)
-        finally:
-            engine.observed = None
+        def observe(prompt_ids, max_new_tokens):
+            """One pass observing what every component computes (nothing replaced)."""
+            engine.observed = model
+            try:
+                return engine.generate(prompt_ids, max_new_tokens, replace=False)
+            finally:
+                engine.observed = None
 
-    result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
-                    progress=progress, supply=supply if on_demand else None, observe=observe)
+        result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
+                        progress=progress, supply=supply if on_demand else None, observe=observe)
+    finally:
+        if model is target:
+            uninstrument(model)
     if on_demand:
         result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds - before_search
     return result
@@ -203,9 +211,11 @@ def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[i
     generated = max(reference.num_generated(p) for p in prompts)
     kinds = len({c.kind for c in components if c.kind != LAYER})
     wave = len(prompts) * (max(probes, kinds) + 1)
-    # eagerly a bucket costs nothing, so a pass of one selection runs unpadded in its own; compiled,
-    # each bucket is graphs to compile, so one holds every round
-    buckets = (min(wave, 64),) if compile else tuple(sorted({min(len(prompts), 64), min(wave, 64)}))
+    # eagerly a bucket costs nothing (the runner keeps one cache at a time), so each round runs in the
+    # power of two that holds it (a 2-pass round is not padded to a 9-pass one); compiled, each bucket
+    # is graphs to compile, so one holds every round
+    largest = min(wave, 64)
+    buckets = (largest,) if compile else tuple(sorted({min(1 << k, largest) for k in range(7)}))
     return Runner(model, config, replacer=TensorReplacer(store),
                   runner_config=RunnerConfig(prefill_buckets=(pow2(prompt),), batch_buckets=buckets,
                                                 max_len=pow2(prompt + generated), batched_prefill=True,

@@ -2,72 +2,98 @@
 
 A reference captured without components (or with some) is completed as the search goes:
 before a round, the components it replaces that the reference lacks are captured from the
-clean model for every prompt (one greedy generation, checked to reproduce the
-reference's tokens), so a search costs O(rounds) captures instead of O(layers x kinds).
+clean model for every prompt, teacher-forced over the reference's known tokens (batched
+forwards, no generation; checked to reproduce the reference's tokens), so a search costs
+O(rounds) captures of what each round asks, instead of O(layers x kinds) or full captures.
 Under a reference directory each capture is appended as a store of its own in
-``blame-components/NNNNN/`` (written by :class:`~fxreplace.store.StoreWriter`) and the next
-run reads it back instead of capturing again.
+``blame-components/NNNNN/`` holding only its components (written by
+:class:`~fxreplace.store.StoreWriter`, then memory-mapped), and the next run reads it back
+instead of capturing again.
 
-The store handed to the engine holds every component from the start (zero rows until
-captured; the search never selects those), so its replacement contexts keep one layout and
-a compiled target keeps its graphs when a capture adds components.
+The store handed to the engine holds the components present so far (the reference's and the
+captured ones), nothing for the others (the search never selects those): a compiled target
+builds its graphs again when a capture adds components.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
+from torch import nn
 
-from ..reference import LOGITS, TOKENS
 from ..store import ReferenceStore, StoreWriter
 from ..store.format import BLAME_COMPONENTS_DIR as SUBDIR
 
 
 class OnDemand:
-    def __init__(self, clean, reference, components: Sequence, directory: Path | None, *, progress: bool = False):
+    """``clean``: the clean model, or a function loading it (then it is in memory only while a
+    capture runs)."""
+
+    def __init__(self, clean: nn.Module | Callable[[], nn.Module], reference, components: Sequence, directory: Path | None,
+                 *, progress: bool = False):
         self.clean, self.reference, self.progress = clean, reference, progress
         self.by_name = {c.capture_name: c for c in components}
         self.root = None if directory is None else Path(directory) / SUBDIR
-        self.rows: dict[str, dict[int, torch.Tensor]] = {}  # capture name -> prompt -> [positions, E]
+        self.parts: list[ReferenceStore] = []  # captured components, each part holding only its own
         self.captured: list[str] = []  # captured in this run
         self.seconds = 0.0  # spent completing the reference: captures, and the store that holds them
         self._store: ReferenceStore | None = None
-        self._blank: dict[str, torch.Tensor] | None = None  # per component a zero row: its width and dtype
         if self.root is not None and self.root.is_dir():
-            for part in sorted(p for p in self.root.iterdir() if (p / "index.json").exists()):
-                saved = ReferenceStore.load(part)
-                for name in saved.capture_names:
-                    self.rows[name] = {p: saved.rows(p, name) for p in saved.prompt_ids}
+            self.parts = [ReferenceStore.load(p) for p in sorted(self.root.iterdir()) if (p / "index.json").exists()]
 
     def present(self, name: str) -> bool:
-        return name in self.reference.store.columns or name in self.rows
+        return name in self.reference.store.columns or self._part(name) is not None
+
+    def _part(self, name: str) -> ReferenceStore | None:
+        return next((part for part in self.parts if name in part.columns), None)
+
+    def rows(self, name: str, p: int) -> torch.Tensor:
+        """Prompt ``p``'s rows of component ``name`` (the reference's or a captured part's)."""
+        store = self.reference.store if name in self.reference.store.columns else self._part(name)
+        return store.rows(p, name)
 
     def ensure(self, names: Collection[str]) -> bool:
         """Capture the ``names`` not yet present; True when something was captured."""
         need = [n for n in sorted(names) if not self.present(n)]
         if not need:
             return False
-        from ..capture import capture_reference
+        from ..capture import capture_forced
 
         t0 = time.perf_counter()
         ref = self.reference
         prompts = [ref.prompt_tokens(p) for p in range(ref.num_prompts)]
-        steps = max(ref.num_generated(p) for p in range(ref.num_prompts))
-        fresh = capture_reference(self.clean, prompts, [self.by_name[n].target for n in need], steps, progress=False)
-        for p in range(ref.num_prompts):
-            n = ref.num_generated(p)
-            if fresh.tokens(p)[:n] != ref.tokens(p):
-                raise ValueError(f"the clean model does not reproduce the reference's tokens for prompt {p} "
-                                 f"({fresh.tokens(p)[:n][:8]} ... vs {ref.tokens(p)[:8]} ...): it is not the model "
-                                 "the reference was captured from")
-        new = {name: {p: fresh.store.rows(p, name)[: len(prompts[p]) + ref.num_generated(p) - 1].clone()
-                      for p in range(ref.num_prompts)} for name in need}
-        if self.root is not None:
-            self._append(new)
-        self.rows.update(new)
+        # prompt + the reference's tokens but the last: one row per position the reference stored
+        sequences = [prompts[p] + ref.tokens(p)[:-1] for p in range(ref.num_prompts)]
+        model = self.clean if isinstance(self.clean, nn.Module) else self.clean()
+        captured = capture_forced(model, sequences, [self.by_name[n].target for n in need],
+                                  read_from=[len(prompt) - 1 for prompt in prompts])
+        info = {name: {"kind": self.by_name[name].kind, "layer": self.by_name[name].layer} for name in need}
+        part = None if self.root is None else self.root / f"{len(self.parts):05d}"
+        try:
+            if part is None:
+                rows = {}
+                for p, (values, picks) in enumerate(captured):
+                    self._check(p, picks)
+                    rows[p] = values
+                self.parts.append(ReferenceStore.from_captures(rows, prompt_token_ids=prompts, metadata={"components": info}))
+            else:
+                part.parent.mkdir(parents=True, exist_ok=True)
+                with StoreWriter(part, metadata={"components": info}) as writer:
+                    for p, (values, picks) in enumerate(captured):
+                        self._check(p, picks)
+                        writer.add(prompts[p], values, prompt_idx=p)
+                self.parts.append(ReferenceStore.load(part))
+        except BaseException:
+            if part is not None:
+                shutil.rmtree(part, ignore_errors=True)
+            raise
+        finally:
+            captured.close()
+            del model
         self.captured += need
         self._store = None
         self.seconds += time.perf_counter() - t0
@@ -75,44 +101,24 @@ class OnDemand:
             print(f"  captured {len(need)} components from the clean model: {', '.join(need)[:200]}")
         return True
 
-    def _append(self, new: dict[str, dict[int, torch.Tensor]]) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        part = self.root / f"{len([p for p in self.root.iterdir() if p.is_dir()]):05d}"
-        info = {name: {"kind": self.by_name[name].kind, "layer": self.by_name[name].layer} for name in new}
-        with StoreWriter(part, metadata={"components": info}) as writer:
-            for p in range(self.reference.num_prompts):
-                writer.add(self.reference.prompt_tokens(p), {name: rows[p] for name, rows in new.items()}, prompt_idx=p)
+    def _check(self, p: int, picks: list[int]) -> None:
+        want = self.reference.tokens(p)
+        if picks != want:
+            raise ValueError(f"the clean model does not reproduce the reference's tokens for prompt {p} "
+                             f"({picks[:8]} ... vs {want[:8]} ...): it is not the model the reference was captured from")
 
     def store(self) -> ReferenceStore:
-        """Every component (the reference's, the captured ones, zeros for the rest) as one store
-        for the replacer."""
+        """The components present (the reference's and the captured ones) as one store for the replacer:
+        the reference's own until a capture adds some."""
+        if not self.parts:
+            return self.reference.store
         if self._store is None:
             t0 = time.perf_counter()
             ref = self.reference
-            blank = self._blanks()
-
-            def rows(p, n):
-                if n in self.rows:
-                    return self.rows[n][p]
-                if n in ref.store.columns:
-                    return ref.store.rows(p, n)
-                return blank[n].expand(len(ref.prompt_tokens(p)) + ref.num_generated(p) - 1, -1)
-
-            flat = {p: {n: rows(p, n) for n in self.by_name} for p in range(ref.num_prompts)}
-            extras = {TOKENS: [ref.store.extra(TOKENS, p) for p in range(ref.num_prompts)],
-                      LOGITS: [ref.logits(p) for p in range(ref.num_prompts)]}
+            names = [n for n in self.by_name if self.present(n)]
+            flat = {p: {n: self.rows(n, p) for n in names} for p in range(ref.num_prompts)}
+            # rows only: the search reads the generation (tokens, logits) from the reference itself
             self._store = ReferenceStore.from_captures(
-                flat, prompt_token_ids=[ref.prompt_tokens(p) for p in range(ref.num_prompts)],
-                metadata=dict(ref.metadata), extras=extras)
+                flat, prompt_token_ids=[ref.prompt_tokens(p) for p in range(ref.num_prompts)], metadata=dict(ref.metadata))
             self.seconds += time.perf_counter() - t0
         return self._store
-
-    def _blanks(self) -> dict[str, torch.Tensor]:
-        """A zero row per component: widths and dtypes from one step of the clean model on one token."""
-        if self._blank is None:
-            from ..capture import capture_reference
-
-            probe = capture_reference(self.clean, [self.reference.prompt_tokens(0)[:1]],
-                                      [c.target for c in self.by_name.values()], 1, progress=False)
-            self._blank = {n: torch.zeros_like(probe.store.rows(0, n)[:1]) for n in self.by_name}
-        return self._blank
