@@ -1,0 +1,314 @@
+"""What capture, validate, blame and blame --clean cost as the model grows: wall time and peak RSS.
+
+Per size (``--sizes LAYERSxHIDDEN,...``; a random Qwen3-MoE in float32 with 8 experts of
+width HIDDEN, HIDDEN / 64 heads, a 32000-token vocabulary), the CLI flow a user runs, each step
+in a child process whose peak RSS (``ru_maxrss``) is read when it ends:
+
+- ``capture``: ``fxreplace capture --components`` of ``--prompts`` prompts, and of 4x as many
+  (the peak must not grow with the prompts); and the routers-only capture ``blame --clean`` starts from;
+- ``validate``: ``fxreplace validate`` of the planted target (fp32), and inside it one more
+  teacher-forced pass with nothing replaced, timed alone: the validation's time per mode over
+  that pass is the ratio;
+- ``blame``: ``fxreplace blame`` against the full reference; ``blame --clean`` against the
+  routers-only one, components captured from the clean checkpoint on demand;
+- ``ondemand``: one component captured on demand (``OnDemand.ensure``) against the full capture's
+  capture time (both without the model load).
+
+The target is the clean checkpoint with one attention output projection scaled by 1.5 in layer
+``0.6 L``; every blame must name it. Then the growth exponents (log-log slopes of time and
+peak over the parameters), and a peak and time extrapolated to a Qwen3-30B-A3B shape from the
+measured per-parameter terms (peak = a + b x weights and wall = c + d x parameters, fitted over the
+sizes measured; the prompts and tokens as measured, so per-token terms stay at this run's).
+
+Acceptance at the largest size: blame --clean peak <= two models' weights + 2 GiB; capture peak
+<= one model + 1 GiB at both prompt counts; validate per mode <= 1.5x one teacher-forced pass;
+on-demand capture of one component <= 1/3 of a full capture; the fault found at every size.
+
+Prints a table and a final JSON line with every figure and ``acceptance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ARCH = "Qwen3MoeForCausalLM"
+GIB = 1 << 30
+# Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts of 768, 32 heads of 128 (4 KV), vocab 151936
+TARGET_SHAPE = dict(layers=48, hidden=2048, experts=128, moe=768, heads=32, kv=4, head_dim=128, vocab=151936)
+
+
+def config_of(layers: int, hidden: int, vocab: int = 32000):
+    from transformers import Qwen3MoeConfig
+
+    heads = max(1, hidden // 64)
+    return Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, moe_intermediate_size=hidden,
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                          head_dim=64, num_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+                          decoder_sparse_step=1, initializer_range=0.2, architectures=[ARCH], tie_word_embeddings=False)
+
+
+def fault_layer(layers: int) -> int:
+    return int(0.6 * layers)
+
+
+# ---------------------------------------------------------------------- steps (each in a child)
+
+def step_make(args) -> dict:
+    """The clean and the planted checkpoints (fp32 safetensors) and the prompt files."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    layers, hidden = map(int, args.size.split("x"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of(layers, hidden), dtype=torch.float32).eval()
+    work = Path(args.work)
+    model.save_pretrained(work / "clean")
+    with torch.no_grad():
+        model.model.layers[fault_layer(layers)].self_attn.o_proj.weight.mul_(1.5)
+    model.save_pretrained(work / "target")
+    g = torch.Generator().manual_seed(1)
+    for count in (args.prompts, 4 * args.prompts):
+        prompts = [torch.randint(4, 32000, (args.prompt_len,), generator=g).tolist() for _ in range(count)]
+        (work / f"prompts-{count}.json").write_text(json.dumps(prompts))
+    return {"params": sum(p.numel() for p in model.parameters())}
+
+
+def _timed(module, name: str, into: dict, key: str):
+    """Wrap ``module.name`` so its calls' seconds add up in ``into[key]``."""
+    original = getattr(module, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            into[key] = into.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(module, name, wrapper)
+    return original
+
+
+def step_capture(args) -> dict:
+    import fxreplace.capture
+    from fxreplace.cli import main
+
+    out: dict = {}
+    _timed(fxreplace.capture, "capture_reference", out, "core_s")
+    argv = ["capture", str(Path(args.work) / "clean"), "--prompts", str(Path(args.work) / f"prompts-{args.count}.json"),
+            "--max-new-tokens", str(args.new_tokens), "--out", args.out]
+    main(argv + (["--components"] if args.components else []))
+    return out
+
+
+def step_validate(args) -> dict:
+    import fxreplace.validation
+    from fxreplace.cli import main
+
+    out: dict = {}
+    original = fxreplace.validation.logit_validation
+
+    def validation(engine, reference, **kwargs):
+        t0 = time.perf_counter()
+        result = original(engine, reference, **kwargs)
+        out["validate_s"] = time.perf_counter() - t0
+        out["modes"] = len(result.modes)
+        t0 = time.perf_counter()
+        original(engine, reference, modes=("off",), progress=False)
+        out["one_pass_s"] = time.perf_counter() - t0
+        return result
+
+    fxreplace.validation.logit_validation = validation
+    main(["validate", str(Path(args.work) / "target"), "--dtype", "float32", "--reference", args.reference,
+          "--report-dir", str(Path(args.work) / "validate-report")])
+    return out
+
+
+def step_blame(args) -> dict:
+    from fxreplace.cli import main
+
+    report = Path(args.work) / ("blame-clean" if args.clean else "blame")
+    argv = ["blame", str(Path(args.work) / "target"), "--dtype", "float32", "--reference", args.reference,
+            "--report-dir", str(report)]
+    main(argv + (["--clean", str(Path(args.work) / "clean")] if args.clean else []))
+    result = json.loads((report / "blame.json").read_text())
+    layers = int(args.size.split("x")[0])
+    origins = [(o["kind"], o["layer"]) for o in result["origins"]]
+    return {"origins": origins, "found": origins[:1] == [("attention", fault_layer(layers))],
+            "passes": result["passes"], "rounds": result["rounds"], "capture_s": result["capture_seconds"],
+            "search_s": result["seconds"]}
+
+
+def step_ondemand(args) -> dict:
+    import torch
+
+    from fxreplace.blame import resolve_components
+    from fxreplace.blame.ondemand import OnDemand
+    from fxreplace.cli import load_model
+    from fxreplace.models import get_family
+    from fxreplace.reference import load_reference
+
+    clean = load_model(str(Path(args.work) / "clean"), torch.float32)
+    comps = resolve_components(clean, get_family(ARCH).components)
+    layers = int(args.size.split("x")[0])
+    on_demand = OnDemand(clean, load_reference(args.reference), comps, None)
+    t0 = time.perf_counter()
+    on_demand.ensure({f"model.layers.{fault_layer(layers)}.self_attn"})
+    return {"core_s": time.perf_counter() - t0}
+
+
+STEPS = {"make": step_make, "capture": step_capture, "validate": step_validate, "blame": step_blame,
+         "ondemand": step_ondemand}
+
+
+# ---------------------------------------------------------------------- the driver
+
+def child(step: str, **options) -> dict:
+    """Run one step in a child process: its figures, wall seconds and peak RSS (GiB)."""
+    argv = [sys.executable, __file__, "--step", step]
+    for key, value in options.items():
+        if value is True:
+            argv.append(f"--{key.replace('_', '-')}")
+        elif value not in (None, False):
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    result_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    argv += ["--result", result_file]
+    with tempfile.TemporaryFile("w+") as log:  # the child's progress bars: a pipe nobody reads would fill up
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage: its peak RSS
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            log.seek(0)
+            raise SystemExit(f"step {step} {options} failed ({proc.returncode}):\n{log.read()[-3000:]}")
+    figures = json.loads(Path(result_file).read_text())
+    os.unlink(result_file)
+    return {**figures, "wall_s": wall, "peak_gib": usage.ru_maxrss * 1024 / GIB}
+
+
+def slope(xs, ys) -> float | None:
+    """Least-squares slope of log y over log x (the growth exponent)."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
+    if len(pts) < 2:
+        return None
+    mx, my = sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts)
+    den = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else None
+
+
+def linear(xs, ys) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    den = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+    return my - b * mx, b
+
+
+def target_params() -> int:
+    s = TARGET_SHAPE
+    attention = s["hidden"] * s["heads"] * s["head_dim"] * 2 + s["hidden"] * s["kv"] * s["head_dim"] * 2
+    experts = s["experts"] * 3 * s["hidden"] * s["moe"] + s["hidden"] * s["experts"]
+    return s["layers"] * (attention + experts + 2 * s["hidden"]) + 2 * s["vocab"] * s["hidden"]
+
+
+def run_size(size: str, args, root: Path) -> dict:
+    work = root / size
+    work.mkdir(parents=True)
+    common = dict(size=size, work=work, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    made = child("make", **common)
+    row = {"size": size, "params": made["params"], "weights_gib": made["params"] * 4 / GIB}
+    full, routers = work / "ref-full", work / "ref-routers"
+    row["capture"] = child("capture", **common, count=args.prompts, out=full, components=True)
+    row["capture_4x"] = child("capture", **common, count=4 * args.prompts, out=work / "ref-full-4x", components=True)
+    child("capture", **common, count=args.prompts, out=routers)
+    row["validate"] = child("validate", **common, reference=routers)
+    row["blame"] = child("blame", **common, reference=full)
+    row["blame_clean"] = child("blame", **common, reference=routers, clean=True)
+    # a fresh routers-only copy: the one blame --clean completed holds its captures already
+    child("capture", **common, count=args.prompts, out=work / "ref-routers-2")
+    row["ondemand"] = child("ondemand", **common, reference=work / "ref-routers-2")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="4x256,12x512,24x1024",
+                        help="LAYERSxHIDDEN per size, comma-separated (24x1024 is ~0.73B parameters)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--workdir", help="where checkpoints and references go (default: a temporary directory)")
+    # a child's options
+    parser.add_argument("--step", choices=sorted(STEPS))
+    for name in ("size", "work", "out", "reference", "result"):
+        parser.add_argument(f"--{name}")
+    parser.add_argument("--count", type=int)
+    parser.add_argument("--components", action="store_true")
+    parser.add_argument("--clean", action="store_true")
+    args = parser.parse_args()
+    if args.step:
+        figures = STEPS[args.step](args)
+        Path(args.result).write_text(json.dumps(figures))
+        return
+
+    load = os.getloadavg()
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_scale-"))
+    rows = []
+    for size in args.sizes.split(","):
+        rows.append(run_size(size, args, root))
+        print(f"{size} done: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    steps = ["capture", "capture_4x", "validate", "blame", "blame_clean", "ondemand"]
+    print(f"{'size':>9} {'params':>8} {'weights':>8} | " + " | ".join(f"{s:>20}" for s in steps))
+    print(f"{'':>9} {'':>8} {'GiB':>8} | " + " | ".join(f"{'wall s   peak GiB':>20}" for _ in steps))
+    for r in rows:
+        print(f"{r['size']:>9} {r['params'] / 1e6:>7.0f}M {r['weights_gib']:>8.2f} | "
+              + " | ".join(f"{r[s]['wall_s']:>9.1f} {r[s]['peak_gib']:>10.2f}" for s in steps))
+    params = [r["params"] for r in rows]
+    exponents = {s: {"wall": slope(params, [r[s]["wall_s"] for r in rows]),
+                     "peak": slope(params, [r[s]["peak_gib"] for r in rows])} for s in steps}
+    big = target_params()
+    extrapolated = {}
+    for s in steps:
+        a, b = linear([r["weights_gib"] for r in rows], [r[s]["peak_gib"] for r in rows])
+        c, d = linear(params, [r[s]["wall_s"] for r in rows])
+        extrapolated[s] = {"peak_gib": a + b * big * 4 / GIB, "wall_s": max(c + d * big, 0.0)}
+    last = rows[-1]
+    w = last["weights_gib"]
+    validate_ratio = last["validate"]["validate_s"] / last["validate"]["modes"] / last["validate"]["one_pass_s"]
+    ondemand_ratio = last["ondemand"]["core_s"] / last["capture"]["core_s"]
+    acceptance = {
+        "blame_clean_peak_le_2w_plus_2": last["blame_clean"]["peak_gib"] <= 2 * w + 2,
+        "capture_peak_le_w_plus_1": max(last["capture"]["peak_gib"], last["capture_4x"]["peak_gib"]) <= w + 1,
+        "validate_per_mode_le_1.5_pass": validate_ratio <= 1.5,
+        "ondemand_one_le_third_capture": ondemand_ratio <= 1 / 3,
+        "fault_found_every_size": all(r["blame"]["found"] and r["blame_clean"]["found"] for r in rows),
+    }
+    print(f"\nexponents (log-log over params): " + ", ".join(
+        f"{s} wall {fmt(e['wall'])} peak {fmt(e['peak'])}" for s, e in exponents.items()))
+    print(f"at {last['size']}: validate per mode / one forced pass = {validate_ratio:.2f}; on-demand capture of one "
+          f"component / full capture = {ondemand_ratio:.2f}; blame --clean peak {last['blame_clean']['peak_gib']:.2f} GiB "
+          f"vs 2 x {w:.2f} + 2; capture peak {last['capture']['peak_gib']:.2f} / {last['capture_4x']['peak_gib']:.2f} GiB "
+          f"({args.prompts} / {4 * args.prompts} prompts) vs {w:.2f} + 1")
+    print(f"extrapolated to a Qwen3-30B-A3B shape ({big / 1e9:.1f}B params, {big * 4 / GIB:.0f} GiB fp32): " + ", ".join(
+        f"{s} {v['peak_gib']:.0f} GiB {v['wall_s'] / 3600:.1f} h" for s, v in extrapolated.items()))
+    print(f"load average at the start: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} ({os.cpu_count()} cores)")
+    print(json.dumps({"sizes": rows, "exponents": exponents, "extrapolated_30b": extrapolated,
+                      "validate_per_mode_over_pass": validate_ratio, "ondemand_over_capture": ondemand_ratio,
+                      "load_average": load, "acceptance": acceptance, "goal_met": all(acceptance.values())}))
+
+
+def fmt(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+if __name__ == "__main__":
+    main()
