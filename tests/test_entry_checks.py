@@ -73,3 +73,13 @@ def test_the_runner_refuses_a_dtype_mismatch_zero_tokens_and_a_bucket_past_its_c
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int, got 0"):
         runner.generate([[1, 2, 3]], 0, replace=False)  # generated one token before
     assert len(runner.generate([[1, 2, 3]], 1, replace=False)[0].tokens) == 1
+
+
+def test_a_prompt_index_must_be_an_int():
+    from fxreplace import TensorReplacer
+
+    store = ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=[[1, 2]])
+    replacer = TensorReplacer(store)
+    with pytest.raises(TypeError, match="a prompt index must be an int, got str '0'"):
+        replacer.register_request("r", prompt_idx="0")  # was "prompt 0 is not in the reference store (prompts: [0])"
+    assert replacer.register_request("r", prompt_idx=0) == 0

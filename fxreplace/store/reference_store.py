@@ -99,6 +99,8 @@ class ReferenceStore:
 
     def internal_index(self, prompt_idx: int) -> int:
         """Internal row of a prompt given by the user's index."""
+        if isinstance(prompt_idx, bool) or not hasattr(type(prompt_idx), "__index__"):  # "3" read like 3 in the error
+            raise TypeError(f"a prompt index must be an int, got {type(prompt_idx).__name__} {prompt_idx!r}")
         try:
             return self._by_prompt_id[prompt_idx]
         except KeyError:
