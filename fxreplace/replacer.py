@@ -281,9 +281,11 @@ class TensorReplacer:
     def warmup_context(self, num_tokens: int, device: torch.device | str | None = None) -> ReplacementContext:
         """Zeros with the real shapes and dtypes and an all-False mask: replacement off.
         Its buffers are its own (never recycled): engines bind them to the graph."""
-        storage = tuple(torch.zeros(m, num_tokens, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
-        mask = torch.zeros(num_tokens, dtype=torch.bool, device=self._device)
-        return ReplacementContext.from_storage(storage, mask, self._places).to(device)
+        with torch.inference_mode(False):  # a feed outlives the mode it is made in: an inference tensor made
+            # under torch.inference_mode() could not be filled or cleared outside it
+            storage = tuple(torch.zeros(m, num_tokens, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
+            mask = torch.zeros(num_tokens, dtype=torch.bool, device=self._device)
+            return ReplacementContext.from_storage(storage, mask, self._places).to(device)
 
     # ------------------------------------------------------------------ internals
 

@@ -83,3 +83,19 @@ def test_a_prompt_index_must_be_an_int():
     with pytest.raises(TypeError, match="a prompt index must be an int, got str '0'"):
         replacer.register_request("r", prompt_idx="0")  # was "prompt 0 is not in the reference store (prompts: [0])"
     assert replacer.register_request("r", prompt_idx=0) == 0
+
+
+def test_a_feed_made_under_inference_mode_is_filled_and_cleared_outside_it():
+    from fxreplace import TensorReplacer
+
+    store = ReferenceStore.from_captures([{"m": [torch.ones(1, 2, 3)]}], prompt_token_ids=[[1, 2]])
+    replacer = TensorReplacer(store)
+    with torch.inference_mode():  # an engine's start-up often runs under it
+        feed = replacer.warmup_context(4)
+    replacer.register_request("a", prompt_idx=0)
+    replacer.build_context_for_batch(["a"], [2], [0, 1, 0, 0], out=feed)
+    assert feed.mask.tolist() == [True, True, False, False]
+    feed.mask.fill_(False)  # was "Inplace update to inference tensor outside InferenceMode is not allowed"
+    with torch.inference_mode():
+        feed.mask.fill_(True)
+    assert feed.mask.all()
