@@ -21,6 +21,7 @@ command line names a node's temp dir (``ray stop`` would stop every Ray on the m
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -117,15 +118,17 @@ class RayCluster:
         raise RuntimeError(f"ray cluster at {self.address}: {count} node(s) not alive after {START_TIMEOUT_S} s")
 
     def listening_addresses(self) -> set[str]:
-        """The local addresses the head's GCS port is listened on (``/proc/net/tcp``: what
-        docs/cluster.md says Ray does with ``--node-ip-address``)."""
+        """The local addresses the head's GCS port is listened on (``/proc/net/tcp`` and
+        ``tcp6``: what docs/cluster.md says Ray does with ``--node-ip-address``)."""
         port = int(self.address.split(":")[1])
         found = set()
-        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, local_port = local.split(":")
-            if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN
-                found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+        for table in ("tcp", "tcp6"):
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, local_port = local.split(":")
+                if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN
+                    raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+                    found.add(str(ipaddress.ip_address(raw)))
         return found
 
     def node_ips(self) -> list[str]:
