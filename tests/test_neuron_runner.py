@@ -8,7 +8,8 @@ wrapper. The plugin wraps the fake class's ``load_model`` as it wraps vllm-neuro
 tiny model compiled per bucket (``aot_eager``, ``fullgraph=True``; on torch-xla's CPU device
 ``openxla`` in the compat environment) must read the reference row of every (request,
 position), mask False on every padded slot, and build one graph per bucket across warm-up,
-off, on, new values and dummy calls. No vLLM needed: runs in the compat environment too."""
+off, on, new values and dummy calls. No vLLM needed (but for the names check, which reads vLLM's
+scheduler output): the compat environment runs them too."""
 
 from __future__ import annotations
 
