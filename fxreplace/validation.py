@@ -270,17 +270,11 @@ def logit_validation(
 
 
 def _compare(reference: Reference, spans, tolerances: Tolerances) -> list[list[StepMetrics]]:
-    """Per ``(prompt, generation, first step, steps)`` of one engine call, its steps' metrics, all
-    compared in one batch (the steps after a divergence are read only when the engine forced them)."""
-    counted = [(p, gen, start, n) for p, gen, start, n in spans if n]
-    flat = compare_steps(torch.cat([reference.logits(p)[start : start + n] for p, _, start, n in counted]),
-                         torch.cat([torch.stack(gen.logits[:n]) for _, gen, _, n in counted]),
-                         tolerances) if counted else []
-    out, at = [], 0
-    for *_, n in spans:
-        out.append(flat[at : at + n])
-        at += n
-    return out
+    """Per ``(prompt, generation, first step, steps)`` of one engine call, its steps' metrics (the steps
+    after a divergence are read only when the engine forced them); prompt by prompt, so a blame
+    round's logits are never copied into one tensor beside the generations holding them."""
+    return [compare_steps(reference.logits(p)[start : start + n], torch.stack(gen.logits[:n]), tolerances) if n else []
+            for p, gen, start, n in spans]
 
 
 #: Longest stretch without a progress line while the engine works (a compile takes 10-60 s).
