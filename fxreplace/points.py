@@ -183,6 +183,69 @@ def computes_linear_output(module: nn.Module, located: InjectionPoint) -> bool:
     return isinstance(output, fx.Node) and is_linear(output, gm)
 
 
+class TargetNotLiveError(TargetError):
+    """A target whose replacement cannot reach the model's output: replacing it would change
+    nothing, and a run would wrongly clear the component it names."""
+
+
+class _KeepLeaf(fx.Tracer):
+    """Traces a module with one child kept as a call (its output stays one node)."""
+
+    def __init__(self, leaf: nn.Module):
+        super().__init__()
+        self.leaf = leaf
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return module is self.leaf or super().is_leaf_module(module, qualified_name)
+
+
+def check_output_point_read(model: nn.Module, module_name: str, point: Point) -> None:
+    """Refuse ``output[i]`` of a module whose caller never reads element ``i`` (e.g. NxD's
+    ``RouterTopK``, whose MoE block reads only the affinities and ids it computes from its
+    internal logits). Decided from the parent module traced alone with the target kept whole;
+    a parent that cannot be traced, or that does not call the target, decides nothing (the
+    run-time check :func:`fxreplace.liveness.check_live` covers those)."""
+    is_output, index = parse_output_point(point)
+    parent_name, _, child = module_name.rpartition(".")
+    if not is_output or index is None or not child:
+        return
+    parent, module = model.get_submodule(parent_name), model.get_submodule(module_name)
+    try:
+        graph = _KeepLeaf(module).trace(parent)
+    except Exception:
+        return
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target == child]
+    if not calls:
+        return
+    for call in calls:
+        for user in call.users:
+            is_element = user.op == "call_function" and user.target is operator.getitem and len(user.args) == 2
+            if not is_element or user.args[1] == index and user.users:
+                return  # the whole output is passed on, or element i is read
+    raise TargetNotLiveError(
+        f"target {module_name!r}, point {point!r}: its caller {parent_name!r} never reads {point} (it reads "
+        f"{_read_elements(calls) or 'none of its outputs'}), so a replacement there changes nothing downstream; "
+        f"{_working_point(module, module_name)}")
+
+
+def _read_elements(calls: list[fx.Node]) -> str:
+    read = sorted({u.args[1] for call in calls for u in call.users if u.users})
+    return ", ".join(f"output[{i}]" for i in read)
+
+
+def _working_point(module: nn.Module, module_name: str) -> str:
+    """What to target instead: the linear inside the module whose value its other outputs come from."""
+    try:
+        gm = trace_alone(module)
+        node = find_injection_node(gm, "", "auto")
+    except Exception:
+        node = None
+    if node is not None and is_linear(node, gm):
+        inner = f" ({node.target})" if node.op == "call_module" else ""
+        return f"use point='auto': the logits{inner} the module computes its other outputs from"
+    return "target the value its caller reads (another point, or the module that consumes it)"
+
+
 def locate_injection_point(module: nn.Module, module_name: str, point: Point = "auto") -> InjectionPoint:
     """Resolve ``point`` for ``module`` without changing anything."""
     check_point(point)
