@@ -761,6 +761,8 @@ def _inspect(args) -> int:
     if args.model is None:
         raise UsageError("inspect needs a model (builtin:ARCH or a directory) or --verify REF")
     model = load_model(args.model)
+    if args.check_live is not None:
+        return _check_live(model, args.check_live, args.tokens)
     shapes: dict[str, tuple] = {}
     hooks = []
     for name, module in model.named_modules():
@@ -783,6 +785,22 @@ def _inspect(args) -> int:
             inside = locate_injection_point(model.get_submodule(name), name).graph_module is not None
             note = "returns a tuple: point 'auto' " + ("injects at its logits" if inside else "is its output")
         print(f"  {name:<40} {cls:<24} {str(shape):<16} {note}")
+    return 0
+
+
+def _check_live(model, specs: list[str], tokens: int) -> int:
+    """``inspect --check-live``: one forward per target with a random replacement must move the logits."""
+    import torch
+
+    from .instrument import instrument
+    from .liveness import check_live
+    from .targets import Target
+
+    instrument(model, [Target(*spec.split("@", 1)) for spec in specs] or default_targets(model))
+    moved = check_live(model, lambda: model(input_ids=torch.zeros(1, tokens, dtype=torch.long)))
+    print(f"every target reaches the logits ({tokens} tokens, one random replacement per target):")
+    for name, change in moved.items():
+        print(f"  {name:<40} max |logit change| {change:.3g}")
     return 0
 
 
@@ -962,6 +980,8 @@ def build_parser() -> Parser:
     inspect.add_argument("--verify", metavar="REF", type=reference_path,
                          help="check a reference store byte by byte against its recorded digests")
     inspect.add_argument("--tokens", type=positive_int, default=4, help="tokens of the probe forward")
+    inspect.add_argument("--check-live", nargs="*", metavar="TARGET",
+                         help="prove each target reaches the logits: PATTERN or PATTERN@POINT (default: the family's)")
     inspect.set_defaults(func=_inspect)
 
     repack = command("repack", "rewrite a reference store of many small shards (a vLLM capture writes one per idle) "

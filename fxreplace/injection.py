@@ -77,42 +77,44 @@ class Injection:
         return out
 
     def _inject(self, computed, replacement, mask, rank, leading_rows):
-        name, spec = self.module_name, self.shard
+        # the module's name only inside error paths: a name read on every call would be a constant
+        # that a compiled graph guards on, so targets of one structure could not share it
+        spec = self.shard
         parts = tuple(computed) if isinstance(computed, (tuple, list)) else (computed,)
         flats = [part.reshape(-1, part.shape[-1]) for part in parts]
         tokens = rows_before_sharding(flats[0].shape[0], self.shard)
-        _check_dtype_and_device(name, replacement, mask, flats[0])
+        _check_dtype_and_device(self, replacement, mask, flats[0], leading_rows)
         if leading_rows:
             replacement, mask = replacement[:tokens], mask[:tokens]
         require(
             replacement.dim() == 2 and replacement.shape[0] == tokens,
-            lambda: f"replacement for {name} has shape {tuple(replacement.shape)}, but the module computes "
+            lambda: f"replacement for {self.module_name} has shape {tuple(replacement.shape)}, but the module computes "
             f"{_shapes(parts)} here, so it needs [{tokens}, E]"
             + layout_hint(spec, replacement.shape, flats[0].shape),
         )
         require(
             mask.dtype == torch.bool and mask.dim() == 1 and mask.shape[0] == tokens,
-            lambda: f"mask for {name} must be bool [{tokens}], got {mask.dtype} {tuple(mask.shape)}",
+            lambda: f"mask for {self.module_name} must be bool [{tokens}], got {mask.dtype} {tuple(mask.shape)}",
         )
         if rank is None and self.shard is not None:
             rank = self.shard.rank
-        replacement = shard_rows(replacement, spec, rank, f"tokens of the replacement for {name} ({spec})")
-        mask = shard_rows(mask, spec, rank, f"tokens of the mask for {name} ({spec})").unsqueeze(-1)
+        replacement = shard_rows(replacement, spec, rank, lambda: f"tokens of the replacement for {self.module_name} ({spec})")
+        mask = shard_rows(mask, spec, rank, lambda: f"tokens of the mask for {self.module_name} ({spec})").unsqueeze(-1)
         full = self.adapter(replacement, self.module)
         values = tuple(full) if isinstance(full, (tuple, list)) else (full,)
         if len(values) != len(parts):
-            raise TargetError(f"the adapter for {name} returns {len(values)} tensor(s) {_shapes(values)}, but the "
+            raise TargetError(f"the adapter for {self.module_name} returns {len(values)} tensor(s) {_shapes(values)}, but the "
                              f"point computes {len(parts)}: {_shapes(parts)}; pick one with point='output[i]' or use a "
                              "pair adapter (e.g. 'topk_softmax_pairs') for a (weights, ids) point")
         if len(values) > 1 and spec is not None and spec.mode == "expert":
-            raise ShapeError(f"{name}: expert sharding slices dense [T, E] values; top-k pairs hold global expert "
+            raise ShapeError(f"{self.module_name}: expert sharding slices dense [T, E] values; top-k pairs hold global expert "
                              "ids, so give this rank the full pairs (no shard spec)")
         out = []
         for full_value, flat, part in zip(values, flats, parts):
-            value = shard_columns(full_value, spec, rank, f"experts of {name} ({spec})")
+            value = shard_columns(full_value, spec, rank, lambda: f"experts of {self.module_name} ({spec})")
             require(
                 tuple(value.shape) == tuple(flat.shape),
-                lambda: f"replacement for {name} becomes {tuple(value.shape)} after shard/adapter, but the module "
+                lambda: f"replacement for {self.module_name} becomes {tuple(value.shape)} after shard/adapter, but the module "
                 f"computes {tuple(flat.shape)} (from {tuple(part.shape)})"
                 + layout_hint(spec, full_value.shape, flat.shape),
             )
@@ -134,16 +136,20 @@ def with_element(sequence: tuple | list, index: int, value):
     return rebuild(sequence, parts)
 
 
-def _check_dtype_and_device(name: str, replacement: torch.Tensor, mask: torch.Tensor, computed: torch.Tensor) -> None:
+def _check_dtype_and_device(injection: Injection, replacement: torch.Tensor, mask: torch.Tensor, computed: torch.Tensor,
+                            fed: bool = False) -> None:
     """Float replacements are cast to the computed dtype; anything else would be a
-    silent change of meaning (token ids, a truncated int). Devices must agree."""
+    silent change of meaning (token ids, a truncated int). Devices must agree: ``fed``
+    (the max-size feed buffers) says the fix is a feed after the move, not the context."""
     if computed.dtype.is_floating_point and not replacement.dtype.is_floating_point:
-        raise TypeError(f"replacement for {name} is {replacement.dtype}, but the module computes {computed.dtype}: "
+        raise TypeError(f"replacement for {injection.module_name} is {replacement.dtype}, but the module computes {computed.dtype}: "
                         "give floating-point values (the captured tensor), not a cast of them")
     for what, tensor in (("replacement", replacement), ("mask", mask)):
         if tensor.device != computed.device:
-            raise ValueError(f"{what} for {name} is on {tensor.device}, but the module computes on "
-                             f"{computed.device}: build the context with device={str(computed.device)!r}")
+            fix = (f"feed() again after moving the model (the buffers follow moves of the instrumented model itself, "
+                   f"not of a module inside it)" if fed else f"build the context with device={str(computed.device)!r}")
+            raise ValueError(f"{what} for {injection.module_name} is on {tensor.device}, but the module computes on "
+                             f"{computed.device}: {fix}")
 
 
 def _shapes(tensors) -> str:

@@ -18,18 +18,20 @@ import copy
 import enum
 import functools
 import threading
+import types
 from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.compiler import is_dynamo_compiling
 
 from .context import ReplacementContext
 from .injection import Injection, recording, with_element
 from .passes import InjectionSpec, insert_replacements
-from .points import InjectionPoint, check_adapter_fits, computes_linear_output, locate_injection_point
+from .points import (InjectionPoint, check_adapter_fits, check_output_point_read, computes_linear_output,
+                     locate_injection_point)
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
@@ -64,6 +66,8 @@ class _Slot:
         self.fed = (None, None, False)  # (values, mask, leading_rows) that a forward without replacements= reads
         self.state = SlotState.IDLE
         self.hold_fed()
+        # set by _bind: the module's own forward, its point and Injection, the (shared) generated forward
+        self.original = self.passes_self = self.point = self.injection = self.graph_forward = None
 
     def hold_fed(self) -> None:
         self.replacement, self.mask, self.leading_rows = self.fed
@@ -86,31 +90,74 @@ class _Slot:
 
 
 def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: _Slot) -> None:
-    """Give ``module`` an instance-level forward that reads ``slot``."""
+    """Give ``module`` an instance-level forward that reads ``slot``: one function for every target
+    of a kind, bound to each module, reading everything target-specific from the slot. Dynamo
+    guards on the function a module calls, so a function per target would recompile a frame
+    resumed after a graph break inside a layer once per layer."""
     original = module.forward
-    if point.graph_module is None:
-        module.forward = _output_point_forward(original, point, injection, slot)
-        return
-    insert_replacements(
-        point.graph_module,
-        [InjectionSpec("", point.point, injection, "fxreplace_replacement")],
-        leading_rows_input="fxreplace_leading_rows",
+    own = isinstance(original, types.MethodType) and original.__self__ is module
+    # the class's function (shared by every module of the class) rather than a method bound to this one
+    slot.original, slot.passes_self = (original.__func__, True) if own else (original, False)
+    slot.injection, slot.point = injection, point
+    if point.graph_module is not None:
+        slot.graph_forward = _shared_graph_forward(point, injection)
+    module.__dict__[_SLOT] = slot
+    forward = _output_point_forward if point.graph_module is None else _graph_point_forward
+    module.forward = types.MethodType(forward, module)
+
+
+_SLOT = "_fxreplace_slot"
+_SHARED_FORWARDS: dict[tuple, Callable] = {}
+
+
+def _unbind(module: nn.Module) -> None:
+    """Undo :func:`_bind`: the module's own forward again."""
+    del module.__dict__["forward"]
+    module.__dict__.pop(_SLOT, None)
+
+
+def _call_original(self, slot: _Slot, args, kwargs):
+    return slot.original(self, *args, **kwargs) if slot.passes_self else slot.original(*args, **kwargs)
+
+
+def _call_injection(injection: Injection, computed, replacement, mask, rank=None, leading_rows=False):
+    """The op a target's graph calls: its Injection arrives as an input, not as a constant of the
+    code, so every target of the same structure runs the same generated code."""
+    return injection(computed, replacement, mask, rank, leading_rows)
+
+
+def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callable:
+    """The forward of the point's graph (its target traced alone) with the replacement inputs
+    added, shared by every target whose graph generates the same code over the same globals."""
+    gm = point.graph_module
+    insert_replacements(gm, [InjectionSpec("", point.point, injection, "fxreplace_replacement")],
+                        leading_rows_input="fxreplace_leading_rows")
+    graph = gm.graph
+    node = next(n for n in graph.nodes if n.op == "call_function" and n.target is injection)
+    leading = next(n for n in graph.nodes if n.op == "placeholder" and n.target == "fxreplace_leading_rows")
+    with graph.inserting_after(leading):
+        given = graph.placeholder("fxreplace_injection", default_value=None)
+    node.target, node.args = _call_injection, (given, *node.args)
+    gm.recompile()
+    forward = type(gm).forward
+    used = forward.__code__.co_names
+    key = (gm.code, tuple((name, id(value)) for name, value in forward.__globals__.items() if name in used))
+    return _SHARED_FORWARDS.setdefault(key, forward)
+
+
+def _graph_point_forward(self, *args, **kwargs):
+    """The forward of a target whose point is a node inside it: its graph's code on the module."""
+    slot = self._fxreplace_slot
+    if not slot.take():
+        return _call_original(self, slot, args, kwargs)
+    return slot.graph_forward(
+        self, *args, **kwargs,
+        fxreplace_replacement=slot.replacement, fxreplace_mask=slot.mask,
+        fxreplace_leading_rows=slot.leading_rows, fxreplace_injection=slot.injection,
     )
-    graph_forward = type(point.graph_module).forward
-
-    def forward(*args, **kwargs):
-        if not slot.take():
-            return original(*args, **kwargs)
-        return graph_forward(
-            module, *args, **kwargs,
-            fxreplace_replacement=slot.replacement, fxreplace_mask=slot.mask,
-            fxreplace_leading_rows=slot.leading_rows,
-        )
-
-    module.forward = forward
 
 
-def _output_point_forward(original, point: InjectionPoint, injection: Injection, slot: _Slot):
+def _output_point_forward(self, *args, **kwargs):
     """The forward of a target whose injection point is its output (or ``output[i]``).
 
     Eager engines call it once per target per forward, so their common case comes first:
@@ -118,45 +165,39 @@ def _output_point_forward(original, point: InjectionPoint, injection: Injection,
     of a tuple and a call the Injection has checked with those buffers take the fast path
     (:meth:`~fxreplace.injection.CheckedCalls.fed_entry`). Anything else, and any
     tracing, goes through the Injection."""
-    index = point.output_index
-    module_name, where = point.module_name, point.point
-    kind = torch.Tensor if index is None else tuple
+    slot = self._fxreplace_slot
+    injection, index = slot.injection, slot.point.output_index
+    output = _call_original(self, slot, args, kwargs)
+    # (Dynamo may start tracing inside an eager forward: then the Injection decides)
+    if (slot.state is SlotState.FED and type(output) is (torch.Tensor if index is None else tuple)
+            and not injection.observers and not is_dynamo_compiling()):
+        value = output if index is None else output[index]
+        if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
+            entry = injection.checked.fed_entry(value)
+            if entry is not None:
+                slot.state = SlotState.TAKEN
+                return _with_injected(output, index, value, entry.inject(value))
+    if not slot.take():
+        return output
+    if index is None:
+        value = output
+    elif isinstance(output, (tuple, list)):
+        value = output[index]
+    else:
+        raise TargetError(f"{slot.point.module_name!r}: point {slot.point.point!r} indexes the output, but the module "
+                          f"returns a {type(output).__name__} (indexing would pick a row): use point='output'")
+    if type(value) is not torch.Tensor:
+        _check_point_value(value, slot.point.module_name, slot.point.point)
+    injected = injection(value, slot.replacement, slot.mask, None, slot.leading_rows)
+    return _with_injected(output, index, value, injected)
 
-    def forward(*args, **kwargs):
-        output = original(*args, **kwargs)
-        # (Dynamo may start tracing inside an eager forward: then the Injection decides)
-        if (slot.state is SlotState.FED and type(output) is kind and not injection.observers
-                and not is_dynamo_compiling()):
-            value = output if index is None else output[index]
-            if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
-                entry = injection.checked.fed_entry(value)
-                if entry is not None:
-                    slot.state = SlotState.TAKEN
-                    return with_injected(output, value, entry.inject(value))
-        return inject_at_point(output)
 
-    def inject_at_point(output):
-        if not slot.take():
-            return output
-        if index is None:
-            value = output
-        elif isinstance(output, (tuple, list)):
-            value = output[index]
-        else:
-            raise TargetError(f"{module_name!r}: point {where!r} indexes the output, but the module returns a "
-                              f"{type(output).__name__} (indexing would pick a row): use point='output'")
-        if type(value) is not torch.Tensor:
-            _check_point_value(value, module_name, where)
-        return with_injected(output, value, injection(value, slot.replacement, slot.mask, None, slot.leading_rows))
-
-    def with_injected(output, value, injected):
-        if index is None:
-            return injected
-        if injected is value:  # nothing replaced: the module's own output
-            return output
-        return with_element(output, index, injected)
-
-    return forward
+def _with_injected(output, index: int | None, value, injected):
+    if index is None:
+        return injected
+    if injected is value:  # nothing replaced: the module's own output
+        return output
+    return with_element(output, index, injected)
 
 
 def _check_point_value(value, module_name: str, where) -> None:
@@ -168,6 +209,26 @@ def _check_point_value(value, module_name: str, where) -> None:
     fallback = " (it cannot be traced alone, so 'auto' means its output)" if where == "auto" else ""
     raise TargetError(f"{module_name!r}: point {where!r}{fallback} is a {type(value).__name__}, not a tensor; use "
                       "point='output[i]' or a callable point")
+
+
+BypassHint = Callable[[nn.Module, str], "str | None"]
+_BYPASS_HINTS: list[BypassHint] = []
+
+
+def register_bypass_hint(hint: BypassHint) -> BypassHint:
+    """``hint(model, module_name)`` says what skipped a target that a forward did not reach and
+    what to turn off (e.g. a fused kernel a model family enables by a config flag), or None.
+    Families register theirs (see ``fxreplace.models.nxd``); :class:`TargetNotHitError` shows them."""
+    _BYPASS_HINTS.append(hint)
+    return hint
+
+
+def _bypass_hint(model: nn.Module, missed: list[str]) -> str:
+    hints = [h for name in missed for h in (hint(model, name) for hint in _BYPASS_HINTS) if h]
+    if not hints:
+        return ""
+    more = f" (and {len(hints) - 1} more like it)" if len(hints) > 1 else ""
+    return f"; {hints[0]}{more}"
 
 
 class Instrumentation:
@@ -182,6 +243,9 @@ class Instrumentation:
         self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # per target (values, mask) feed buffers, once fed
         self.overridden = False  # whether the slots hold a forward's own replacements (not the fed buffers)
         self.running = threading.Lock()  # held by the one eager forward in progress
+        self.bound = False  # whether the feed buffers are a context's own tensors (feed(bind=True))
+        self.unbound_by_move: str | None = None  # the device a move made copies of bound buffers on
+        self.forced: dict[str, torch.Tensor] | None = None  # see forcing()
 
     def buffer_names(self, i: int) -> tuple[str, str]:
         return f"_fxreplace_feed_{i}", f"_fxreplace_feed_mask_{i}"
@@ -194,7 +258,38 @@ class Instrumentation:
             slot.fed = (values, mask, True)
             slot.hold_fed()
 
+    def follow_move(self, model: nn.Module) -> None:
+        """After ``model.to(...)`` (or any ``_apply``): the fed buffers are the model's new
+        tensors, so the slots read those. Bound buffers are now copies of the context the
+        caller writes into: forwards refuse to run until it is fed again."""
+        if not self.fed:
+            return
+        moved = [(getattr(model, v), getattr(model, m)) for v, m in map(self.buffer_names, range(len(self.targets)))]
+        if all(a is b for pair, old in zip(moved, self.fed) for a, b in zip(pair, old)):
+            return
+        if self.bound:
+            self.unbound_by_move = str(moved[0][0].device)
+        self.remember_buffers(model)
+        for injection in self.injections:
+            injection.share_fed(None)
+
+    @contextmanager
+    def forcing(self, values: Mapping[str, torch.Tensor]):
+        """While inside, an eager forward without ``replacements=`` replaces every row of the
+        targets named in ``values`` (capture names) and nothing else; the fed buffers are kept."""
+        self.forced = dict(values)
+        try:
+            yield
+        finally:
+            self.forced = None
+
     def arm(self, model: nn.Module, replacements) -> None:
+        if replacements is None and self.unbound_by_move is not None:
+            raise ValueError(
+                f"the model moved to {self.unbound_by_move} after feed(bind=True): its buffers are now copies, no "
+                f"longer the context you write into; feed(ctx.to({self.unbound_by_move!r}), bind=True) after the move")
+        if replacements is None and self.forced is not None:
+            replacements = self.forced
         if replacements is None:  # the fed buffers (or nothing), which the slots hold between forwards
             # FED only eagerly: a forward that make_fx/export/jit.trace records must reach the
             # Injection, which keeps Python state out of the recorded graph
@@ -240,7 +335,7 @@ class Instrumentation:
             self.overridden = False
         return missed
 
-    def finish(self) -> None:
+    def finish(self, model: nn.Module) -> None:
         """:meth:`reset` after a forward that returned; every armed target must have been reached."""
         for slot in self.slots:
             if slot.state is not SlotState.TAKEN:
@@ -253,7 +348,7 @@ class Instrumentation:
         if missed:
             raise TargetNotHitError(
                 f"targets not reached in this forward (a replaced or fused forward may skip them): {missed}"
-            )
+                + _bypass_hint(model, missed))
 
 
 class InstrumentedModel:
@@ -283,7 +378,7 @@ class InstrumentedModel:
             except BaseException:
                 state.reset()  # a failed forward must leave no replacement armed for later calls
                 raise
-            state.finish()
+            state.finish(self)
         finally:
             if exclusive:
                 state.running.release()
@@ -297,14 +392,15 @@ class InstrumentedModel:
         cls = type(self).__bases__[1]
         twin = cls.__new__(cls)
         memo[id(self)] = twin
-        own_forwards = {id(self.get_submodule(t.module_name).__dict__["forward"]) for t in state.targets}
+        for slot in state.slots:  # not copied: the twin gets its own
+            memo[id(slot)] = None
         for key, value in self.__dict__.items():
             if key != "_fxreplace":
                 twin.__dict__[key] = copy.deepcopy(value, memo)
         for target in state.targets:
             module = twin.get_submodule(target.module_name)
-            if id(module.__dict__.get("forward")) in own_forwards:
-                del module.__dict__["forward"]
+            if _SLOT in module.__dict__:  # the copied instance forward reads this model's slot
+                _unbind(module)
         instrument(twin, [t.as_target() for t in state.targets], max_tokens=state.max_tokens)
         if state.fed:
             twin._fxreplace.remember_buffers(twin)
@@ -358,6 +454,7 @@ class InstrumentedModel:
                 self.register_buffer(values_name, tensors[name], persistent=False)
                 self.register_buffer(mask_name, replacements.mask_for(name), persistent=False)
             state.remember_buffers(self)
+            state.bound, state.unbound_by_move = True, None
             for injection, (values, mask) in zip(state.injections, state.fed):
                 injection.share_fed(values, mask)
             return
@@ -385,8 +482,15 @@ class InstrumentedModel:
             values_buf[:tokens].copy_(value)
             mask_buf[:tokens].copy_(mask if mask is not None else torch.ones(tokens, dtype=torch.bool, device=value.device))
         state.remember_buffers(self)
+        state.bound, state.unbound_by_move = False, None
         for injection in state.injections:
             injection.share_fed(None)
+
+    def _apply(self, fn, *args, **kwargs):
+        """``to()``, ``cuda()``, ``half()``...: the fed buffers move with the model and the targets read them there."""
+        out = super()._apply(fn, *args, **kwargs)
+        self._fxreplace.follow_move(self)
+        return out
 
     @torch.no_grad()
     def clear(self) -> None:
@@ -432,6 +536,7 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
     points, injections, slots = [], [], []
     for target in resolved:
         module = model.get_submodule(target.module_name)
+        check_output_point_read(model, target.module_name, target.point)
         point = locate_injection_point(module, target.module_name, target.point)
         injection = Injection(target.module_name, module, target.adapter, target.shard)
         check_adapter_fits(target.module_name, target.point, target.adapter,
@@ -453,7 +558,7 @@ def uninstrument(model: nn.Module) -> nn.Module:
         raise ValueError("model is not instrumented")
     state = model._fxreplace
     for target in state.targets:
-        del model.get_submodule(target.module_name).__dict__["forward"]
+        _unbind(model.get_submodule(target.module_name))
     for i in range(len(state.targets)):
         for name in state.buffer_names(i):
             model._buffers.pop(name, None)

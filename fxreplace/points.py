@@ -225,7 +225,7 @@ def check_output_point_read(model: nn.Module, module_name: str, point: Point) ->
     raise TargetNotLiveError(
         f"target {module_name!r}, point {point!r}: its caller {parent_name!r} never reads {point} (it reads "
         f"{_read_elements(calls) or 'none of its outputs'}), so a replacement there changes nothing downstream; "
-        f"{_working_point(module, module_name)}")
+        f"{working_point(module, point)}")
 
 
 def _read_elements(calls: list[fx.Node]) -> str:
@@ -233,17 +233,18 @@ def _read_elements(calls: list[fx.Node]) -> str:
     return ", ".join(f"output[{i}]" for i in read)
 
 
-def _working_point(module: nn.Module, module_name: str) -> str:
-    """What to target instead: the linear inside the module whose value its other outputs come from."""
+def working_point(module: nn.Module, point: Point) -> str:
+    """What to target instead of a dead ``point``: the linear inside the module that its outputs
+    come from, when the module has one and ``point`` is not already it."""
     try:
         gm = trace_alone(module)
         node = find_injection_node(gm, "", "auto")
     except Exception:
         node = None
-    if node is not None and is_linear(node, gm):
+    if point != "auto" and node is not None and is_linear(node, gm):
         inner = f" ({node.target})" if node.op == "call_module" else ""
         return f"use point='auto': the logits{inner} the module computes its other outputs from"
-    return "target the value its caller reads (another point, or the module that consumes it)"
+    return "target a value the model reads on the way to its output (another point, or the module that consumes it)"
 
 
 def locate_injection_point(module: nn.Module, module_name: str, point: Point = "auto") -> InjectionPoint:

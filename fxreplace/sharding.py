@@ -89,9 +89,9 @@ def require(condition, message: Callable[[], str]) -> None:
         torch._check(condition, message)
 
 
-def _local_block(x: torch.Tensor, dim: int, world_size: int, rank, what: str) -> torch.Tensor:
+def _local_block(x: torch.Tensor, dim: int, world_size: int, rank, what: Callable[[], str]) -> torch.Tensor:
     size = x.shape[dim]
-    require(size % world_size == 0, lambda: f"{what}: size {size} is not divisible by world_size {world_size}")
+    require(size % world_size == 0, lambda: f"{what()}: size {size} is not divisible by world_size {world_size}")
     block = size // world_size
     if isinstance(rank, int):
         return x.narrow(dim, rank * block, block)
@@ -100,14 +100,15 @@ def _local_block(x: torch.Tensor, dim: int, world_size: int, rank, what: str) ->
     return x.index_select(dim, index)
 
 
-def shard_rows(x: torch.Tensor, spec: ShardSpec | None, rank, what: str) -> torch.Tensor:
-    """Sequence parallel: this rank's block of rows (tokens)."""
+def shard_rows(x: torch.Tensor, spec: ShardSpec | None, rank, what: Callable[[], str]) -> torch.Tensor:
+    """Sequence parallel: this rank's block of rows (tokens). ``what()`` names them in an error
+    (a callable: a name formatted on every call would be a constant a compiled graph guards on)."""
     if spec is None or spec.mode != "sequence" or spec.world_size == 1:
         return x
     return _local_block(x, 0, spec.world_size, rank, what)
 
 
-def shard_columns(x: torch.Tensor, spec: ShardSpec | None, rank, what: str) -> torch.Tensor:
+def shard_columns(x: torch.Tensor, spec: ShardSpec | None, rank, what: Callable[[], str]) -> torch.Tensor:
     """Expert parallel: this rank's block of the last (expert) dimension."""
     if spec is None or spec.mode != "expert" or spec.world_size == 1:
         return x

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxreplace.instrument import register_bypass_hint
 from fxreplace.targets import Target
 
 from . import get_family
@@ -46,6 +47,23 @@ def nxd_targets(hf_architecture: str = "Qwen3MoeForCausalLM") -> tuple[Target, .
     if router.pattern.count("*") != 1:
         raise ValueError(f"{hf_architecture}'s router target {router.pattern!r} does not name one module per layer")
     return (Target(NXD_ROUTER, name=router.pattern.replace("*", "{}")),)
+
+
+@register_bypass_hint
+def fused_kernel_hint(model: nn.Module, module_name: str) -> str | None:
+    """NxD's MoE with its fused token-generation kernel (``moe_fused_tkg``, built when the model's
+    ``moe_fused_nki_kernel_enabled`` is set) computes the router inside one kernel at token
+    generation, so the router module never runs there."""
+    parent_name = module_name.rpartition(".")[0]
+    try:
+        parent = model.get_submodule(parent_name)
+    except AttributeError:
+        return None
+    if getattr(parent, "moe_fused_tkg", None) is None:
+        return None
+    return (f"{parent_name}.moe_fused_tkg, NxD's fused token-generation MoE kernel, computes the router inside one "
+            f"kernel and skips {module_name}: build the model with moe_fused_nki_kernel_enabled=False "
+            "(MoENeuronConfig) for a replacement run")
 
 
 # ----------------------------------------------------------------------------- the stand-in
@@ -266,6 +284,8 @@ class NxDQwen3MoeModel(nn.Module):
             src, dst = f"model.layers.{n}.", f"layers.{n}."
             for name in ("input_layernorm", "post_attention_layernorm"):
                 own[f"{dst}{name}.weight"] = hf[f"{src}{name}.weight"]
+            if model.neuron_config.moe_fused_nki_kernel_enabled:  # the same norm, owned by the MoE too
+                own[f"{dst}mlp.rmsnorm.weight"] = hf[f"{src}post_attention_layernorm.weight"]
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 own[f"{dst}self_attn.{name}.weight"] = hf[f"{src}self_attn.{name}.weight"]
             own[f"{dst}self_attn.q_layernorm.weight"] = hf[f"{src}self_attn.q_norm.weight"]

@@ -4,14 +4,20 @@ replacement fed per step in NxDI's bucketed layouts (context encoding padded to 
 token generation one row per sequence, speculation 1 + k rows) gives back HF's logits from a
 model whose routers are off. Runs in both environments (the compat one is what NxDI pins)."""
 
+import copy
+
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
-from fxreplace import instrument
+from fxreplace import ReplacementContext, Target, TargetNotHitError, instrument, uninstrument
 from fxreplace.capture import capture_reference
 from fxreplace.models import get_family, tiny_model
-from fxreplace.models.nxd import BucketedApplication, NeuronConfig, NxDQwen3MoeModel, nxd_targets
+from fxreplace.liveness import check_live
+from fxreplace.models.nxd import NXD_ROUTER, BucketedApplication, NeuronConfig, NxDQwen3MoeModel, nxd_targets
+from fxreplace.points import TargetNotLiveError
 from fxreplace.replacer import TensorReplacer
+from graph_helpers import random_context
 
 pytestmark = pytest.mark.compat
 
@@ -103,3 +109,73 @@ def test_fed_hf_router_logits_give_back_hf_logits(hf, reference, speculation_len
     assert run_steps(app, reference, feeder(app, model, reference)) < 1e-4
     model.clear()
     assert run_steps(app, reference) > 0.1  # cleared: the faulty routers again
+
+
+def context_step(app):
+    return torch.tensor(PROMPTS), torch.arange(len(PROMPTS[0])).expand(len(PROMPTS), len(PROMPTS[0]))
+
+
+def test_router_output0_is_refused_at_instrument_time_and_auto_passes(hf):
+    app = stand_in(hf)
+    with pytest.raises(TargetNotLiveError, match=r"'layers\.0\.mlp\.router', point 'output\[0\]'.*caller 'layers\.0\.mlp' "
+                                                 r"never reads output\[0\].*point='auto'.*linear_router"):
+        instrument(app.model, [Target(NXD_ROUTER, point="output[0]")])
+    model = instrument(app.model, nxd_targets(HF_ARCH), max_tokens=app.max_tokens)
+    moved = check_live(model, lambda: app.forward(*context_step(app)))
+    assert set(moved) == set(model.targets) and min(moved.values()) > 0
+
+
+def test_liveness_check_flags_output0_where_no_graph_decides(hf):
+    """With the fused kernel configured, NxD's MoE branches on the step's length, so it cannot be
+    traced alone and instrument() cannot see that output[0] is dropped: the run-time check can."""
+    app = stand_in(hf, moe_fused_nki_kernel_enabled=True)
+    model = instrument(app.model, [Target(NXD_ROUTER, point="output[0]")], max_tokens=app.max_tokens)
+    model.feed(ReplacementContext({n: torch.ones(app.max_tokens, 8) for n in ("layers.0.mlp.router", "layers.1.mlp.router")},
+                                  torch.ones(app.max_tokens, dtype=torch.bool)))
+    fed = [values.clone() for values, _ in model._fxreplace.fed]
+    run = lambda: app.forward(*context_step(app))  # noqa: E731
+    before = run()
+    with pytest.raises(TargetNotLiveError, match=r"'layers\.0\.mlp\.router' \(point 'output\[0\]'\), "
+                                                 r"'layers\.1\.mlp\.router' \(point 'output\[0\]'\).*point='auto'"):
+        check_live(model, run)
+    assert all(torch.equal(a, b) for a, (b, _) in zip(fed, model._fxreplace.fed))  # the feed is left as it was
+    assert torch.equal(run(), before)
+    uninstrument(model)
+    assert min(check_live(instrument(app.model, nxd_targets(HF_ARCH)), run).values()) > 0
+
+
+def test_fused_token_generation_kernel_raises_target_not_hit_naming_the_switch(hf, reference):
+    app = stand_in(hf, moe_fused_nki_kernel_enabled=True)
+    model = instrument(app.model, nxd_targets(HF_ARCH), max_tokens=app.max_tokens)
+    app.forward(*context_step(app))  # context encoding runs the router
+    with pytest.raises(TargetNotHitError, match=r"layers\.0\.mlp\.router.*layers\.0\.mlp\.moe_fused_tkg.*"
+                                                r"moe_fused_nki_kernel_enabled=False"):
+        app.forward(torch.tensor([[1], [2]]), torch.full((2, 1), 5))
+    assert model.targets  # the model stays usable: context encoding still replaces
+    app.forward(*context_step(app))
+
+
+def test_graph_break_in_every_layer_compiles_as_many_graphs_instrumented_as_plain():
+    """NxDI's module markers break Dynamo graphs inside every decoder layer; the frames resumed
+    after a break must not recompile per layer because each layer's router is instrumented."""
+    hf = tiny_model(HF_ARCH, num_hidden_layers=4)
+    plain = NxDQwen3MoeModel.from_hf(hf, NeuronConfig(batch_size=1, buckets=(8,)))
+    instrumented = instrument(copy.deepcopy(plain), nxd_targets(HF_ARCH), max_tokens=8)
+    names = [t.capture_name for t in instrumented._fxreplace.targets]
+    ids, positions = torch.arange(8)[None], torch.arange(8)[None]
+    graphs = {}
+    for label, model, contexts in (("plain", plain, [None] * 3),
+                                   ("instrumented", instrumented, [random_context(names, 8, 8, seed=1), None,
+                                                                   random_context(names, 8, 8, seed=2)])):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter)
+        with torch.no_grad():
+            for ctx in contexts:
+                if label == "instrumented":
+                    model.feed(ctx) if ctx is not None else model.clear()
+                compiled(ids, positions)
+        graphs[label] = counter.frame_count
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert sum(breaks.values()) > 0, "the stand-in's markers no longer break graphs"
+    assert graphs["instrumented"] == graphs["plain"], graphs

@@ -1,0 +1,78 @@
+"""Every target proven live: a replacement that cannot reach the model's output is an error.
+
+:func:`~fxreplace.instrument.instrument` refuses what a graph shows dead (an ``output[i]``
+its caller never reads, :func:`~fxreplace.points.check_output_point_read`). What no graph
+decides (a caller that cannot be traced, a value read but then dropped) :func:`check_live`
+decides by running the model: one forward per target with a random replacement at that
+target alone, which must move the model's output.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .instrument import InstrumentedModel, observe
+from .points import TargetNotLiveError, working_point
+
+Run = Callable[[], object]
+
+
+def _output_tensor(output) -> torch.Tensor:
+    """What a forward returns, as one tensor: a tensor, or an HF output's ``logits``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"check_live needs run() to return the model's output tensor (or an object with .logits), "
+                    f"got {type(output).__name__}")
+
+
+@torch.no_grad()
+def check_live(model: torch.nn.Module, run: Run, *, seed: int = 0) -> dict[str, float]:
+    """Prove that each of ``model``'s targets reaches its output.
+
+    ``run()`` runs one forward of the instrumented model and returns its output (logits, or an HF
+    output): call the model directly, or through the application that owns the forward (e.g.
+    NxDI's bucketed wrapper), without ``replacements=``. It runs once with every replacement off
+    and once per target with random values (the computed value's mean and spread) replacing all
+    rows of that target alone; the fed buffers are left as they were. Eager only.
+
+    Returns ``{module name: max |output change|}``. Raises :class:`TargetNotLiveError` naming
+    every target whose replacement left the output unchanged, its point, and the point that works.
+    """
+    if not isinstance(model, InstrumentedModel):
+        raise ValueError("check_live() needs an instrumented model")
+    state = model._fxreplace
+    computed: dict[str, torch.Tensor] = {}
+
+    def record(name: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            computed[name] = value.detach().reshape(-1, value.shape[-1])
+
+    with state.forcing({}), observe(model, record):
+        baseline = _output_tensor(run()).clone()
+    moved: dict[str, float] = {}
+    dead = []
+    generator = torch.Generator().manual_seed(seed)
+    for target in state.targets:
+        value = computed.get(target.capture_name)
+        if value is None:
+            raise TypeError(f"check_live: {target.module_name!r} (point {target.point!r}) computes no single tensor; "
+                            "check it by replacing it in a validation run")
+        spread = value.float().std().nan_to_num(1.0) + 1.0
+        noise = torch.randn(value.shape, generator=generator) * spread + value.float().mean()
+        with state.forcing({target.capture_name: noise.to(value.device)}):
+            output = _output_tensor(run())
+        moved[target.module_name] = (output.float() - baseline.float()).abs().max().item()
+        if moved[target.module_name] == 0:
+            dead.append(target)
+    if dead:
+        module = model.get_submodule(dead[0].module_name)
+        raise TargetNotLiveError(
+            f"replacing these targets does not change the model's output: "
+            f"{', '.join(f'{t.module_name!r} (point {t.point!r})' for t in dead)}; "
+            f"{working_point(module, dead[0].point)}")
+    return moved
