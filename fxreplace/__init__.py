@@ -16,6 +16,8 @@ from .config import ConfigError, ReplacementConfig, TensorReplacementConfig
 from .context import ReplacementContext
 from .export import export, export_input_name
 from .instrument import TargetNotHitError, instrument, observe, uninstrument
+from .liveness import check_live
+from .points import TargetNotLiveError
 from .replacer import TensorReplacer
 from .sharding import ShapeError, ShardSpec
 from .store import CaptureError, ReferenceStore, StoreError, StoreWriter, merge_stores, repack_store
@@ -52,10 +54,12 @@ __all__ = [
     "Target",
     "TargetError",
     "TargetNotHitError",
+    "TargetNotLiveError",
     "TensorReplacementConfig",
     "TensorReplacer",
     "blame",
     "capture_reference",
+    "check_live",
     "export",
     "export_input_name",
     "get_adapter",

@@ -179,3 +179,18 @@ def test_graph_break_in_every_layer_compiles_as_many_graphs_instrumented_as_plai
     breaks = torch._dynamo.utils.counters["graph_break"]
     assert sum(breaks.values()) > 0, "the stand-in's markers no longer break graphs"
     assert graphs["instrumented"] == graphs["plain"], graphs
+
+
+def test_cli_inspect_check_live(capsys):
+    """`fxreplace inspect MODEL --check-live`: the family's targets pass, a dead point is one error line."""
+    from fxreplace.cli import main
+
+    assert main(["inspect", "builtin:NeuronMoeForCausalLM", "--check-live"]) == 0
+    out = capsys.readouterr().out
+    assert "every target reaches the logits" in out and "model.layers.1.mlp.router" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", "builtin:NeuronMoeForCausalLM", "--check-live", "model.layers.*.mlp.router@output[0]"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: ") and "'model.layers.0.mlp.router', point 'output[0]'" in error[0]
+    assert "point='auto'" in error[0]
