@@ -244,7 +244,7 @@ class Instrumentation:
         self.overridden = False  # whether the slots hold a forward's own replacements (not the fed buffers)
         self.running = threading.Lock()  # held by the one eager forward in progress
         self.bound = False  # whether the feed buffers are a context's own tensors (feed(bind=True))
-        self.unbound_by_move: str | None = None  # the device a move made copies of bound buffers on
+        self.unbound_by_move: str | None = None  # where a move made copies of bound buffers (dtype, device)
         self.forced: dict[str, torch.Tensor] | None = None  # see forcing()
 
     def buffer_names(self, i: int) -> tuple[str, str]:
@@ -268,7 +268,7 @@ class Instrumentation:
         if all(a is b for pair, old in zip(moved, self.fed) for a, b in zip(pair, old)):
             return
         if self.bound:
-            self.unbound_by_move = str(moved[0][0].device)
+            self.unbound_by_move = f"{moved[0][0].dtype} on {moved[0][0].device}"
         self.remember_buffers(model)
         for injection in self.injections:
             injection.share_fed(None)
@@ -286,8 +286,9 @@ class Instrumentation:
     def arm(self, model: nn.Module, replacements) -> None:
         if replacements is None and self.unbound_by_move is not None:
             raise ValueError(
-                f"the model moved to {self.unbound_by_move} after feed(bind=True): its buffers are now copies, no "
-                f"longer the context you write into; feed(ctx.to({self.unbound_by_move!r}), bind=True) after the move")
+                f"the model was moved or converted after feed(bind=True): its feed buffers are now copies "
+                f"({self.unbound_by_move}), no longer the context you write into; feed the context again after the "
+                "move, built or moved there (feed(ctx.to(device), bind=True))")
         if replacements is None and self.forced is not None:
             replacements = self.forced
         if replacements is None:  # the fed buffers (or nothing), which the slots hold between forwards

@@ -194,3 +194,18 @@ def test_cli_inspect_check_live(capsys):
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("error: ") and "'model.layers.0.mlp.router', point 'output[0]'" in error[0]
     assert "point='auto'" in error[0]
+
+
+def test_a_bound_feed_refuses_to_run_after_the_model_moves(hf):
+    """feed(bind=True) makes the buffers the context's own tensors; a move (here a conversion, the
+    same _apply) makes copies the caller no longer writes into: the next forward says to feed again."""
+    app = stand_in(hf)
+    model = instrument(app.model, nxd_targets(HF_ARCH), max_tokens=app.max_tokens)
+    names = [t.capture_name for t in model._fxreplace.targets]
+    ctx = random_context(names, 8, app.max_tokens, seed=3)
+    model.feed(ctx, bind=True)
+    model.double()
+    with pytest.raises(ValueError, match=r"moved or converted after feed\(bind=True\).*torch\.float64 on cpu.*feed"):
+        app.forward(*context_step(app))
+    model.feed(ReplacementContext({n: ctx[n].double() for n in names}, ctx.mask), bind=True)
+    assert app.forward(*context_step(app)).dtype == torch.float64
