@@ -183,6 +183,7 @@ def _metadata(model, names: list[str], max_new_tokens: int, texts: list, found: 
         "architecture": architecture(config, type(model).__name__),
         "model_type": getattr(config, "model_type", ""),
         "vocab_size": config.vocab_size,
+        "num_hidden_layers": getattr(config, "num_hidden_layers", None),  # another count: another model
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "targets": names,
         "max_new_tokens": max_new_tokens,

@@ -208,11 +208,15 @@ def model_architecture(spec: str) -> str:
 
     if spec.startswith("builtin:"):
         return spec.removeprefix("builtin:")
+    return architecture(_config_json(spec), "unknown")
+
+
+def _config_json(spec: str) -> dict:
+    """A model directory's config.json."""
     try:
-        config = json.loads((Path(spec) / "config.json").read_text())
+        return json.loads((Path(spec) / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UsageError(f"cannot read {Path(spec) / 'config.json'}: {e}") from None
-    return architecture(config, "unknown")
 
 
 def check_writable_dir(path: str, option: str) -> None:
@@ -255,35 +259,15 @@ def check_reference_matches(reference, reference_path: str, model_name: str, arc
                          "validate the model the reference was captured from, or capture a new one")
 
 
-def layerless(name: str) -> str:
-    """A capture name with its layer index as ``*`` (``model.layers.*.mlp.gate``)."""
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name, count=1)
-
-
-def check_layer_count(reference, reference_path: str, model_name: str, wanted: list[str]) -> None:
-    """Captures of the same modules at other layers: the reference comes from a model with
-    another layer count (another model), which no --target fixes."""
-    held = reference.store.capture_names
-    if not wanted or {layerless(n) for n in wanted} - {layerless(n) for n in held}:
-        return  # other modules, not other layers
-    pattern = layerless(wanted[0])
-    count = lambda names: sum(1 for n in names if layerless(n) == pattern)  # noqa: E731
-    if count(held) != count(wanted):
-        raise UsageError(f"the reference {reference_path} holds {pattern} for {count(held)} layers but {model_name} "
-                         f"has {count(wanted)}: it was captured from another model",
+def check_layer_count(reference, reference_path: str, model_name: str, layers: int | None) -> None:
+    """A reference captured from a model with another layer count comes from another model,
+    which no --target fixes (recorded at capture as ``num_hidden_layers``)."""
+    recorded = reference.metadata.get("num_hidden_layers")
+    if recorded is not None and layers is not None and recorded != layers:
+        raise UsageError(f"the reference {reference_path} was captured from a model with {recorded} layers but "
+                         f"{model_name} has {layers}: it was captured from another model",
                          "validate the model the reference was captured from, or capture a new reference from "
                          f"{model_name}")
-
-
-def family_capture_names(model) -> list[str]:
-    """The capture names of the model family's targets in ``model`` (none for a family fxreplace does not know)."""
-    from .targets import resolve_targets
-
-    try:
-        targets = default_targets(model)
-    except KeyError:  # get_family: not a registered family
-        return []
-    return [r.capture_name for r in resolve_targets(model, targets)]
 
 
 def default_targets(model) -> list:
@@ -544,14 +528,13 @@ def _validate(args) -> int:
     dtype = torch_dtype(args.dtype)
     model = load_model(args.model, dtype)
     check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
+    check_layer_count(reference, args.reference, args.model, getattr(model.config, "num_hidden_layers", None))
     _check_vocab(reference, args.model, model.config.vocab_size)
     replacement = _replacement_config(args, tensors=reference.store)
     targets = list(replacement.targets or default_targets(model))
     target = instrument(model, targets)
-    wanted = [t.capture_name for t in target._fxreplace.targets]
-    missing = [t for t in wanted if t not in reference.store.columns]
+    missing = [t for t in (t.capture_name for t in target._fxreplace.targets) if t not in reference.store.columns]
     if missing:
-        check_layer_count(reference, args.reference, args.model, wanted)
         raise UsageError(f"the reference holds no captures for targets {missing}; it has {reference.store.capture_names}",
                          "give --target patterns the reference captured, or capture them (`fxreplace capture --target`)")
     bucket = args.bucket or 1 << (_longest_sequence(reference) - 1).bit_length()
@@ -602,6 +585,7 @@ def _validate_vllm(args) -> int:
         raise UsageError(f"--logprobs must be -1 (whole vocabulary) or a positive count, got {args.logprobs}")
     reference = load_reference_arg(args.reference)
     check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
+    check_layer_count(reference, args.reference, args.model, _config_json(args.model).get("num_hidden_layers"))
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: f"no report written ({folder_state(args.report_dir, '--report-dir')})"
     from .vllm.engine import VllmEngine
@@ -652,6 +636,7 @@ def _blame(args) -> int:
                 raise UsageError(f"--engine vllm needs a local checkpoint directory, got {args.model!r}")
             check_model_dir(args.model)
             check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
+            check_layer_count(reference, args.reference, args.model, _config_json(args.model).get("num_hidden_layers"))
             if args.compile or args.component or args.clean:
                 raise UsageError("--compile, --component and --clean are for --engine runner (vLLM compiles unless "
                                  "--eager; its components come from the family's vllm_components)",
@@ -669,7 +654,7 @@ def _blame(args) -> int:
         else:
             dtype = torch_dtype(args.dtype)
             model = load_model(args.model, dtype)  # blame() checks it and the clean model against the reference
-            check_layer_count(reference, args.reference, args.model, family_capture_names(model))
+            check_layer_count(reference, args.reference, args.model, getattr(model.config, "num_hidden_layers", None))
             clean = None
             if args.clean:
                 check_reference_matches(reference, args.reference, args.clean, model_architecture(args.clean))

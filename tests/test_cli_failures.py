@@ -169,7 +169,7 @@ def test_a_store_whose_writer_died_says_so_in_the_line(tmp_path, capsys, monkeyp
 
 def test_hints_point_at_the_actual_fix(tmp_path, capsys, monkeypatch):
     """A reference from a model with another layer count is another model (no --target fixes
-    it); the commands a hint suggests name the reference model by its absolute path, so they
+    it; a reference of a subset of the targets is not); the commands a hint suggests name the reference model by its absolute path, so they
     work from any directory."""
     from fxreplace.models import tiny_model
 
@@ -184,8 +184,13 @@ def test_hints_point_at_the_actual_fix(tmp_path, capsys, monkeypatch):
     for command in (["validate"], ["blame"]):
         assert exit_code(command + ["deeper", "--reference", "ref", "--dtype", "float32"]) == 2
         err = last_error_line(capsys)
-        assert (f"the reference ref holds model.layers.*.mlp.gate for {layers} layers but deeper has {layers + 1}: it "
+        assert (f"the reference ref was captured from a model with {layers} layers but deeper has {layers + 1}: it "
                 "was captured from another model; hint: validate the model the reference was captured from") in err, err
+    assert cli(["capture", "clean", "--prompts", "p.json", "--out", "layer0", "--max-new-tokens", "1",
+                "--target", "model.layers.0.mlp.gate"]) == 0
+    capsys.readouterr()
+    assert exit_code(["validate", "clean", "--reference", "layer0", "--dtype", "float32"]) == 2
+    assert "give --target patterns the reference captured" in last_error_line(capsys)  # the same model: a subset
     monkeypatch.chdir(tmp_path / "clean")  # elsewhere: the hint's --clean still names the reference model
     assert exit_code(["blame", str(tmp_path / "clean"), "--reference", str(tmp_path / "ref"), "--dtype", "float32",
                       "--report-dir", str(tmp_path / "blame")]) == 2
