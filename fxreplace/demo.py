@@ -7,7 +7,8 @@ without and with router-logit replacement, and a report is written. Then
 what router replacement leaves (bf16 rounding: it reports diffuse drift), and a copy
 of the fp32 weights with two planted faults (it names both). The reference holds the
 router logits only: blame captures the components it needs from the clean model on
-demand, stores them beside the reference and the second search reuses them.
+demand, stores them beside the reference and the second search reuses them. The demo ends
+with :mod:`fxreplace.repro`: the planted fault's first origin alone, run in eager ("the port").
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from pathlib import Path
 
 import torch
 
+from . import repro_run
 from .blame import blame
 from .capture import capture_reference
 from .instrument import instrument
 from .replacer import TensorReplacer
 from .report import print_summary
+from .repro import write_repro
 from .runner import Runner, RunnerConfig
 from .validation import ValidationResult, logit_validation
 
@@ -110,6 +113,12 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
     found.write_report(Path(cfg.report_dir) / "blame-planted")
     print(found.table(limit=6))
     print(f"blame verdict (planted): {found.verdict}")
+    print()
+    folder = write_repro(planted, reference_model, reference_dir, found, Path(cfg.report_dir) / "repro", inputs=2,
+                         prompts=blame_prompts)
+    print(f"repro: the first origin alone, as a ticket for the compiler team ({folder}; "
+          f"`fxreplace repro run {folder} --backend inductor`); in eager:")
+    repro_run.run(folder)
     print(f"report: {Path(report).resolve()}, {Path(cfg.report_dir).resolve() / 'blame.html'}, "
           f"{Path(cfg.report_dir).resolve() / 'blame-planted' / 'blame.html'}   ({time.perf_counter() - started:.0f} s)")
     return result

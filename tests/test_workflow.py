@@ -213,6 +213,9 @@ def test_demo_end_to_end_compiled(tmp_path, capsys):
     assert summary["on"]["mean_kl"] < summary["off"]["mean_kl"], "reference routing brings the bf16 target closer"
     blamed = json.loads((tmp_path / "report" / "blame.json").read_text())  # the demo ends with a blame summary
     assert "blame verdict:" in out and blamed["passes"] == len(blamed["pass_log"]) and blamed["ranking"]
+    # ... and with the repro of the planted fault's first origin, which disagrees already in eager
+    assert "verdict: the port: the target's component disagrees with the reference already in eager" in out
+    assert (tmp_path / "report" / "repro" / "README.md").is_file()
 
 
 def test_cli_bad_model_directory_and_arguments(tmp_path, capsys):
