@@ -78,9 +78,9 @@ class Repro:
 
     def run(self, backend: str) -> list[list[torch.Tensor]]:
         """Every input through the program under ``backend``; outputs on the CPU."""
-        module = self.program.module()
         if backend == "xla":
-            return _run_xla(module, self.inputs)
+            return _run_xla(self.program, self.inputs)
+        module = self.program.module()
         if backend != "eager":
             torch._dynamo.reset()
             module = torch.compile(module, backend=resolve_backend(backend))
@@ -104,13 +104,17 @@ def resolve_backend(spec: str):
         raise ReproError(f"--backend {spec}: cannot import it ({e})") from None
 
 
-def _run_xla(module, inputs):
+def _run_xla(program, inputs):
+    """The program on torch_xla's lazy device (its device-specific nodes moved there too), one
+    graph per input synced, outputs back on the CPU."""
     try:
         import torch_xla
     except ImportError:
         raise ReproError("--backend xla needs torch_xla (PJRT_DEVICE=CPU runs it on the CPU)") from None
+    from torch.export.passes import move_to_device_pass
+
     device = torch_xla.device()
-    module = module.to(device)
+    module = move_to_device_pass(program, device).module()
     outs = []
     with torch.no_grad():
         for item in inputs:

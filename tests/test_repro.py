@@ -193,3 +193,18 @@ def test_mistakes_are_one_line(clean, reference, tmp_path, capsys):
              "--component", "model.layers.0.mlp.gate", "--out", str(tmp_path)])
     assert raised.value.code == 2 and "is not empty and holds no repro" in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.xla
+def test_xla_on_the_cpu_runs_the_folder(clean, reference, tmp_path):
+    """torch-xla's CPU device (the Neuron path's tracing): a clean router agrees, a flipped one is
+    the port, whatever XLA does."""
+    component = "model.layers.0.mlp.gate"
+    out = write_repro(clean, clean, reference, component, tmp_path / "clean", inputs=2)
+    done = run_fresh(out, "--backend", "xla")
+    assert done.returncode == repro_run.EXIT_AGREES, done.stdout + done.stderr
+    assert "verdict: agrees: eager and xla match the reference" in done.stdout
+    out = write_repro(planted(clean, component), clean, reference, component, tmp_path / "flipped", inputs=2)
+    done = run_fresh(out, "--backend", "xla")
+    assert done.returncode == repro_run.EXIT_DISAGREES and "verdict: the port" in done.stdout, done.stderr
+    assert all(r[5] < 1e-5 for r in table(done.stdout)), done.stdout
