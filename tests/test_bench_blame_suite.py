@@ -1,0 +1,86 @@
+"""benchmarks/bench_blame_suite.py in a reduced form: its scoring (a planted fault found scores 1,
+a wrong origin lowers precision, a miss lowers recall, a target that does not diverge names
+nothing), its oracle (it confirms a planted fault and refuses a module that holds none), and
+one fixture end to end through blame."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fxreplace.blame import LayerShare, Origin, Pass
+
+PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_blame_suite.py"
+spec = importlib.util.spec_from_file_location("bench_blame_suite", PATH)
+suite = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up
+spec.loader.exec_module(suite)
+
+LAYERS = 4
+
+
+def result(origins, *, diverged=True, after_layers=1.0):
+    """A blame result as the scoring reads it: the origins, the streams' shares, the first pass."""
+    off = Pass((), 0.3, 1.0, 0.5, 1, 5 if diverged else 0, 0, False, 1, 0.1)
+    shares = [LayerShare(k, f"model.layers.{k}", after_layers if k == LAYERS - 1 else 0.0, 0.0) for k in range(LAYERS)]
+    return SimpleNamespace(origins=origins, layer_shares=shares, passes=[off], layers=list(range(LAYERS)),
+                           diffuse=False, floor=None)
+
+
+def origin(kind, layer):
+    return Origin(layer, 0.5, None if kind == "layer" else f"model.layers.{layer}.{kind}", None if kind == "layer" else kind)
+
+
+def test_a_planted_fault_found_scores_one_and_a_wrong_origin_lowers_precision():
+    planted = [("router", 2)]
+    assert suite.score(planted, result([origin("router", 2)])) == {
+        "top1": 1.0, "recall": 1.0, "precision": 1.0, "named": [("router", 2)]}
+    wrong_first = suite.score(planted, result([origin("attention", 1), origin("router", 2)]))
+    assert (wrong_first["top1"], wrong_first["recall"], wrong_first["precision"]) == (0.0, 1.0, 0.5)
+    missed = suite.score([("router", 2), ("attention", 0)], result([origin("router", 2)]))
+    assert (missed["top1"], missed["recall"], missed["precision"]) == (1.0, 0.5, 1.0)
+    layer_itself = suite.score([("layer", 0)], result([origin("layer", 0)]))  # no kind explains it
+    assert layer_itself["recall"] == 1.0 and layer_itself["precision"] == 1.0
+    # the rest arising after the last layer is the final norm's finding; a target not diverging names nothing
+    assert suite.named(result([], after_layers=0.2)) == [suite.FINAL]
+    assert suite.named(result([], diverged=False, after_layers=0.0)) == []
+    assert suite.drift_right("clean fp32", result([], diverged=False, after_layers=0.0))
+    assert not suite.drift_right("pure bf16", result([origin("attention", 0)]))
+    assert suite.drift_right("pure bf16", SimpleNamespace(**{**vars(result([])), "floor": {"within": True}}))
+
+
+@pytest.fixture(scope="module")
+def family():
+    fam = suite.FAMILIES[0]  # Qwen3-MoE
+    clean, components = suite.build(fam, 0, LAYERS)
+    reference = suite.draw_reference(clean, components, fam, torch.Generator().manual_seed(0), 2, 6)
+    return fam, clean, components, reference
+
+
+def test_the_oracle_confirms_a_planted_fault_and_refuses_a_module_holding_none(family):
+    fam, clean, components, reference = family
+    target = copy.deepcopy(clean)
+    fault = suite.plant(target, "router_rows", 2, random.Random(0), "experts", [5])
+    assert fault.module == "model.layers.2.mlp.gate" and fault.expected == ("router", 2)
+    assert suite.decide(clean, target, reference, [fault]) is None
+    elsewhere = suite.Fault("attention_proj", 1, "model.layers.1.self_attn.o_proj", ("attention", 1))
+    why = suite.decide(clean, target, reference, [elsewhere])
+    assert why is not None and "explain 0%" in why
+    assert suite.decide(clean, copy.deepcopy(clean), reference, [elsewhere]) == "the target does not diverge"
+
+
+def test_one_fixture_end_to_end(family):
+    fam, clean, components, reference = family
+    (case, target), refused = suite.draw(fam, clean, reference, "attention_proj", ["attention_proj"], False,
+                                         random.Random(1), 3, LAYERS)
+    row = suite.run_case(case, target, reference, components)
+    assert (row["top1"], row["recall"], row["precision"]) == (1.0, 1.0, 1.0), row["verdict"]
+    assert row["named"] == [case.faults[0].expected] and row["passes"] < row["one_by_one"]
+    total = suite.aggregate([row, {**row, "precision": 0.5, "top1": 0.0}])
+    assert total["precision"] == 0.75 and total["top1"] == 0.5 and total["recall"] == 1.0
