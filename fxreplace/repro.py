@@ -217,7 +217,7 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
     if inputs < 1 or not indices:
         raise ReproError(f"a repro needs at least one input (inputs={inputs}, prompts={indices})")
-    out = _fresh_dir(Path(out))
+    check_out_dir(out)
     sequences = [reference.prompt_tokens(p) + reference.tokens(p)[:-1] for p in indices]
     calls = capture_calls(clean, component.module_name, sequences)
     for call in calls:
@@ -238,6 +238,7 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
     calls, references, departs = [calls[i] for i in kept], [references[i] for i in kept], [departs[i] for i in kept]
     program = _export(module, calls, dtype, component.module_name)
     program.example_inputs = None  # torch.export would store them as a pickle
+    out = _fresh_dir(Path(out))  # a previous repro there goes only now, once this one can be written
     torch.export.save(program, out / repro_run.PROGRAM)
     repro_run.check_no_pickle(out / repro_run.PROGRAM)
     save_file({f"{i}.{j}": t.contiguous() for i, c in enumerate(calls) for j, t in enumerate(_tensors(c, dtype))},
