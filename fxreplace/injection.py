@@ -98,24 +98,26 @@ class Injection:
         )
         if rank is None and self.shard is not None:
             rank = self.shard.rank
-        replacement = shard_rows(replacement, spec, rank, lambda: f"tokens of the replacement for {self.module_name} ({spec})")
+        replacement = shard_rows(replacement, spec, rank,
+                                 lambda: f"tokens of the replacement for {self.module_name} ({spec})")
         mask = shard_rows(mask, spec, rank, lambda: f"tokens of the mask for {self.module_name} ({spec})").unsqueeze(-1)
         full = self.adapter(replacement, self.module)
         values = tuple(full) if isinstance(full, (tuple, list)) else (full,)
         if len(values) != len(parts):
-            raise TargetError(f"the adapter for {self.module_name} returns {len(values)} tensor(s) {_shapes(values)}, but the "
-                             f"point computes {len(parts)}: {_shapes(parts)}; pick one with point='output[i]' or use a "
-                             "pair adapter (e.g. 'topk_softmax_pairs') for a (weights, ids) point")
+            raise TargetError(f"the adapter for {self.module_name} returns {len(values)} tensor(s) "
+                             f"{_shapes(values)}, but the point computes {len(parts)}: {_shapes(parts)}; pick one "
+                             "with point='output[i]' or use a pair adapter (e.g. 'topk_softmax_pairs') for a (weights, "
+                             "ids) point")
         if len(values) > 1 and spec is not None and spec.mode == "expert":
-            raise ShapeError(f"{self.module_name}: expert sharding slices dense [T, E] values; top-k pairs hold global expert "
-                             "ids, so give this rank the full pairs (no shard spec)")
+            raise ShapeError(f"{self.module_name}: expert sharding slices dense [T, E] values; top-k pairs hold "
+                             "global expert ids, so give this rank the full pairs (no shard spec)")
         out = []
         for full_value, flat, part in zip(values, flats, parts):
             value = shard_columns(full_value, spec, rank, lambda: f"experts of {self.module_name} ({spec})")
             require(
                 tuple(value.shape) == tuple(flat.shape),
-                lambda: f"replacement for {self.module_name} becomes {tuple(value.shape)} after shard/adapter, but the module "
-                f"computes {tuple(flat.shape)} (from {tuple(part.shape)})"
+                lambda: f"replacement for {self.module_name} becomes {tuple(value.shape)} after shard/adapter, but "
+                f"the module computes {tuple(flat.shape)} (from {tuple(part.shape)})"
                 + layout_hint(spec, full_value.shape, flat.shape),
             )
             out.append(torch.where(mask, value.to(flat.dtype), flat).reshape(part.shape))
@@ -142,12 +144,12 @@ def _check_dtype_and_device(injection: Injection, replacement: torch.Tensor, mas
     silent change of meaning (token ids, a truncated int). Devices must agree: ``fed``
     (the max-size feed buffers) says the fix is a feed after the move, not the context."""
     if computed.dtype.is_floating_point and not replacement.dtype.is_floating_point:
-        raise TypeError(f"replacement for {injection.module_name} is {replacement.dtype}, but the module computes {computed.dtype}: "
-                        "give floating-point values (the captured tensor), not a cast of them")
+        raise TypeError(f"replacement for {injection.module_name} is {replacement.dtype}, but the module computes "
+                        f"{computed.dtype}: give floating-point values (the captured tensor), not a cast of them")
     for what, tensor in (("replacement", replacement), ("mask", mask)):
         if tensor.device != computed.device:
-            fix = (f"feed() again after moving the model (the buffers follow moves of the instrumented model itself, "
-                   f"not of a module inside it)" if fed else f"build the context with device={str(computed.device)!r}")
+            fix = ("feed() again after moving the model (the buffers follow moves of the instrumented model itself, "
+                   "not of a module inside it)" if fed else f"build the context with device={str(computed.device)!r}")
             raise ValueError(f"{what} for {injection.module_name} is on {tensor.device}, but the module computes on "
                              f"{computed.device}: {fix}")
 

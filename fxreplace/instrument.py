@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.compiler import is_dynamo_compiling
 
 from .context import ReplacementContext
