@@ -21,6 +21,8 @@ from pathlib import Path
 HF_EXTRA = {"transformers", "tqdm", "matplotlib"}  # the `hf` extra: every command needs it
 EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DTYPES = ["float32", "bfloat16", "float16"]
+#: What a target may run in below the reference's float32: the precisions a noise floor is measured in.
+LOW_DTYPES = ["bfloat16", "float16"]
 
 
 def torch_dtype(name: str):
@@ -28,6 +30,8 @@ def torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
+
+
 #: Files that make a directory hold a tokenizer (transformers 5 builds an empty one from a bare config).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -349,9 +353,9 @@ def _demo(args) -> int:
 
 def _capture(args) -> int:
     if args.engine == "vllm":
-        if args.components or args.component:
-            raise UsageError("--components/--component are for --engine hf (blame components are captured "
-                             "from the HF reference)")
+        if args.components or args.component or args.noise_floor:
+            raise UsageError("--components/--component/--noise-floor are for --engine hf (blame components and the "
+                             "noise floor are captured from the HF reference)")
         return _capture_vllm(args)
     from .blame import family_components
     from .capture import capture_reference
@@ -387,7 +391,20 @@ def _capture(args) -> int:
     finally:
         if replacing:
             shutil.rmtree(into, ignore_errors=True)
+    floor = None
+    if args.noise_floor:
+        from .floor import measure_floor, save_floor
+        from .reference import load_reference
+
+        reference = load_reference(args.out)
+        floor = measure_floor(model, reference, torch_dtype(args.noise_floor), progress=True)
+        save_floor(floor, args.out)
     print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.capture_names)} targets -> {args.out}")
+    if floor:
+        whole = floor.aggregate(range(reference.num_prompts))
+        print(f"noise floor (the model in {floor.dtype}, {floor.seconds:.1f} s): mean KL {whole['mean_kl']:.3g}, mean "
+              f"top-5 error {whole['mean_top5_error']:.3g}, {whole['prompts_diverged']} of {reference.num_prompts} "
+              "prompts diverge")
     return 0
 
 
@@ -506,6 +523,52 @@ def gate_condition(text: str) -> str:
     return text
 
 
+def _noise_floor(args, reference):
+    """The noise floor for ``args.dtype``: stored in the reference (``capture --noise-floor``), else
+    measured from ``--clean``; None for a float32 target or when neither is at hand (a
+    ``--fail-on floor=K`` then refuses before any pass)."""
+    from .floor import measure_floor, stored_floor
+
+    if args.dtype not in LOW_DTYPES:
+        if _gates_on_floor(args):
+            raise UsageError(f"--fail-on floor=K scores a target below float32 against its noise floor; this target "
+                             f"runs in {args.dtype}", "give --dtype bfloat16 (or float16), or gate on kl=X / top5=Y")
+        return None
+    try:
+        floor = stored_floor(reference, args.dtype, args.reference)
+    except ValueError as e:
+        raise UsageError(str(e), f"capture the reference again with `--noise-floor {args.dtype}`") from None
+    if floor is not None and floor.covers(range(reference.num_prompts)):
+        return floor
+    if getattr(args, "clean", None):
+        clean = load_model(args.clean)
+        check_reference_matches(reference, args.reference, args.clean, model_architecture(args.clean))
+        _check_vocab(reference, args.clean, clean.config.vocab_size)
+        print(f"noise floor: {args.clean} in {args.dtype} against the reference")
+        return measure_floor(clean, reference, torch_dtype(args.dtype), progress=True)
+    if _gates_on_floor(args):
+        raise UsageError(f"--fail-on floor=K needs the noise floor in {args.dtype}, and {args.reference} holds none",
+                         f"capture the reference with `--noise-floor {args.dtype}`, or give the clean model as "
+                         "--clean MODEL")
+    return None
+
+
+def _reference_caveat(args, reference) -> str:
+    """A reference below float32 is refused unless --allow-low-precision-reference; the caveat the verdict states."""
+    from .floor import check_reference_precision
+
+    try:
+        return check_reference_precision(reference, args.allow_low_precision_reference,
+                                         "--allow-low-precision-reference")
+    except ValueError as e:
+        message, _, hint = str(e).rpartition("; ")
+        raise UsageError(message, hint) from None
+
+
+def _gates_on_floor(args) -> bool:
+    return any(c.startswith("floor=") for c in getattr(args, "fail_on", None) or [])
+
+
 def _targets_label(targets) -> str:
     """What mode "on" replaces, in the verdict's words."""
     names = [getattr(t, "pattern", t) for t in targets]
@@ -523,6 +586,7 @@ def _validate(args) -> int:
     from .validation import logit_validation
 
     reference = load_reference_arg(args.reference)
+    caveat = _reference_caveat(args, reference)
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: f"no report written ({folder_state(args.report_dir, '--report-dir')})"
     dtype = torch_dtype(args.dtype)
@@ -552,11 +616,14 @@ def _validate(args) -> int:
         observed=target,
         compile="inductor" if args.compile else None,
     )
+    floor = _noise_floor(args, reference)
     print(f"target: {args.model} in {args.dtype}, {'compiled (inductor)' if args.compile else 'eager'}, "
           f"prefill bucket {bucket} tokens, decode batch {runner.cfg.batch_buckets[0]}; {reference.num_prompts} prompts")
     result = logit_validation(runner, reference, router_topk=getattr(model.config, "num_experts_per_tok", None),
                               tokenizer=_decoder(args.model, reference))
     result.replaced = _targets_label(targets)
+    result.floor, result.caveat = floor, caveat
+    result.program = {"engine": "runner", "compile": bool(args.compile), "dtype": args.dtype}
     return _report(result, args, f"graphs compiled: {runner.graphs_compiled}" if args.compile else "")
 
 
@@ -584,12 +651,14 @@ def _validate_vllm(args) -> int:
     if args.logprobs == 0 or args.logprobs < -1:
         raise UsageError(f"--logprobs must be -1 (whole vocabulary) or a positive count, got {args.logprobs}")
     reference = load_reference_arg(args.reference)
+    caveat = _reference_caveat(args, reference)
     check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
     check_layer_count(reference, args.reference, args.model, _config_json(args.model).get("num_hidden_layers"))
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: f"no report written ({folder_state(args.report_dir, '--report-dir')})"
     from .vllm.engine import VllmEngine
 
+    floor = _noise_floor(args, reference)
     longest = _longest_sequence(reference)
     engine = VllmEngine(args.model, _replacement_config(args, tensors_path=args.reference), dtype=args.dtype,
                         logprobs=args.logprobs,
@@ -603,6 +672,8 @@ def _validate_vllm(args) -> int:
     finally:
         engine.close()
     result.replaced = _targets_label(args.target or reference.metadata.get("targets") or [])
+    result.floor, result.caveat = floor, caveat
+    result.program = {"engine": "vllm", "compile": not args.eager, "dtype": args.dtype}
     return _report(result, args)
 
 
@@ -628,6 +699,7 @@ def _blame(args) -> int:
     from .blame import BlameError, blame
 
     reference = load_reference_arg(args.reference)
+    _reference_caveat(args, reference)  # refused here; blame() states the caveat
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: blame_state(args)
     try:
@@ -647,12 +719,16 @@ def _blame(args) -> int:
                            "max_num_seqs": min(64, reference.num_prompts * 5), **_engine_args(args.engine_args)}
             engine = VllmBlameEngine(args.model, args.reference, dtype=args.dtype, logprobs=-1,
                                      enforce_eager=args.eager, **engine_args)
+            floor = _noise_floor(args, reference)
             try:
-                result = blame(engine, reference, budget=args.budget)
+                result = blame(engine, reference, budget=args.budget, floor=floor,
+                               allow_low_precision_reference=args.allow_low_precision_reference)
             finally:
                 engine.close()
+            result.program = {"engine": "vllm", "compile": not args.eager, "dtype": args.dtype}
         else:
             dtype = torch_dtype(args.dtype)
+            floor = _noise_floor(args, reference)  # the clean model, if measured, is gone before the target loads
             model = load_model(args.model, dtype)  # blame() checks it and the clean model against the reference
             check_layer_count(reference, args.reference, args.model, getattr(model.config, "num_hidden_layers", None))
             clean = None
@@ -666,12 +742,16 @@ def _blame(args) -> int:
                     return loaded
             result = blame(model, args.reference, clean=clean,
                            components=_components(args.component) if args.component else None,
-                           dtype=dtype, compile="inductor" if args.compile else None, budget=args.budget)
+                           dtype=dtype, compile="inductor" if args.compile else None, budget=args.budget, floor=floor,
+                           allow_low_precision_reference=args.allow_low_precision_reference)
     except BlameError as e:
         raise UsageError(str(e)) from None
     report = result.write_report(args.report_dir)
     print()
     print(result.table())
+    from .report import describe_program
+
+    print(f"program examined: {describe_program(result.program)}")
     print(f"verdict: {result.verdict}")
     print(f"report: {report.resolve()}   ranking: {Path(args.report_dir).resolve() / 'blame.json'}")
     if args.junit:
@@ -875,6 +955,9 @@ def build_parser() -> Parser:
                          help="also record the family's blame components (attention, router, experts, layer outputs)")
     capture.add_argument("--component", action="append", metavar="KIND=PATTERN[@POINT]",
                          help="record this component instead of the family's (repeatable)")
+    capture.add_argument("--noise-floor", choices=LOW_DTYPES, metavar="DTYPE",
+                         help="also measure the noise floor: the model in DTYPE (bfloat16, float16) teacher-forced "
+                              "against this reference; stored in it, it gives validate's and blame's verdicts a scale")
     capture.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                          help="hf: the HF model in this process (fp32); vllm: a vLLM engine in capture mode "
                               "(MODEL: a checkpoint directory)")
@@ -899,11 +982,18 @@ def build_parser() -> Parser:
                           help="--engine vllm: log-probs per step, -1 = whole vocabulary (exact metrics); "
                                "k > 0 fills the rest with the smallest returned value")
     validate.add_argument("--target", action="append", help="target pattern, repeatable (default: the family's routers)")
+    validate.add_argument("--clean", metavar="CKPT", type=model_spec,
+                          help="the clean model the reference came from: measures the noise floor (it in --dtype) when "
+                               "the reference holds none for --dtype (`capture --noise-floor`)")
     validate.add_argument("--report-dir", default="fxreplace-report",
                           help="folder for report.html, result.json and the plots")
-    validate.add_argument("--fail-on", action="append", type=gate_condition, metavar="{diverged,kl=X,top5=Y}",
+    validate.add_argument("--fail-on", action="append", type=gate_condition, metavar="{diverged,kl=X,top5=Y,floor=K}",
                           help="exit 1 when a prompt of the target without replacement fails: its top-1 token "
-                               "differs (diverged), its mean KL > X, its mean top-5 error > Y (repeatable)")
+                               "differs (diverged), its mean KL > X, its mean top-5 error > Y, its mean KL or top-5 "
+                               "error > K times the noise floor's (repeatable)")
+    validate.add_argument("--allow-low-precision-reference", action="store_true",
+                          help="accept a reference captured below float32 (refused otherwise: its own rounding is part "
+                               "of every measure); the verdict says so")
     validate.add_argument("--junit", type=junit_path, metavar="FILE",
                           help="write JUnit XML: one test case per prompt, failed by --fail-on")
     validate.set_defaults(func=_validate)
@@ -927,6 +1017,8 @@ def build_parser() -> Parser:
                        help="the clean model the reference came from (builtin:ARCH or an HF directory): components the "
                             "reference lacks are captured from it as the search needs them, stored under the reference "
                             "directory and reused (--engine runner)")
+    blame.add_argument("--allow-low-precision-reference", action="store_true",
+                       help="accept a reference captured below float32 (refused otherwise); the verdict says so")
     blame.add_argument("--budget", type=positive_int, help="the most validation passes the search may run "
                        "(default: enough for 4 origins and the diffuse heat map)")
     blame.add_argument("--report-dir", default="fxreplace-blame", help="folder for blame.html and blame.json "

@@ -111,9 +111,10 @@ EXPLAINS, CONTRIBUTES = 0.9, 0.25
 
 #: What a validation can conclude (:attr:`Verdict.outcome`). With both modes: the target
 #: did not diverge at all, or replacing the tensors explains / contributes to / does not
-#: cause its divergence; with one mode: it passed or diverged.
-NO_DIVERGENCE, EXPLAINED, CONTRIBUTES_TO, NOT_THE_CAUSE, PASSED = (
-    "no_divergence", "explained", "contributes", "not_the_cause", "passed")
+#: cause its divergence, or makes a target that did not diverge diverge (a reference that is
+#: not this model in full precision); with one mode: it passed or diverged.
+NO_DIVERGENCE, EXPLAINED, CONTRIBUTES_TO, NOT_THE_CAUSE, PASSED, WORSE = (
+    "no_divergence", "explained", "contributes", "not_the_cause", "passed", "replacement_worse")
 
 
 def explained(off: dict, on: dict) -> dict:
@@ -142,6 +143,9 @@ class Verdict:
     explained: float | None = None  # the smaller of explained_kl and explained_top5
     explained_kl: float | None = None
     explained_top5: float | None = None
+    # the target without replacement as multiples of the noise floor (None: no floor, no scale)
+    floor_multiples: dict | None = None
+    within_floor: bool | None = None
 
     def __str__(self) -> str:
         return self.sentence
@@ -150,33 +154,84 @@ class Verdict:
         return asdict(self)
 
 
-def verdict(summary: dict, what: str = "the replaced tensors") -> Verdict:
+def verdict(summary: dict, what: str = "the replaced tensors", floor=None, unscaled: str = "") -> Verdict:
     """The verdict on one validation summary (per mode, as ``ValidationResult.summary()``):
     with modes "off" and "on", whether replacing ``what`` removes the divergence (from the
-    continuous measures, see :data:`EXPLAINS`); with one mode, whether the target diverged."""
+    continuous measures, see :data:`EXPLAINS`); with one mode, whether the target diverged.
+    ``floor`` (a :class:`fxreplace.floor.NoiseFloor`) gives the divergence its scale: the
+    target without replacement as a multiple of the floor, within precision noise or beyond;
+    without one, ``unscaled`` says that the verdict has no scale and how to get one."""
+    scale = _scale(summary.get("off"), floor, unscaled)
     if set(summary) != {"off", "on"}:
         mode, s = next(iter(summary.items()))
         label = "without" if mode == "off" else "with"
         figures = (f"{label} replacement the target diverges on {s['prompts_diverged']} of {len(s['prompts'])} prompts "
                    f"(top-1 agreement {s['top1_agreement']:.3g}, mean KL {s['mean_kl']:.3g})")
         if s["status_counts"][DIVERGED]:
-            return Verdict(DIVERGED, f"{figures}: it diverged from the reference.")
-        return Verdict(PASSED, f"{figures}: every step is within tolerance.")
+            return Verdict(DIVERGED, f"{figures}: it diverged from the reference{scale['text']}.", **scale["fields"])
+        return Verdict(PASSED, f"{figures}: every step is within tolerance{scale['text']}.", **scale["fields"])
     off, on = summary["off"], summary["on"]
+    change = (f"mean KL {_g(off['mean_kl'])} -> {_g(on['mean_kl'])}, diverged prompts {off['prompts_diverged']} -> "
+              f"{on['prompts_diverged']}")
     if off["status_counts"][DIVERGED] == 0:
-        return Verdict(NO_DIVERGENCE, "the target did not diverge even without replacement; nothing to isolate here.")
+        if on["status_counts"][DIVERGED]:
+            return Verdict(WORSE, f"replacing {what} makes the target worse: without replacement every step is within "
+                           f"tolerance, with it the target diverges ({change}); the replaced tensors do not fit this "
+                           "model: is the reference captured from these weights, in float32?", **scale["fields"])
+        return Verdict(NO_DIVERGENCE, "the target did not diverge even without replacement; nothing to isolate "
+                       f"here{scale['text']}.", **scale["fields"])
     e = explained(off, on)
-    numbers = dict(explained=e["explained"], explained_kl=e["kl"], explained_top5=e["top5"])
+    numbers = dict(explained=e["explained"], explained_kl=e["kl"], explained_top5=e["top5"], **scale["fields"])
     figures = (f"replacing {what} removes {pct(e['kl'])} of the mean KL ({off['mean_kl']:.3g} -> {on['mean_kl']:.3g}) "
                f"and {pct(e['top5'])} of the mean top-5 error; diverged prompts {off['prompts_diverged']} -> "
                f"{on['prompts_diverged']}, top-1 agreement {off['top1_agreement']:.3g} -> {on['top1_agreement']:.3g}")
     if e["explained"] is not None and e["explained"] >= EXPLAINS:
-        return Verdict(EXPLAINED, f"{figures}: they explain the divergence (>= {EXPLAINS:.0%} of both removed).", **numbers)
+        return Verdict(EXPLAINED, f"{figures}: they explain the divergence (>= {EXPLAINS:.0%} of both removed)"
+                       f"{scale['text']}.", **numbers)
     if e["explained"] is not None and e["explained"] >= CONTRIBUTES:
         return Verdict(CONTRIBUTES_TO, f"{figures}: they are part of the cause (>= {CONTRIBUTES:.0%} of both removed); "
-                       "the rest arises elsewhere: `fxreplace blame` searches for it.", **numbers)
+                       f"the rest arises elsewhere: `fxreplace blame` searches for it{scale['text']}.", **numbers)
+    worse = _worse(off, on)
+    if worse:
+        return Verdict(WORSE, f"{figures}: replacing {what} makes the target worse ({worse}); the replaced tensors do "
+                       f"not fit this model: is the reference captured from these weights, in float32?{scale['text']}",
+                       **numbers)
     return Verdict(NOT_THE_CAUSE, f"{figures}: they are not the cause (< {CONTRIBUTES:.0%} of the error removed); look "
-                   "elsewhere: `fxreplace blame` searches layer by layer.", **numbers)
+                   f"elsewhere: `fxreplace blame` searches layer by layer{scale['text']}.", **numbers)
+
+
+def times(value: float | None) -> str:
+    """A multiple of the floor as text: ``12x``, ``0.85x``, ``-`` when unknown."""
+    if value is None:
+        return "-"
+    if value == float("inf"):
+        return "inf x"
+    return f"{value:.2g}x" if value < 0.95 else f"{value:.1f}x" if value < 10 else f"{value:.0f}x"
+
+
+def no_scale(dtype: str | None) -> str:
+    """What a verdict without a floor says: it has no scale, and how to get one."""
+    return (f"no scale: how much of this divergence {dtype} rounding alone causes is not known (no noise floor); "
+            f"capture the reference with `--noise-floor {dtype}`, or give the clean model (`--clean MODEL`), to measure it")
+
+
+def _scale(off: dict | None, floor, unscaled: str) -> dict:
+    """The verdict's scale: the target without replacement against the floor, or that it has none."""
+    if off is None or floor is None:
+        return {"text": f"; {unscaled}" if unscaled and off is not None else "", "fields": {}}
+    return {"text": f"; without replacement the target is {floor.describe(off)}",
+            "fields": {"floor_multiples": floor.multiples(off), "within_floor": floor.within(off)}}
+
+
+def _worse(off: dict, on: dict) -> str:
+    """How replacement made the target worse (both measures grew), or ''."""
+    grew = [(label, off[key], on[key]) for key, label in (("mean_kl", "mean KL"), ("mean_top5_error", "mean top-5 error"))
+            if off[key] is not None and on[key] is not None and on[key] > off[key] * 1.1]
+    return ", ".join(f"{label} {a:.3g} -> {b:.3g}" for label, a, b in grew) if len(grew) == 2 else ""
+
+
+def _g(v) -> str:
+    return "-" if v is None else f"{v:.3g}"
 
 
 def fmt(v) -> str:

@@ -6,7 +6,7 @@ import html
 import re
 from pathlib import Path
 
-from .metrics import fmt, pct, plural
+from .metrics import fmt, pct, plural, times
 
 import matplotlib
 
@@ -64,6 +64,10 @@ def _plot_errors(result, path: Path) -> None:
             div = [s for s in steps if not s.top1_agree]
             ax.scatter([s.step for s in div], [max(s.top5_error, 1e-7) for s in div], marker="x", s=40,
                        color=MODE_COLORS[mode], zorder=3, label=f"divergence ({mode})")
+        floor = result.floor.top5_per_step.get(p) if result.floor else None
+        if floor:
+            ax.plot(range(len(floor)), [max(v, 1e-7) for v in floor], "-", color="tab:gray", lw=1,
+                    label=f"noise floor (the reference in {result.floor.dtype})")
         ax.set_yscale("log")
         ax.set_title(f"prompt {p}", fontsize=9)
         ax.set_xlabel("generated step", fontsize=8)
@@ -125,7 +129,17 @@ def _html(result, has_router: bool) -> str:
             f"<td>{fmt(s['mean_top5_error'])}</td><td>{fmt(s['mean_kl'])}</td><td>{fmt(s['router_agreement_mean'])}</td>"
             f"<td>{counts['matched']} / {counts['within_tolerance']} / {counts['diverged']}</td></tr>"
         )
+    if result.floor and "off" in summary:
+        floor = result.floor.aggregate([int(p) for p in summary["off"]["prompts"]])
+        parts.append(f"<tr id='noise-floor'><td>noise floor: the reference in {result.floor.dtype}</td><td>-</td>"
+                     f"<td>{floor['prompts_diverged']}</td><td>{fmt(floor['mean_top5_error'])}</td>"
+                     f"<td>{fmt(floor['mean_kl'])}</td><td>-</td><td>-</td></tr>")
+        m = result.floor.multiples(summary["off"])
+        parts.append(f"<tr><td>without replacement / floor</td><td>-</td><td>-</td><td>{times(m['top5'])}</td>"
+                     f"<td>{times(m['kl'])}</td><td>-</td><td>first divergence {times(m['first_divergence'])} sooner</td></tr>")
     parts.append("</table>")
+    if result.program:
+        parts.append(f"<p id='program'>Program validated: {html.escape(describe_program(result.program))}.</p>")
     parts.append("<h3>Tolerances</h3><table id='tolerances'><tr><th>rule</th><th>value</th></tr>"
                  f"<tr><td class='text'>matched: top-5 error at most</td><td>{tol['match_atol']:g}</td></tr>"
                  f"<tr><td class='text'>diverged: top-5 error above</td><td>{tol['top5_atol']:g}</td></tr>"
@@ -193,12 +207,21 @@ def print_summary(result) -> None:
               f"{fmt(a['mean_top5_error']):>10} {fmt(b['mean_top5_error']):>10}")
     print()
     print(f"{'':28}{'without':>10}{'with':>10}   (replacement of {what})")
+    floor = result.floor.aggregate([int(p) for p in off["prompts"]]) if result.floor else {}
+    if floor:
+        print(f"{'':28}{'':>10}{'':>10}{'floor':>10}   (the reference in {result.floor.dtype})")
     for label, key in [("top-1 agreement", "top1_agreement"), ("prompts diverged", "prompts_diverged"),
                        ("mean top-5 error", "mean_top5_error"), ("mean KL", "mean_kl"),
                        ("router agreement (top-k)", "router_agreement_mean")]:
-        print(f"{label:<28}{fmt(off[key]):>10}{fmt(on[key]):>10}")
+        print(f"{label:<28}{fmt(off[key]):>10}{fmt(on[key]):>10}" + (f"{fmt(floor.get(key)):>10}" if floor else ""))
     print()
     print("verdict: " + result.verdict.sentence)
+
+
+def describe_program(program: dict) -> str:
+    """The program a validation or blame examined, in words: engine, compile mode, dtype."""
+    mode = "compiled (inductor)" if program.get("compile") else "eager"
+    return f"engine {program.get('engine', 'runner')}, {mode}, {program.get('dtype', '?')}"
 
 
 def _short(module: str) -> str:
@@ -235,6 +258,7 @@ def blame_section(result) -> str:
         f"<p>{plural(len(result.passes), 'validation pass')} in {plural(result.rounds, 'round')} (passes of one round run side by side "
         f"as copies of the prompts; budget {result.budget}), {len(result.captured)} components captured on demand, "
         f"{result.seconds:.1f} s.</p>",
+        _blame_scale(result),
         "<img src='blame_heatmap.png' style='max-width:100%'>",
         "<table><tr><th>#</th><th>component</th><th>kind</th><th>layer</th><th>KL off</th><th>KL on</th>"
         "<th>top-5 error off</th><th>top-5 error on</th><th>top-1 off</th><th>top-1 on</th><th>explained</th>"
@@ -262,6 +286,25 @@ def blame_section(result) -> str:
                   for s in result.layer_shares]
         parts.append("</table>")
     return "\n".join(parts)
+
+
+def _blame_scale(result) -> str:
+    """The blame report's scale: the target without replacement beside its noise floor, and the program examined."""
+    program = (f"<p id='program'>Program examined: {html.escape(describe_program(result.program))}.</p>"
+               if result.program else "")
+    if not result.floor:
+        return program + "<p id='noise-floor'>No noise floor: the divergence has no scale (capture the reference with " \
+                         "<code>--noise-floor DTYPE</code>, or give <code>--clean</code>).</p>"
+    f, m = result.floor["floor"], result.floor["multiples"]
+    off = result.ranking[0] if result.ranking else None
+    return program + (
+        "<table id='noise-floor'><tr><th></th><th>mean KL</th><th>mean top-5 error</th></tr>"
+        + (f"<tr><td class='text'>target without replacement</td><td>{fmt(off.kl_off)}</td><td>{fmt(off.top5_off)}</td></tr>"
+           if off else "")
+        + f"<tr><td class='text'>noise floor: the reference in {result.floor['dtype']}</td><td>{fmt(f['mean_kl'])}</td>"
+        f"<td>{fmt(f['mean_top5_error'])}</td></tr><tr><td class='text'>target / floor</td><td>{times(m['kl'])}</td>"
+        f"<td>{times(m['top5'])}</td></tr></table><p>{'Within' if result.floor['within'] else 'Beyond'} precision noise; "
+        f"the floor's part of the divergence: {pct(result.floor['noise_share'])}.</p>")
 
 
 def blame_figure(result):

@@ -17,6 +17,7 @@ from which router agreement is measured.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import threading
@@ -29,7 +30,7 @@ from typing import Callable, Collection, Mapping, Protocol, Sequence
 import torch
 
 from .context import PerRequest
-from .metrics import (DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_steps,
+from .metrics import (DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_steps, no_scale,
                       topk_agreement, verdict)
 from .reference import Reference
 
@@ -61,11 +62,20 @@ class ValidationResult:
     prompt_texts: dict[int, str | None] = field(default_factory=dict)  # per prompt, when given as text
     token_texts: dict[int, str] = field(default_factory=dict)  # decoded tokens at the first divergences
     replaced: str = "the targets"  # what mode "on" replaces, in the verdict's words
+    floor: "NoiseFloor | None" = None  # the reference in the target's precision (fxreplace.floor): the verdict's scale
+    # the program validated: {"engine", "compile", "dtype"}; blame examines the same one
+    program: dict = field(default_factory=dict)
+    caveat: str = ""  # what the verdict must say first (a reference below float32 accepted)
 
     @property
     def verdict(self) -> Verdict:
         """What this validation concludes (:func:`fxreplace.metrics.verdict`)."""
-        return verdict(self.summary(), self.replaced)
+        dtype = self.program.get("dtype")
+        unscaled = no_scale(dtype) if dtype and dtype not in ("float32", "float64") else ""
+        found = verdict(self.summary(), self.replaced, self.floor, unscaled)
+        if not self.caveat:
+            return found
+        return dataclasses.replace(found, sentence=f"{self.caveat}. {found.sentence}")
 
     @property
     def modes(self) -> list[str]:
@@ -112,6 +122,8 @@ class ValidationResult:
         return json.dumps(
             {
                 "verdict": self.verdict.to_dict(),
+                "program": self.program,
+                "noise_floor": self.floor.to_dict() if self.floor else None,
                 "tolerances": self.tolerances.to_dict(),
                 "prompt_texts": self.prompt_texts,
                 "token_texts": self.token_texts,
@@ -132,11 +144,14 @@ class Gate:
     """A pass/fail rule for CI, checked per prompt on the target *without* replacement
     (mode "off": the compiled model as it runs): ``diverged`` fails a prompt whose top-1
     token differs from the reference at any step (or gives NaN), ``kl`` a prompt whose
-    mean KL exceeds it, ``top5`` one whose mean top-5 log-prob error exceeds it."""
+    mean KL exceeds it, ``top5`` one whose mean top-5 log-prob error exceeds it, ``floor`` one
+    whose mean KL or mean top-5 error exceeds that many times the noise floor's on the same prompt
+    (the validation needs a floor: :mod:`fxreplace.floor`)."""
 
     diverged: bool = False
     kl: float | None = None
     top5: float | None = None
+    floor: float | None = None
 
     @classmethod
     def parse(cls, conditions: Sequence[str]) -> "Gate":
@@ -146,13 +161,13 @@ class Gate:
             key, sep, value = condition.partition("=")
             if key == "diverged" and not sep:
                 fields["diverged"] = True
-            elif key in ("kl", "top5") and sep:
+            elif key in ("kl", "top5", "floor") and sep:
                 try:
                     fields[key] = float(value)
                 except ValueError:
                     raise ValueError(f"{condition!r}: {key}= needs a number, e.g. {key}=0.05") from None
             else:
-                raise ValueError(f"{condition!r}: expected diverged, kl=X or top5=Y")
+                raise ValueError(f"{condition!r}: expected diverged, kl=X, top5=Y or floor=K")
         return cls(**fields)
 
     def failures(self, result: ValidationResult) -> dict[int, list[str]]:
@@ -160,6 +175,8 @@ class Gate:
         summary = result.summary().get("off")
         if summary is None:
             raise ValueError("the gate checks the target without replacement: validate with mode 'off'")
+        if self.floor is not None and result.floor is None:
+            raise ValueError(f"floor={self.floor:g} needs the noise floor, and this validation has none")
         out = {}
         for p, s in summary["prompts"].items():
             reasons = []
@@ -171,6 +188,13 @@ class Gate:
                 reasons.append(f"mean KL {_fmt(s['mean_kl'])} > {self.kl:g}")
             if self.top5 is not None and (s["mean_top5_error"] is None or s["mean_top5_error"] > self.top5):
                 reasons.append(f"mean top-5 error {_fmt(s['mean_top5_error'])} > {self.top5:g}")
+            if self.floor is not None:
+                m = result.floor.multiples({"prompts": {p: s}, "mean_kl": s["mean_kl"],
+                                            "mean_top5_error": s["mean_top5_error"]})
+                above = [f"{label} {_fmt(m[key])}x the floor" for key, label in (("kl", "mean KL"), ("top5", "mean top-5 error"))
+                         if m[key] is None or m[key] > self.floor]
+                if above:
+                    reasons.append(f"{', '.join(above)} > {self.floor:g}x")
             out[p] = reasons
         return out
 

@@ -91,5 +91,5 @@ def test_help_states_every_default(capsys, monkeypatch):
 def test_gate_conditions():
     assert Gate.parse(["diverged", "kl=0.05", "top5=0.1"]) == Gate(diverged=True, kl=0.05, top5=0.1)
     for bad in ("kl", "diverged=1", "top1=3"):
-        with pytest.raises(ValueError, match="expected diverged, kl=X or top5=Y"):
+        with pytest.raises(ValueError, match="expected diverged, kl=X, top5=Y or floor=K"):
             Gate.parse([bad])

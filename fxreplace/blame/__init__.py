@@ -20,7 +20,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..metrics import Tolerances
+from ..floor import check_reference_precision, measure_floor, stored_floor
+from ..metrics import Tolerances, no_scale
 from ..components import Component, layer_of, resolve_components
 from ..targets import Target, TargetLike
 from .result import MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass
@@ -99,22 +100,29 @@ def refuse_missing(reference, components: Sequence[Component], model_hint: str =
 
 def search(engine, reference, components: Sequence[Component], *, tolerances: Tolerances = Tolerances(),
            prompts: Sequence[int] | None = None, budget: int | None = None, probes: int = PROBES,
-           progress: bool = True, supply=None, observe=None) -> BlameResult:
-    """The search of :mod:`fxreplace.blame.search` over ``components`` through ``engine``."""
+           progress: bool = True, supply=None, observe=None, floor=None, dtype: str | None = None) -> BlameResult:
+    """The search of :mod:`fxreplace.blame.search` over ``components`` through ``engine``; ``floor``
+    (:class:`fxreplace.floor.NoiseFloor`) scales it, else a target below float32 (``dtype``) is
+    told its verdict has no scale."""
     if not components:
         raise BlameError("no components to search: give the family's components or your own")
     indices = check_inputs(reference, architecture=None, vocab_size=None, what="the target", prompts=prompts)
     if supply is None:
         refuse_missing(reference, components)
+    if floor is not None and not floor.covers(indices):
+        raise BlameError(f"the noise floor covers prompts {sorted(floor.prompts)[:5]} ... but not all of {indices[:5]} ...: "
+                         "it was measured on another reference")
+    unscaled = no_scale(dtype) if dtype and dtype not in ("float32", "float64") else ""
     result = Search(engine, reference, components, tolerances=tolerances, prompts=indices, budget=budget,
-                    probes=probes, progress=progress, supply=supply, observe=observe).run()
+                    probes=probes, progress=progress, supply=supply, observe=observe, floor=floor,
+                    unscaled=unscaled).run()
     return result
 
 
 def blame(target, reference, *, clean: nn.Module | Callable[[], nn.Module] | None = None, components: Mapping[str, TargetLike] | None = None,
           dtype: torch.dtype | None = None, compile: str | None = None, tolerances: Tolerances = Tolerances(),
           prompts: Sequence[int] | None = None, budget: int | None = None, probes: int = PROBES,
-          progress: bool = True) -> BlameResult:
+          progress: bool = True, floor=None, allow_low_precision_reference: bool = False) -> BlameResult:
     """Which components of ``target`` make it drift from ``reference``?
 
     ``target``: an HF causal LM with the weights under test (converted to ``dtype`` in a copy
@@ -128,19 +136,40 @@ def blame(target, reference, *, clean: nn.Module | Callable[[], nn.Module] | Non
     under the reference directory and reused next time).
     ``components``: ``{kind: Target}`` for models whose family declares none.
     ``budget``: the most validation passes (default :func:`default_budget`); ``probes``:
-    streams tested side by side per localisation round.
+    streams tested side by side per localisation round. ``floor``: the noise floor
+    (:class:`fxreplace.floor.NoiseFloor`) that scales the verdict; default: the one the reference
+    stored for the target's dtype (``capture --noise-floor``), else measured from ``clean``.
+    A reference captured below float32 is refused unless ``allow_low_precision_reference``.
     """
-    from ..capture import architecture
     from ..reference import load_reference
 
     directory, label = None, "the reference"
     if isinstance(reference, (str, Path)):
         directory, reference, label = Path(reference), load_reference(reference), f"the reference {reference}"
+    try:
+        caveat = check_reference_precision(reference, allow_low_precision_reference)
+    except ValueError as e:
+        raise BlameError(str(e)) from None
+    result = _blame(target, reference, directory, label, clean=clean, components=components, dtype=dtype,
+                    compile=compile, tolerances=tolerances, prompts=prompts, budget=budget, probes=probes,
+                    progress=progress, floor=floor)
+    if caveat:
+        result.verdict = f"{caveat}. {result.verdict}"
+    return result
+
+
+def _blame(target, reference, directory, label, *, clean, components, dtype, compile, tolerances, prompts, budget,
+           probes, progress, floor) -> BlameResult:
+    """:func:`blame` past its reference's checks."""
+    from ..capture import architecture
+
     if not isinstance(target, nn.Module):
         check_inputs(reference, architecture=None, vocab_size=getattr(target, "vocab_size", None),
                      what="the target engine", prompts=prompts, label=label)
+        engine_dtype = getattr(target, "dtype", None)
         return search(target, reference, target.components, tolerances=tolerances, prompts=prompts, budget=budget,
-                      probes=probes, progress=progress)
+                      probes=probes, progress=progress, dtype=engine_dtype,
+                      floor=floor if floor is not None else stored_floor(reference, engine_dtype or "", directory))
     arch = architecture(target.config, type(target).__name__)
     indices = check_inputs(reference, architecture=arch, vocab_size=target.config.vocab_size,
                            what=f"the target ({type(target).__name__})", prompts=prompts, label=label)
@@ -184,11 +213,23 @@ def blame(target, reference, *, clean: nn.Module | Callable[[], nn.Module] | Non
             finally:
                 engine.observed = None
 
+        dtype_name = str(dtype).removeprefix("torch.")
+        floor_seconds = 0.0
+        if floor is None and dtype_name not in ("float32", "float64"):
+            floor = stored_floor(reference, dtype_name, directory)
+            if (floor is None or not floor.covers(indices)) and clean is not None:
+                floor = measure_floor(clean if isinstance(clean, nn.Module) else clean(), reference, dtype,
+                                      prompts=indices)
+                floor_seconds = floor.seconds
         result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
-                        progress=progress, supply=supply if on_demand else None, observe=observe)
+                        progress=progress, supply=supply if on_demand else None, observe=observe, floor=floor,
+                        dtype=dtype_name)
     finally:
         if model is target:
             uninstrument(model)
+    result.floor_seconds = floor_seconds
+    result.seconds += floor_seconds
+    result.program = {"engine": "runner", "compile": bool(compile), "dtype": dtype_name}
     if on_demand:
         result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds - before_search
     return result

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..metrics import EXPLAINS, fmt, pct, plural
+from ..metrics import EXPLAINS, fmt, pct, plural, times
 
 #: A part of the divergence that matters: more than what a replacement that explains it may leave.
 #: An origin adds at least this much; the layers holding no origin hold less together, or the
@@ -81,12 +81,15 @@ class Origin:
     component: str | None
     kind: str | None
     kinds_tried: list[str] = field(default_factory=list)
+    beside: list[str] = field(default_factory=list)  # replaced beside it when it was measured: earlier origins, its layer's other guilty kinds
 
-    def describe(self) -> str:
+    def describe(self, noise: float | None = None) -> str:
+        """``noise``: the floor's part of the divergence; the origin's part is then also a multiple of it."""
+        scale = f", {times(self.share / noise)} the floor" if noise else ""
         if self.component is None:
-            return (f"layer {self.layer} ({pct(self.share)}): none of {'/'.join(self.kinds_tried) or 'its kinds'} "
-                    "explains it; look at the norms or the residual path")
-        return f"layer {self.layer} {self.kind} {self.component} ({pct(self.share)})"
+            return (f"layer {self.layer} ({pct(self.share)}{scale}): none of {'/'.join(self.kinds_tried) or 'its kinds'} "
+                    "explains it, alone or together; look at the norms or the residual path")
+        return f"layer {self.layer} {self.kind} {self.component} ({pct(self.share)}{scale})"
 
 
 @dataclass
@@ -111,7 +114,7 @@ class NonFinite:
 
 @dataclass
 class BlameResult:
-    ranking: list[Blame]  # components only: the origins first (in layer order), then by share
+    ranking: list[Blame]  # components only: the origins first, then the rest, each by share
     layer_shares: list[LayerShare]  # per measured layer: localisation evidence
     origins: list[Origin]
     passes: list[Pass]
@@ -128,6 +131,12 @@ class BlameResult:
     captured: list[str] = field(default_factory=list)  # components captured on demand from the clean model
     capture_seconds: float = 0.0  # of ``seconds``, spent capturing them and rebuilding the store that holds them
     explained: float | None = None  # of the divergence, by every origin replaced together
+    # the noise floor's scale: {"dtype", "multiples" (the target without replacement / the floor, per measure),
+    # "within" (precision noise), "noise_share" (the floor's part of the divergence), "floor" (its measures)};
+    # None: no floor, no scale
+    floor: dict | None = None
+    floor_seconds: float = 0.0  # of ``seconds``, measuring the floor (0 when the reference stored it)
+    program: dict = field(default_factory=dict)  # what was examined: {"engine", "compile", "dtype"}
     thresholds: dict = field(default_factory=lambda: {"explains": EXPLAINS, "significant": SIGNIFICANT,
                                                       "max_origins": MAX_ORIGINS})
 
@@ -146,7 +155,8 @@ class BlameResult:
                 "explained": self.explained, "nonfinite": asdict(self.nonfinite) if self.nonfinite else None,
                 "passes": len(self.passes), "rounds": self.rounds, "budget": self.budget,
                 "budget_spent": self.budget_spent, "captured": self.captured, "seconds": self.seconds,
-                "capture_seconds": self.capture_seconds,
+                "capture_seconds": self.capture_seconds, "noise_floor": self.floor, "floor_seconds": self.floor_seconds,
+                "program": self.program,
                 "thresholds": self.thresholds, "kinds": self.kinds, "layers": self.layers,
                 "ranking": [asdict(b) for b in self.ranking], "layer_shares": [asdict(s) for s in self.layer_shares],
                 "pass_log": [asdict(p) for p in self.passes]}

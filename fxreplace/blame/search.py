@@ -27,6 +27,7 @@ When the target's logits hold NaN/inf, one observing pass finds where they first
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from typing import Callable, Collection, Sequence
@@ -91,8 +92,12 @@ class Search:
 
     def __init__(self, engine, reference, components, *, tolerances: Tolerances, prompts: Sequence[int],
                  budget: int | None, probes: int, progress: bool, supply: Callable[[Collection[str]], None] | None,
-                 observe: Callable | None):
+                 observe: Callable | None, floor=None, unscaled: str = ""):
         self.engine, self.reference, self.components = engine, reference, list(components)
+        # the noise floor (fxreplace.floor): what exceeds it is attributed, what it explains is precision noise
+        self.floor, self.unscaled = floor, unscaled
+        self.noise = 0.0  # the floor's part of the divergence: set once the target without replacement is measured
+        self.significant = SIGNIFICANT  # the least part an origin adds: SIGNIFICANT, or the floor's part when larger
         self.tolerances, self.indices, self.progress = tolerances, list(prompts), progress
         self.probes, self.supply, self.observe = probes, supply, observe
         self.streams = {c.layer: c for c in self.components if c.kind == LAYER and c.layer is not None}
@@ -173,6 +178,9 @@ class Search:
         (off, self.off_summary), *_ = self.measure([()] + [[self.streams[self.stream_layers[i]].capture_name]
                                                             for i in first_probes])
         self.off = off
+        if self.floor is not None:
+            self.noise = self._noise_part(self.off_summary)
+            self.significant = max(SIGNIFICANT, self.noise)
         origins: list[Origin] = []
         nonfinite = None
         spent = diffuse = False
@@ -184,6 +192,10 @@ class Search:
             nonfinite = self._first_nonfinite()
             return self._result([], nonfinite, False, False, started, nonfinite.describe() + "." if nonfinite else
                                 "the target's logits hold NaN/inf; no observing engine to say where they first appear.")
+        if self.floor is not None and self.floor.within(self.off_summary):
+            return self._result([], None, True, False, started, f"within precision noise: the target is "
+                                f"{self.floor.describe(self.off_summary).split(': ', 1)[1]}; no component stands "
+                                "above the floor, so there is nothing to blame beyond the precision itself.")
         try:
             base: list[str] = []
             start = 0  # index into stream_layers
@@ -194,17 +206,22 @@ class Search:
                         break
                     start = 0  # an origin found downstream may unmask one upstream: search again from the first layer
                     continue
-                origin = self._attribute(base, found)
-                origins.append(origin)
-                base = base + [origin.component or self.streams[origin.layer].capture_name]
-                remainder, _ = self.measure([base])[0]
-                if remainder.steps_diverged == 0 or self.E(base) >= EXPLAINS:
+                found_here = self._attribute(base, found)
+                origins += found_here
+                origin = found_here[0]
+                base = base + [o.component or self.streams[o.layer].capture_name for o in found_here]
+                remainder, left = self.measure([base])[0]
+                if remainder.steps_diverged == 0 or self.E(base) >= EXPLAINS or (
+                        self.floor is not None and self.floor.within(left)):  # what is left is precision noise
                     break
                 start = (self.stream_layers.index(origin.layer) + 1) % len(self.stream_layers)
             last = self.stream_layers[-1] if self.stream_layers else None
             if last is not None:  # probed in the first round
                 after_layers = self.E([self.streams[last].capture_name])
-            diffuse = bool(origins) and (len(origins) > MAX_ORIGINS or sum(self._spread(origins)) >= SIGNIFICANT)
+            if self.floor is not None:  # beyond the floor, yet no component and no layer stands above it
+                diffuse = not origins or len(origins) > MAX_ORIGINS
+            else:
+                diffuse = bool(origins) and (len(origins) > MAX_ORIGINS or sum(self._spread(origins)) >= SIGNIFICANT)
             if diffuse:  # where does the drift build up: every stream and kind, for the heat map
                 self.measure([[c.capture_name] for c in self.components])
         except BudgetSpent:
@@ -242,7 +259,7 @@ class Search:
                     selections += kinds
             self.measure(selections)
             e_base = max(self.E(base) if base else 0.0, self.E(upstream) if upstream else 0.0)
-            hits = [i for i, s in zip(points, sels) if self.E(s) - e_base >= SIGNIFICANT]
+            hits = [i for i, s in zip(points, sels) if self.E(s) - e_base >= self.significant]
             if hits:
                 j = points.index(hits[0])
                 a, b, known = (points[j - 1] + 1 if j else a), hits[0], True
@@ -251,8 +268,10 @@ class Search:
             else:
                 a = points[-1] + 1
 
-    def _attribute(self, base: list[str], layer: int) -> Origin:
-        """The earliest kind of ``layer`` explaining its part (beyond ``base``), else the layer itself.
+    def _attribute(self, base: list[str], layer: int) -> list[Origin]:
+        """The earliest kind of ``layer`` explaining its part (beyond ``base``); else the smallest set
+        of its kinds that does together (pairs, then all: two faults in one layer), each named with
+        its share; else the layer itself.
 
         A fault downstream can mask one upstream (after a flipped router little is left for an
         attention fault to add), so the layer's part may hold upstream errors no kind of it
@@ -264,18 +283,49 @@ class Search:
         below = base + [self.streams[self.stream_layers[idx - 1]].capture_name] if idx else base
         candidates = self._kinds(layer)
         self.measure([base + [c.capture_name] for c in candidates] + [below])
-        part = self.E(stream) - self.E(below)
+        # the part a kind must explain: the layer's, less what precision noise may leave in it (with a floor)
+        part = self.E(stream) - self.E(below) - self.noise / EXPLAINS
         kinds = [x.kind for x in candidates]
+
+        def origin(c, share, together=()):
+            beside = self.key(base + [x.capture_name for x in together] + [c.capture_name]) - {c.capture_name}
+            return Origin(layer, share, c.capture_name, c.kind, kinds, sorted(beside))
+
         for c in candidates:
             gain = self.E(base + [c.capture_name]) - e_base
-            if gain >= SIGNIFICANT and gain >= EXPLAINS * part:
-                return Origin(layer, gain, c.capture_name, c.kind, kinds)
+            if gain >= self.significant and gain >= EXPLAINS * part:
+                return [origin(c, gain)]
         if idx:
             self.measure([below + [c.capture_name] for c in candidates])
             for c in candidates:
-                if self.E(below + [c.capture_name]) - self.E(below) >= max(SIGNIFICANT, EXPLAINS * part):
-                    return Origin(layer, self.E(base + [c.capture_name]) - e_base, c.capture_name, c.kind, kinds)
-        return Origin(layer, self.E(stream) - e_base, None, None, kinds)
+                if self.E(below + [c.capture_name]) - self.E(below) >= max(self.significant, EXPLAINS * part):
+                    return [origin(c, self.E(base + [c.capture_name]) - e_base)]
+        for size in sorted({2, len(candidates)}):
+            if size > len(candidates) or size < 2:
+                continue
+            combos = list(itertools.combinations(candidates, size))
+            self.measure([base + [c.capture_name for c in combo] for combo in combos])
+            # the first set that explains the part, in forward order: as for one kind, a later kind replaced
+            # hides what went wrong upstream of it (the experts' output carries a faulty router's routing)
+            gains = [(self.E(base + [c.capture_name for c in combo]) - e_base, combo) for combo in combos]
+            explaining = [(gain, combo) for gain, combo in gains if gain >= self.significant and gain >= EXPLAINS * part]
+            if explaining:
+                gain, combo = explaining[0]
+                # each one's share: what the set loses without it (measured: the pairs, or the sets one smaller);
+                # a member adding less than an origin must is not guilty (e.g. its own rounding beside a fault)
+                self.measure([base + [x.capture_name for x in combo if x is not c] for c in combo])
+                found = [origin(c, gain + e_base - self.E(base + [x.capture_name for x in combo if x is not c]),
+                                [x for x in combo if x is not c]) for c in combo]
+                return [o for o in found if o.share >= self.significant] or found
+        return [Origin(layer, self.E(stream) - e_base, None, None, kinds)]
+
+    def _noise_part(self, off: dict) -> float:
+        """The floor's part of the divergence: what the reference in the target's precision diverges
+        as a fraction of the target's, in the measure where that fraction is larger (the explained
+        part is the smaller of two measures removed, so the noise is the larger)."""
+        m = self.floor.multiples(off)
+        parts = [1 / v for v in (m["kl"], m["top5"]) if v]
+        return min(1.0, max(parts)) if parts else 1.0
 
     def _kinds(self, layer: int) -> list:
         """The components of ``layer`` other than its stream, in forward order."""
@@ -335,18 +385,30 @@ class Search:
 
     def _result(self, origins, nonfinite, diffuse, spent, started, verdict=None, after_layers=None) -> BlameResult:
         ranking = self._ranking(origins)  # in the order found: each row's attribution had the earlier ones beside it
-        origins = sorted(origins, key=lambda o: o.layer)
+        origins = sorted(origins, key=lambda o: -o.share)  # the largest part first, wherever it arises
         shares = self._layer_shares()
         chosen = self.key(o.component or self.streams[o.layer].capture_name for o in origins)
         together = self.E(chosen) if chosen in self.cache else None
+        # with a floor, explaining all that exceeds it is explaining all there is to explain
+        enough = EXPLAINS if self.floor is None else min(EXPLAINS, 1 - self.noise)
         confident = (not diffuse and not spent and bool(origins) and all(o.component for o in origins)
-                     and (together or 0) >= EXPLAINS)
+                     and (together or 0) >= enough)
+        floor = None
+        if self.floor is not None and hasattr(self, "off_summary"):
+            floor = {"dtype": self.floor.dtype, "multiples": self.floor.multiples(self.off_summary),
+                     "within": self.floor.within(self.off_summary), "noise_share": self.noise,
+                     "floor": self.floor.aggregate(self.indices)}
         if verdict is None:
             verdict = _verdict(origins, together, diffuse, self._spread(origins), spent, self.budget, ranking, shares,
-                               after_layers)
+                               after_layers, self.noise if self.floor is not None else None)
+            if self.floor is not None:
+                verdict = f"{self.floor.describe(self.off_summary)}. " + verdict
+        if self.floor is None and self.unscaled and hasattr(self, "off_summary") and nonfinite is None:
+            verdict = verdict.rstrip(".") + f"; {self.unscaled}."
+        ranking.sort(key=lambda b: not b.origin)  # stable: the origins first, then by share
         return BlameResult(ranking, shares, origins, self.passes, self.rounds, verdict, confident, diffuse, nonfinite,
                            self.kinds, self.layers, time.perf_counter() - started, self.budget, spent,
-                           explained=together)
+                           explained=together, floor=floor)
 
     def _ranking(self, origins: list[Origin]) -> list[Blame]:
         """One row per measured component (its most informative pass: the attribution that named it,
@@ -355,8 +417,9 @@ class Search:
         named = {o.component for o in origins if o.component}
         chosen = [o.component or self.streams[o.layer].capture_name for o in origins]
         kept = set(chosen)
-        # an origin's row is its attribution: the origins found before it replaced beside it
-        attributed = {o.component: frozenset(chosen[:i]) for i, o in enumerate(origins) if o.component}
+        # an origin's row is its attribution: the origins found before it (and the other guilty components
+        # of its layer) replaced beside it
+        attributed = {o.component: frozenset(o.beside) for o in origins if o.component}
         rows: dict[str, Blame] = {}
         for key, (on, on_s) in self.cache.items():
             for c in self.components:
@@ -374,9 +437,7 @@ class Search:
                 held = rows.get(c.capture_name)
                 if held is None or len(others) > len(held.with_replaced):
                     rows[c.capture_name] = row
-        order = {c.capture_name: i for i, c in enumerate(self.components)}
-        return sorted(rows.values(), key=lambda b: (not b.origin, order[b.component] if b.origin else 0,
-                                                    -(b.share if b.share is not None else -1)))
+        return sorted(rows.values(), key=lambda b: -(b.share if b.share is not None else -1))
 
     def _layer_shares(self) -> list[LayerShare]:
         out, below = [], 0.0
@@ -390,11 +451,21 @@ class Search:
         return out
 
 
-def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares, after_layers) -> str:
+def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares, after_layers, noise=None) -> str:
+    """The blame verdict; ``noise``: the floor's part of the divergence (None: no floor)."""
     tail = ""
-    if after_layers is not None and after_layers < EXPLAINS and not diffuse:
+    if after_layers is not None and after_layers < EXPLAINS and not diffuse and noise is None:
         tail = (f" Replacing the stream after the last layer removes {pct(after_layers)}: the rest arises after the "
                 "decoder layers (final norm, lm_head).")
+    if diffuse and noise is not None:
+        per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
+        if len(origins) > MAX_ORIGINS:
+            why = f"more than {MAX_ORIGINS} places would each have to be fixed"
+        else:
+            why = (f"no layer adds a part larger than the floor's ({pct(noise)} of the divergence), so none can be told "
+                   "from precision noise")
+        return (f"diffuse drift beyond the floor: the divergence builds up across the layers, not in a few components: "
+                f"{why}; share arising per layer: {per_layer}.")
     if diffuse:
         per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
         if after_layers is not None:
@@ -413,22 +484,28 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
         return (f"diffuse drift: the divergence builds up across the layers, not in a few components: {why}; share "
                 f"arising per layer: {per_layer}.")
     if spent:
-        found = "; ".join(o.describe() for o in origins) or "nothing yet"
+        found = "; ".join(o.describe(noise) for o in origins) or "nothing yet"
         return f"the search stopped at its budget of {budget} passes; found so far: {found}."
     if not origins:
         return ("no layer's residual stream explains a significant part of the divergence (threshold "
                 f"{SIGNIFICANT:.0%})." + tail)
-    sources = "1 source" if len(origins) == 1 else f"{len(origins)} independent sources"
-    text = f"{sources}: " + "; ".join(o.describe() for o in origins)
+    independent = len({o.layer for o in origins}) == len(origins)  # a layer's guilty kinds are found together
+    count = "1 source" if len(origins) == 1 else f"{len(origins)} {'independent ' if independent else ''}sources"
+    if noise is not None:
+        count += " above the precision floor"
+    text = f"{count}: " + "; ".join(o.describe(noise) for o in origins)
     if together is not None:
         text += f"; together they explain {pct(together)} of the divergence" if len(origins) > 1 else \
             f"; replacing it removes {pct(together)} of the divergence"
-    if together is not None and together < EXPLAINS and not tail:
-        text += f"; the remaining {pct(1 - together)} arises in no single layer (each adds less than {SIGNIFICANT:.0%})"
     if len(origins) == 1 and origins[0].component:
         top = next(b for b in ranking if b.component == origins[0].component)
         text += (f" (mean KL {top.kl_off:.3g} -> {top.kl_on:.3g}, {pct(top.explained_kl)} of the KL and "
                  f"{pct(top.explained_top5)} of the top-5 error)")
+    if noise is not None:
+        text += (f"; precision noise at the floor: {pct(noise)} of the divergence (the reference in the target's "
+                 "precision diverges that much by itself)")
+    elif together is not None and together < EXPLAINS and not tail:
+        text += f"; the remaining {pct(1 - together)} arises in no single layer (each adds less than {SIGNIFICANT:.0%})"
     return text + "." + tail
 
 

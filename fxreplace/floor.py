@@ -1,0 +1,181 @@
+"""The precision noise floor: the reference model itself run in the target's precision.
+
+A bf16 target drifts from an fp32 reference even when nothing is wrong with it. How much
+is the drift bf16 rounding alone causes: the clean model cast to the target's dtype,
+teacher-forced against its own fp32 reference on the same prompts. A divergence is then
+read as a multiple of that floor per measure (mean KL, mean top-5 error, steps to the
+first divergence): about 1x is precision noise, well above :data:`FLOOR_MARGIN` is
+something the precision does not explain.
+
+The floor is measured once at capture (``fxreplace capture --noise-floor bfloat16``,
+stored in the reference's metadata under ``"noise_floors"``) or when the clean model is at
+hand (``validate``/``blame --clean``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .metrics import times
+
+#: A divergence up to this multiple of the floor (in every measure) is precision noise: the
+#: target's rounding is not the reference's cast, and compiled kernels round differently, so
+#: a clean bf16 target lands anywhere from ~0.5x to ~1.5x its floor; planted faults sit at 10x-1000x.
+FLOOR_MARGIN = 2.0
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """What the reference model in ``dtype`` diverges from the reference, per prompt."""
+
+    dtype: str
+    prompts: dict[int, dict]  # per prompt: mean_kl, mean_top5_error, first_divergence (None: never), steps
+    top5_per_step: dict[int, list[float]] = field(default_factory=dict)  # per prompt, for the reports' plots
+    program: str = "the reference model in its dtype, eager, fxreplace's runner"
+    seconds: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "NoiseFloor":
+        return cls(data["dtype"], {int(p): v for p, v in data["prompts"].items()},
+                   {int(p): v for p, v in data.get("top5_per_step", {}).items()}, data.get("program", ""),
+                   data.get("seconds", 0.0))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def covers(self, prompts) -> bool:
+        return all(p in self.prompts for p in prompts)
+
+    def aggregate(self, prompts) -> dict:
+        """The floor's measures over ``prompts`` as a validation summary averages them (per step)."""
+        rows = [self.prompts[p] for p in prompts]
+        steps = sum(r["steps"] for r in rows) or 1
+        return {"mean_kl": sum(r["mean_kl"] * r["steps"] for r in rows) / steps,
+                "mean_top5_error": sum(r["mean_top5_error"] * r["steps"] for r in rows) / steps,
+                "steps_to_divergence": _steps_to_divergence(rows),
+                "prompts_diverged": sum(r["first_divergence"] is not None for r in rows)}
+
+    def multiples(self, summary: dict) -> dict:
+        """``summary`` (one mode of a validation summary) as multiples of the floor over its prompts:
+        ``kl`` and ``top5`` (the target's mean / the floor's), ``first_divergence`` (the floor's mean
+        steps to its first divergence / the target's: 3 = the target diverges 3x sooner)."""
+        prompts = [int(p) for p in summary["prompts"]]
+        floor = self.aggregate(prompts)
+        rows = [{"first_divergence": v["first_divergence"], "steps": self.prompts[int(p)]["steps"]}
+                for p, v in summary["prompts"].items()]
+        return {"kl": _ratio(summary["mean_kl"], floor["mean_kl"]),
+                "top5": _ratio(summary["mean_top5_error"], floor["mean_top5_error"]),
+                "first_divergence": _ratio(floor["steps_to_divergence"], _steps_to_divergence(rows))}
+
+    def within(self, summary: dict, margin: float = FLOOR_MARGIN) -> bool:
+        """Every measure within ``margin`` times the floor: precision noise."""
+        return all(m is not None and m <= margin for m in self.multiples(summary).values())
+
+    def describe(self, summary: dict, margin: float = FLOOR_MARGIN) -> str:
+        """"beyond precision noise: 12x its noise floor in mean KL, 4.1x in mean top-5 error, first
+        divergence 3.0x sooner (the floor: the reference in bfloat16 ...)"."""
+        m = self.multiples(summary)
+        where = "within precision noise" if self.within(summary, margin) else "beyond precision noise"
+        floor = self.aggregate([int(p) for p in summary["prompts"]])
+        return (f"{where}: {times(m['kl'])} its noise floor in mean KL, {times(m['top5'])} in mean top-5 error, "
+                f"first divergence {times(m['first_divergence'])} sooner (the floor: the reference in {self.dtype}, "
+                f"mean KL {_g(floor['mean_kl'])}, mean top-5 error {_g(floor['mean_top5_error'])}; up to "
+                f"{margin:g}x is precision noise)")
+
+
+def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prompts: Sequence[int] | None = None,
+                  progress: bool = False) -> NoiseFloor:
+    """The reference model ``clean`` cast to ``dtype``, teacher-forced against ``reference``
+    on its prompts with nothing replaced: the precision noise floor."""
+    import copy
+
+    from .runner import Runner, RunnerConfig
+    from .validation import logit_validation
+
+    started = time.perf_counter()
+    indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
+    longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in indices)
+    bucket = 1 << (longest - 1).bit_length()
+    model = copy.deepcopy(clean).to(dtype)
+    runner = Runner(model, clean.config, runner_config=RunnerConfig(
+        prefill_buckets=(bucket,), batch_buckets=(min(64, len(indices)),), max_len=2 * bucket, batched_prefill=True,
+        teacher_forcing=True), dtype=dtype)
+    result = logit_validation(runner, reference, modes=("off",), prompts=indices, progress=progress)
+    summary = result.summary()["off"]
+    rows = {p: {"mean_kl": s["mean_kl"], "mean_top5_error": s["mean_top5_error"],
+                "first_divergence": s["first_divergence"], "steps": reference.num_generated(p)}
+            for p, s in summary["prompts"].items()}
+    per_step = {p: [s.top5_error for s in result.steps if s.prompt == p] for p in indices}
+    return NoiseFloor(str(dtype).removeprefix("torch."), rows, per_step, seconds=time.perf_counter() - started)
+
+
+#: The precisions a reference may hold and be trusted as the truth.
+FULL_PRECISION = ("float32", "float64")
+
+
+def check_reference_precision(reference, allow: bool = False, option: str = "allow_low_precision_reference=True") -> str:
+    """A reference captured below float32 carries its own rounding into every measure: a target
+    that drifts as much looks clean, and one that is right looks wrong. Refused (ValueError naming
+    ``option``) unless ``allow``; then returns the caveat the verdict states ('' for a full-precision one)."""
+    dtype = str(reference.metadata.get("dtype") or "float32")
+    if dtype in FULL_PRECISION:
+        return ""
+    if not allow:
+        raise ValueError(f"the reference was captured in {dtype}, below float32: its own rounding would be part of every "
+                         f"measure (a drifting target could look clean); capture it from the model in float32, or "
+                         f"accept it with {option}")
+    return (f"caution: the reference is {dtype} (accepted with {option}): its own rounding is part of every measure, "
+            "so 'no divergence' here is no all-clear")
+
+
+#: The file in a reference directory that holds its noise floors, by dtype, each with its own metadata
+#: (the store's own metadata is written when its capture starts, before the floor can be measured).
+FLOOR_FILE = "noise_floors.json"
+
+
+def save_floor(floor: NoiseFloor, directory) -> Path:
+    """Store ``floor`` in the reference directory ``directory`` (beside floors of other dtypes)."""
+    path = Path(directory) / FLOOR_FILE
+    floors = json.loads(path.read_text()) if path.is_file() else {}
+    floors[floor.dtype] = floor.to_dict()
+    path.write_text(json.dumps(floors))
+    return path
+
+
+def stored_floor(reference, dtype: str, directory=None) -> NoiseFloor | None:
+    """The floor for ``dtype`` stored with ``reference``: in its directory (``capture --noise-floor``),
+    or in its metadata's ``"noise_floors"`` (a reference built in memory); None when there is none."""
+    floors = dict(reference.metadata.get("noise_floors") or {})
+    path = Path(directory) / FLOOR_FILE if directory is not None else None
+    if path is not None and path.is_file():
+        try:
+            floors.update(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the noise floor {path}: {e}") from None
+    stored = floors.get(dtype)
+    return NoiseFloor.from_dict(stored) if stored else None
+
+
+def _steps_to_divergence(rows) -> float:
+    """Mean steps up to and including the first divergence, a prompt that never diverges counting
+    one past its last step (so a divergence at step 0 counts 1, not 0)."""
+    values = [(r["first_divergence"] if r["first_divergence"] is not None else r["steps"]) + 1 for r in rows]
+    return sum(values) / len(values) if values else 0.0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    if b <= 0:
+        return 1.0 if a <= 0 else float("inf")
+    return a / b
+
+
+def _g(v) -> str:
+    return "-" if v is None else f"{v:.3g}"

@@ -1,0 +1,205 @@
+"""The precision noise floor and what it does to the verdicts, on tiny float32 models of three
+families: Qwen3-MoE and Llama (registered) and OLMoE (not registered by fxreplace: its
+components are given). The oracle is independent of blame's search and of fxreplace's
+runner: a plain full-sequence HF forward over the reference's tokens, whose KL against the
+reference says how much of a faulty bf16 model's divergence its fault causes (the same
+weights without the fault, in bf16, diverge by the rest)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, OlmoeConfig
+
+from fxreplace.blame import BlameError, blame
+from fxreplace.capture import capture_reference
+from fxreplace.cli import main as cli
+from fxreplace.floor import FLOOR_MARGIN, NoiseFloor, measure_floor
+from fxreplace.metrics import WORSE, verdict
+from fxreplace.models import get_family, tiny_model
+from fxreplace.targets import Target
+
+LAYERS, NEW = 4, 8
+OLMOE_COMPONENTS = {"attention": Target("model.layers.*.self_attn", point="output[0]"),
+                    "router": Target("model.layers.*.mlp.gate"),
+                    "experts": Target("model.layers.*.mlp", point="output"),
+                    "layer": Target("model.layers.*", point="output")}
+
+
+def olmoe():
+    """An OLMoE, a family fxreplace does not register."""
+    config = OlmoeConfig(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                         initializer_range=0.2, max_position_embeddings=256, eos_token_id=None, pad_token_id=None,
+                         bos_token_id=None)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+FAMILIES = {
+    "qwen3-moe": (lambda: tiny_model("Qwen3MoeForCausalLM", num_hidden_layers=LAYERS),
+                  get_family("Qwen3MoeForCausalLM").components, "experts"),
+    "llama": (lambda: tiny_model("LlamaForCausalLM", num_hidden_layers=LAYERS),
+              get_family("LlamaForCausalLM").components, "mlp"),
+    "olmoe (unregistered)": (olmoe, OLMOE_COMPONENTS, "experts"),
+}
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(4, 128, (int(n),), generator=g).tolist() for n in torch.randint(6, 16, (4,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def setups():
+    """Per family: the clean model, its reference (every component) and its bf16 floor, built once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            build, components, block = FAMILIES[name]
+            clean = build()
+            reference = capture_reference(clean, prompts(), [], NEW, components=components, progress=False)
+            cache[name] = clean, components, block, reference, measure_floor(clean, reference, torch.bfloat16)
+        return cache[name]
+
+    return get
+
+
+def oracle_kl(model, reference, dtype) -> float:
+    """Mean KL(reference || model in ``dtype``) over every generated step, from one plain forward
+    of each prompt and its reference tokens (no runner, no cache, no replacement)."""
+    model = copy.deepcopy(model).to(dtype)
+    kls = []
+    with torch.no_grad():
+        for p in range(reference.num_prompts):
+            prompt = reference.prompt_tokens(p)
+            logits = model(input_ids=torch.tensor([prompt + reference.tokens(p)[:-1]])).logits[0, len(prompt) - 1:]
+            ref, tgt = torch.log_softmax(reference.logits(p).double(), -1), torch.log_softmax(logits.double(), -1)
+            kls.append((ref.exp() * (ref - tgt)).sum(-1))
+    return torch.cat(kls).mean().item()
+
+
+def scaled_attention(model, layer, factor):
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.model.layers[layer].self_attn.o_proj.weight.mul_(factor)
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_floor_is_the_reference_model_in_bf16(setups, family):
+    clean, _, _, reference, floor = setups(family)
+    whole = floor.aggregate(range(reference.num_prompts))
+    # the oracle's bf16 divergence, measured without fxreplace's runner, is the floor's
+    assert whole["mean_kl"] == pytest.approx(oracle_kl(clean, reference, torch.bfloat16), rel=0.3)
+    assert whole["mean_kl"] > 1e-5 and floor.dtype == "bfloat16" and floor.covers(range(reference.num_prompts))
+    assert NoiseFloor.from_dict(json.loads(json.dumps(floor.to_dict()))) == floor  # stored as JSON in the reference
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pure_bf16_drift_is_within_the_floor(setups, family):
+    clean, components, _, reference, floor = setups(family)
+    result = blame(clean, reference, components=components, dtype=torch.bfloat16, floor=floor, progress=False)
+    assert result.verdict.startswith("within precision noise: the target is "), result.verdict
+    assert result.diffuse and not result.confident and not result.origins and result.floor["within"]
+    assert all(0.5 <= m <= FLOOR_MARGIN for m in result.floor["multiples"].values()), result.floor
+    assert result.rounds == 1  # the first round says it: nothing to search beyond the precision
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_fault_on_bf16_drift_is_the_first_origin_well_above_the_floor(setups, family):
+    clean, components, _, reference, floor = setups(family)
+    target = scaled_attention(clean, 2, 1.2)
+    # the oracle: the same weights without the fault diverge by the floor; the fault causes the rest
+    fault_part = 1 - oracle_kl(clean, reference, torch.bfloat16) / oracle_kl(target, reference, torch.bfloat16)
+    assert 0.5 < fault_part < 0.99
+    result = blame(target, reference, components=components, dtype=torch.bfloat16, floor=floor, progress=False)
+    first = result.origins[0]
+    assert (first.component, first.kind, first.layer) == ("model.layers.2.self_attn", "attention", 2), result.verdict
+    assert result.floor["multiples"]["kl"] > 4 and not result.floor["within"]
+    assert first.share >= 0.5 and first.share / result.floor["noise_share"] > 1.5  # its part, in floors
+    assert result.verdict.startswith("beyond precision noise: ") and "1 source above the precision floor: layer 2 " \
+        "attention" in result.verdict and "precision noise at the floor: " in result.verdict
+    assert result.confident and not result.diffuse
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_faults_in_one_layer_are_both_named(setups, family):
+    clean, components, block, reference, _ = setups(family)
+    target = scaled_attention(clean, 1, 1.5)
+    with torch.no_grad():
+        target.model.layers[1].mlp.gate.weight.mul_(-1.0) if block == "experts" else \
+            target.model.layers[1].mlp.down_proj.weight.mul_(2.0)
+    result = blame(target, reference, components=components, progress=False)
+    named = {(o.kind, o.layer) for o in result.origins}
+    guilty_block = ("router" if block == "experts" else "mlp", 1)
+    assert {("attention", 1), guilty_block} <= named, result.verdict
+    assert "look at the norms" not in result.verdict and result.confident
+    assert all(o.share >= 0.1 for o in result.origins)
+
+
+def test_a_bf16_reference_is_refused_unless_allowed(setups, tmp_path, capsys):
+    clean, components, _, _, _ = setups("qwen3-moe")
+    low = capture_reference(copy.deepcopy(clean).to(torch.bfloat16), prompts(), [], NEW, components=components,
+                            progress=False)
+    with pytest.raises(BlameError, match="captured in bfloat16, below float32"):
+        blame(clean, low, progress=False)
+    allowed = blame(clean, low, dtype=torch.bfloat16, allow_low_precision_reference=True, progress=False)
+    assert allowed.verdict.startswith("caution: the reference is bfloat16")
+    low.save(tmp_path / "ref")
+    with pytest.raises(SystemExit) as exit_:
+        cli(["validate", "builtin:Qwen3MoeForCausalLM", "--reference", str(tmp_path / "ref"), "--report-dir",
+             str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: the reference was captured in bfloat16")
+    assert "hint: " in err[0] and "--allow-low-precision-reference" in err[0]
+
+
+def test_replacement_that_makes_it_worse_is_stated():
+    def summary(kl, top5, diverged):
+        return {"mean_kl": kl, "mean_top5_error": top5, "top1_agreement": 1 - diverged / 8, "prompts_diverged": diverged,
+                "status_counts": {"diverged": diverged}, "prompts": {}}
+
+    worse = verdict({"off": summary(0.001, 0.02, 0), "on": summary(0.2, 0.9, 2)}, "the router logits")
+    assert worse.outcome == WORSE and "makes the target worse" in worse.sentence and "did not diverge" not in worse.sentence
+    grew = verdict({"off": summary(0.01, 0.1, 2), "on": summary(0.2, 0.9, 4)}, "the router logits")
+    assert grew.outcome == WORSE and "mean KL 0.01 -> 0.2" in grew.sentence
+
+
+def test_cli_captures_the_floor_and_gates_on_it(setups, tmp_path, capsys):
+    """capture --noise-floor stores the floor; validate scores the target against it, --fail-on
+    floor=K gates on it, result.json and report.html carry it; a faulty target fails the gate."""
+    clean, _, _, _, _ = setups("qwen3-moe")
+    clean.save_pretrained(tmp_path / "clean")
+    scaled_attention(clean, 2, 1.5).save_pretrained(tmp_path / "faulty")
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts()))
+    assert cli(["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens",
+                str(NEW), "--out", str(tmp_path / "ref"), "--noise-floor", "bfloat16"]) == 0
+    assert "noise floor (the model in bfloat16" in capsys.readouterr().out
+    common = ["--reference", str(tmp_path / "ref"), "--fail-on", "floor=2"]
+    assert cli(["validate", str(tmp_path / "clean"), *common, "--report-dir", str(tmp_path / "ok")]) == 0
+    out = capsys.readouterr().out
+    assert "within precision noise" in out and "gate passed (--fail-on floor=2)" in out
+    data = json.loads((tmp_path / "ok" / "result.json").read_text())
+    assert data["noise_floor"]["dtype"] == "bfloat16" and data["verdict"]["within_floor"] is True
+    assert data["program"] == {"engine": "runner", "compile": False, "dtype": "bfloat16"}
+    page = (tmp_path / "ok" / "report.html").read_text()
+    assert "id='noise-floor'" in page and "noise floor: the reference in bfloat16" in page
+    assert cli(["validate", str(tmp_path / "faulty"), *common, "--report-dir", str(tmp_path / "bad")]) == 1
+    out = capsys.readouterr().out
+    assert "beyond precision noise" in out and "x the floor > 2x" in out
+    # without a floor: the verdict has no scale, and a floor gate is refused before any pass
+    capture = ["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens",
+               str(NEW), "--out", str(tmp_path / "bare")]
+    assert cli(capture) == 0
+    assert cli(["validate", str(tmp_path / "clean"), "--reference", str(tmp_path / "bare"), "--report-dir",
+                str(tmp_path / "bare-out")]) == 0
+    assert "no scale: " in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        cli(["validate", str(tmp_path / "clean"), "--reference", str(tmp_path / "bare"), "--fail-on", "floor=2",
+             "--report-dir", str(tmp_path / "bare-out")])
+    assert exit_.value.code == 2 and "--noise-floor bfloat16" in capsys.readouterr().err
