@@ -313,11 +313,19 @@ class Search:
                 gain, combo = explaining[0]
                 # each one's share: what the set loses without it (measured: the pairs, or the sets one smaller);
                 # a member adding less than an origin must is not guilty (e.g. its own rounding beside a fault)
-                self.measure([base + [x.capture_name for x in combo if x is not c] for c in combo])
-                found = [origin(c, gain + e_base - self.E(base + [x.capture_name for x in combo if x is not c]),
-                                [x for x in combo if x is not c]) for c in combo]
-                return [o for o in found if o.share >= self.significant] or found
+                guilty = list(combo)
+                self.measure([base + [x.capture_name for x in guilty if x is not c] for c in guilty])
+                shared = [c for c in guilty if self._member_share(base, guilty, c) >= self.significant]
+                if shared and len(shared) < len(guilty):
+                    guilty = shared  # its other members are measured again without them (all subsets are measured)
+                return [origin(c, self._member_share(base, guilty, c), [x for x in guilty if x is not c])
+                        for c in guilty]
         return [Origin(layer, self.E(stream) - e_base, None, None, kinds)]
+
+    def _member_share(self, base: list[str], combo: list, member) -> float:
+        """What ``combo`` (replaced beside ``base``) loses without ``member``."""
+        return (self.E(base + [x.capture_name for x in combo])
+                - self.E(base + [x.capture_name for x in combo if x is not member]))
 
     def _noise_part(self, off: dict) -> float:
         """The floor's part of the divergence: what the reference in the target's precision diverges
