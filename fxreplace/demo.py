@@ -2,12 +2,14 @@
 
 Reference: the fp32 model, eager. Target: the same weights in bf16, instrumented
 and compiled, run by the embedded runner. Both are validated with teacher forcing,
-without and with router-logit replacement, and a report is written. Then
-:func:`fxreplace.blame` searches the bf16 target for the components that explain
-what router replacement leaves (bf16 rounding: it reports diffuse drift), and a copy
-of the fp32 weights with two planted faults (it names both). The reference holds the
-router logits only: blame captures the components it needs from the clean model on
-demand, stores them beside the reference and the second search reuses them. The demo ends
+without and with router-logit replacement, and a report is written; every verdict
+has a scale: the noise floor (the reference model itself in bf16, measured once and
+stored beside the reference). Then :func:`fxreplace.blame` searches the bf16 target
+(within precision noise: nothing to blame beyond the precision) and the bf16 target with
+two planted faults (it names both, each as a multiple of the floor, and reports the rest
+as precision noise). The reference holds the router logits only: blame captures the
+components it needs from the clean model on demand, stores them beside the reference and
+the second search reuses them. The demo ends
 with :mod:`fxreplace.repro`: the planted fault's first origin alone, run in eager ("the port").
 """
 
@@ -25,6 +27,7 @@ import torch
 from . import repro_run
 from .blame import blame
 from .capture import capture_reference
+from .floor import measure_floor, save_floor
 from .instrument import instrument
 from .replacer import TensorReplacer
 from .report import print_summary
@@ -75,6 +78,11 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
     if reference_dir.exists():  # a previous demo's reference and the components blame stored beside it
         shutil.rmtree(reference_dir)
     reference.save(reference_dir)
+    floor = measure_floor(reference_model, reference, torch.bfloat16)  # what bf16 rounding alone causes
+    save_floor(floor, reference_dir)
+    whole = floor.aggregate(range(reference.num_prompts))
+    print(f"noise floor: the reference model in bf16 diverges by mean KL {whole['mean_kl']:.3g}, mean top-5 error "
+          f"{whole['mean_top5_error']:.3g} ({floor.seconds:.1f} s, stored beside the reference)")
 
     target_model = instrument(copy.deepcopy(reference_model).to(torch.bfloat16), targets)
     runner = Runner(
@@ -90,6 +98,8 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
           f"{'compiled (inductor)' if cfg.compile else 'eager'}, embedded runner")
     result = logit_validation(runner, reference, router_topk=getattr(config, "num_experts_per_tok", None), progress=progress)
     result.replaced = "the router logits"
+    result.floor = floor
+    result.program = {"engine": "runner", "compile": cfg.compile, "dtype": "bfloat16"}
     report = result.write_report(cfg.report_dir)
     print_summary(result)
     if cfg.compile:
@@ -108,8 +118,9 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
         planted.model.layers[0].self_attn.o_proj.weight.mul_(1.5)
         planted.model.layers[cfg.layers - 1].mlp.gate.weight.mul_(-1.0)
     print()
-    print("blame: the fp32 weights with two planted faults (layer 0 attention, last layer's router)")
-    found = blame(planted, reference_dir, clean=reference_model, prompts=blame_prompts, progress=progress)
+    print("blame: the bf16 target with two planted faults (layer 0 attention, last layer's router) on its drift")
+    found = blame(planted, reference_dir, clean=reference_model, dtype=torch.bfloat16, prompts=blame_prompts,
+                  progress=progress)
     found.write_report(Path(cfg.report_dir) / "blame-planted")
     print(found.table(limit=6))
     print(f"blame verdict (planted): {found.verdict}")

@@ -275,7 +275,7 @@ def blame_section(result) -> str:
         f"<p><i>explained</i>: the part of the divergence gone with the component replaced (the smaller of the mean "
         f"KL and the mean top-5 log-prob error removed; the origins found before it stay replaced beside it); it "
         f"explains the divergence from {t['explains']:.0%}. <i>share</i>: the part the component accounts for itself "
-        f"(explained minus what the components beside it explain). Order: the origins first, in layer order, then by "
+        f"(explained minus what the components beside it explain). Order: the origins first, then the rest, each by "
         f"share. An origin needs {t['significant']:.0%} of the divergence; the drift is diffuse when the layers holding "
         f"no origin hold {t['significant']:.0%} of it together (a fault leaves them at ~0) or more than "
         f"{t['max_origins']} origins are needed.</p>")

@@ -211,8 +211,14 @@ def test_demo_end_to_end_compiled(tmp_path, capsys):
     summary = json.loads((tmp_path / "report" / "result.json").read_text())["summary"]
     assert set(summary) == {"off", "on"}
     assert summary["on"]["mean_kl"] < summary["off"]["mean_kl"], "reference routing brings the bf16 target closer"
+    assert json.loads((tmp_path / "report" / "result.json").read_text())["noise_floor"]["dtype"] == "bfloat16"
     blamed = json.loads((tmp_path / "report" / "blame.json").read_text())  # the demo ends with a blame summary
-    assert "blame verdict:" in out and blamed["passes"] == len(blamed["pass_log"]) and blamed["ranking"]
+    assert "blame verdict: within precision noise" in out and blamed["passes"] == len(blamed["pass_log"])
+    assert blamed["noise_floor"]["within"] and blamed["floor_seconds"] == 0  # the floor stored beside the reference
+    planted = json.loads((tmp_path / "report" / "blame-planted" / "blame.json").read_text())
+    assert sorted((o["kind"], o["layer"]) for o in planted["origins"]) == [("attention", 0), ("router", 3)], \
+        planted["verdict"]
+    assert planted["verdict"].startswith("beyond precision noise") and "above the precision floor" in planted["verdict"]
     # ... and with the repro of the planted fault's first origin, which disagrees already in eager
     assert "verdict: the port: the target's component disagrees with the reference already in eager" in out
     assert (tmp_path / "report" / "repro" / "README.md").is_file()

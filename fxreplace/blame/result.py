@@ -184,7 +184,7 @@ class BlameResult:
                          f"{'yes' if b.origin else ''}")
         lines.append(f"explained: the part of the divergence gone with the component replaced (the smaller of the mean KL "
                      f"and the mean top-5 error removed; with the origins above it replaced too); share: the part it "
-                     f"accounts for itself. Order: the origins first, in layer order, then by share.")
+                     f"accounts for itself. Order: the origins first, then the rest, each by share.")
         if self.layer_shares:
             lines.append("arising per layer (the residual stream after the layer replaced): " + ", ".join(
                 f"{s.layer}: {pct(s.share)}" for s in self.layer_shares))
