@@ -274,6 +274,22 @@ def check_layer_count(reference, reference_path: str, model_name: str, layers: i
                          f"{model_name}")
 
 
+def _capture_targets(args, model, components) -> list:
+    """The family's targets; for a family fxreplace does not register, none when --component
+    names what to capture, else a usage error naming --target."""
+    try:
+        return default_targets(model)
+    except KeyError:
+        if components:
+            return []
+        from .models import architecture
+
+        raise UsageError(f"{args.model} is a {architecture(model.config, type(model).__name__)}, a family fxreplace "
+                         "does not register, so it knows no default targets",
+                         f"name them with --target PATTERN (e.g. model.layers.*.mlp.gate; `fxreplace inspect "
+                         f"{args.model}` lists the modules), or --component KIND=PATTERN[@POINT] for blame") from None
+
+
 def default_targets(model) -> list:
     from fxreplace.models import architecture, get_family
 
@@ -357,7 +373,7 @@ def _capture(args) -> int:
             raise UsageError("--components/--component/--noise-floor are for --engine hf (blame components and the "
                              "noise floor are captured from the HF reference)")
         return _capture_vllm(args)
-    from .blame import family_components
+    from .blame import BlameError, family_components
     from .capture import capture_reference
     from .store.format import publish_directory, staging_directory
 
@@ -366,9 +382,16 @@ def _capture(args) -> int:
     check_capture_out(args.out, replace=True)
     model = load_model(args.model)
     prompts = checked_ids(ids, model.config.vocab_size, args.prompts)
-    targets = args.target or default_targets(model)
+    targets = args.target or _capture_targets(args, model, components)
     if args.components and not args.component:
-        components = family_components(model)
+        try:
+            components = family_components(model)
+        except BlameError as e:
+            raise UsageError(str(e).partition("; ")[0], "name them with --component KIND=PATTERN[@POINT] (repeatable; "
+                             f"`fxreplace inspect {args.model}` lists the modules)") from None
+    metadata = {"source_model": _absolute(args.model), "prompt_texts": texts}
+    if args.component:  # blame reuses them: --component need not be repeated there
+        metadata["component_targets"] = {kind: {"pattern": t.pattern, "point": t.point} for kind, t in components.items()}
     # prompts stream into the store as they complete; an earlier store at --out is replaced
     # whole at the end (captured beside it, then renamed into place)
     out = Path(args.out)
@@ -383,7 +406,7 @@ def _capture(args) -> int:
                                           "new --out (or delete this one) for every prompt")
     try:
         reference = capture_reference(model, prompts, targets, args.max_new_tokens, components=components, out=into,
-                                      metadata={"source_model": _absolute(args.model), "prompt_texts": texts})
+                                      metadata=metadata)
         if replacing:
             publish_directory(into, out, replace=True)
     except FileExistsError as e:
@@ -692,12 +715,47 @@ def _components(specs: list[str]) -> dict:
     return out
 
 
+def _program_of_validation(args) -> None:
+    """Blame examines the program validate ran: with --from-validation, its engine, compile mode and
+    dtype (recorded in result.json) fill what the command line leaves out; a flag contradicting
+    them is refused. Without it: the same defaults as validate (runner, eager, bfloat16)."""
+    program = {}
+    if args.from_validation:
+        path = Path(args.from_validation) / "result.json"
+        try:
+            program = json.loads(path.read_text()).get("program") or {}
+        except (OSError, json.JSONDecodeError) as e:
+            raise UsageError(f"--from-validation: cannot read {path}: {e}",
+                             "give the --report-dir a `fxreplace validate` run wrote") from None
+        if not program:
+            raise UsageError(f"--from-validation: {path} records no program (written by an older fxreplace)",
+                             "run `fxreplace validate` again, or give --engine/--compile/--dtype")
+    for option, key in (("--engine", "engine"), ("--dtype", "dtype")):
+        given = getattr(args, key)
+        if given is not None and key in program and given != program[key]:
+            raise UsageError(f"{option} {given} contradicts the validation in {args.from_validation} ({option} "
+                             f"{program[key]})", f"leave {option} out: blame examines the program validate ran")
+    args.engine = args.engine or program.get("engine", "runner")
+    args.dtype = args.dtype or program.get("dtype", "bfloat16")
+    if "compile" in program:
+        compiled = args.compile if args.engine == "runner" else not args.eager
+        if (args.compile or args.eager) and compiled != program["compile"]:
+            raise UsageError(f"--{'compile' if args.compile else 'eager'} contradicts the validation in "
+                             f"{args.from_validation} ({'compiled' if program['compile'] else 'eager'})",
+                             "leave it out: blame examines the program validate ran")
+        if args.engine == "runner":
+            args.compile = program["compile"]
+        else:
+            args.eager = not program["compile"]
+
+
 def _blame(args) -> int:
     """Search for the components that explain the divergence (see :mod:`fxreplace.blame`)."""
     import torch
 
     from .blame import BlameError, blame
 
+    _program_of_validation(args)
     reference = load_reference_arg(args.reference)
     _reference_caveat(args, reference)  # refused here; blame() states the caveat
     check_writable_dir(args.report_dir, "--report-dir")
@@ -1003,9 +1061,13 @@ def build_parser() -> Parser:
     blame.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF directory (the target's weights)")
     blame.add_argument("--reference", required=True, type=reference_path,
                        help="directory written by `fxreplace capture --components`")
-    blame.add_argument("--engine", choices=["runner", "vllm"], default="runner",
-                       help="runner: fxreplace's static-shape runner; vllm: a vLLM engine with the fxreplace plugin")
-    blame.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the target's dtype")
+    blame.add_argument("--from-validation", metavar="DIR",
+                       help="the --report-dir of a `fxreplace validate` run: blame examines the program it ran (its "
+                            "engine, compile mode and dtype, from DIR/result.json)")
+    blame.add_argument("--engine", choices=["runner", "vllm"],
+                       help="runner: fxreplace's static-shape runner; vllm: a vLLM engine with the fxreplace plugin "
+                            "(default: runner, or the validation's)")
+    blame.add_argument("--dtype", choices=DTYPES, help="the target's dtype (default: bfloat16, or the validation's)")
     blame.add_argument("--compile", action="store_true", help="torch.compile the target (inductor; --engine runner)")
     blame.add_argument("--eager", action="store_true", help="--engine vllm: enforce eager mode")
     blame.add_argument("--engine-args", default="{}",

@@ -203,3 +203,55 @@ def test_cli_captures_the_floor_and_gates_on_it(setups, tmp_path, capsys):
         cli(["validate", str(tmp_path / "clean"), "--reference", str(tmp_path / "bare"), "--fail-on", "floor=2",
              "--report-dir", str(tmp_path / "bare-out")])
     assert exit_.value.code == 2 and "--noise-floor bfloat16" in capsys.readouterr().err
+
+
+def test_an_unregistered_family_end_to_end_through_the_cli(setups, tmp_path, capsys):
+    """OLMoE: capture refuses in one line naming the CLI option; the components given to capture
+    --component are recorded, and blame reuses them without being told again."""
+    clean, _, _, _, _ = setups("olmoe (unregistered)")
+    clean.save_pretrained(tmp_path / "clean")
+    scaled_attention(clean, 1, 1.5).save_pretrained(tmp_path / "faulty")
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts()[:2]))
+    capsys.readouterr()  # save_pretrained's progress bars
+    capture = ["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens",
+               str(NEW)]
+    for extra, option in ((["--out", str(tmp_path / "a")], "--target"),
+                          (["--components", "--out", str(tmp_path / "b")], "--component")):
+        with pytest.raises(SystemExit) as exit_:
+            cli(capture + extra)
+        err = [line for line in capsys.readouterr().err.splitlines() if "Loading weights" not in line and line.strip()]
+        assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and "; hint: " in err[0], err
+        assert f"{option} " in err[0].split("; hint: ")[1] and "OlmoeForCausalLM" in err[0]
+    given = [arg for kind, target in OLMOE_COMPONENTS.items()
+             for arg in ("--component", f"{kind}={target.pattern}@{target.point}")]
+    assert cli(capture + ["--out", str(tmp_path / "ref"), *given]) == 0
+    capsys.readouterr()
+    assert cli(["blame", str(tmp_path / "faulty"), "--reference", str(tmp_path / "ref"), "--dtype", "float32",
+                "--report-dir", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "blame.json").read_text())
+    assert [(o["kind"], o["layer"]) for o in data["origins"]] == [("attention", 1)] and data["confident"], data["verdict"]
+    assert data["kinds"] == ["attention", "router", "experts"]
+
+
+def test_blame_examines_the_program_validate_ran(tmp_path, capsys):
+    """validate --compile records its program; blame --from-validation runs that compiled program
+    and says so; a flag contradicting it is refused."""
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts()[:2]))
+    arch = "builtin:Qwen3MoeForCausalLM"
+    assert cli(["capture", arch, "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", "4", "--components",
+                "--out", str(tmp_path / "ref")]) == 0
+    assert cli(["validate", arch, "--reference", str(tmp_path / "ref"), "--compile", "--report-dir",
+                str(tmp_path / "val")]) == 0
+    assert json.loads((tmp_path / "val" / "result.json").read_text())["program"] == {
+        "engine": "runner", "compile": True, "dtype": "bfloat16"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        cli(["blame", arch, "--reference", str(tmp_path / "ref"), "--from-validation", str(tmp_path / "val"),
+             "--dtype", "float32"])
+    assert exit_.value.code == 2 and "--dtype float32 contradicts the validation" in capsys.readouterr().err
+    assert cli(["blame", arch, "--reference", str(tmp_path / "ref"), "--from-validation", str(tmp_path / "val"),
+                "--report-dir", str(tmp_path / "val")]) == 0
+    assert "program examined: engine runner, compiled (inductor), bfloat16" in capsys.readouterr().out
+    assert json.loads((tmp_path / "val" / "blame.json").read_text())["program"] == {
+        "engine": "runner", "compile": True, "dtype": "bfloat16"}
+    assert "Program examined: engine runner, compiled (inductor), bfloat16" in (tmp_path / "val" / "blame.html").read_text()

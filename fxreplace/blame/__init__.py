@@ -29,7 +29,7 @@ from .search import LAYER, PROBES, Search, default_budget
 
 __all__ = ["blame", "search", "Component", "resolve_components", "family_components", "recorded_components",
            "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "LAYER",
-           "SIGNIFICANT", "MAX_ORIGINS", "PROBES", "default_budget", "layer_of", "blame_runner"]
+           "SIGNIFICANT", "MAX_ORIGINS", "PROBES", "default_budget", "layer_of", "blame_runner", "recorded_targets"]
 
 
 class BlameError(ValueError):
@@ -44,10 +44,17 @@ def family_components(model: nn.Module) -> dict[str, Target]:
     try:
         declared = get_family(arch).components
     except KeyError as exc:
-        raise BlameError(f"{exc.args[0]}; pass components={{kind: Target}}") from None
+        raise BlameError(f"{exc.args[0]}; pass components={{kind: Target}} (CLI: --component KIND=PATTERN[@POINT])") from None
     if not declared:
-        raise BlameError(f"the {arch} family declares no components; pass components={{kind: Target}}")
+        raise BlameError(f"the {arch} family declares no components; pass components={{kind: Target}} (CLI: "
+                         "--component KIND=PATTERN[@POINT])")
     return dict(declared)
+
+
+def recorded_targets(reference) -> dict[str, Target]:
+    """The ``{kind: Target}`` given to ``fxreplace capture --component`` (empty: none recorded)."""
+    return {kind: Target(t["pattern"], point=t.get("point", "auto"))
+            for kind, t in (reference.metadata.get("component_targets") or {}).items()}
 
 
 def recorded_components(reference) -> dict[str, dict]:
@@ -186,7 +193,9 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
     dtype = dtype or next(target.parameters()).dtype
     same = dtype == next(target.parameters()).dtype and target is not clean
     model = target if same else copy.deepcopy(target).to(dtype)
-    comps = resolve_components(model, components if components is not None else family_components(model))
+    if components is None:  # the components capture recorded for a family fxreplace does not register, else the family's
+        components = recorded_targets(reference) or family_components(model)
+    comps = resolve_components(model, components)
     if not comps:
         raise BlameError(f"the components {dict(components or {})} match no module of the target")
     on_demand = None

@@ -46,11 +46,12 @@ PROBES = 8
 
 def default_budget(layers: int, kinds: int, probes: int = PROBES) -> int:
     """Passes enough for MAX_ORIGINS + 1 origins (each localised twice: after the last origin, then
-    from the first layer; its kinds tried twice: alone, then above the stream below) plus the
-    diffuse heat map. Kinds carried by a localisation round fit in its probes + 1 passes, no more
+    from the first layer; its kinds tried twice: alone, then above the stream below; then together)
+    plus the diffuse heat map. Kinds carried by a localisation round fit in its probes + 1 passes, no more
     than its probes and one layer's kinds."""
     localise = probes * max(1, math.ceil(math.log(max(layers, 2), probes + 1)))
-    return 1 + (MAX_ORIGINS + 1) * (2 * (localise + kinds) + 1) + layers * (kinds + 1)
+    together = kinds * (kinds - 1) // 2 + 1  # a layer's kinds tried together: the pairs, then all
+    return 1 + (MAX_ORIGINS + 1) * (2 * (localise + kinds) + together + 1) + layers * (kinds + 1)
 
 
 class BudgetSpent(Exception):
