@@ -420,7 +420,9 @@ def _capture(args) -> int:
         from .reference import load_reference
 
         reference = load_reference(args.out)
-        floor = measure_floor(model, reference, torch_dtype(args.noise_floor), progress=True)
+        del model  # the floor's model is loaded in its dtype, as validate and blame load the target
+        floor = measure_floor(load_model(args.model, torch_dtype(args.noise_floor)), reference,
+                              torch_dtype(args.noise_floor), progress=True)
         save_floor(floor, args.out)
     print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.capture_names)} targets -> {args.out}")
     if floor:
@@ -564,8 +566,8 @@ def _noise_floor(args, reference):
     if floor is not None and floor.covers(range(reference.num_prompts)):
         return floor
     if getattr(args, "clean", None):
-        clean = load_model(args.clean)
         check_reference_matches(reference, args.reference, args.clean, model_architecture(args.clean))
+        clean = load_model(args.clean, torch_dtype(args.dtype))  # loaded in the dtype, as the target is
         _check_vocab(reference, args.clean, clean.config.vocab_size)
         print(f"noise floor: {args.clean} in {args.dtype} against the reference")
         return measure_floor(clean, reference, torch_dtype(args.dtype), progress=True)

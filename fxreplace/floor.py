@@ -91,8 +91,10 @@ class NoiseFloor:
 
 def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prompts: Sequence[int] | None = None,
                   progress: bool = False) -> NoiseFloor:
-    """The reference model ``clean`` cast to ``dtype``, teacher-forced against ``reference``
-    on its prompts with nothing replaced: the precision noise floor."""
+    """The reference model ``clean`` in ``dtype`` (cast when it is not: build it the way the target
+    is built, e.g. loaded in ``dtype`` as the CLI loads both, for the floor to be the target's
+    program), teacher-forced against ``reference`` on its prompts with nothing replaced: the
+    precision noise floor."""
     import copy
 
     from .runner import Runner, RunnerConfig
@@ -102,7 +104,9 @@ def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prom
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
     longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in indices)
     bucket = 1 << (longest - 1).bit_length()
-    model = copy.deepcopy(clean).to(dtype)
+    # a model already in dtype runs as it is: .to() would also round its float32 buffers (rotary inv_freq), which
+    # loading in the dtype keeps, and the floor would not be the target's program
+    model = clean if next(clean.parameters()).dtype == dtype else copy.deepcopy(clean).to(dtype)
     runner = Runner(model, clean.config, runner_config=RunnerConfig(
         prefill_buckets=(bucket,), batch_buckets=(min(64, len(indices)),), max_len=2 * bucket, batched_prefill=True,
         teacher_forcing=True), dtype=dtype)
