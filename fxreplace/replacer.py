@@ -342,10 +342,7 @@ class TensorReplacer:
         rows = None if positions is None else _decode_rows(last, positions)
         if rows is None or checked.slots != len(rows):
             return False
-        if type(last.shard) is int:
-            take_rows(self._source_bits[last.shard], checked.bits, rows)
-        else:
-            take_slot_rows(self._source_bits, checked.bits, last.shard, rows)
+        self._run((last.shard, rows), out.storage, checked.bits)
         checked.mask_bits.fill(True)
         out.num_replaced = len(rows)
         return True
