@@ -14,7 +14,7 @@ from .adapters import get_adapter, register_adapter
 from .blame import blame
 from .config import ConfigError, ReplacementConfig, TensorReplacementConfig
 from .context import ReplacementContext
-from .export import export, export_input_name
+from .export import export, export_input_name, export_inputs
 from .instrument import TargetNotHitError, instrument, observe, uninstrument
 from .liveness import check_live
 from .points import TargetNotLiveError
@@ -62,6 +62,7 @@ __all__ = [
     "check_live",
     "export",
     "export_input_name",
+    "export_inputs",
     "get_adapter",
     "instrument",
     "logit_validation",

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ._compat import size_hint
+from .context import ReplacementContext
 from .injection import Injection
 from .passes import InjectionSpec, insert_replacements
 from .points import check_adapter_fits, find_injection_node, is_linear
@@ -28,6 +29,41 @@ from .targets import TargetLike, resolve_targets
 def export_input_name(capture_name: str) -> str:
     """The exported program's input name for one target's replacement."""
     return "fxreplace_" + re.sub(r"\W", "_", capture_name)
+
+
+def export_inputs(program: torch.export.ExportedProgram, context: ReplacementContext,
+                  rank: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The replacement inputs of a program made by :func:`export`, taken from a context:
+    each target's rows (floating-point values cast to the dtype the program takes, as the
+    eager model casts them) and ``fxreplace_mask``, plus ``fxreplace_rank`` when the program
+    takes one. Checked here against the program's signature, naming the input: a program
+    called with a wrong dtype or width fails deep inside its graph, naming nothing."""
+    placeholders = {n.name: n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"}
+    wanted = [s.arg.name for s in program.graph_signature.input_specs
+              if s.kind.name == "USER_INPUT" and s.arg.name.startswith("fxreplace_")]
+    by_input = {export_input_name(name): name for name in context}
+    inputs: dict[str, torch.Tensor] = {}
+    for input_name in wanted:
+        expected = placeholders[input_name]
+        if input_name == "fxreplace_mask":
+            inputs[input_name] = context.mask
+        elif input_name == "fxreplace_rank":
+            if rank is None:
+                raise ValueError("the program takes fxreplace_rank (a sharded target's rank as a tensor): pass rank=")
+            inputs[input_name] = rank
+        elif input_name not in by_input:
+            raise KeyError(f"the program takes {input_name}, but the context holds no capture name that maps to it "
+                           f"(it holds {sorted(context)[:5]}{' ...' if len(context) > 5 else ''})")
+        else:
+            name, value = by_input[input_name], context[by_input[input_name]]
+            if not value.dtype.is_floating_point:
+                raise TypeError(f"replacement for {name!r} ({input_name}) is {value.dtype}; the program takes "
+                                f"{expected.dtype} values (the captured tensor), not a cast of them")
+            if value.dim() != expected.dim() or value.shape[-1] != expected.shape[-1]:
+                raise ShapeError(f"replacement for {name!r} ({input_name}) has shape {tuple(value.shape)}; the program "
+                                 f"takes [tokens, {expected.shape[-1]}]")
+            inputs[input_name] = value.to(expected.dtype)
+    return inputs
 
 
 def export(
@@ -47,7 +83,8 @@ def export(
     the model's signature), then one ``[T, E]`` replacement per target named
     :func:`export_input_name` (capture name), then ``fxreplace_mask`` (bool
     ``[T]``) and, when a target's shard rank is a tensor, ``fxreplace_rank``.
-    Mask all False turns replacement off in the same program.
+    Mask all False turns replacement off in the same program. :func:`export_inputs` makes
+    these inputs from a :class:`~fxreplace.ReplacementContext`, checked.
 
     ``dynamic_shapes`` is :func:`torch.export.export`'s, for the model's inputs
     (a dict by argument name, or a tuple matching positional ``example_inputs``);

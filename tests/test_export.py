@@ -10,7 +10,9 @@ from torch.export import Dim
 
 import fxreplace.models as families
 from fxreplace import TensorReplacer
-from fxreplace.export import export, export_input_name
+from fxreplace import ReplacementContext
+from fxreplace.export import export, export_input_name, export_inputs
+from fxreplace.sharding import ShapeError
 from fxreplace.instrument import instrument
 from graph_helpers import input_ids, off_context, random_context
 
@@ -35,9 +37,8 @@ def dynamic_program(plain):
                   dynamic_shapes={"input_ids": {1: Dim("seq", min=2, max=64)}, "use_cache": None})
 
 
-def program_inputs(ctx, tokens=8):
-    return {"input_ids": input_ids(tokens), "use_cache": False,
-            **{export_input_name(n): ctx[n] for n in GATES}, "fxreplace_mask": ctx.mask}
+def program_inputs(program, ctx, tokens=8):
+    return {"input_ids": input_ids(tokens), "use_cache": False, **export_inputs(program, ctx)}
 
 
 def eager_logits(model, ctx, tokens=8):
@@ -57,10 +58,10 @@ def test_static_export_takes_replacement_inputs(plain, eager):
     module = program.module()
     for ctx in contexts(8, seed=1):
         with torch.no_grad():
-            out = module(**program_inputs(ctx)).logits
+            out = module(**program_inputs(program, ctx)).logits
         torch.testing.assert_close(out, eager_logits(eager, ctx), rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="input_ids"):  # the static program holds 8 tokens only
-        module(**program_inputs(random_context(GATES, 8, 12), tokens=12))
+        module(**program_inputs(program, random_context(GATES, 8, 12), tokens=12))
 
 
 def test_dynamic_export_follows_the_sequence_length(dynamic_program, eager):
@@ -68,9 +69,9 @@ def test_dynamic_export_follows_the_sequence_length(dynamic_program, eager):
     for tokens in (3, 8, 21):
         for ctx in contexts(tokens, seed=tokens):
             with torch.no_grad():
-                out = module(**program_inputs(ctx, tokens)).logits
+                out = module(**program_inputs(dynamic_program, ctx, tokens)).logits
             torch.testing.assert_close(out, eager_logits(eager, ctx, tokens), rtol=1e-5, atol=1e-5)
-    wrong = program_inputs(random_context(GATES, 8, 5), tokens=6)  # replacement rows != tokens
+    wrong = program_inputs(dynamic_program, random_context(GATES, 8, 5), tokens=6)  # replacement rows != tokens
     with pytest.raises(Exception, match=export_input_name(GATES[0])):
         module(**wrong)
 
@@ -98,8 +99,29 @@ def test_aot_inductor_equals_eager(dynamic_program, eager, tmp_path):
     runner = torch._inductor.aoti_load_package(path)
     for tokens in (8, 13):
         for ctx in contexts(tokens, seed=3)[:2]:
-            out = runner(**program_inputs(ctx, tokens)).logits
+            out = runner(**program_inputs(dynamic_program, ctx, tokens)).logits
             torch.testing.assert_close(out, eager_logits(eager, ctx, tokens), rtol=1e-4, atol=1e-4)
         for step, ctx in enumerate(engine_contexts(tokens)):  # the one compiled program serves them all
-            out = runner(**program_inputs(ctx, tokens)).logits
+            out = runner(**program_inputs(dynamic_program, ctx, tokens)).logits
             torch.testing.assert_close(out, eager_logits(eager, ctx, tokens), rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+def test_export_inputs_check_a_context_against_the_program(dynamic_program, eager):
+    """The program's inputs from a context: float values cast as the eager model casts them;
+    a wrong dtype, width or a missing target named before the graph fails deep without a name."""
+    ctx = random_context(GATES, 8, 5, seed=4)
+    doubled = ReplacementContext({n: ctx[n].double() for n in GATES}, ctx.mask)
+    with torch.no_grad():
+        out = dynamic_program.module()(**program_inputs(dynamic_program, doubled, 5)).logits
+    torch.testing.assert_close(out, eager_logits(eager, ctx, 5), rtol=1e-5, atol=1e-5)
+
+    as_ints = ReplacementContext({n: ctx[n].long() for n in GATES}, ctx.mask)
+    with pytest.raises(TypeError, match=f"{GATES[0]}.*torch.int64.*torch.float32"):
+        export_inputs(dynamic_program, as_ints)
+    narrow = ReplacementContext({n: ctx[n][:, :4] for n in GATES}, ctx.mask)
+    with pytest.raises(ShapeError, match=f"{GATES[0]}.*\\(5, 4\\).*\\[tokens, 8\\]"):
+        export_inputs(dynamic_program, narrow)
+    with pytest.raises(KeyError, match=export_input_name(GATES[1])):
+        export_inputs(dynamic_program, ReplacementContext({GATES[0]: ctx[GATES[0]]}, ctx.mask))
+    with pytest.raises(ValueError, match="mask must be a 1-D bool tensor, got torch.int64"):
+        ReplacementContext(dict(ctx.items()), ctx.mask.long())

@@ -69,7 +69,6 @@ def test_dynamic_export_equals_eager_at_every_length():
                                dynamic_shapes=({1: Dim("seq", min=2, max=32)},))
     for tokens in (8, 5, 16):
         ctx = random_context(eager.targets, EXPERTS, tokens, seed=tokens)
-        inputs = {fxreplace.export_input_name(n): ctx[n] for n in eager.targets} | {"fxreplace_mask": ctx.mask}
         with torch.no_grad():
-            out = program.module()(input_ids=input_ids(tokens), **inputs)
+            out = program.module()(input_ids=input_ids(tokens), **fxreplace.export_inputs(program, ctx))
             torch.testing.assert_close(out, eager(input_ids(tokens), replacements=ctx), rtol=1e-5, atol=1e-5)

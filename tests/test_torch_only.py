@@ -34,8 +34,7 @@ SCRIPT = textwrap.dedent("""
     assert not torch.allclose(model(ids, replacements=ctx), expected)
 
     program = fxreplace.export(tiny_model("NeuronMoeForCausalLM"), (ids,), targets=names)
-    inputs = {fxreplace.export_input_name(n): ctx[n] for n in names} | {"fxreplace_mask": ctx.mask}
-    torch.testing.assert_close(program.module()(input_ids=ids, **inputs), model(ids, replacements=ctx))
+    torch.testing.assert_close(program.module()(input_ids=ids, **fxreplace.export_inputs(program, ctx)), model(ids, replacements=ctx))
 
     sharded = Target("model.layers.*.mlp.router", shard=ShardSpec("sequence", 2, torch.tensor(1)))
     half = fxreplace.instrument(tiny_model("NeuronMoeForCausalLM"), [sharded])
