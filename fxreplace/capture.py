@@ -245,8 +245,10 @@ def _conversation(prompt) -> list | None:
 
 
 def check_prompts(prompt_token_ids: Sequence, vocab_size: int) -> list[list[int]]:
-    """Token id lists (or tensors) as plain lists; a ValueError names the first bad prompt."""
-    prompts = []
+    """Token id lists (or tensors) as plain lists; a ValueError names the first bad prompt.
+    A prompt given twice is refused here, before a model runs: a request with its tokens
+    could only ever be matched to one of them."""
+    prompts, first_seen = [], {}
     for i, prompt in enumerate(prompt_token_ids):
         ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
         if not ids:
@@ -254,6 +256,10 @@ def check_prompts(prompt_token_ids: Sequence, vocab_size: int) -> list[list[int]
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+        seen = first_seen.setdefault(tuple(ids), i)
+        if seen != i:
+            raise ValueError(f"prompt {i} has the same token ids as prompt {seen}: a request with these tokens could "
+                             "only ever get one of them; capture each prompt once")
         prompts.append(ids)
     if not prompts:
         raise ValueError("no prompts to capture")

@@ -355,7 +355,8 @@ def checked_ids(ids: list, vocab_size: int, path: str) -> list[list[int]]:
     try:
         return check_prompts(ids, vocab_size)
     except ValueError as e:
-        raise UsageError(f"{path}: {e}", "token ids must be below the model's vocab_size") from None
+        raise UsageError(f"{path}: {e}", f"give each prompt once, as token ids below the model's vocab_size "
+                         f"({vocab_size}) or as text") from None
 
 
 def _demo(args) -> int:
@@ -1164,9 +1165,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(error, file=sys.stderr)
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         if debug:
             traceback.print_exc()
+        # what the interrupted frames held open goes now: a progress bar closed at exit would print below this line
+        traceback.clear_frames(interrupt.__traceback__)
         below_a_bar = "\n" if sys.stderr.isatty() else ""  # a progress bar's line has no end on a terminal
         print(f"{below_a_bar}interrupted: {produced}", file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None

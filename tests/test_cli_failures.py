@@ -58,7 +58,8 @@ def test_ctrl_c_during_a_capture_exits_130_with_one_line_and_the_old_store_intac
     out = tmp_path / "ref"
     small_store(out)
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps([[4 + (i * 7 + j) % 100 for j in range(16)] for i in range(2000)]))
+    prompts.write_text(json.dumps([[4 + i // 100, 4 + i % 100] + [4 + (i * 7 + j) % 100 for j in range(14)]
+                                    for i in range(2000)]))
     proc = subprocess.Popen([sys.executable, "-m", "fxreplace", "capture", f"builtin:{ARCH}", "--prompts", str(prompts),
                              "--out", str(out), "--max-new-tokens", "8"], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
@@ -126,6 +127,25 @@ def test_a_vllm_capture_refuses_an_out_holding_a_store_before_the_engine_starts(
                       "--out", str(tmp_path / "ref")]) == 2
     err = one_error_line(capsys)
     assert "holds a loadable store of 1 prompt; the capture would fail at its end; hint: give a new or empty --out" in err
+
+
+@pytest.mark.parametrize("prompts", [[[5, 6, 7], [8, 9], [5, 6, 7]], ["the same text", "the same text"]])
+def test_a_prompt_given_twice_is_refused_before_the_engine_starts(tmp_path, capsys, monkeypatch, prompts):
+    """A prompt given twice (as ids, or as a text tokenized to the same ids) could only ever be matched
+    to one capture: the store refused it after the engine had run; it is the user's to fix, exit 2."""
+    from fxreplace.vllm.testing import save_tiny_checkpoint
+    import fxreplace.vllm.capture
+
+    ckpt = save_tiny_checkpoint(ARCH, tmp_path / "ckpt")
+    (tmp_path / "p.json").write_text(json.dumps(prompts))
+    capsys.readouterr()
+    monkeypatch.setattr(fxreplace.vllm.capture, "capture_with_vllm", lambda *a, **k: pytest.fail("the engine started"))
+    assert exit_code(["capture", str(ckpt), "--engine", "vllm", "--prompts", str(tmp_path / "p.json"),
+                      "--out", str(tmp_path / "ref")]) == 2
+    err = one_error_line(capsys)
+    assert err.startswith(f"error: {tmp_path / 'p.json'}: prompt {len(prompts) - 1} has the same token ids as prompt 0")
+    assert err.endswith("hint: give each prompt once, as token ids below the model's vocab_size (128) or as text"), err
+    assert not (tmp_path / "ref").exists()
 
 
 def test_a_reference_blame_extended_stays_a_reference(tmp_path, capsys):

@@ -25,7 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import textwrap
+import threading
+import time
 
 import httpx
 
@@ -36,13 +43,13 @@ import vllm  # noqa: F401  (needs vLLM: no skip)
 from fxreplace.capture import capture_reference
 from fxreplace.models import get_family, tiny_model
 from fxreplace.reference import Reference, load_reference
-from fxreplace.store import merge_stores
+from fxreplace.store import ReferenceStore, merge_stores, unfinished
 from fxreplace.vllm import ConfigError, FxReplaceConfig
 from fxreplace.vllm import shm
 from fxreplace.vllm.testing import save_tiny_checkpoint
 from test_vllm import GPT_OSS, GPT_OSS_CONFIG
 from test_vllm_server import Server, parse
-from vllm_engines import result_line, run_python
+from vllm_engines import engine_env, remove_leaked_shm, result_line, run_python
 
 ARCH = "Qwen3MoeForCausalLM"
 LLAMA = "LlamaForCausalLM"
@@ -314,3 +321,44 @@ def test_a_generation_longer_than_its_first_logits_allocation_keeps_every_row():
     assert not np.shares_memory(record.generated_logits(7), record.logits)  # 7 rows of 8 held: a copy
     record.put_logits(len(prompt) + 6, logits[7])
     assert np.shares_memory(record.generated_logits(8), record.logits)  # full: no copy
+
+
+def test_ctrl_c_during_a_vllm_capture_exits_130_with_one_line_and_the_written_prompts_loadable(setup, tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the process group) while `fxreplace capture --engine vllm`
+    generates: one line saying what --out holds, exit 130, the prompts written so far load, and the
+    engine's processes and shared memory are gone."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[4 + i // 100, 4 + i % 100] + [4 + (i * 7 + j) % 100 for j in range(14)]
+                                   for i in range(3000)]))
+    out = tmp_path / "out"
+    remove_leaked_shm()
+    segments_before = shm.segments()
+    proc = subprocess.Popen([sys.executable, "-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--eager",
+                             "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env(),
+                            start_new_session=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not re.search(r"Processed prompts: +\d+%.* [1-9]\d*/3000", "".join(err)[-400:]):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(err)[-3000:]
+            time.sleep(0.2)  # generating: vLLM's progress bar counts finished prompts
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, "".join(err)[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    text = "".join(err)
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    last = text.strip().splitlines()[-1]
+    written = re.fullmatch(rf"interrupted: --out {re.escape(str(out.resolve()))} holds an unfinished store: the (\d+) "
+                           r"prompts written so far load, the later ones are missing; the requests in flight were not "
+                           r"written: capture again into a new --out for every prompt", last)
+    assert written, last
+    assert unfinished(out) and len(ReferenceStore.load(out).prompt_token_ids) == int(written.group(1)) > 0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # the engine core and workers went with the command
+    assert shm.unused(shm.segments() - segments_before) == []

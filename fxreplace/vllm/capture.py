@@ -574,7 +574,7 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
         llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": {"capture": capture}}, **llm_kwargs)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-            llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+            llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params)  # its progress bar
             counts = [c for c in llm.collective_rpc(internals.FINISH_CAPTURE_METHOD) if c is not None]
         finally:
             try:
