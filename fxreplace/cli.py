@@ -106,9 +106,11 @@ class Parser(argparse.ArgumentParser):
 
 def load_model(spec: str, dtype=None):
     """``builtin:ARCH`` (a tiny random model from fxreplace.models) or a local HF directory
-    (sharded or not), in ``dtype`` (default fp32): loaded in it, never converted from a copy."""
+    (sharded or not), in ``dtype`` (default fp32): loaded in it, never converted from a copy,
+    each weight in memory once (:func:`fxreplace.checkpoint.load_checkpoint`)."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from .checkpoint import load_checkpoint
 
     dtype = dtype or torch.float32
     if spec.startswith("builtin:"):
@@ -117,7 +119,7 @@ def load_model(spec: str, dtype=None):
         return tiny_model(spec.removeprefix("builtin:")).to(dtype)
     check_model_dir(spec)
     try:
-        return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval()
+        return load_checkpoint(spec, dtype)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"cannot load the model in {spec}: {e}",
                          "a checkpoint directory holds config.json and its weights (save_pretrained)") from None
