@@ -30,7 +30,9 @@ class Family:
     """What fxreplace knows about one model architecture.
 
     ``targets``: the HF implementation's injection sites (router logits for MoE
-    models). ``vllm_targets``: the same sites in vLLM's implementation.
+    models). ``vllm_targets``: the same sites in vLLM's implementation;
+    ``vllm_neuron_targets``: in the model code vllm-neuron serves (for the families with
+    NxD's MoE layout, :func:`fxreplace.models.nxd.nxd_router_targets`).
     ``tiny_config``: a small config with random weights for tests and demos;
     ``model_kwargs``: arguments ``from_config`` needs here (e.g. eager attention).
     ``transform``: turns the HF model into the family's variant (e.g. a fused router).
@@ -45,6 +47,7 @@ class Family:
     targets: tuple[Target, ...]
     tiny_config: Callable[[], object]
     vllm_targets: tuple[Target, ...] = ()
+    vllm_neuron_targets: tuple[Target, ...] = ()
     model_kwargs: dict = field(default_factory=dict)
     transform: Callable | None = None
     build: Callable | None = None

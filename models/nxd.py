@@ -38,15 +38,20 @@ from . import get_family
 NXD_ROUTER = "layers.*.mlp.router"
 
 
+def nxd_router_targets(hf_router: Target) -> tuple[Target, ...]:
+    """The router target of NxD's MoE layout (an NxDI inner model, or vllm-neuron's model code
+    laid out the same way), named as the HF reference captures ``hf_router`` (one module per
+    layer): e.g. ``layers.N.mlp.router`` (point "auto", its ``linear_router``) <- ``model.layers.N.mlp.gate``."""
+    if hf_router.pattern.count("*") != 1:
+        raise ValueError(f"the HF router target {hf_router.pattern!r} does not name one module per layer")
+    return (Target(NXD_ROUTER, name=hf_router.pattern.replace("*", "{}")),)
+
+
 def nxd_targets(hf_architecture: str = "Qwen3MoeForCausalLM") -> tuple[Target, ...]:
     """The targets of an NxDI MoE model's inner model, named as the HF reference
-    (``hf_architecture``'s registered family) captures them: e.g. for Qwen3-MoE
-    ``layers.N.mlp.router`` (point "auto", its ``linear_router``) <- ``model.layers.N.mlp.gate``."""
+    (``hf_architecture``'s registered family) captures them (see :func:`nxd_router_targets`)."""
     family = get_family(hf_architecture)
-    router = family.components.get("router") or family.targets[0]
-    if router.pattern.count("*") != 1:
-        raise ValueError(f"{hf_architecture}'s router target {router.pattern!r} does not name one module per layer")
-    return (Target(NXD_ROUTER, name=router.pattern.replace("*", "{}")),)
+    return nxd_router_targets(family.components.get("router") or family.targets[0])
 
 
 @register_bypass_hint

@@ -3,6 +3,8 @@
 HF: ``mlp.gate`` (Qwen3MoeTopKRouter) returns (logits, weights, indices) and the
 MoE block ignores the logits, so the injection point is the router's first
 linear ("auto"). vLLM: ``mlp.gate`` is a ReplicatedLinear returning (logits, bias).
+vllm-neuron: NxD's MoE layout (``layers.N.mlp.router.linear_router``, see
+:mod:`fxreplace.models.nxd`), read under the HF capture names.
 """
 
 from transformers import Qwen3MoeConfig
@@ -10,6 +12,9 @@ from transformers import Qwen3MoeConfig
 from fxreplace.targets import Target
 
 from . import Family, decoder_components, register_family
+from .nxd import nxd_router_targets
+
+ROUTER = Target("model.layers.*.mlp.gate")
 
 
 def tiny_config(**overrides):
@@ -23,9 +28,10 @@ def tiny_config(**overrides):
 
 register_family(Family(
     architecture="Qwen3MoeForCausalLM",
-    targets=(Target("model.layers.*.mlp.gate"),),
+    targets=(ROUTER,),
     vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
+    vllm_neuron_targets=nxd_router_targets(ROUTER),
     tiny_config=tiny_config,
-    components=decoder_components(router=Target("model.layers.*.mlp.gate")),
+    components=decoder_components(router=ROUTER),
     vllm_components=decoder_components(router=Target("model.layers.*.mlp.gate", point="output[0]"), vllm=True),
 ))

@@ -208,7 +208,7 @@ class StepInputCapture:
     (``llm.collective_rpc("fxreplace_finish_capture")``).
     The store holds prompts and rows (no generated logits). Target widths are read from the
     modules (the Neuron device runs no eager forward to observe them): targets computed by a
-    linear layer."""
+    linear layer (a router at point "auto" holding one, as NxD's layout does)."""
 
     def __init__(self, side, capture: dict):
         from fxreplace.models import architecture, get_family
@@ -224,7 +224,7 @@ class StepInputCapture:
         instrument(self.model, [Target(r.module_name, point=r.point, name=r.capture_name) for r in resolved],
                    max_tokens=self.max_tokens)
         self.names = [r.capture_name for r in resolved]
-        widths = [_linear_width(self.model.get_submodule(r.module_name), r.module_name) for r in resolved]
+        widths = [_linear_width(self.model.get_submodule(r.module_name), r.module_name, r.point) for r in resolved]
         edges = np.cumsum([0, *widths]).tolist()
         self.columns = {name: slice(a, b) for name, a, b in zip(self.names, edges, edges[1:])}
         self.dtype = next(self.model.parameters()).dtype
@@ -289,9 +289,15 @@ class StepInputCapture:
         return {"names": self.names, "out": str(self.out), "writes": self.writes, **self.counts()}
 
 
-def _linear_width(module, name: str) -> int:
+def _linear_width(module, name: str, point) -> int:
+    """The width of what a target computes, read from its linear layer: the module itself, or,
+    at point "auto" (the logits a router computes), its one linear submodule."""
+    if not isinstance(getattr(module, "out_features", None), int) and point == "auto":
+        linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+        module = linears[0] if len(linears) == 1 else module
     width = getattr(module, "out_features", None)
     if not isinstance(width, int):
-        raise TargetError(f"fxreplace capture on vllm-neuron: {name!r} ({type(module).__name__}) is not a linear layer, "
-                          "so its width cannot be read without an eager forward; target the router's linear layer")
+        raise TargetError(f"fxreplace capture on vllm-neuron: {name!r} ({type(module).__name__}) is not a linear layer "
+                          "nor a module holding one, so its width cannot be read without an eager forward; target "
+                          "the router's linear layer")
     return width
