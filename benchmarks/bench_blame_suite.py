@@ -16,13 +16,14 @@ removes >= 90% of the divergence (blame's EXPLAINS) and each one adds >= 10% (SI
 beside the others; the rest are re-drawn (up to ``--redraws`` times) and reported. Expected
 origins: an attention projection or the input norm -> the layer's ``attention``; router rows
 -> ``router``; an expert, the MLP or the post-attention norm -> the layer's ``experts``/``mlp``;
-an embedding row -> layer 0 itself (no kind explains it); the final norm -> after the layers.
+an embedding row -> the ``embedding`` (declared by every family: layer 0's input); the final norm ->
+after the layers.
 
 Scores per fault fixture: top-1 (the first origin named is planted), recall (planted faults
 named), precision (named origins that are planted); per drift fixture: the verdict (pure bf16:
 diffuse or within the noise floor; the clean copy: no divergence); cost: validation passes and
-rounds against one by one (1 + every component), wall time. Prints tables per family and per
-fault kind and a final JSON line.
+rounds against one by one (1 + every component, the streams included), wall time. Prints tables
+per family and per fault kind and a final JSON line.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxreplace.blame import SIGNIFICANT, blame
+from fxreplace.blame import SIGNIFICANT, blame, family_components, resolve_components
 from fxreplace.capture import capture_reference
 from fxreplace.metrics import DIVERGED, EXPLAINS, compare_steps
 from fxreplace.models import decoder_components, get_family, tiny_model
@@ -141,7 +142,7 @@ def plant(model, kind: str, layer: int, rng: random.Random, block: str, tokens: 
         if kind == "embedding":
             token = rng.choice(tokens)
             noise(model.model.embed_tokens.weight[token])
-            return Fault(kind, None, "model.embed_tokens", ("layer", 0), f"token {token}")
+            return Fault(kind, None, "model.embed_tokens", ("embedding", 0), f"token {token}")
     raise ValueError(f"unknown fault kind {kind}")
 
 
@@ -271,7 +272,8 @@ def run_case(case: Case, target, reference, components) -> dict:
     row = {"family": case.family, "case": case.name, "bf16": case.bf16,
            "planted": [(f.kind, f.layer, f.detail) for f in case.faults], "expected": [f.expected for f in case.faults],
            "passes": len(result.passes), "rounds": result.rounds, "seconds": time.perf_counter() - t0,
-           "one_by_one": 1 + len(result.layers) * (len(result.kinds) + 1), "verdict": result.verdict}
+           "one_by_one": 1 + len(resolve_components(target, components or family_components(target))),
+           "verdict": result.verdict}
     if case.drift:
         row.update(drift=True, right=drift_right(case.name, result), named=named(result))
     else:

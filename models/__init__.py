@@ -93,10 +93,10 @@ def families() -> list[str]:
 
 def decoder_components(*, router: Target | None = None, attention: str = "self_attn", block: str = "mlp",
                        block_kind: str = "experts", block_point: str = "output", vllm: bool = False) -> dict[str, Target]:
-    """Components of a ``model.layers.N`` decoder stack, in forward order: the attention
-    block's output, the router logits (MoE), the MLP/MoE block's output, and the
-    residual stream after the layer. ``attention`` and ``block`` name the layer's
-    attention and MLP/MoE submodules.
+    """Components of a ``model.layers.N`` decoder stack, in forward order: the token
+    embedding's output (HF; the first layer's input), the attention block's output, the
+    router logits (MoE), the MLP/MoE block's output, and the residual stream after the
+    layer. ``attention`` and ``block`` name the layer's attention and MLP/MoE submodules.
 
     HF attention returns ``(output, weights)``; vLLM's returns the output. vLLM's
     decoder layer returns ``(block output, residual)`` and leaves the add to the next
@@ -104,7 +104,10 @@ def decoder_components(*, router: Target | None = None, attention: str = "self_a
     goes through the ``residual_stream_pair`` adapter, which hands the layer's
     consumers ``(0, stream)``.
     """
-    out = {"attention": Target(f"model.layers.*.{attention}", point="output" if vllm else "output[0]")}
+    # the embedding: an error in one of its rows reaches every later position through layer 0's attention,
+    # so without it blame names that attention; vLLM's engine does not declare it (not exercised there yet)
+    out = {} if vllm else {"embedding": Target("model.embed_tokens", point="output")}
+    out["attention"] = Target(f"model.layers.*.{attention}", point="output" if vllm else "output[0]")
     if router is not None:
         out["router"] = router
     out[block_kind] = Target(f"model.layers.*.{block}", point=block_point)

@@ -75,10 +75,10 @@ def test_the_oracle_confirms_a_planted_fault_and_refuses_a_module_holding_none(f
     assert suite.decide(clean, copy.deepcopy(clean), reference, [elsewhere]) == "the target does not diverge"
 
 
-def test_one_fixture_end_to_end(family):
+@pytest.mark.parametrize("kind", ["attention_proj", "embedding"])
+def test_one_fixture_end_to_end(family, kind):
     fam, clean, components, reference = family
-    (case, target), refused = suite.draw(fam, clean, reference, "attention_proj", ["attention_proj"], False,
-                                         random.Random(1), 3, LAYERS)
+    (case, target), refused = suite.draw(fam, clean, reference, kind, [kind], False, random.Random(1), 3, LAYERS)
     row = suite.run_case(case, target, reference, components)
     assert (row["top1"], row["recall"], row["precision"]) == (1.0, 1.0, 1.0), row["verdict"]
     assert row["named"] == [case.faults[0].expected] and row["passes"] < row["one_by_one"]

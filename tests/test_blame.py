@@ -24,6 +24,7 @@ from fxreplace.context import PerRequest, ReplacementContext
 from fxreplace.models import get_family, tiny_model
 from fxreplace.reference import load_reference
 from fxreplace.store import ReferenceStore
+from fxreplace.targets import Target
 from fxreplace.metrics import EXPLAINS, explained, verdict
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -54,6 +55,12 @@ def mlp(layer):
     return lambda m: m.model.layers[layer].mlp.down_proj.weight.mul_(2.0)
 
 
+def embedding_row(m):
+    """Noise in the embedding row of the first prompt's first token (what layer 0's attention spreads)."""
+    w = m.model.embed_tokens.weight
+    w[prompts()[0][0]] += w.std() * torch.randn(w.shape[1], generator=torch.Generator().manual_seed(0))
+
+
 def nan_in_attention(layer):
     return lambda m: m.model.layers[layer].self_attn.o_proj.weight[0, 0].fill_(float("nan"))
 
@@ -75,6 +82,9 @@ SCENARIOS = {
     "two": (ARCH, [attention(0), router(3)], [("model.layers.0.self_attn", "attention", 0),
                                               ("model.layers.3.mlp.gate", "router", 3)]),
     "dense-attention": (DENSE, [attention(2)], [("model.layers.2.self_attn", "attention", 2)]),
+    "embedding": (ARCH, [embedding_row], [("model.embed_tokens", "embedding", 0)]),
+    "dense-embedding": (DENSE, [embedding_row], [("model.embed_tokens", "embedding", 0)]),
+    "dense-attention-0": (DENSE, [attention(0)], [("model.layers.0.self_attn", "attention", 0)]),
     "dense-mlp": (DENSE, [mlp(1)], [("model.layers.1.mlp", "mlp", 1)]),
     "dense-two": (DENSE, [mlp(0), attention(2)], [("model.layers.0.mlp", "mlp", 0),
                                                   ("model.layers.2.self_attn", "attention", 2)]),
@@ -113,7 +123,11 @@ def blamed(cleans, references):
 def test_store_holds_every_kind_as_rows_per_layer(cleans, references):
     clean, reference = cleans[ARCH], references[ARCH]
     components = reference.metadata["components"]
-    assert len(components) == LAYERS * len(KINDS)
+    assert len(components) == LAYERS * len(KINDS) + 1
+    assert components.pop("model.embed_tokens") == {"kind": "embedding", "layer": None}  # the first layer's input
+    with torch.no_grad():
+        embedded = clean.model.embed_tokens(torch.tensor(prompts()[0] + reference.tokens(0)[:-1]))
+    torch.testing.assert_close(reference.store.rows(0, "model.embed_tokens"), embedded)
     hidden, experts_ = clean.config.hidden_size, clean.config.num_experts
     for name, info in components.items():
         assert info["kind"] in KINDS and 0 <= info["layer"] < LAYERS
@@ -136,7 +150,8 @@ def test_families_declare_components_that_resolve():
         assert list(family.components)[-1] == LAYER and "attention" in family.components, arch
         model = tiny_model(arch)
         found = resolve_components(model, family.components)
-        assert {c.layer for c in found} == set(range(model.config.num_hidden_layers)), arch
+        assert (found[0].kind, found[0].layer) == ("embedding", None), arch  # before the layers: it feeds layer 0
+        assert {c.layer for c in found[1:]} == set(range(model.config.num_hidden_layers)), arch
     assert get_family(ARCH).vllm_components["layer"].adapter == "residual_stream_pair"
 
 
@@ -157,6 +172,35 @@ def test_single_fault_is_ranked_first(blamed, name):
     # one round localises 4 layers (off beside 4 streams), one more tries the origin layer's kinds
     kinds = len(result.kinds)
     assert result.rounds == 2 and len(result.passes) == 1 + LAYERS + kinds < 1 + LAYERS * (kinds + 1)
+
+
+@pytest.mark.parametrize("name", ["embedding", "dense-embedding", "dense-attention-0"])
+def test_the_first_layers_part_goes_to_the_earliest_component_explaining_it(blamed, name):
+    """An embedding row's error reaches every later position through layer 0's attention, whose
+    replacement alone removes >= 90% of it too: the embedding, the layer's input, is named (searched
+    with the layer's kinds, before them); a fault in that attention stays the attention's."""
+    result = blamed(name)
+    (component, kind, layer), = SCENARIOS[name][2]
+    assert [(o.component, o.kind, o.layer) for o in result.origins] == [(component, kind, layer)], result.verdict
+    assert result.confident and result.ranking[0].component == component and result.explained >= EXPLAINS
+    alone = {b.component: b.explained for b in result.ranking if not b.with_replaced}
+    if kind == "embedding":
+        assert alone["model.layers.0.self_attn"] >= EXPLAINS, alone  # layer 0's kinds alone would name the attention
+        assert result.verdict.startswith(f"1 source: embedding {component}, the input of layer 0 ("), result.verdict
+    else:
+        assert alone["model.embed_tokens"] < SIGNIFICANT, alone
+    assert result.rounds == 2  # the embedding is tried in the attribution's round, beside the layer's kinds
+
+
+def test_a_component_after_the_layers_feeds_no_layer(cleans, references):
+    """A declared final norm follows the layers (model order), whatever the declaration's order: replacing
+    it would remove every upstream error, so taken for a feeder of layer 0 it would be named there."""
+    components = {"final_norm": Target("model.norm"), **get_family(DENSE).components}
+    found = resolve_components(cleans[DENSE], components)
+    assert (found[0].module_name, found[-1].module_name) == ("model.embed_tokens", "model.norm")
+    result = blame(plant(cleans[DENSE], attention(0)), references[DENSE], clean=cleans[DENSE], components=components,
+                   progress=False)
+    assert [(o.component, o.layer) for o in result.origins] == [("model.layers.0.self_attn", 0)], result.verdict
 
 
 def test_a_slow_round_still_prints_progress_lines(cleans, references, monkeypatch, capsys):
@@ -204,7 +248,7 @@ def test_bf16_drift_is_reported_as_diffuse(blamed):
     result = blamed("bf16")
     assert result.diffuse and not result.confident and result.guilty is None
     assert result.verdict.startswith("diffuse drift"), result.verdict
-    components = {(k, n) for k in KINDS if k != LAYER for n in range(LAYERS)}
+    components = {(k, n) for k in KINDS if k != LAYER for n in range(LAYERS)} | {("embedding", None)}
     assert {(b.kind, b.layer) for b in result.ranking} == components  # the heat map: every component measured
     assert [s.layer for s in result.layer_shares] == list(range(LAYERS))
 
@@ -290,7 +334,7 @@ def routers_only(cleans, tmp_path_factory):
 
 def test_reference_without_components_is_refused(cleans, routers_only, tmp_path, capsys):
     target = plant(cleans[ARCH], router(2))
-    with pytest.raises(BlameError, match="lacks 12 of the 16 components .*kinds attention, experts, layer.*"
+    with pytest.raises(BlameError, match="lacks 13 of the 17 components .*kinds attention, embedding, experts, layer.*"
                                          "`fxreplace capture .* --components"):
         blame(target, routers_only, progress=False)
     target.save_pretrained(tmp_path / "target")

@@ -45,4 +45,4 @@ def test_the_family_example_registers_a_working_family(monkeypatch):
     assert model.targets == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     with torch.no_grad():
         model(input_ids=torch.tensor([[1, 2, 3]]))
-    assert set(family.components) == {"attention", "router", "experts", "layer"}
+    assert set(family.components) == {"embedding", "attention", "router", "experts", "layer"}

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..components import layer_of
 from ..metrics import EXPLAINS, fmt, pct, plural, times
 
 #: A part of the divergence that matters: more than what a replacement that explains it may leave.
@@ -89,6 +90,8 @@ class Origin:
         if self.component is None:
             return (f"layer {self.layer} ({pct(self.share)}{scale}): none of {'/'.join(self.kinds_tried) or 'its kinds'} "
                     "explains it, alone or together; look at the norms or the residual path")
+        if layer_of(self.component) is None:  # a feeder of the layer (the embedding): its input, not in it
+            return f"{self.kind} {self.component}, the input of layer {self.layer} ({pct(self.share)}{scale})"
         return f"layer {self.layer} {self.kind} {self.component} ({pct(self.share)}{scale})"
 
 

@@ -103,9 +103,13 @@ class Search:
         self.probes, self.supply, self.observe = probes, supply, observe
         self.streams = {c.layer: c for c in self.components if c.kind == LAYER and c.layer is not None}
         self.stream_layer = {c.capture_name: layer for layer, c in self.streams.items()}
-        self.layer_of = {c.capture_name: c.layer for c in self.components}
+        # components outside the layers listed before them (resolve_components' order): their output feeds
+        # the first layer (the embedding), so they are candidates of its part, and any stream covers them
+        first = next((i for i, c in enumerate(self.components) if c.layer is not None), 0)
+        self.feeders = [c for c in self.components[:first] if c.kind != LAYER]
+        self.layer_of = {c.capture_name: c.layer for c in self.components} | {c.capture_name: -1 for c in self.feeders}
         self.stream_layers = sorted(self.streams)
-        self.kinds = list(dict.fromkeys(c.kind for c in self.components if c.kind != LAYER))
+        self.kinds = list(dict.fromkeys(c.kind for c in self.components if c.kind != LAYER and c not in self.feeders))
         self.layers = sorted({c.layer for c in self.components if c.layer is not None})
         self.budget = budget if budget is not None else default_budget(len(self.layers), len(self.kinds), probes)
         self.cache: dict[frozenset, tuple[Pass, dict]] = {}
@@ -337,8 +341,12 @@ class Search:
         return min(1.0, max(parts)) if parts else 1.0
 
     def _kinds(self, layer: int) -> list:
-        """The components of ``layer`` other than its stream, in forward order."""
-        return [c for c in self.components if c.layer == layer and c.kind != LAYER]
+        """The components of ``layer`` other than its stream, in forward order; the first layer's start
+        with the feeders (the embedding): its input is their output, so the earliest of them all whose
+        replacement explains the layer's part is its origin (an embedding row's error reaches every later
+        position through layer 0's attention, whose replacement removes most of it too)."""
+        own = [c for c in self.components if c.layer == layer and c.kind != LAYER]
+        return (self.feeders if self.stream_layers and layer == self.stream_layers[0] else []) + own
 
     def _spread(self, origins: list[Origin]) -> tuple[float, float]:
         """The part of the divergence arising where no origin is: in the measured stretches of
