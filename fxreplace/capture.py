@@ -13,7 +13,7 @@ conversations), and the text is recorded beside the ids (``metadata["prompt_text
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import torch
 
@@ -101,21 +101,27 @@ def capture_reference(
             uninstrument(model)
 
 
+class _Enough(Exception):
+    """Raised at an injection point to end a forward whose remaining layers nobody reads."""
+
+
 @torch.no_grad()
 def capture_forced(model: torch.nn.Module, sequences: Sequence[Sequence[int]], targets: Iterable[TargetLike], *,
-                   read_from: Sequence[int] | None = None, tokens_per_forward: int = 8192):
+                   read_from: Sequence[int] | None = None, until: Callable[[list[str]], bool] | None = None,
+                   tokens_per_forward: int = 8192):
     """What ``targets`` compute over known token sequences (e.g. each prompt followed by the
     reference's tokens): teacher-forced, a batch of sequences per forward (right-padded, up to
     ``tokens_per_forward`` slots), no generation. Yields, per sequence in order,
     ``({capture name: rows [len, E]}, picks)``, ``picks`` the model's greedy token after each
     position from ``read_from[i]`` on (only those positions' vocabulary is computed), for checking
-    that the model reproduces the tokens that follow. ``model``: a plain model, instrumented for
-    the duration."""
+    that the model reproduces the tokens that follow. ``until``: called with the capture names
+    computed so far in a forward, in order, at each one; when it returns True the forward ends
+    there (the layers after it, often most of the model, are not run): the rows hold the names
+    computed and ``picks`` is None. ``model``: a plain model, instrumented for the duration."""
     sequences = [list(map(int, s)) for s in sequences]
     read_from = [len(s) - 1 for s in sequences] if read_from is None else list(read_from)
     instrument(model, list(targets))
     try:
-        names = [t.capture_name for t in model._fxreplace.targets]
         device = next(model.parameters()).device
         start = 0
         while start < len(sequences):
@@ -136,15 +142,21 @@ def capture_forced(model: torch.nn.Module, sequences: Sequence[Sequence[int]], t
                 if not isinstance(computed, torch.Tensor):
                     raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor")
                 seen[name] = computed.detach().reshape(len(batch), width, computed.shape[-1]).cpu()
+                if until is not None and until(list(seen)):
+                    raise _Enough
 
-            with observe(model, record):
-                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False,
-                               logits_to_keep=torch.arange(first, width, device=device)).logits
-            picks = logits.argmax(-1).cpu()
+            picks = None
+            try:
+                with observe(model, record):
+                    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False,
+                                   logits_to_keep=torch.arange(first, width, device=device)).logits
+                picks = logits.argmax(-1).cpu()
+            except _Enough:
+                pass
             for r, s in enumerate(batch):
                 lo = read_from[start + r] - first
-                yield ({n: seen[n][r, : len(s)].clone() for n in names},
-                       picks[r, lo : len(s) - first].tolist())
+                yield ({n: rows[r, : len(s)].clone() for n, rows in seen.items()},
+                       None if picks is None else picks[r, lo : len(s) - first].tolist())
             start = end
     finally:
         uninstrument(model)

@@ -375,7 +375,15 @@ def test_on_demand_capture_stores_only_the_requested_components(cleans, referenc
     on_demand = OnDemand(lambda: loads.append(1) or clean, load_reference(directory), comps, directory)
     assert on_demand.store() is on_demand.reference.store and not loads, "nothing captured: the reference itself"
     asked = "model.layers.1.self_attn"
-    assert on_demand.ensure({asked, "model.layers.0.mlp.gate"}) and loads == [1]  # the router is there already
+    ran = []
+    hooks = [layer.register_forward_hook(lambda *_, k=k: ran.append(k)) for k, layer in enumerate(clean.model.layers)]
+    hooks.append(clean.lm_head.register_forward_hook(lambda *_: ran.append("lm_head")))
+    try:
+        assert on_demand.ensure({asked, "model.layers.0.mlp.gate"}) and loads == [1]  # the router is there already
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert ran == [0], "the forward ends at layer 1's router (held by the reference, checked): no later layer runs"
     parts = sorted((directory / "blame-components").iterdir())
     assert len(parts) == 1 and ReferenceStore.load(parts[0]).capture_names == [asked]
     for p in range(on_demand.reference.num_prompts):
@@ -387,8 +395,11 @@ def test_on_demand_capture_stores_only_the_requested_components(cleans, referenc
     with torch.no_grad():
         other.model.layers[0].self_attn.o_proj.weight.mul_(3.0)
     refused = OnDemand(other, load_reference(directory), comps, directory)
+    with pytest.raises(ValueError, match="model.layers.2.mlp.gate differs from the reference.s for prompt 0 .*"
+                                         "not the model the reference was captured from"):
+        refused.ensure({"model.layers.2.self_attn"})  # its router, computed next, is the witness
     with pytest.raises(ValueError, match="does not reproduce the reference.s tokens for prompt"):
-        refused.ensure({"model.layers.2.self_attn"})
+        refused.ensure({f"model.layers.{LAYERS - 1}.mlp"})  # nothing the reference holds after it: the whole forward
     assert len(list((directory / "blame-components").iterdir())) == 1, "a refused capture leaves no part"
 
 

@@ -3,8 +3,10 @@
 A reference captured without components (or with some) is completed as the search goes:
 before a round, the components it replaces that the reference lacks are captured from the
 clean model for every prompt, teacher-forced over the reference's known tokens (batched
-forwards, no generation; checked to reproduce the reference's tokens), so a search costs
-O(rounds) captures of what each round asks, instead of O(layers x kinds) or full captures.
+forwards, no generation, ended after the first component the reference holds computed after
+them, whose rows are checked against the reference's; forwards that run to the end are checked
+to reproduce the reference's tokens), so a search costs O(rounds) captures of what each round
+asks, instead of O(layers x kinds) or full captures.
 Under a reference directory each capture is appended as a store of its own in
 ``blame-components/NNNNN/`` holding only its components (written by
 :class:`~fxreplace.store.StoreWriter`, then memory-mapped), and the next run reads it back
@@ -27,6 +29,10 @@ from torch import nn
 
 from ..store import ReferenceStore, StoreWriter
 from ..store.format import BLAME_COMPONENTS_DIR as SUBDIR
+
+#: the largest relative error (Frobenius, per prompt) between a witness's rows computed by the
+#: batched forward and the reference's: float32 rounding gives ~1e-6, another model's weights ~1
+WITNESS_TOLERANCE = 1e-3
 
 
 class OnDemand:
@@ -69,23 +75,34 @@ class OnDemand:
         # prompt + the reference's tokens but the last: one row per position the reference stored
         sequences = [prompts[p] + ref.tokens(p)[:-1] for p in range(ref.num_prompts)]
         model = self.clean if isinstance(self.clean, nn.Module) else self.clean()
-        captured = capture_forced(model, sequences, [self.by_name[n].target for n in need],
-                                  read_from=[len(prompt) - 1 for prompt in prompts])
+        # a forward ends at the first component the reference holds computed after every asked one (a
+        # witness): the layers after it are not run, and its rows, checked against the reference's, stand
+        # in for the tokens a whole forward would check. In float32 only, where the batched forward's
+        # rounding is far below the tolerance; otherwise (or with no witness after them) the whole forward.
+        witnesses = set()
+        if str(next(model.parameters()).dtype).removeprefix("torch.") == ref.metadata.get("dtype") == "float32":
+            witnesses = {n for n in self.by_name if n not in need and self.present(n)}
+
+        def until(computed: list[str]) -> bool:
+            return computed[-1] in witnesses and set(need) <= set(computed)
+
+        captured = capture_forced(model, sequences, [self.by_name[n].target for n in need + sorted(witnesses)],
+                                  read_from=[len(prompt) - 1 for prompt in prompts], until=until)
         info = {name: {"kind": self.by_name[name].kind, "layer": self.by_name[name].layer} for name in need}
         part = None if self.root is None else self.root / f"{len(self.parts):05d}"
         try:
             if part is None:
                 rows = {}
                 for p, (values, picks) in enumerate(captured):
-                    self._check(p, picks)
-                    rows[p] = values
+                    self._check(p, values, picks)
+                    rows[p] = {n: values[n] for n in need}
                 self.parts.append(ReferenceStore.from_captures(rows, prompt_token_ids=prompts, metadata={"components": info}))
             else:
                 part.parent.mkdir(parents=True, exist_ok=True)
                 with StoreWriter(part, metadata={"components": info}) as writer:
                     for p, (values, picks) in enumerate(captured):
-                        self._check(p, picks)
-                        writer.add(prompts[p], values, prompt_idx=p)
+                        self._check(p, values, picks)
+                        writer.add(prompts[p], {n: values[n] for n in need}, prompt_idx=p)
                 self.parts.append(ReferenceStore.load(part))
         except BaseException:
             if part is not None:
@@ -101,7 +118,17 @@ class OnDemand:
             print(f"  captured {len(need)} components from the clean model: {', '.join(need)[:200]}")
         return True
 
-    def _check(self, p: int, picks: list[int]) -> None:
+    def _check(self, p: int, values: dict, picks: list[int] | None) -> None:
+        """The clean model is the reference's: it reproduces the reference's tokens (a whole forward)
+        or, in a forward ended at a witness (the last component computed), that component's rows."""
+        if picks is None:
+            witness = list(values)[-1]
+            want = self.rows(witness, p).to(values[witness].dtype)
+            error = float((values[witness] - want).norm() / want.norm().clamp_min(1e-30))
+            if not error <= WITNESS_TOLERANCE:
+                raise ValueError(f"the clean model's {witness} differs from the reference's for prompt {p} (relative "
+                                 f"error {error:.2g}): it is not the model the reference was captured from")
+            return
         want = self.reference.tokens(p)
         if picks != want:
             raise ValueError(f"the clean model does not reproduce the reference's tokens for prompt {p} "
