@@ -39,7 +39,7 @@ def capture_reference(
     components: Mapping[str, TargetLike] | None = None,
     progress: bool = True,
     out: str | os.PathLike | None = None,
-    shard_bytes: int = 256 << 20,
+    shard_bytes: int = 64 << 20,
     metadata: Mapping[str, Any] | None = None,
 ) -> Reference:
     """Greedy-generate ``max_new_tokens`` per prompt and record, per prompt:
@@ -58,7 +58,8 @@ def capture_reference(
 
     ``out``: a new or empty directory the prompts stream into as they complete (a
     :class:`~fxreplace.store.StoreWriter`, ``shard_bytes`` per shard, ``index.json``
-    rewritten at each shard), so memory holds one shard whatever the number of prompts;
+    rewritten at each shard), so memory holds one shard whatever the number of prompts (about
+    twice over while it is written: the default keeps that beside the model's weights small);
     a capture killed midway leaves the completed shards loadable and the writer's marker
     saying the store is unfinished (:func:`fxreplace.store.unfinished`). The reference
     returned is then the store memory-mapped from ``out``. Without ``out`` it is built in
