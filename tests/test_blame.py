@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from fxreplace.blame import LAYER, MAX_ORIGINS, PROBES, SIGNIFICANT, BlameError, blame, resolve_components
+from fxreplace.blame import LAYER, MAX_BATCH, MAX_ORIGINS, PROBES, SIGNIFICANT, BlameError, blame, resolve_components
 from fxreplace.blame.ondemand import OnDemand
 from fxreplace.capture import capture_reference
 from fxreplace.cli import main as cli
@@ -406,15 +406,28 @@ def test_on_demand_capture_stores_only_the_requested_components(cleans, referenc
 def test_the_deciding_round_carries_the_origin_layers_kinds():
     """At 16 layers the first round narrows an attention fault in layer 9 to layers 8-9; the round
     deciding between them also replaces their kinds (they fit beside its stream), so the search
-    needs no third round and no round runs more than PROBES + 1 passes."""
+    needs no third round. At 32 layers the first round leaves four layers (16-19): their three
+    streams and twelve kinds still fit one batch of the runner, so two rounds again."""
+    for layers, fault, left in ((16, 9, 2), (32, 19, 4)):
+        clean = tiny_model(ARCH, num_hidden_layers=layers)
+        reference = capture_reference(clean, prompts(), get_family(ARCH).targets, NEW, progress=False)  # routers only
+        result = blame(plant(clean, attention(fault)), reference, clean=clean, progress=False)
+        assert [(o.kind, o.layer) for o in result.origins] == [("attention", fault)] and result.confident, result.verdict
+        per_round = Counter(p.round for p in result.passes)
+        assert result.rounds == 2 and max(per_round.values()) * len(prompts()) <= MAX_BATCH, per_round
+        kinds = len(result.kinds)
+        assert per_round[1] == PROBES + 1 and per_round[2] == left - 1 + left * kinds, per_round
+
+
+def test_a_second_origin_is_bracketed_by_the_streams_already_measured():
+    """Two faults at 16 layers (attention in layer 4, router in layer 12): after the first origin, the
+    first round's streams past it (the origin replaced beside them is the stream alone) already place
+    the second between layers 11 and 13, so its deciding round (carrying its kinds) is the third and last."""
     clean = tiny_model(ARCH, num_hidden_layers=16)
-    reference = capture_reference(clean, prompts(), get_family(ARCH).targets, NEW, progress=False)  # routers only
-    result = blame(plant(clean, attention(9)), reference, clean=clean, progress=False)
-    assert [(o.kind, o.layer) for o in result.origins] == [("attention", 9)] and result.confident, result.verdict
-    per_round = Counter(p.round for p in result.passes)
-    assert result.rounds == 2 and max(per_round.values()) <= PROBES + 1, per_round
-    kinds = len(result.kinds)
-    assert per_round[2] == 1 + 2 * kinds  # the stream after layer 8, the kinds of layers 8 and 9
+    reference = capture_reference(clean, prompts(), get_family(ARCH).targets, NEW, progress=False)
+    result = blame(plant(clean, attention(4), router(12)), reference, clean=clean, progress=False)
+    assert sorted((o.kind, o.layer) for o in result.origins) == [("attention", 4), ("router", 12)], result.verdict
+    assert result.confident and result.rounds == 3, Counter(p.round for p in result.passes)
 
 
 def test_cli_blame_with_explicit_components(cleans, tmp_path, capsys):

@@ -255,3 +255,33 @@ def test_blame_examines_the_program_validate_ran(tmp_path, capsys):
     assert json.loads((tmp_path / "val" / "blame.json").read_text())["program"] == {
         "engine": "runner", "compile": True, "dtype": "bfloat16"}
     assert "Program examined: engine runner, compiled (inductor), bfloat16" in (tmp_path / "val" / "blame.html").read_text()
+
+
+def test_the_cli_says_a_replacement_makes_the_target_worse(setups, tmp_path, capsys):
+    """A port that stores its experts in another order (the router's rows permuted with them) computes
+    the same function, so without replacement it agrees with the reference; with the reference's router
+    logits its tokens go to the wrong experts. validate says the replacement makes it worse, never that
+    the target did not diverge; its gate (on the target as it runs) passes; blame finds nothing to blame."""
+    clean, _, _, _, _ = setups("qwen3-moe")
+    port = copy.deepcopy(clean)
+    order = torch.randperm(port.config.num_experts, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for layer in port.model.layers:
+            for weight in (layer.mlp.gate.weight, layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                weight.copy_(weight[order])
+    clean.save_pretrained(tmp_path / "clean")
+    port.save_pretrained(tmp_path / "port")
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts()))
+    assert cli(["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens",
+                str(NEW), "--out", str(tmp_path / "ref")]) == 0  # the family's router logits
+    capsys.readouterr()
+    assert cli(["validate", str(tmp_path / "port"), "--reference", str(tmp_path / "ref"), "--dtype", "float32",
+                "--fail-on", "diverged", "--report-dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert data["verdict"]["outcome"] == WORSE and data["summary"]["off"]["prompts_diverged"] == 0, data["verdict"]
+    assert data["summary"]["on"]["mean_kl"] > 10 * max(data["summary"]["off"]["mean_kl"], 1e-9)
+    assert "makes the target worse: without replacement every step is within" in out and "did not diverge" not in out
+    assert cli(["blame", str(tmp_path / "port"), "--reference", str(tmp_path / "ref"), "--dtype", "float32",
+                "--clean", str(tmp_path / "clean"), "--report-dir", str(tmp_path / "blame")]) == 0
+    assert "does not diverge from the reference" in capsys.readouterr().out

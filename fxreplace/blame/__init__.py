@@ -29,7 +29,7 @@ from .search import LAYER, PROBES, Search, default_budget
 
 __all__ = ["blame", "search", "Component", "resolve_components", "family_components", "recorded_components",
            "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "LAYER",
-           "SIGNIFICANT", "MAX_ORIGINS", "PROBES", "default_budget", "layer_of", "blame_runner", "recorded_targets"]
+           "SIGNIFICANT", "MAX_ORIGINS", "MAX_BATCH", "PROBES", "default_budget", "layer_of", "blame_runner", "recorded_targets"]
 
 
 class BlameError(ValueError):
@@ -107,10 +107,12 @@ def refuse_missing(reference, components: Sequence[Component], model_hint: str =
 
 def search(engine, reference, components: Sequence[Component], *, tolerances: Tolerances = Tolerances(),
            prompts: Sequence[int] | None = None, budget: int | None = None, probes: int = PROBES,
-           progress: bool = True, supply=None, observe=None, floor=None, dtype: str | None = None) -> BlameResult:
+           progress: bool = True, supply=None, observe=None, floor=None, dtype: str | None = None,
+           batch_rows: int | None = None) -> BlameResult:
     """The search of :mod:`fxreplace.blame.search` over ``components`` through ``engine``; ``floor``
     (:class:`fxreplace.floor.NoiseFloor`) scales it, else a target below float32 (``dtype``) is
-    told its verdict has no scale."""
+    told its verdict has no scale. ``batch_rows``: the requests ``engine`` runs in one batch (default:
+    a round of ``probes`` streams and "off")."""
     if not components:
         raise BlameError("no components to search: give the family's components or your own")
     indices = check_inputs(reference, architecture=None, vocab_size=None, what="the target", prompts=prompts)
@@ -122,7 +124,7 @@ def search(engine, reference, components: Sequence[Component], *, tolerances: To
     unscaled = no_scale(dtype) if dtype and dtype not in ("float32", "float64") else ""
     result = Search(engine, reference, components, tolerances=tolerances, prompts=indices, budget=budget,
                     probes=probes, progress=progress, supply=supply, observe=observe, floor=floor,
-                    unscaled=unscaled).run()
+                    unscaled=unscaled, batch_rows=batch_rows).run()
     return result
 
 
@@ -232,7 +234,7 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
                 floor_seconds = floor.seconds
         result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
                         progress=progress, supply=supply if on_demand else None, observe=observe, floor=floor,
-                        dtype=dtype_name)
+                        dtype=dtype_name, batch_rows=max(engine.cfg.batch_buckets))
     finally:
         if model is target:
             uninstrument(model)
@@ -242,6 +244,10 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
     if on_demand:
         result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds - before_search
     return result
+
+
+#: the most requests the embedded runner decodes in one batch (a blame round beyond it runs in several)
+MAX_BATCH = 64
 
 
 def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[int], components: Sequence[Component], *,
@@ -262,10 +268,11 @@ def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[i
     kinds = len({c.kind for c in components if c.kind != LAYER})
     wave = len(prompts) * (max(probes, kinds) + 1)
     # eagerly a bucket costs nothing (the runner keeps one cache at a time), so each round runs in the
-    # power of two that holds it (a 2-pass round is not padded to a 9-pass one); compiled, each bucket
-    # is graphs to compile, so one holds every round
-    largest = min(wave, 64)
-    buckets = (largest,) if compile else tuple(sorted({min(1 << k, largest) for k in range(7)}))
+    # smallest that holds it (a 2-pass round is not padded to a 9-pass one) and a wider round (a deciding
+    # round carrying its layers' kinds) still runs in one batch of up to 64; compiled, each bucket is
+    # graphs to compile, so one holds every round
+    largest = min(wave, MAX_BATCH)
+    buckets = (largest,) if compile else tuple(sorted({1 << k for k in range(7)} | {largest}))
     return Runner(model, config, replacer=TensorReplacer(store),
                   runner_config=RunnerConfig(prefill_buckets=(pow2(prompt),), batch_buckets=buckets,
                                                 max_len=pow2(prompt + generated), batched_prefill=True,

@@ -12,7 +12,7 @@ origins found so far ``B`` kept replaced, the search
 1. finds the first layer whose stream adds at least :data:`SIGNIFICANT` to ``E(B)``, by a
    ``(probes + 1)``-ary split (``probes`` streams per round);
 2. replaces each kind of that layer (one round, or beside the streams of the round that decides
-   the layer when the candidates' kinds fit in it: ``probes + 1`` passes); kinds are declared in
+   the layer when the candidates' kinds add no batch to it); kinds are declared in
    forward order and replacing a component also hides what went wrong upstream of it inside
    its layer (the experts' output carries a faulty router's routing), so the *earliest* kind
    explaining the layer's part is its origin; when none does, the layer itself is;
@@ -39,8 +39,8 @@ from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, N
 
 LAYER = "layer"
 #: streams probed per localisation round. A round costs a batch of copies, not a pass each, so wide
-#: rounds are cheap and rounds are what costs: 8 narrow 16 layers to 2 in the first round, and the
-#: second decides between them with their kinds beside (two rounds for one fault)
+#: rounds are cheap and rounds are what costs: 8 narrow 16 layers to 2 (32 to 4) in the first round, and
+#: the second decides between them with their kinds beside (two rounds for one fault)
 PROBES = 8
 
 
@@ -93,7 +93,7 @@ class Search:
 
     def __init__(self, engine, reference, components, *, tolerances: Tolerances, prompts: Sequence[int],
                  budget: int | None, probes: int, progress: bool, supply: Callable[[Collection[str]], None] | None,
-                 observe: Callable | None, floor=None, unscaled: str = ""):
+                 observe: Callable | None, floor=None, unscaled: str = "", batch_rows: int | None = None):
         self.engine, self.reference, self.components = engine, reference, list(components)
         # the noise floor (fxreplace.floor): what exceeds it is attributed, what it explains is precision noise
         self.floor, self.unscaled = floor, unscaled
@@ -116,6 +116,8 @@ class Search:
         self.passes: list[Pass] = []
         self.rounds = 0
         self.batched = getattr(engine, "per_request_selection", False)
+        # requests the engine runs in one batch: a round's passes side by side up to it cost about one pass
+        self.batch_rows = (batch_rows or len(self.indices) * (probes + 1)) if self.batched else len(self.indices)
 
     # ------------------------------------------------------------------ measuring
 
@@ -245,33 +247,44 @@ class Search:
     def _localise(self, base: list[str], start: int) -> int | None:
         """The first layer (from stream index ``start``) whose stream adds SIGNIFICANT to what is
         explained so far: E(base), or the stream before ``start`` where that explains more (what
-        the origins found upstream leave there, e.g. drift, arises upstream, not after them)."""
+        the origins found upstream leave there, e.g. drift, arises upstream, not after them).
+
+        Every stream measured already narrows the search before a round runs: after an origin in
+        layer ``k``, the streams past ``k`` with that origin beside them are the streams alone (the
+        stream replaces what the origin changed), so the first round's probes still bracket the next origin."""
         if not self.stream_layers:
             return None
         a, b, known = start, len(self.stream_layers) - 1, False
         upstream = [self.streams[self.stream_layers[start - 1]].capture_name] if start else []
+        sel = {i: base + [self.streams[self.stream_layers[i]].capture_name] for i in range(a, b + 1)}
         while True:
+            if all(self.key(s) in self.cache for s in (base, upstream) if s):
+                e_base = max(self.E(base) if base else 0.0, self.E(upstream) if upstream else 0.0)
+                measured = [i for i in range(a, b + 1) if self.key(sel[i]) in self.cache]
+                hits = [i for i in measured if self.E(sel[i]) - e_base >= self.significant]
+                if hits:
+                    below = [i for i in measured if i < hits[0]]
+                    a, b, known = (below[-1] + 1 if below else a), hits[0], True
+                elif measured and not known and measured[-1] == b:
+                    return None  # not even the last stream adds a significant part
+                elif measured:
+                    a = measured[-1] + 1
             if known and a == b:
                 return self.stream_layers[a]
             points = self._probe_points(a, b, known)
-            sels = [base + [self.streams[self.stream_layers[i]].capture_name] for i in points]
-            selections = sels + ([base] if base else []) + ([upstream] if upstream else [])
+            selections = [sel[i] for i in points] + ([base] if base else []) + ([upstream] if upstream else [])
             if known and points == list(range(a, b)):
-                # this round decides the layer (one of a..b): their kinds ride along when the round
-                # stays within probes + 1 passes, so the attribution that follows needs no round of its own
+                # this round decides the layer (one of a..b): their kinds ride along when they add no batch
+                # to the round, so the attribution that follows needs no round of its own
                 kinds = [base + [c.capture_name] for i in range(a, b + 1) for c in self._kinds(self.stream_layers[i])]
-                if len({self.key(s) for s in selections + kinds} - self.cache.keys()) <= self.probes + 1:
+                if self._batches(selections + kinds) <= self._batches(selections):
                     selections += kinds
             self.measure(selections)
-            e_base = max(self.E(base) if base else 0.0, self.E(upstream) if upstream else 0.0)
-            hits = [i for i, s in zip(points, sels) if self.E(s) - e_base >= self.significant]
-            if hits:
-                j = points.index(hits[0])
-                a, b, known = (points[j - 1] + 1 if j else a), hits[0], True
-            elif not known:
-                return None
-            else:
-                a = points[-1] + 1
+
+    def _batches(self, selections: Sequence[Collection[str]]) -> int:
+        """The engine batches a round of ``selections`` takes (the measured ones cost nothing)."""
+        new = len({self.key(s) for s in selections} - self.cache.keys())
+        return math.ceil(new * len(self.indices) / self.batch_rows)
 
     def _attribute(self, base: list[str], layer: int) -> list[Origin]:
         """The earliest kind of ``layer`` explaining its part (beyond ``base``); else the smallest set
