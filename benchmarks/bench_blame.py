@@ -115,6 +115,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS), help="the cases to run (default: all)")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     count, new_tokens = (2, 6) if args.quick else (4, 12)
@@ -128,7 +129,7 @@ def main():
           f"{'search s':>9} {'1 pass s':>9} {'÷ pass':>7} {'floor ÷':>8}  found", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for which in FAULTS:
+        for which in args.faults:
             for n in args.layers:
                 r = run(n, which, prompts, new_tokens, Path(tmp))
                 rows.append(r)

@@ -267,12 +267,13 @@ def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[i
     generated = max(reference.num_generated(p) for p in prompts)
     kinds = len({c.kind for c in components if c.kind != LAYER})
     wave = len(prompts) * (max(probes, kinds) + 1)
-    # eagerly a bucket costs nothing (the runner keeps one cache at a time), so each round runs in the
-    # smallest that holds it (a 2-pass round is not padded to a 9-pass one) and a wider round (a deciding
-    # round carrying its layers' kinds) still runs in one batch of up to 64; compiled, each bucket is
-    # graphs to compile, so one holds every round
-    largest = min(wave, MAX_BATCH)
-    buckets = (largest,) if compile else tuple(sorted({1 << k for k in range(7)} | {largest}))
+    # eagerly a bucket costs nothing (the runner keeps one cache at a time), so a round runs in a batch of
+    # exactly its copies (a multiple of the prompts, unpadded; the powers of two hold what a round larger
+    # than one batch leaves over) and a wider round (a deciding round carrying its layers' kinds) still
+    # runs in one batch of up to MAX_BATCH; compiled, each bucket is graphs to compile, so one holds every round
+    powers = {1 << k for k in range(MAX_BATCH.bit_length())}
+    copies = set(range(len(prompts), MAX_BATCH + 1, len(prompts)))
+    buckets = (min(wave, MAX_BATCH),) if compile else tuple(sorted(powers | copies))
     return Runner(model, config, replacer=TensorReplacer(store),
                   runner_config=RunnerConfig(prefill_buckets=(pow2(prompt),), batch_buckets=buckets,
                                                 max_len=pow2(prompt + generated), batched_prefill=True,
