@@ -116,7 +116,7 @@ def main():
             assert torch.equal(ctx.mask, mask) and all(torch.equal(ctx[m], expected[m]) for m in expected), label
 
         nbytes = len(positions) * MODULES * WIDTH * torch.finfo(DTYPE).bits // 8
-        src = replacer.store.packed[0][:, : len(positions)].clone()
+        src = replacer.store.packed[0][: len(positions)].clone()
         dst = torch.empty_like(src)
         fns = {
             "reused": lambda: build(reused),  # steady state of an engine: one context per bucket
@@ -189,7 +189,7 @@ def case_rows(replacer: TensorReplacer, req_prompts: list[int], positions: list[
     """The store rows of a decode case's slots (the zero row for padding)."""
     store = replacer.store
     padding = len(positions) - len(req_prompts) * k
-    zero_row = store.packed[0].shape[1] - 1
+    zero_row = store.packed[0].shape[0] - 1
     return torch.tensor([int(store.offsets[p]) + pos for p, pos in zip(np.repeat(req_prompts, k), positions)]
                         + [zero_row] * padding)
 
@@ -216,7 +216,7 @@ def bench_small_decode(replacer: TensorReplacer, quick: bool) -> tuple[float, fl
     src = replacer.store.packed[0]
     fns = {
         "build": lambda: replacer.build_context_for_batch(req_ids, counts, positions, out=out),
-        "floor": lambda: (torch.index_select(src, 1, rows, out=out.storage[0]), out.mask.copy_(mask)),
+        "floor": lambda: (torch.index_select(src, 0, rows, out=out.storage[0]), out.mask.copy_(mask)),
     }
     for fn in fns.values():
         for _ in range(200):

@@ -55,7 +55,7 @@ def write_sparse_store(directory: Path, size_gib: float) -> tuple[int, int]:
     }
     entries, blobs, at = {}, [], 0
     group_bytes = MODULES * (rows + 1) * WIDTH * DTYPE.itemsize
-    entries["group.0"] = {"dtype": "BF16", "shape": [MODULES, rows + 1, WIDTH], "data_offsets": [0, group_bytes]}
+    entries["group.0"] = {"dtype": "BF16", "shape": [rows + 1, MODULES, WIDTH], "data_offsets": [0, group_bytes]}
     at = group_bytes
     for name, t in tables.items():
         raw = t.numpy().tobytes()

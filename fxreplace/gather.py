@@ -1,9 +1,11 @@
-"""Store rows into a context: ``dst[m, i] = src[m, rows[i]]`` for every capture name ``m``.
+"""Store rows into a context: ``dst[i] = src[rows[i]]``, a row being every capture name's
+values at one position (``[capture names, E]``, contiguous in both: the layout is
+position-major, see :mod:`fxreplace.context`).
 
 Two primitives, chosen by the batch: numpy's ``take`` over the tensors' bits for a small
 host batch (a decode step: a few rows cost less through numpy than through a torch call),
-torch's ``index_select`` for everything else (prefill chunks move at about the speed of a
-plain copy; large decode batches at what the memory's latency allows)."""
+torch's ``index_select`` for everything else (prefill chunks and scattered decode rows
+alike move at about the speed of a plain copy: every row is one contiguous read)."""
 
 from __future__ import annotations
 
@@ -20,22 +22,22 @@ def host_bits(tensor: torch.Tensor) -> np.ndarray:
 
 
 def take_rows(sources: tuple[np.ndarray, ...], storage: tuple[np.ndarray, ...], rows) -> None:
-    """``storage[g][:, i] = sources[g][:, rows[i]]`` for every group, over :func:`host_bits`
+    """``storage[g][i] = sources[g][rows[i]]`` for every group, over :func:`host_bits`
     views. Rows are in range by construction, so ``"clip"`` (no bounds-check buffer)."""
     for src, dst in zip(sources, storage):
-        src.take(rows, 1, dst, "clip")
+        src.take(rows, 0, dst, "clip")
 
 
 def index_select_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
-    """``dst[:, i] = src[:, rows[i]]`` for ``[capture names, rows, E]`` tensors, ``rows`` an
-    int64 tensor on ``src``'s device; ``dst`` may be a view into a larger context (``leading()``)."""
-    torch.index_select(src, 1, rows, out=dst)
+    """``dst[i] = src[rows[i]]`` for ``[rows, capture names, E]`` tensors, ``rows`` an int64
+    tensor on ``src``'s device; ``dst`` may be the leading rows of a larger context (``leading()``)."""
+    torch.index_select(src, 0, rows, out=dst)
 
 
 def take_slot_rows(sources: list[tuple[np.ndarray, ...]], storage: tuple[np.ndarray, ...], shards: list[int],
                    rows: list[int]) -> None:
-    """``storage[g][:, i] = sources[shards[i]][g][:, rows[i]]``: a small host batch whose rows
-    lie in several shards (a store an engine wrote shard by shard), a numpy copy per slot."""
+    """``storage[g][i] = sources[shards[i]][g][rows[i]]``: a small host batch whose rows lie
+    in several shards (a store an engine wrote shard by shard), a numpy copy per slot."""
     for g, dst in enumerate(storage):
         for i, (shard, row) in enumerate(zip(shards, rows)):
-            dst[:, i] = sources[shard][g][:, row]
+            dst[i] = sources[shard][g][row]

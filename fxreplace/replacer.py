@@ -283,7 +283,7 @@ class TensorReplacer:
         Its buffers are its own (never recycled): engines bind them to the graph."""
         with torch.inference_mode(False):  # a feed outlives the mode it is made in: an inference tensor made
             # under torch.inference_mode() could not be filled or cleared outside it
-            storage = tuple(torch.zeros(m, num_tokens, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
+            storage = tuple(torch.zeros(num_tokens, m, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
             mask = torch.zeros(num_tokens, dtype=torch.bool, device=self._device)
             return ReplacementContext.from_storage(storage, mask, self._places).to(device)
 
@@ -433,11 +433,11 @@ class TensorReplacer:
             return
         rows, columns = self._index_tensor(plan.rows), self._index_tensor(plan.columns)
         for g, dst in enumerate(storage):
-            m, _, e = dst.shape
-            staging = torch.empty(m, plan.replaced + 1, e, dtype=dst.dtype, device=dst.device)
-            staging[:, plan.replaced].zero_()  # the padding's and unmatched slots' row
+            _, m, e = dst.shape
+            staging = torch.empty(plan.replaced + 1, m, e, dtype=dst.dtype, device=dst.device)
+            staging[plan.replaced].zero_()  # the padding's and unmatched slots' row
             for shard, start, stop in plan.blocks:
-                index_select_rows(self._sources[shard][g], staging[:, start:stop], rows[start:stop])
+                index_select_rows(self._sources[shard][g], staging[start:stop], rows[start:stop])
             index_select_rows(staging, dst, columns)
 
     def _index_tensor(self, rows) -> torch.Tensor:
@@ -450,11 +450,11 @@ class TensorReplacer:
         mask = torch.empty(n, dtype=torch.bool, device=self._device)
         with self._lock:  # views are made under the lock, so no two builds take the same buffers
             for k, bufs in enumerate(self._spare):
-                if bufs[0].shape[1] == n and _UNSHARED is not None and all(_use_count(b) == _UNSHARED for b in bufs):
+                if bufs[0].shape[0] == n and _UNSHARED is not None and all(_use_count(b) == _UNSHARED for b in bufs):
                     self._spare.append(self._spare.pop(k))
                     break
             else:
-                bufs = tuple(torch.empty(m, n, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
+                bufs = tuple(torch.empty(n, m, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
                 self._spare.append(bufs)
                 del self._spare[:-_SPARE_BUFFERS]
             # the context holds views, not the buffers themselves: their use count says while it lives
@@ -465,7 +465,7 @@ class TensorReplacer:
         remembers the check (and, for a host context of a host store, numpy views of it)."""
         checked = self._checked_outs.get(id(out))
         if checked is None or checked.context() is not out or checked.slots != n:
-            want = [(m, n, e, dt) for m, e, dt in self._shapes]
+            want = [(n, m, e, dt) for m, e, dt in self._shapes]
             got = [(*s.shape, s.dtype) for s in out.storage]
             if got != want or out.mask.shape[0] != n or out.places != self._places:
                 raise ValueError(

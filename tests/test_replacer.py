@@ -296,7 +296,7 @@ def test_mixed_batch_matches_per_slot_oracle(row_path, sc, data):
     """Fresh, and into a dirty ``out=`` (every row and flag of it must be rewritten)."""
     lengths, decode, kv_cache, req_prompts = sc
     dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
-    # two capture names share a group (width 4): a leading() view of it is strided
+    # two capture names share a group (width 4): each one's tensor is a strided column of it
     caps, r, req_ids = _setup(lengths, decode, kv_cache, req_prompts, seed=7, dtype=dtype, modules=("m0", "m1", "m2"),
                               widths=(4, 4, 3))
     counts = data.draw(st.lists(st.integers(0, 5), min_size=len(req_ids), max_size=len(req_ids)))
@@ -329,7 +329,7 @@ def test_sharded_store_matches_per_slot_oracle(sc, shard_bytes, data):
     from fxreplace import ReferenceStore, StoreWriter
 
     lengths, decode, kv_cache, req_prompts = sc
-    # two capture names share a group (width 4): a leading() view of it is strided
+    # two capture names share a group (width 4): each one's tensor is a strided column of it
     caps = captures_for(lengths, decode, modules=("m0", "m1", "m2"), widths=(4, 4, 3), seed=3, kv_cache=kv_cache)
     with tempfile.TemporaryDirectory() as tmp:
         with StoreWriter(f"{tmp}/ref", shard_bytes=shard_bytes) as writer:
@@ -348,12 +348,12 @@ def test_sharded_store_matches_per_slot_oracle(sc, shard_bytes, data):
         _assert_same(r.build_context_for_batch(req_ids, counts, positions), *expected)
         out = r.warmup_context(len(positions))
         _assert_same(r.build_context_for_batch(req_ids, counts, positions, out=out), *expected)
-        dirty = r.warmup_context(len(positions) + 3)  # an engine's bound feed: a strided leading() view
+        dirty = r.warmup_context(len(positions) + 3)  # an engine's bound feed: a leading() view
         for block in dirty.storage:
             block.fill_(7.0)
         dirty.mask.fill_(True)
         _assert_same(r.build_context_for_batch(req_ids, counts, positions, out=dirty.leading(len(positions))), *expected)
-        assert dirty.mask[len(positions):].all() and all(bool((b[:, len(positions):] == 7).all()) for b in dirty.storage)
+        assert dirty.mask[len(positions):].all() and all(bool((b[len(positions):] == 7).all()) for b in dirty.storage)
 
 
 def test_a_large_batch_over_several_shards_matches_per_slot_oracle(tmp_path):
@@ -386,7 +386,7 @@ def test_a_large_batch_over_several_shards_matches_per_slot_oracle(tmp_path):
     for block in dirty.storage:
         block.fill_(7.0)
     _assert_same(r.build_context_for_batch(req_ids, counts, positions, out=dirty.leading(len(positions))), *expected)
-    assert all(bool((b[:, len(positions):] == 7).all()) for b in dirty.storage)
+    assert all(bool((b[len(positions):] == 7).all()) for b in dirty.storage)
 
 
 # ---------------------------------------------------------------- bad batches, devices, buffers, threads
@@ -410,15 +410,21 @@ def test_batches_that_would_drop_or_truncate_are_errors(replacer):
     assert ctx.mask.tolist() == [True, True]
 
 
-def test_each_capture_is_a_contiguous_block_of_one_buffer_per_group(replacer):
+def test_each_capture_is_a_column_of_one_position_major_buffer_per_group():
+    caps = captures_for([3], [0], modules=("m0", "m1", "m2"), widths=(4, 4, 3), seed=1)
+    replacer = TensorReplacer(caps, prompt_token_ids=[[1, 2, 3]])
     replacer.register_request("a", [1, 2, 3])
     ctx = replacer.build_context(["a"], [0, 1, 2, 0], is_prefill=True)
-    assert all(t.is_contiguous() for t in ctx.values())
-    assert torch.equal(ctx["m1"].view(-1), torch.cat([replacer.store.rows(0, "m1")[:3], torch.zeros(1, 3)]).view(-1))
-    assert ctx.storage[ctx.places["m0"][0]].shape == (1, 4, 4), "[capture names, slots, width]"
+    group = ctx.storage[ctx.places["m1"][0]]
+    assert group.shape == (4, 2, 4) and group.is_contiguous(), "[slots, capture names, width]"
+    assert ctx.places["m0"] == (0, 0) and ctx.places["m1"] == (0, 1)
+    assert ctx["m1"].stride() == (8, 1) and ctx["m1"].data_ptr() == group[:, 1].data_ptr(), "a column of its group"
+    assert torch.equal(ctx["m1"], torch.cat([replacer.store.rows(0, "m1")[:3], torch.zeros(1, 4)]))
     small = replacer.warmup_context(8).leading(4)
+    assert all(s.is_contiguous() for s in small.storage), "a leading() view is the first rows of each group"
     assert replacer.build_context(["a"], [0, 1, 2, 0], True, out=small) is small
-    assert all(t.is_contiguous() for t in small.values()) and torch.equal(small["m0"], ctx["m0"])
+    assert all(torch.equal(small[m], ctx[m]) for m in ctx)
+    assert all(small[m].stride() == ctx[m].stride() for m in ctx), "a view of a larger feed reads like a fresh build"
 
 
 def test_to_the_same_device_keeps_the_buffers_for_out(replacer):

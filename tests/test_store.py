@@ -9,6 +9,7 @@ from fxreplace import CaptureError, ReferenceStore, TensorReplacementConfig
 from fxreplace import TensorReplacer
 from fxreplace.replacer import reference_source
 from fxreplace.store import load_legacy, load_token_ids
+from fxreplace.store.format import FORMAT_VERSION
 
 
 def stepwise(prompt_len, decode_steps, E=4, kv_cache=False, seed=0):
@@ -49,15 +50,15 @@ def test_packs_capture_names_of_different_width_and_dtype():
         (torch.float32, 4, ("a",)), (torch.float32, 3, ("b",)), (torch.bfloat16, 5, ("c",))]
     assert store.dtype("c") == torch.bfloat16 and store.feature_dim("b") == 3
     assert torch.equal(store.rows(0, "b"), caps[0]["b"][0][0])
-    assert all(torch.count_nonzero(p[:, -1]) == 0 for p in store.packed), "the last row of every group is the zero row"
+    assert all(torch.count_nonzero(p[-1]) == 0 for p in store.packed), "the last row of every group is the zero row"
 
 
-def test_capture_names_of_one_dtype_and_width_share_a_name_major_group():
+def test_capture_names_of_one_dtype_and_width_share_a_position_major_group():
     caps = [{f"m{i}": [torch.randn(1, 3, 4)] for i in range(3)}, {f"m{i}": [torch.randn(1, 2, 4)] for i in range(3)}]
     store = ReferenceStore.from_captures(caps)
     (packed,) = store.packed
-    assert packed.shape == (3, 6, 4), "[capture names, rows + 1, width]"
-    assert torch.equal(packed[1, 3:5], caps[1]["m1"][0][0])
+    assert packed.shape == (6, 3, 4), "[rows + 1, capture names, width]"
+    assert torch.equal(packed[3:5, 1], caps[1]["m1"][0][0])
 
 
 @pytest.mark.parametrize(
@@ -367,9 +368,9 @@ def _overlap(header):
     "break_it, field, message",
     [
         (lambda f: _edit_header(f, _dtype_i32), "group.0", "the tensor is torch.int32 but the index says torch.float32"),
-        (lambda f: _edit_header(f, _transpose), "group.0", r"shape \[4, 9, 1\] but the index needs \[modules=1, rows\+1=9, width=4\]"),
-        (lambda f: _edit_index(f, _wider_index), "group.0", r"shape \[1, 9, 4\] but the index needs \[modules=1, rows\+1=9, width=6\]"),
-        (lambda f: _edit_index(f, _more_modules), "group.0", r"index needs \[modules=2"),
+        (lambda f: _edit_header(f, _transpose), "group.0", r"shape \[4, 1, 9\] but the index needs \[rows\+1=9, modules=1, width=4\]"),
+        (lambda f: _edit_index(f, _wider_index), "group.0", r"shape \[9, 1, 4\] but the index needs \[rows\+1=9, modules=1, width=6\]"),
+        (lambda f: _edit_index(f, _more_modules), "group.0", r"index needs \[rows\+1=9, modules=2"),
         (lambda f: _edit_tensor(f, "prompt.lengths", torch.tensor([5, 4])), "group.0", r"rows\+1=10, .* \(2 prompts of 9 rows in all\)"),
         (lambda f: _edit_tensor(f, "prompt.offsets", torch.tensor([0, 1])), "prompt.offsets", "prompt 1 starts at row 1 .* must start at 5"),
         (lambda f: _edit_tensor(f, "prompt.lengths", torch.tensor([6, 0])), "prompt.lengths", "prompt 1 has 0 rows"),
@@ -428,7 +429,7 @@ def test_links_to_system_files_and_bad_directory_indexes_are_named(tmp_path):
     (file.parent / "index.json").write_text("{oops")
     with pytest.raises(StoreError, match=r"index.json: not a JSON store index"):
         ReferenceStore.load(file.parent)
-    (file.parent / "index.json").write_text(json.dumps({"format": "fxreplace-reference", "version": 2, "shards": [{"file": "../../etc/passwd", "prompts": [0]}]}))
+    (file.parent / "index.json").write_text(json.dumps({"format": "fxreplace-reference", "version": FORMAT_VERSION, "shards": [{"file": "../../etc/passwd", "prompts": [0]}]}))
     with pytest.raises(StoreError, match=r"'shards\[0\].file': '../../etc/passwd' must be a file name inside the store directory"):
         ReferenceStore.load(file.parent)
 
@@ -574,6 +575,6 @@ def test_an_in_memory_store_asks_for_huge_pages_for_its_rows_and_keeps_them_aliv
                 break
     assert flags is not None and "hg" in flags, flags
     assert [float(store.rows(p, "m")[7, 3]) for p in range(4)] == [0.0, 1.0, 2.0, 3.0]
-    assert torch.count_nonzero(table[:, -1]) == 0
+    assert torch.count_nonzero(table[-1]) == 0
     small = ReferenceStore.from_captures({0: {"m": torch.ones(3, 4)}})  # below one huge page: ordinary memory
     assert torch.equal(small.rows(0, "m"), torch.ones(3, 4))

@@ -143,10 +143,10 @@ class _ShardBuilder:
         extras = {name: (torch.cat(values), _offsets([v.shape[0] for v in values])) for name, values in self.extras.items()}
         packed = []
         for g in self.groups:
-            out = _rows_table((len(g.capture_names), total + 1, g.width), g.dtype)
+            out = _rows_table((total + 1, len(g.capture_names), g.width), g.dtype)
             for i, m in enumerate(g.capture_names):
-                torch.cat(self.rows.pop(m), out=out[i, :total])  # pop: hold each capture's rows once
-            out[:, total].zero_()
+                torch.cat(self.rows.pop(m), out=out[:total, i])  # pop: hold each capture's rows once
+            out[total].zero_()
             packed.append(out)
         return Shard(packed, total, extras)
 

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from ..matching import TokenTable
 
 FORMAT_NAME = "fxreplace-reference"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: group tensors position-major [rows + 1, capture names, E] (2 was name-major)
 TENSORS_FILE = "reference.safetensors"
 INDEX_FILE = "index.json"
 SHARD_PATTERN = "shard-{:05d}.safetensors"
@@ -67,7 +67,7 @@ class CaptureColumns:
 
 @dataclass(frozen=True)
 class Group:
-    """Capture names sharing one ``[len(capture_names), rows + 1, width]`` tensor."""
+    """Capture names sharing one ``[rows + 1, len(capture_names), width]`` tensor."""
 
     dtype: torch.dtype
     width: int
@@ -76,7 +76,9 @@ class Group:
 
 @dataclass
 class Shard:
-    """One file's (or one in-memory build's) tensors. ``packed[g]`` is ``[M_g, rows + 1, E_g]``;
+    """One file's (or one in-memory build's) tensors. ``packed[g]`` is ``[rows + 1, M_g, E_g]``,
+    position-major: a store row is one contiguous run of every capture name's values, so a
+    decode step's scattered rows are one read each (see :mod:`fxreplace.context`);
     ``extras[name]`` is ``(values, offsets)``: prompt ``j`` of the shard owns
     ``values[offsets[j] : offsets[j + 1]]``."""
 

@@ -146,8 +146,8 @@ def _joined(src: ReferenceStore, run: list[int], members_of: list[list[int]]) ->
     shards = [src.shards[s] for s in run]
     packed = []
     for g, group in enumerate(src.groups):
-        zero_row = torch.zeros(len(group.capture_names), 1, group.width, dtype=group.dtype)
-        packed.append(torch.cat([shard.packed[g][:, :shard.rows] for shard in shards] + [zero_row], dim=1))
+        zero_row = torch.zeros(1, len(group.capture_names), group.width, dtype=group.dtype)
+        packed.append(torch.cat([shard.packed[g][:shard.rows] for shard in shards] + [zero_row]))
     extras = {}
     for name in src.extra_names:
         values = [shard.extras[name][0] for shard in shards]

@@ -83,10 +83,10 @@ def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, 
             need(not dup and len(set(grp["modules"])) == len(grp["modules"]), fld, f"capture names repeat: {sorted(dup)[:3]}")
             seen_names.update(grp["modules"])
             got_dtype, got_shape = spec(f"group.{g}")
-            want_shape = (len(grp["modules"]), rows + 1, grp["width"])
+            want_shape = (rows + 1, len(grp["modules"]), grp["width"])
             need(got_dtype == dtype, f"group.{g}", f"the tensor is {got_dtype} but the index says {dtype}")
             need(got_shape == want_shape, f"group.{g}",
-                 f"shape {list(got_shape)} but the index needs [modules={want_shape[0]}, rows+1={want_shape[1]}, "
+                 f"shape {list(got_shape)} but the index needs [rows+1={want_shape[0]}, modules={want_shape[1]}, "
                  f"width={want_shape[2]}] ({num_prompts} prompts of {rows} rows in all)")
             groups.append(Group(dtype, grp["width"], tuple(grp["modules"])))
         need(bool(groups), "groups", "the shard holds no capture names")

@@ -85,7 +85,7 @@ class ReferenceStore:
         col = self.columns[name]
         start = int(self.offsets[i])
         shard = self.shards[int(self.prompt_shard[i])]
-        return shard.packed[col.group][col.index, start : start + int(self.lengths[i])]
+        return shard.packed[col.group][start : start + int(self.lengths[i]), col.index]
 
     def extra(self, name: str, prompt_idx: int) -> torch.Tensor:
         """Prompt ``prompt_idx``'s part of a per-prompt extra (e.g. its generated logits)."""
@@ -196,9 +196,9 @@ class ReferenceStore:
             starts = self.offsets[members]
             for grp, packed in zip(self.groups, shard.packed):
                 for a in range(0, shard.rows, chunk_rows):
-                    bad = (~torch.isfinite(packed[:, a : min(a + chunk_rows, shard.rows)])).any(dim=2).nonzero()
+                    bad = (~torch.isfinite(packed[a : min(a + chunk_rows, shard.rows)])).any(dim=2).nonzero()
                     if bad.numel():
-                        name, row = grp.capture_names[int(bad[0, 0])], a + int(bad[0, 1])
+                        row, name = a + int(bad[0, 0]), grp.capture_names[int(bad[0, 1])]
                         j = int(torch.searchsorted(starts, torch.tensor(row), right=True)) - 1
                         raise CaptureError(
                             f"prompt {self.prompt_ids[members[j]]}, capture {name!r}, position {row - int(starts[j])}: "
