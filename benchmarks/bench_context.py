@@ -7,7 +7,8 @@ Prints a table and a final JSON line::
      "fresh_vs_out": a fresh build over the out= build at the 8192-token prefill,
      "decode_gather_floor_fraction": per decode case, the builder's gather primitive alone on
      the same store rows (no lookup, no mask) over the out= build: how much of the gap to
-     memcpy is the builder's and how much the memory system's (scattered 256-byte rows),
+     memcpy is the builder's and how much the memory system's (scattered store rows, each a contiguous
+     [capture names, E] run: 12 KiB here),
      "decode8_us": build_context_for_batch(out=) for 8 decode requests, "decode8_floor_us": the
      bare index_select + mask copy it cannot go below, "register_ms": median register_request
      with 10,000 stored prompts, "sharded_vs_one_shard": per decode batch, a step's build from a

@@ -62,7 +62,9 @@ def export_inputs(program: torch.export.ExportedProgram, context: ReplacementCon
             if value.dim() != expected.dim() or value.shape[-1] != expected.shape[-1]:
                 raise ShapeError(f"replacement for {name!r} ({input_name}) has shape {tuple(value.shape)}; the program "
                                  f"takes [tokens, {expected.shape[-1]}]")
-            inputs[input_name] = value.to(expected.dtype)
+            # contiguous: a built context's tensors are columns of its position-major group storage, and an
+            # AOTInductor program reads its inputs with the strides it was compiled for, unchecked
+            inputs[input_name] = value.to(expected.dtype).contiguous()
     return inputs
 
 

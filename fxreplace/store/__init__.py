@@ -7,11 +7,11 @@ Captures arrive step-wise, as the reference model produced them::
 or already flat, ``{prompt_idx: {capture_name: Tensor[P, E]}}``. A *capture name* is
 the name a reference tensor is stored under (e.g. ``"model.layers.0.mlp.gate"``).
 The store flattens them into *groups*: the capture names of one (dtype, width) share
-one name-major tensor ``[capture names, rows + 1, E]``. Prompt ``p`` owns rows
-``offsets[p] : offsets[p] + lengths[p]`` of every capture name and the last row is
-zeros, so one ``index_select`` on the row dimension serves every capture name of a
-group for a whole batch (padding slots point at the zero row) and each name's result
-is a contiguous ``[T, E]`` tensor.
+one position-major tensor ``[rows + 1, capture names, E]``. Prompt ``p`` owns rows
+``offsets[p] : offsets[p] + lengths[p]`` and the last row is zeros, so one
+``index_select`` on the row dimension serves every capture name of a group for a whole
+batch (padding slots point at the zero row), each row one contiguous read however
+scattered a decode step's rows are; each name's result is a ``[T, E]`` column of it.
 
 A store is one or more *shards*. Each shard is a self-contained safetensors file:
 its groups, its prompts' row offsets/lengths, token ids and per-prompt extras (e.g.
