@@ -233,7 +233,9 @@ class CheckedCalls:
         self.entries = kept if len(kept) < CHECKED_SHAPES else {}
         entry = self.entries[computed.shape] = CheckedCall(
             replacement, mask, leading_rows, computed.dtype, computed.get_device(), mask[rows].unsqueeze(-1),
-            replacement[rows], host_mask, fed, b"\1" * tokens, bytes(tokens))
+            # rows handed on only when contiguous: a built feed's are a column of its position-major storage,
+            # and a kernel reading the module's output (a fused top-k) may take rows to be E apart
+            replacement[rows], host_mask, fed and replacement[rows].is_contiguous(), b"\1" * tokens, bytes(tokens))
         if fed:
             if len(self.fed_entries) >= CHECKED_SHAPES:
                 self.fed_entries.clear()

@@ -467,6 +467,34 @@ class _Routed(torch.nn.Module):
         return self.proj(logits.softmax(-1) + self.plain(x).softmax(-1))
 
 
+def test_a_bound_built_feed_hands_the_model_contiguous_rows(plain):
+    """A replacer's feed bound eagerly (as the vLLM plugin binds it): its capture tensors are
+    columns of position-major storage, so a call whose rows are all replaced computes them
+    (where()) instead of handing the strided rows on; a kernel after the target (a fused
+    top-k) may take rows to be E apart."""
+    from fxreplace import TensorReplacer
+
+    fed = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
+    values = random_context(GATES, E, tokens=TOKENS + 4, seed=3)
+    replacer = TensorReplacer({0: {n: values[n] for n in GATES}})
+    replacer.register_request("a", None, prompt_idx=0)
+    feed = replacer.warmup_context(16)
+    assert not feed[GATES[0]].is_contiguous(), "two capture names of one width share a group"
+    fed.feed(feed, bind=True)
+    seen = {}
+    hooks = [fed.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: seen.__setitem__(n, out))
+             for n in GATES]
+    try:
+        for start in (0, 2, 4, 1):  # the first call of a size is checked in full, later ones take the cache
+            ctx = replacer.build_context(["a"], list(range(start, start + TOKENS)), True, out=feed.leading(TOKENS))
+            torch.testing.assert_close(logits(fed), reference(plain, ctx), rtol=1e-5, atol=1e-5)
+            outputs = [seen[n][0] if isinstance(seen[n], tuple) else seen[n] for n in GATES]
+            assert all(out.is_contiguous() for out in outputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 @pytest.mark.parametrize("mask", ["all", "none", "mixed"])
 def test_output_points_of_a_bound_feed_read_the_fed_rows(mask):
     """Output points (a tensor, and output[0] of a tuple), eagerly, with host buffers bound
