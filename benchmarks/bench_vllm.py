@@ -42,8 +42,9 @@ Unconfigured, the plugin wraps no per-step method (only engine configuration
 and model load), so ``overhead_inactive`` measures the noise floor. Active, each
 step gathers the batch's reference rows straight into the model's static buffers
 (one copy per packed group and one mask write, padding rows off), so nothing is
-cleared after the forward (only before a dummy run), and a target whose rows are
-all replaced reads them without a copy. Compiled mode is vLLM's default (Dynamo +
+cleared after the forward (only before a dummy run); a target reads them through
+one ``where`` (the feed's rows are strided columns of its position-major groups, which
+are not handed on as the module's output). Compiled mode is vLLM's default (Dynamo +
 Inductor).
 """
 

@@ -41,7 +41,8 @@ class Injection:
     Eager calls with buffers it checked before take the fast path of
     the eager cache (``checked``): with such buffers on the host, a call that
     replaces no row returns ``computed`` and, with the buffers of :meth:`share_fed`, a call
-    that replaces every row returns the buffer's leading rows themselves (no copy, no kernel).
+    that replaces every row returns the buffer's leading rows themselves (no copy, no kernel)
+    when they are contiguous.
     """
 
     def __init__(self, module_name: str, module: nn.Module, adapter=None, shard: ShardSpec | None = None):
@@ -207,7 +208,7 @@ class CheckedCalls:
     def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
         """``values``/``mask`` are buffers that their feeder rewrites before every forward
         (``feed(bind=True)``): a call with them whose rows are all replaced may return the
-        values' rows themselves. None: no buffers are shared."""
+        values' rows themselves (contiguous ones). None: no buffers are shared."""
         self.fed = None if values is None else (values, mask)
         self.entries.clear()
         self.fed_entries.clear()

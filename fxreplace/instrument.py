@@ -428,8 +428,9 @@ class InstrumentedModel:
         Writing into that context in place afterwards, e.g. with
         ``TensorReplacer.build_context_for_batch(..., out=<its first T rows>)``,
         is then the whole feed, before every forward: an eager forward on the host
-        whose rows are all replaced reads them without a copy, so a model that
-        modifies activations in place may write into them. :meth:`clear` still
+        whose rows are all replaced reads contiguous ones without a copy, so a model that
+        modifies activations in place may write into them (a replacer's contexts hold
+        strided columns, which go through ``where``). :meth:`clear` still
         turns replacement off."""
         state = self._fxreplace
         if state.max_tokens is None:
