@@ -23,6 +23,12 @@ from fxreplace.store import ReferenceStore
 ARCH = "Qwen3MoeForCausalLM"
 
 
+def sigint_as_at_a_terminal():
+    """A terminal's process gets SIGINT's default action; a test run started in the background by a
+    shell (``cmd &``, nohup) would pass on SIGINT ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err, err
@@ -62,7 +68,8 @@ def test_ctrl_c_during_a_capture_exits_130_with_one_line_and_the_old_store_intac
                                     for i in range(2000)]))
     proc = subprocess.Popen([sys.executable, "-m", "fxreplace", "capture", f"builtin:{ARCH}", "--prompts", str(prompts),
                              "--out", str(out), "--max-new-tokens", "8"], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            preexec_fn=sigint_as_at_a_terminal)
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
     reader.start()

@@ -47,6 +47,7 @@ from fxreplace.store import ReferenceStore, merge_stores, unfinished
 from fxreplace.vllm import ConfigError, FxReplaceConfig
 from fxreplace.vllm import shm
 from fxreplace.vllm.testing import save_tiny_checkpoint
+from test_cli_failures import sigint_as_at_a_terminal
 from test_vllm import GPT_OSS, GPT_OSS_CONFIG
 from test_vllm_server import Server, parse
 from vllm_engines import engine_env, remove_leaked_shm, result_line, run_python
@@ -336,7 +337,8 @@ def test_ctrl_c_during_a_vllm_capture_exits_130_with_one_line_and_the_written_pr
     proc = subprocess.Popen([sys.executable, "-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--eager",
                              "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env(),
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=sigint_as_at_a_terminal)
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
     reader.start()
