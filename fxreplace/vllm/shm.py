@@ -13,6 +13,7 @@ process maps or holds open are leftovers.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -64,8 +65,16 @@ class Cleanup:
         self.shm = shm
         self.before = segments(shm)
 
-    def after_teardown(self) -> list[str]:
-        return remove_unused(segments(self.shm) - self.before, self.shm)
+    def after_teardown(self, wait_s: float = 10.0) -> list[str]:
+        """The engine's worker processes may still be exiting when its shutdown returns, their
+        segments still mapped: wait (at most ``wait_s``) until the new segments are unused, then
+        remove the unused ones; one still in use then is another live engine's."""
+        deadline = time.monotonic() + wait_s
+        created = segments(self.shm) - self.before
+        while created and len(unused(created, self.shm)) < len(created) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            created = segments(self.shm) - self.before
+        return remove_unused(created, self.shm)
 
 
 def _link_target(fd: Path) -> str:
