@@ -26,6 +26,11 @@ from .sharding import ShapeError
 from .targets import TargetLike, resolve_targets
 
 
+# the program's inputs beside the model's and the targets' rows (export() makes them, export_inputs() fills them)
+MASK_INPUT = "fxreplace_mask"
+RANK_INPUT = "fxreplace_rank"
+
+
 def export_input_name(capture_name: str) -> str:
     """The exported program's input name for one target's replacement."""
     return "fxreplace_" + re.sub(r"\W", "_", capture_name)
@@ -45,9 +50,9 @@ def export_inputs(program: torch.export.ExportedProgram, context: ReplacementCon
     inputs: dict[str, torch.Tensor] = {}
     for input_name in wanted:
         expected = placeholders[input_name]
-        if input_name == "fxreplace_mask":
+        if input_name == MASK_INPUT:
             inputs[input_name] = context.mask
-        elif input_name == "fxreplace_rank":
+        elif input_name == RANK_INPUT:
             if rank is None:
                 raise ValueError("the program takes fxreplace_rank (a sharded target's rank as a tensor): pass rank=")
             inputs[input_name] = rank
@@ -114,7 +119,7 @@ def export(
     located = [node.meta["val"] for node in nodes]
     # The graph must take the old and new inputs as flat keywords.
     old_inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    new_inputs = [s.input_name for s in specs] + ["fxreplace_mask"] + (["fxreplace_rank"] if tensor_rank else [])
+    new_inputs = [s.input_name for s in specs] + [MASK_INPUT] + ([RANK_INPUT] if tensor_rank else [])
     names = old_inputs + new_inputs
     info = gm.graph._codegen.pytree_info
     gm.graph._codegen.pytree_info = info._replace(
@@ -123,7 +128,8 @@ def export(
     gm._forward_pre_hooks.clear()  # they check inputs against the old signature
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)  # re-export derives its own guards
-    insert_replacements(gm, specs, rank_input="fxreplace_rank" if tensor_rank else None, optional_inputs=False)
+    insert_replacements(gm, specs, mask_input=MASK_INPUT, rank_input=RANK_INPUT if tensor_rank else None,
+                        optional_inputs=False)
 
     # Example values for the new inputs, shaped like what each target computes.
     examples = {}
@@ -140,9 +146,9 @@ def export(
     tokens = {v.shape[0] for v in examples.values()}
     if len(tokens) != 1:
         raise ShapeError(f"targets see different token counts {tokens}; export them separately")
-    examples["fxreplace_mask"] = torch.zeros(tokens.pop(), dtype=torch.bool, device=next(iter(examples.values())).device)
+    examples[MASK_INPUT] = torch.zeros(tokens.pop(), dtype=torch.bool, device=next(iter(examples.values())).device)
     if tensor_rank:
-        examples["fxreplace_rank"] = next(t.shard.rank for t in resolved if t.shard and isinstance(t.shard.rank, torch.Tensor))
+        examples[RANK_INPUT] = next(t.shard.rank for t in resolved if t.shard and isinstance(t.shard.rank, torch.Tensor))
 
     signature = inspect.signature(model.forward)
     given = signature.bind_partial(*args, **kwargs).arguments
@@ -151,6 +157,6 @@ def export(
         return torch.export.export(gm, (), inputs, strict=False)
     if not isinstance(dynamic_shapes, Mapping):
         dynamic_shapes = signature.bind_partial(*dynamic_shapes).arguments
-    follows = {name: ({0: torch.export.Dim.AUTO} if name != "fxreplace_rank" else None) for name in examples}
+    follows = {name: ({0: torch.export.Dim.AUTO} if name != RANK_INPUT else None) for name in examples}
     shapes = {name: dynamic_shapes.get(name) for name in old_inputs} | follows
     return torch.export.export(gm, (), inputs, dynamic_shapes=shapes, strict=False)
