@@ -11,6 +11,7 @@ import copy
 from collections import Counter
 import json
 import math
+import shutil
 import time
 
 import pytest
@@ -401,6 +402,54 @@ def test_on_demand_capture_stores_only_the_requested_components(cleans, referenc
     with pytest.raises(ValueError, match="does not reproduce the reference.s tokens for prompt"):
         refused.ensure({f"model.layers.{LAYERS - 1}.mlp"})  # nothing the reference holds after it: the whole forward
     assert len(list((directory / "blame-components").iterdir())) == 1, "a refused capture leaves no part"
+
+
+def test_captured_parts_join_the_reference_where_they_lie(cleans, references, blamed, tmp_path):
+    """Each part is laid out like the reference (here a shard per prompt), so the engine's store joins
+    them with no row copied: its rows are the full capture's, its group tensors the reference's and the
+    parts' memory-mapped ones; in memory alike. The verdict is the full reference's. A repack keeps the
+    parts aligned; a part laid out otherwise (written before they were) is refused, saying what to do."""
+    from fxreplace.store import StoreWriter, repack_store
+
+    clean = cleans[ARCH]
+    directory = tmp_path / "ref"
+    capture_reference(clean, prompts(), get_family(ARCH).targets, NEW, out=directory, shard_bytes=1, progress=False)
+    result = blame(plant(clean, attention(1)), directory, clean=clean, progress=False)
+    full = blamed("attention")
+    assert [(o.kind, o.layer) for o in result.origins] == [(o.kind, o.layer) for o in full.origins] == [("attention", 1)]
+    assert [b.component for b in result.ranking] == [b.component for b in full.ranking]
+    comps = resolve_components(clean, get_family(ARCH).components)
+    on_disk = OnDemand(clean, load_reference(directory), comps, directory)
+    in_memory = OnDemand(clean, load_reference(directory), comps, None)
+    for name in result.captured[:2]:
+        assert in_memory.ensure({name})
+    for on_demand in (on_disk, in_memory):
+        reference, parts, store = on_demand.reference.store, on_demand.parts, on_demand.store()
+        assert len(reference.shards) == 2 and len(parts) >= 2
+        assert all(part.layout_difference(reference) is None and len(part.shards) == 2 for part in parts)
+        for name in store.capture_names:
+            for p in range(reference.num_prompts):
+                torch.testing.assert_close(store.rows(p, name), references[ARCH].store.rows(p, name))
+        held = [t for s in range(2) for source in (reference, *parts) for t in source.shards[s].packed]
+        joined = [t for shard in store.shards for t in shard.packed]
+        assert [t.untyped_storage().data_ptr() for t in joined] == [t.untyped_storage().data_ptr() for t in held]
+    assert all(part.shards[0].path is not None for part in on_disk.parts), "memory-mapped from blame-components/"
+
+    packed = tmp_path / "packed"
+    repack_store(directory, packed)  # the reference's two shards become one; so do its parts'
+    again = OnDemand(clean, load_reference(packed), comps, packed)
+    assert len(again.reference.store.shards) == 1 and set(result.captured) <= set(again.store().capture_names)
+    assert not again.ensure(result.captured)
+
+    first = directory / "blame-components" / "00000"
+    old = ReferenceStore.load(first)
+    shutil.rmtree(first)
+    with StoreWriter(first, metadata=old.metadata) as writer:  # one shard: as parts were written before
+        for p in range(old.num_prompts):
+            writer.add(old.prompt_token_ids[p], {n: old.rows(p, n) for n in old.capture_names}, prompt_idx=p)
+    with pytest.raises(BlameError, match=f"{first} holds components captured for this reference but laid out otherwise "
+                                         r"\(it has 1 shards, not 2\); hint: delete .*blame-components: blame captures"):
+        OnDemand(clean, load_reference(directory), comps, directory)
 
 
 def test_the_deciding_round_carries_the_origin_layers_kinds():

@@ -257,6 +257,68 @@ def test_writer_checks_every_prompt_against_the_first(tmp_path):
         StoreWriter(tmp_path / "ref")
 
 
+def test_stores_laid_out_alike_join_side_by_side_without_copying_a_row(tmp_path):
+    """A store written with shards ending where another's end (``StoreWriter(shard_bytes=None)`` and
+    ``sync()``, or ``from_captures(shard_sizes=)`` in memory) joins it: the joined store's shards list
+    both stores' group tensors (the memory-mapped ones themselves), its rows are each store's, and the
+    replacer reads it as it reads a copy holding every capture name. Stores laid out otherwise, or
+    holding the same capture names, are refused, naming what differs."""
+    from fxreplace import StoreError, StoreWriter
+
+    caps, ids = _prompt_captures(7)
+    with StoreWriter(tmp_path / "ref", shard_bytes=100) as writer:
+        for p in range(7):
+            writer.add(ids[p], caps[p])
+    ref = ReferenceStore.load(tmp_path / "ref")
+    sizes = torch.bincount(ref.prompt_shard).tolist()
+    assert len(sizes) > 1 and sizes[0] > 1
+    flat = {p: {"c": torch.randn(int(ref.lengths[p]), 6)} for p in range(7)}  # another name and width, the same rows
+    with StoreWriter(tmp_path / "part", shard_bytes=None) as writer:
+        for p in range(7):
+            writer.add(ids[p], flat[p])
+            if p + 1 in torch.tensor(sizes).cumsum(0).tolist():
+                writer.sync()
+    on_disk = ReferenceStore.load(tmp_path / "part")
+    in_memory = ReferenceStore.from_captures(flat, prompt_token_ids=ids, shard_sizes=sizes)
+    copy = ReferenceStore.from_captures({p: {"a": ref.rows(p, "a"), "b": ref.rows(p, "b"), **flat[p]} for p in range(7)},
+                                        prompt_token_ids=ids)
+    for part in (on_disk, in_memory):
+        assert ref.layout_difference(part) is None
+        joined = ReferenceStore.join([ref, part])
+        assert joined.capture_names == ["a", "b", "c"] and len(joined.shards) == len(sizes)
+        for s, shard in enumerate(joined.shards):
+            held = [*ref.shards[s].packed, *part.shards[s].packed]
+            assert [t.untyped_storage().data_ptr() for t in shard.packed] == [t.untyped_storage().data_ptr() for t in held]
+        for p in range(7):
+            for name in ("a", "b", "c"):
+                assert torch.equal(joined.rows(p, name), copy.rows(p, name))
+        contexts = []
+        for store in (joined, copy):
+            replacer = TensorReplacer(store)
+            for p in (1, 4, 6):
+                replacer.register_request(f"r{p}", ids[p])
+            contexts.append(replacer.build_context(["r1", "r4", "r6"], [1, 2, 3], is_prefill=False))
+        for name in ("a", "b", "c"):
+            assert torch.equal(contexts[0][name], contexts[1][name])
+
+    one_shard = ReferenceStore.from_captures(flat, prompt_token_ids=ids)
+    with pytest.raises(StoreError, match=f"store 1 is laid out otherwise .*: it has 1 shards, not {len(sizes)}"):
+        ReferenceStore.join([ref, one_shard])
+    moved = [sizes[0] - 1, sizes[1] + 1, *sizes[2:]]  # the first shard's last prompt starts the second
+    n, row = int(ref.lengths[sizes[0] - 1]), int(ref.offsets[sizes[0] - 1])
+    with pytest.raises(StoreError, match=f"its prompt {sizes[0] - 1} has {n} rows from row 0 of shard 1, not {n} rows from "
+                                         f"row {row} of shard 0"):
+        ReferenceStore.join([ref, ReferenceStore.from_captures(flat, prompt_token_ids=ids, shard_sizes=moved)])
+    other_ids = [list(t) for t in ids]
+    other_ids[3][0] += 1
+    with pytest.raises(StoreError, match="its prompt 3 has other token ids"):
+        ReferenceStore.join([ref, ReferenceStore.from_captures(flat, prompt_token_ids=other_ids, shard_sizes=sizes)])
+    with pytest.raises(StoreError, match="store 1 holds capture names an earlier store holds too: a, b"):
+        ReferenceStore.join([ref, ref])
+    with pytest.raises(CaptureError, match=r"shard_sizes must be positive ints adding up to the 7 prompts, got 3, 3"):
+        ReferenceStore.from_captures(flat, prompt_token_ids=ids, shard_sizes=[3, 3])
+
+
 def test_merge_keeps_disjoint_prompt_indices_and_renumbers_colliding_ones(tmp_path):
     from fxreplace import StoreWriter, merge_stores
 

@@ -213,7 +213,6 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
 
         def supply(names):
             if on_demand.ensure(names):
-                engine.replacer = None  # the previous store goes before the next is built
                 engine.replacer = TensorReplacer(on_demand.store())
 
         def observe(prompt_ids, max_new_tokens):

@@ -7,18 +7,21 @@ forwards, no generation, ended after the first component the reference holds com
 them, whose rows are checked against the reference's; forwards that run to the end are checked
 to reproduce the reference's tokens), so a search costs O(rounds) captures of what each round
 asks, instead of O(layers x kinds) or full captures.
-Under a reference directory each capture is appended as a store of its own in
-``blame-components/NNNNN/`` holding only its components (written by
+Each capture is a store of its own holding only its components, laid out like the reference
+(shards ending after the same prompts, so every prompt's rows sit in the same shard at the same
+row). Under a reference directory it is appended in ``blame-components/NNNNN/`` (written by
 :class:`~fxreplace.store.StoreWriter`, then memory-mapped), and the next run reads it back
-instead of capturing again.
+instead of capturing again; otherwise it is held in memory.
 
-The store handed to the engine holds the components present so far (the reference's and the
-captured ones), nothing for the others (the search never selects those): a compiled target
-builds its graphs again when a capture adds components.
+The store handed to the engine is the reference joined with the captured parts
+(:meth:`~fxreplace.store.ReferenceStore.join`): the components present so far side by side,
+read where they lie, no row copied, nothing for the others (the search never selects those).
+A compiled target builds its graphs again when a capture adds components.
 """
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +32,7 @@ from torch import nn
 
 from ..store import ReferenceStore, StoreWriter
 from ..store.format import BLAME_COMPONENTS_DIR as SUBDIR
+from . import BlameError
 
 #: the largest relative error (Frobenius, per prompt) between a witness's rows computed by the
 #: batched forward and the reference's: float32 rounding gives ~1e-6, another model's weights ~1
@@ -46,21 +50,25 @@ class OnDemand:
         self.root = None if directory is None else Path(directory) / SUBDIR
         self.parts: list[ReferenceStore] = []  # captured components, each part holding only its own
         self.captured: list[str] = []  # captured in this run
-        self.seconds = 0.0  # spent completing the reference: captures, and the store that holds them
-        self._store: ReferenceStore | None = None
-        if self.root is not None and self.root.is_dir():
-            self.parts = [ReferenceStore.load(p) for p in sorted(self.root.iterdir()) if (p / "index.json").exists()]
+        self.seconds = 0.0  # spent capturing
+        folders = sorted(self.root.iterdir()) if self.root is not None and self.root.is_dir() else []
+        for folder in folders:
+            if not (folder / "index.json").exists():
+                continue
+            part = ReferenceStore.load(folder)
+            difference = reference.store.layout_difference(part)
+            if difference:  # written before parts were laid out like the reference
+                raise BlameError(f"{folder} holds components captured for this reference but laid out otherwise "
+                                 f"({difference}); hint: delete {self.root}: blame captures them again from the clean model")
+            self.parts.append(part)
+        self._store = ReferenceStore.join([reference.store, *self.parts])
 
     def present(self, name: str) -> bool:
-        return name in self.reference.store.columns or self._part(name) is not None
-
-    def _part(self, name: str) -> ReferenceStore | None:
-        return next((part for part in self.parts if name in part.columns), None)
+        return name in self._store.columns
 
     def rows(self, name: str, p: int) -> torch.Tensor:
         """Prompt ``p``'s rows of component ``name`` (the reference's or a captured part's)."""
-        store = self.reference.store if name in self.reference.store.columns else self._part(name)
-        return store.rows(p, name)
+        return self._store.rows(p, name)
 
     def ensure(self, names: Collection[str]) -> bool:
         """Capture the ``names`` not yet present; True when something was captured."""
@@ -71,9 +79,11 @@ class OnDemand:
 
         t0 = time.perf_counter()
         ref = self.reference
-        prompts = [ref.prompt_tokens(p) for p in range(ref.num_prompts)]
+        ids = ref.store.prompt_ids  # in the reference's order: the part's rows land where the reference's lie
+        prompts = [ref.prompt_tokens(p) for p in ids]
         # prompt + the reference's tokens but the last: one row per position the reference stored
-        sequences = [prompts[p] + ref.tokens(p)[:-1] for p in range(ref.num_prompts)]
+        sequences = [prompt + ref.tokens(p)[:-1] for p, prompt in zip(ids, prompts)]
+        shard_sizes = torch.bincount(ref.store.prompt_shard).tolist()  # the reference's prompts per shard
         model = self.clean if isinstance(self.clean, nn.Module) else self.clean()
         # a forward ends at the first component the reference holds computed after every asked one (a
         # witness): the layers after it are not run, and its rows, checked against the reference's, stand
@@ -93,16 +103,20 @@ class OnDemand:
         try:
             if part is None:
                 rows = {}
-                for p, (values, picks) in enumerate(captured):
+                for p, (values, picks) in zip(ids, captured):
                     self._check(p, values, picks)
                     rows[p] = {n: values[n] for n in need}
-                self.parts.append(ReferenceStore.from_captures(rows, prompt_token_ids=prompts, metadata={"components": info}))
+                self.parts.append(ReferenceStore.from_captures(rows, prompt_token_ids=prompts, metadata={"components": info},
+                                                               shard_sizes=shard_sizes))
             else:
                 part.parent.mkdir(parents=True, exist_ok=True)
-                with StoreWriter(part, metadata={"components": info}) as writer:
-                    for p, (values, picks) in enumerate(captured):
+                ends = set(itertools.accumulate(shard_sizes))
+                with StoreWriter(part, shard_bytes=None, metadata={"components": info}) as writer:
+                    for n, (p, prompt, (values, picks)) in enumerate(zip(ids, prompts, captured), 1):
                         self._check(p, values, picks)
-                        writer.add(prompts[p], {n: values[n] for n in need}, prompt_idx=p)
+                        writer.add(prompt, {name: values[name] for name in need}, prompt_idx=p)
+                        if n in ends:  # the reference's shard ends here: so does the part's
+                            writer.sync()
                 self.parts.append(ReferenceStore.load(part))
         except BaseException:
             if part is not None:
@@ -112,7 +126,7 @@ class OnDemand:
             captured.close()
             del model
         self.captured += need
-        self._store = None
+        self._store = ReferenceStore.join([self._store, self.parts[-1]])
         self.seconds += time.perf_counter() - t0
         if self.progress:
             print(f"  captured {len(need)} components from the clean model: {', '.join(need)[:200]}")
@@ -135,17 +149,6 @@ class OnDemand:
                              f"({picks[:8]} ... vs {want[:8]} ...): it is not the model the reference was captured from")
 
     def store(self) -> ReferenceStore:
-        """The components present (the reference's and the captured ones) as one store for the replacer:
-        the reference's own until a capture adds some."""
-        if not self.parts:
-            return self.reference.store
-        if self._store is None:
-            t0 = time.perf_counter()
-            ref = self.reference
-            names = [n for n in self.by_name if self.present(n)]
-            flat = {p: {n: self.rows(n, p) for n in names} for p in range(ref.num_prompts)}
-            # rows only: the search reads the generation (tokens, logits) from the reference itself
-            self._store = ReferenceStore.from_captures(
-                flat, prompt_token_ids=[ref.prompt_tokens(p) for p in range(ref.num_prompts)], metadata=dict(ref.metadata))
-            self.seconds += time.perf_counter() - t0
+        """The components present (the reference's and the captured ones) as one store for the
+        replacer, joined where they lie: the reference's own until a capture adds some."""
         return self._store

@@ -33,8 +33,9 @@ INDEX_FILE = "index.json"
 SHARD_PATTERN = "shard-{:05d}.safetensors"
 WRITER_MARKER = ".fxreplace-writing"  # present while a StoreWriter owns the directory
 #: Folders fxreplace adds inside a store, derived from its prompts (``fxreplace blame --clean``
-#: keeps the components it captured there): part of the reference, replaced with it, copied
-#: by repack (same prompt indices), left out by a merge (indices change; blame captures again).
+#: keeps the components it captured there, laid out like it): part of the reference, replaced
+#: with it, repacked alike by repack (same prompt indices), left out by a merge (indices change;
+#: blame captures again).
 BLAME_COMPONENTS_DIR = "blame-components"
 DERIVED_DIRS = (BLAME_COMPONENTS_DIR,)
 #: A vLLM capture's counts, written beside its store (fxreplace.vllm.capture).

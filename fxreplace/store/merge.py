@@ -82,7 +82,8 @@ def repack_store(store: str | os.PathLike, out: str | os.PathLike, *, shard_byte
     (a damaged file is refused, never rewritten with fresh digests), and a store whose
     writer has not finished is refused. Memory holds one output shard. ``out`` must be
     new or empty, and appears whole or not at all, with the folders fxreplace derived from
-    the store (``blame-components``) copied.
+    the store (``blame-components``): each part there laid out like the store (see
+    :meth:`ReferenceStore.join`) is repacked alike, so it stays so; any other is copied.
     """
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise ValueError(f"shard_bytes must be a positive int (bytes per output shard), got {shard_bytes!r}")
@@ -94,27 +95,39 @@ def repack_store(store: str | os.PathLike, out: str | os.PathLike, *, shard_byte
         raise StoreError(f"a store writer is still writing {source} (a capture that has not finished): finish it "
                          f"first; if its writer died, delete {source / WRITER_MARKER} to repack what it wrote")
     src = ReferenceStore.load(source)
-    members_of = [[] for _ in src.shards]  # each shard's prompts (internal indices), in store order
-    for i, s in enumerate(src.prompt_shard.tolist()):
-        members_of[s].append(i)
+    runs = _runs_of_shards(src, shard_bytes)
     staging = staging_directory(out)
     try:
-        entries = []
-        for run in _runs_of_shards(src, shard_bytes):
-            for s in run:
-                verify_shard_file(src.shards[s])
-            tensors, index = _joined(src, run, members_of)._shard_content(0)
-            name = SHARD_PATTERN.format(len(entries))
-            _write_shard(staging / name, tensors, index)
-            entries.append(shard_entry(name, index["prompts"]))
-        _write_index(staging, entries, src.groups, src.metadata)
+        _write_runs(src, runs, staging)
         for name in DERIVED_DIRS:  # same prompt indices: still this reference's
-            if (source / name).is_dir():
-                shutil.copytree(source / name, staging / name)
+            for part in sorted((source / name).glob("*/index.json")):
+                part_src, part_out = ReferenceStore.load(part.parent), staging / name / part.parent.name
+                if src.layout_difference(part_src) is None:
+                    part_out.mkdir(parents=True)
+                    _write_runs(part_src, runs, part_out)
+                else:
+                    shutil.copytree(part.parent, part_out)
         publish_directory(staging, out, replace=False)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _write_runs(src: ReferenceStore, runs: list[list[int]], directory: Path) -> None:
+    """Write ``src`` into ``directory`` as one shard per run of its shards, each source shard's file
+    checked against its digests first."""
+    members_of = [[] for _ in src.shards]  # each shard's prompts (internal indices), in store order
+    for i, s in enumerate(src.prompt_shard.tolist()):
+        members_of[s].append(i)
+    entries = []
+    for run in runs:
+        for s in run:
+            verify_shard_file(src.shards[s])
+        tensors, index = _joined(src, run, members_of)._shard_content(0)
+        name = SHARD_PATTERN.format(len(entries))
+        _write_shard(directory / name, tensors, index)
+        entries.append(shard_entry(name, index["prompts"]))
+    _write_index(directory, entries, src.groups, src.metadata)
 
 
 def _shard_nbytes(shard: Shard) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ..matching import TokenTable
@@ -135,11 +136,14 @@ class ReferenceStore:
         allow_nonfinite: bool = False,
         metadata: Mapping[str, Any] | None = None,
         extras: Mapping[str, Sequence[torch.Tensor] | Mapping[int, torch.Tensor]] | None = None,
+        shard_sizes: Sequence[int] | None = None,
     ) -> "ReferenceStore":
         """Validate and flatten step-wise (list) or flat (dict) captures.
 
         ``extras``: per-prompt tensors, ``{name: [one tensor per prompt]}`` (or a dict by
         prompt index); prompt ``p``'s tensor comes back from :meth:`extra`.
+        ``shard_sizes``: the prompts of each shard, in order (default: one shard), e.g. those
+        of a store the result is to be :meth:`join`-ed to.
 
         Two prompts with the same token ids are refused (even with equal tensors: a request
         could only ever get the first, and its prompt index would silently stand for both).
@@ -167,24 +171,83 @@ class ReferenceStore:
         token_ids = _align(prompt_token_ids, prompt_ids, "prompt_token_ids")
         per_prompt_extras = {name: _align(values, prompt_ids, f"extras[{name!r}]") for name, values in (extras or {}).items()}
         check_per_prompt_metadata(metadata, len(items))
+        sizes = [len(items)] if shard_sizes is None else list(shard_sizes)
+        if sum(sizes) != len(items) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+            raise CaptureError(f"shard_sizes must be positive ints adding up to the {len(items)} prompts, got {_preview(sizes)}")
         builder = _ShardBuilder(allow_nonfinite=allow_nonfinite, metadata=metadata)
-        for n, (prompt, per_name) in enumerate(items):
-            builder.add(prompt, per_name, None if token_ids is None else token_ids[n],
-                        {name: values[n] for name, values in per_prompt_extras.items()})
-        shard = builder.build_shard()
+        builders, shards, end = [], [], 0
+        for size in sizes:
+            for n in range(end, end + size):
+                builder.add(items[n][0], items[n][1], None if token_ids is None else token_ids[n],
+                            {name: values[n] for name, values in per_prompt_extras.items()})
+            end += size
+            builders.append(builder)
+            shards.append(builder.build_shard())
+            builder = builder.successor()
         return cls(
             groups=builder.groups,
-            shards=[shard],
-            prompt_ids=list(builder.prompt_ids),
-            prompt_shard=torch.zeros(len(builder.prompt_ids), dtype=torch.long),
-            offsets=_offsets(builder.lengths)[:-1],
-            lengths=torch.tensor(builder.lengths, dtype=torch.long),
-            prompt_token_ids=builder.token_ids if builder.has_token_ids else None,
-            num_steps=list(builder.num_steps),
-            prefill=list(builder.prefill),
+            shards=shards,
+            prompt_ids=[p for b in builders for p in b.prompt_ids],
+            prompt_shard=torch.cat([torch.full((len(b),), s, dtype=torch.long) for s, b in enumerate(builders)]),
+            offsets=torch.cat([_offsets(b.lengths)[:-1] for b in builders]),
+            lengths=torch.tensor([n for b in builders for n in b.lengths], dtype=torch.long),
+            prompt_token_ids=[ids for b in builders for ids in b.token_ids] if builder.has_token_ids else None,
+            num_steps=[n for b in builders for n in b.num_steps],
+            prefill=[n for b in builders for n in b.prefill],
             metadata=metadata,
             finite_checked=not allow_nonfinite,
         )
+
+    def layout_difference(self, other: "ReferenceStore") -> str | None:
+        """How ``other`` lays its prompts out otherwise than this store (None when alike: the same
+        prompts and token ids, each prompt's rows in the same shard at the same row), i.e. why
+        the two cannot be :meth:`join`-ed."""
+        if self.prompt_ids != other.prompt_ids:
+            return f"its prompts are {_preview(other.prompt_ids)}, not {_preview(self.prompt_ids)}"
+        if len(other.shards) != len(self.shards):
+            return f"it has {len(other.shards)} shards, not {len(self.shards)}"
+        here, there = (torch.stack([s.prompt_shard, s.offsets, s.lengths], 1) for s in (self, other))
+        differ = (here != there).any(1).nonzero()
+        if differ.numel():
+            i = int(differ[0])
+            (s, row, n), (s0, row0, n0) = there[i].tolist(), here[i].tolist()
+            return (f"its prompt {self.prompt_ids[i]} has {n} rows from row {row} of shard {s}, not {n0} rows from "
+                    f"row {row0} of shard {s0}")
+        if (other.prompt_token_ids is None) != (self.prompt_token_ids is None):
+            return "it holds no token ids" if other.prompt_token_ids is None else "it holds token ids, the other none"
+        if self.prompt_token_ids is not None:
+            i = next((i for i in range(self.num_prompts)
+                      if not np.array_equal(self.prompt_token_ids.array(i), other.prompt_token_ids.array(i))), None)
+            if i is not None:
+                return f"its prompt {self.prompt_ids[i]} has other token ids"
+        return None
+
+    @classmethod
+    def join(cls, stores: Sequence["ReferenceStore"]) -> "ReferenceStore":
+        """One store holding every store's capture names (and extras) side by side, without
+        copying a row: its shard ``s`` lists the group tensors of every store's shard ``s``, so
+        memory-mapped ones stay mapped where they lie. The stores must be laid out alike (see
+        :meth:`layout_difference`) and hold distinct capture names and extras; the prompts'
+        steps and the metadata are the first store's. Blame joins a reference with the parts it
+        captures on demand, so the engine reads them all with no copy made."""
+        first, *others = stores
+        taken: dict[str, set[str]] = {"capture names": set(first.capture_names), "extras": set(first.extra_names)}
+        for k, other in enumerate(others, 1):
+            difference = first.layout_difference(other)
+            if difference:
+                raise StoreError(f"store {k} is laid out otherwise than store 0, so they cannot be joined: {difference}")
+            for kind, names in (("capture names", other.capture_names), ("extras", other.extra_names)):
+                overlap = taken[kind].intersection(names)
+                if overlap:
+                    raise StoreError(f"store {k} holds {kind} an earlier store holds too: {_preview(sorted(overlap))}")
+                taken[kind].update(names)
+        if not others:
+            return first
+        shards = [Shard([t for store in stores for t in store.shards[s].packed], shard.rows,
+                        {name: pair for store in stores for name, pair in store.shards[s].extras.items()})
+                  for s, shard in enumerate(first.shards)]
+        return dataclasses.replace(first, groups=[g for store in stores for g in store.groups], shards=shards,
+                                   finite_checked=all(store.finite_checked for store in stores))
 
     def check_finite(self, chunk_rows: int = 4096) -> None:
         """Read every row (in chunks); raise naming the first prompt, capture name and position holding NaN or Inf."""

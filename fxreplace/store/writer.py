@@ -29,13 +29,17 @@ class StoreWriter:
     the same token ids); a refused ``add()`` changes nothing, so every prompt accepted before
     it is still written. A per-prompt metadata key (``prompt_texts``) is a list indexed by
     prompt index. ``close()`` again, or after a failed write, is harmless.
+
+    ``shard_bytes=None``: a shard ends only where :meth:`sync` ends it, e.g. after the same
+    prompts as another store's shards (a store laid out like it, :meth:`ReferenceStore.join`).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, shard_bytes: int = 256 << 20,
+    def __init__(self, directory: str | os.PathLike, *, shard_bytes: int | None = 256 << 20,
                  metadata: Mapping[str, Any] | None = None, allow_nonfinite: bool = False):
         self.directory = as_path(directory, "directory")
-        if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
-            raise ValueError(f"shard_bytes must be a positive int (bytes held before a shard is written), got {shard_bytes!r}")
+        if shard_bytes is not None and (isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1):
+            raise ValueError(f"shard_bytes must be a positive int (bytes held before a shard is written) or None, "
+                             f"got {shard_bytes!r}")
         if not isinstance(allow_nonfinite, bool):
             raise TypeError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
         metadata = check_metadata(metadata)
@@ -93,7 +97,7 @@ class StoreWriter:
         self._builder.add(prompt, captures, prompt_token_ids, extras or {})
         self._seen.add(prompt)
         self._next_prompt = max(self._next_prompt, prompt + 1)
-        if self._builder.nbytes >= self.shard_bytes:
+        if self.shard_bytes is not None and self._builder.nbytes >= self.shard_bytes:
             self._flush()
             self._write_index()  # a writer killed later leaves this shard loadable (and its marker: unfinished)
         return prompt
@@ -137,7 +141,8 @@ class StoreWriter:
     def sync(self) -> None:
         """Write the prompts added so far as a shard and rewrite ``index.json``: the
         directory then loads as a complete store, and adding continues (for writers
-        with no natural end, such as a serving engine in capture mode when it idles)."""
+        with no natural end, such as a serving engine in capture mode when it idles, and
+        for shards ending where another store's end)."""
         if self._closed:
             raise ValueError(f"the store writer for {self.directory} is closed")
         self._flush()
