@@ -7,7 +7,7 @@ weights with one attention output projection scaled in layer ``0.6 L``, and with
 faults (attention in layer ``L/4``, router in layer ``3L/4``). Per run: validation passes,
 rounds (batched validations: the passes of one round run side by side as copies of the
 prompts), components captured on demand (of 4L), wall time of the search with and without
-completing the reference (the captures and the store rebuilt to hold them), and that time divided by one validation pass of the target with nothing
+completing the reference (the captures), and that time divided by one validation pass of the target with nothing
 replaced (measured on an equal runner in the same run, median of 3, before and after the
 search: their mean divides, and the two give the spread).
 

@@ -132,7 +132,7 @@ class BlameResult:
     budget: int  # the most passes the search may run
     budget_spent: bool  # it stopped there
     captured: list[str] = field(default_factory=list)  # components captured on demand from the clean model
-    capture_seconds: float = 0.0  # of ``seconds``, spent capturing them and rebuilding the store that holds them
+    capture_seconds: float = 0.0  # of ``seconds``, spent capturing them
     explained: float | None = None  # of the divergence, by every origin replaced together
     # the noise floor's scale: {"dtype", "multiples" (the target without replacement / the floor, per measure),
     # "within" (precision noise), "noise_share" (the floor's part of the divergence), "floor" (its measures)};
