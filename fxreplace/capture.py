@@ -123,7 +123,7 @@ def capture_forced(model: torch.nn.Module, sequences: Sequence[Sequence[int]], t
     read_from = [len(s) - 1 for s in sequences] if read_from is None else list(read_from)
     instrument(model, list(targets))
     try:
-        device = next(model.parameters()).device
+        device = input_device(model)
         start = 0
         while start < len(sequences):
             end = start + 1
@@ -165,7 +165,7 @@ def capture_forced(model: torch.nn.Module, sequences: Sequence[Sequence[int]], t
 
 def _generate(model, names: list[str], prompts: list[list[int]], max_new_tokens: int):
     """Per prompt, as it completes: ``({capture name: [steps]}, generated tokens, logits [steps, vocab])``."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     for prompt in prompts:
         steps: dict[str, list[torch.Tensor]] = {n: [] for n in names}
 
@@ -187,6 +187,18 @@ def _generate(model, names: list[str], prompts: list[list[int]], max_new_tokens:
                 out = model(input_ids=torch.tensor([[generated[-1]]], device=device),
                             past_key_values=out.past_key_values, use_cache=True)
         yield steps, generated, torch.stack(step_logits)
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where a forward's inputs go: the device of the model's first module. A model loaded with
+    ``from_pretrained(device_map=...)`` names it first in ``hf_device_map`` (where transformers'
+    pipelines put inputs too); its parameters may be on the meta device, offloaded. A module
+    offloaded to the CPU or disk takes them on the CPU: accelerate's hooks move them to where it runs."""
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        first = next(iter(device_map.values()))
+        return torch.device("cpu" if first in ("cpu", "disk") else first)
+    return next(model.parameters()).device
 
 
 def _metadata(model, names: list[str], max_new_tokens: int, texts: list, found: list) -> dict:

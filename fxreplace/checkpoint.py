@@ -33,19 +33,24 @@ def weight_files(directory: str | Path) -> list[Path]:
     return [directory / WEIGHTS_FILE] if (directory / WEIGHTS_FILE).is_file() else []
 
 
-def load_checkpoint(directory: str | Path, dtype):
+def load_checkpoint(directory: str | Path, dtype, dispatch: dict | None = None):
     """The causal LM saved in ``directory`` (``save_pretrained``), in ``dtype``, eval mode: its
     safetensors read without a mapping. A checkpoint without safetensors files, of an
     architecture transformers' causal-LM registry lacks, or under transformers 4 (whose loader
-    takes a state dict of tensors only, not of slices read as it goes) goes through ``from_pretrained``."""
+    takes a state dict of tensors only, not of slices read as it goes) goes through ``from_pretrained``.
+
+    ``dispatch``: ``from_pretrained``'s ``device_map`` (and ``max_memory``, ``offload_folder``), for
+    a model larger than memory: accelerate places each layer on a device, the CPU or disk and
+    moves offloaded weights in as each layer runs. It goes through ``from_pretrained``, which
+    reads the layers it leaves on disk from the checkpoint's own files."""
     from safetensors import safe_open
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     files = weight_files(directory)
     config = AutoConfig.from_pretrained(directory)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if not files or model_class is None or not _loads_slices():
-        return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    if dispatch or not files or model_class is None or not _loads_slices():
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **(dispatch or {})).eval()
     _return_large_blocks_to_system()
     handles = [safe_open(str(f), framework="pt", backend="pread") for f in files]
     try:

@@ -104,25 +104,65 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}", None if "hint:" in message else f"see `{self.prog} --help`")
 
 
-def load_model(spec: str, dtype=None):
+def load_model(spec: str, dtype=None, dispatch: dict | None = None):
     """``builtin:ARCH`` (a tiny random model from fxreplace.models) or a local HF directory
     (sharded or not), in ``dtype`` (default fp32): loaded in it, never converted from a copy,
-    each weight in memory once (:func:`fxreplace.checkpoint.load_checkpoint`)."""
+    each weight in memory once, or placed across devices, the CPU and disk by ``dispatch``
+    (:func:`fxreplace.checkpoint.load_checkpoint`)."""
     import torch
 
     from .checkpoint import load_checkpoint
 
     dtype = dtype or torch.float32
     if spec.startswith("builtin:"):
+        if dispatch:
+            raise UsageError("--device-map places a checkpoint's layers as it loads them; a builtin model is built "
+                             "in memory", "save it with save_pretrained(DIR) and capture DIR")
         from fxreplace.models import tiny_model
 
         return tiny_model(spec.removeprefix("builtin:")).to(dtype)
     check_model_dir(spec)
     try:
-        return load_checkpoint(spec, dtype)
+        return load_checkpoint(spec, dtype, dispatch)
     except (OSError, ValueError, KeyError) as e:
-        raise UsageError(f"cannot load the model in {spec}: {e}",
-                         "a checkpoint directory holds config.json and its weights (save_pretrained)") from None
+        hint = ("--max-memory DEVICE=SIZE,... bounds each device; the layers that do not fit go to --offload-folder DIR"
+                if dispatch else "a checkpoint directory holds config.json and its weights (save_pretrained)")
+        raise UsageError(f"cannot load the model in {spec}: {one_line(e)}", hint) from None
+
+
+def device_map_arg(text: str) -> str:
+    """``--device-map``: accelerate dispatches the layers; checked to be installed before anything loads."""
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise argparse.ArgumentTypeError(f"{text!r} needs accelerate, which is not installed; hint: pip install "
+                                         "accelerate")
+    return text
+
+
+def max_memory_arg(text: str) -> dict:
+    """``--max-memory DEVICE=SIZE,...`` as from_pretrained's ``max_memory``: a GPU as its index,
+    a size in bytes or as accelerate reads one (e.g. 20GiB, 500MB)."""
+    budget = {}
+    for item in text.split(","):
+        device, _, size = item.strip().partition("=")
+        if not device or not re.fullmatch(r"\d+|\d+(\.\d+)?[KMG]i?B", size):
+            raise argparse.ArgumentTypeError(f"{item!r} is not DEVICE=SIZE; hint: e.g. 0=20GiB,cpu=64GiB (a GPU's "
+                                             "index or cpu; bytes, or a number and KB, MB, GB, KiB, MiB or GiB)")
+        budget[int(device) if device.isdigit() else device] = int(size) if size.isdigit() else size
+    return budget
+
+
+def dispatch_args(args) -> dict | None:
+    """``capture --device-map`` and its budget as from_pretrained's keyword arguments."""
+    if args.device_map is None:
+        if args.max_memory or args.offload_folder:
+            raise UsageError("--max-memory and --offload-folder bound where --device-map places the layers",
+                             "add --device-map auto")
+        return None
+    if args.offload_folder:
+        check_writable_dir(args.offload_folder, "--offload-folder")
+    return {"device_map": args.device_map, "max_memory": args.max_memory, "offload_folder": args.offload_folder}
 
 
 def model_spec(spec: str) -> str:
@@ -375,15 +415,19 @@ def _capture(args) -> int:
         if args.components or args.component or args.noise_floor:
             raise UsageError("--components/--component/--noise-floor are for --engine hf (blame components and the "
                              "noise floor are captured from the HF reference)")
+        if args.device_map or args.max_memory or args.offload_folder:
+            raise UsageError("--device-map/--max-memory/--offload-folder are for --engine hf",
+                             "vLLM places the model itself: pass its options in --engine-args")
         return _capture_vllm(args)
     from .blame import BlameError, family_components
     from .capture import capture_reference
     from .store.format import publish_directory, staging_directory
 
+    dispatch = dispatch_args(args)
     ids, texts = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)
     components = _components(args.component) if args.component else None
     check_capture_out(args.out, replace=True)
-    model = load_model(args.model)
+    model = load_model(args.model, dispatch=dispatch)
     prompts = checked_ids(ids, model.config.vocab_size, args.prompts)
     targets = args.target or _capture_targets(args, model, components)
     if args.components and not args.component:
@@ -1021,6 +1065,16 @@ def build_parser() -> Parser:
     capture.add_argument("--noise-floor", choices=LOW_DTYPES, metavar="DTYPE",
                          help="also measure the noise floor: the model in DTYPE (bfloat16, float16) teacher-forced "
                               "against this reference; stored in it, it gives validate's and blame's verdicts a scale")
+    capture.add_argument("--device-map", type=device_map_arg, choices=["auto", "balanced", "balanced_low_0", "sequential"],
+                         help="load the reference dispatched by accelerate (from_pretrained's device_map): its layers "
+                              "across the GPUs, the CPU and disk, each offloaded layer's weights moved in as it runs, "
+                              "for a model larger than memory (--noise-floor's model still loads whole)")
+    capture.add_argument("--max-memory", type=max_memory_arg, metavar="DEVICE=SIZE,...",
+                         help="--device-map: the most each device holds, e.g. 0=20GiB,1=20GiB,cpu=64GiB; what does not "
+                              "fit goes to the CPU, then to disk")
+    capture.add_argument("--offload-folder", metavar="DIR",
+                         help="--device-map: where layers offloaded to disk are written when the checkpoint's own files "
+                              "cannot serve them (a MoE's fused experts, converted as they load)")
     capture.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                          help="hf: the HF model in this process (fp32); vllm: a vLLM engine in capture mode "
                               "(MODEL: a checkpoint directory)")

@@ -94,7 +94,8 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
     of a kind, bound to each module, reading everything target-specific from the slot. Dynamo
     guards on the function a module calls, so a function per target would recompile a frame
     resumed after a graph break inside a layer once per layer."""
-    original = module.forward
+    attribute = _forward_attribute(module)
+    original = getattr(module, attribute)
     own = isinstance(original, types.MethodType) and original.__self__ is module
     # the class's function (shared by every module of the class) rather than a method bound to this one
     slot.original, slot.passes_self = (original.__func__, True) if own else (original, False)
@@ -103,16 +104,36 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
         slot.graph_forward = _shared_graph_forward(point, injection)
     module.__dict__[_SLOT] = slot
     forward = _output_point_forward if point.graph_module is None else _graph_point_forward
-    module.forward = types.MethodType(forward, module)
+    module.__dict__[attribute] = types.MethodType(forward, module)
 
 
 _SLOT = "_fxreplace_slot"
 _SHARED_FORWARDS: dict[tuple, Callable] = {}
+# accelerate's hooks (a model loaded with from_pretrained(device_map=...)) give a module a forward
+# that loads its offloaded weights and moves its inputs to where it runs, then calls this attribute:
+# the forward the module had at dispatch
+_WRAPPED_FORWARD = "_old_forward"
+
+
+def _forward_attribute(module: nn.Module) -> str:
+    """Where a module's own forward is called from: inside accelerate's wrapper when it has one."""
+    return _WRAPPED_FORWARD if _WRAPPED_FORWARD in module.__dict__ else "forward"
+
+
+def _follow_class(module: nn.Module) -> None:
+    """Point accelerate's wrapper, where ``module`` has one, at its class's forward: it calls the
+    forward bound at dispatch, which would bypass the instrumented class :func:`instrument` gives
+    the model (and keep it after :func:`uninstrument`); a target's own after :func:`_unbind`."""
+    if _WRAPPED_FORWARD in module.__dict__:
+        module.__dict__[_WRAPPED_FORWARD] = types.MethodType(type(module).forward, module)
 
 
 def _unbind(module: nn.Module) -> None:
     """Undo :func:`_bind`: the module's own forward again."""
-    del module.__dict__["forward"]
+    if _forward_attribute(module) == "forward":
+        del module.__dict__["forward"]
+    else:
+        _follow_class(module)
     module.__dict__.pop(_SLOT, None)
 
 
@@ -551,6 +572,7 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
         _bind(model.get_submodule(target.module_name), point, injection, slot)
     model._fxreplace = Instrumentation(resolved, points, injections, slots, max_tokens)
     model.__class__ = _instrumented_class(type(model))
+    _follow_class(model)
     return model
 
 
@@ -566,6 +588,7 @@ def uninstrument(model: nn.Module) -> nn.Module:
             model._buffers.pop(name, None)
     del model._fxreplace
     model.__class__ = type(model).__bases__[1]
+    _follow_class(model)
     model.__dict__[_REFUSE_HOOK] = model.register_forward_pre_hook(_refuse_replacements, with_kwargs=True)
     return model
 
