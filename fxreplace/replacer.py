@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Collection, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ _MISSING = -2  # a request that was never registered
 _SMALL_BATCH = 64  # slots up to which the row arithmetic runs in plain Python (decode steps)
 _SPARE_BUFFERS = 4  # context buffers kept for reuse once their context is dropped
 _CHECKED_OUTS = 64  # out= contexts whose check is remembered (an engine keeps one per batch size)
+_NARROWED_LAYOUTS = 16  # layouts of selections (build_context's names) kept: a blame round's few
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
@@ -107,15 +108,13 @@ class TensorReplacer:
         self._zero_rows = np.array([s.zero_row for s in store.shards], dtype=np.int64)
         self._spans = list(zip(self._offsets.tolist(), self._lengths.tolist()))  # per prompt (first row, rows), then (0, 0)
         self._zero_rows_list = self._zero_rows.tolist()
-        self._sources = [tuple(s.packed) for s in self.store.shards]
-        # small host batches are gathered by numpy over these views (per shard)
-        self._source_bits = [tuple(map(host_bits, src)) for src in self._sources] if self._on_host else None
-        self._places = {m: (c.group, c.index) for m, c in store.columns.items()}
-        self._shapes = [(len(g.capture_names), g.width, g.dtype) for g in store.groups]
+        self._layout = _Layout.of([tuple(s.packed) for s in self.store.shards],
+                                  {m: (c.group, c.index) for m, c in self.store.columns.items()}, self._on_host)
+        self._narrowed: dict[frozenset, _Layout] = {}  # the layouts of the selections built lately
         self._lock = threading.Lock()
         self._prompt_of: dict[str, int] = {}  # request id -> internal prompt (or _UNMATCHED)
         self._registered_as: dict[str, tuple] = {}  # request id -> (token ids, prompt_idx) it was registered with
-        self._spare: list[tuple[torch.Tensor, ...]] = []
+        self._spare: list[tuple[torch.Tensor, ...]] = []  # buffers of dropped contexts, any layout
         self._checked_outs: dict[int, _CheckedOut] = {}  # id(out) -> how it was checked
         self._generation = 0  # bumped by every registration and release: invalidates _last_batch
         # the last batch looked up: an engine's consecutive decode steps run the same requests
@@ -224,6 +223,7 @@ class TensorReplacer:
         device: torch.device | str | None = None,
         tokens_per_req: int = 1,
         out: ReplacementContext | None = None,
+        names: Collection[str] | None = None,
     ) -> ReplacementContext:
         """Neuron-style layouts.
 
@@ -234,7 +234,13 @@ class TensorReplacer:
         and a batch with fewer slots than that is an error.
 
         ``out``: a context this replacer built earlier with the same number of slots
-        (on any device), overwritten in place instead of allocating.
+        (on any device) and ``names``, overwritten in place instead of allocating.
+
+        ``names``: the capture names the context holds (default: every one the store has).
+        A forward that replaces a few components then gathers and holds only their rows; the
+        targets of the others find nothing in the context and stay off. A compiled graph
+        takes a context's tensors as inputs, so engines with compiled graphs keep the
+        default: one context layout, one graph for every selection (:meth:`ReplacementContext.select`).
         """
         positions = np.asarray(_as_index_array(positions, "positions"), dtype=np.int64)
         n = positions.shape[0]
@@ -253,7 +259,7 @@ class TensorReplacer:
                     f"{n} positions: requests {list(req_ids)[n // tokens_per_req:][:4]} would be dropped"
                 )
             counts = np.full(len(req_ids), tokens_per_req, dtype=np.int64)
-        return self._gather(req_ids, counts, positions, device, out)
+        return self._gather(req_ids, counts, positions, device, out, names)
 
     def build_context_for_batch(
         self,
@@ -262,9 +268,10 @@ class TensorReplacer:
         positions: Sequence[int] | torch.Tensor,
         device: torch.device | str | None = None,
         out: ReplacementContext | None = None,
+        names: Collection[str] | None = None,
     ) -> ReplacementContext:
         """Mixed batches (vLLM-style): request ``i`` owns the next ``num_scheduled_tokens[i]``
-        slots, in order; the rest of ``positions`` is padding. ``out`` as in :meth:`build_context`.
+        slots, in order; the rest of ``positions`` is padding. ``out`` and ``names`` as in :meth:`build_context`.
         An engine tries :meth:`decode_into` first and builds here when it declines."""
         counts = num_scheduled_tokens
         positions = _as_index_array(positions, "positions")
@@ -276,18 +283,39 @@ class TensorReplacer:
             raise ValueError(f"num_scheduled_tokens must be >= 0, got {counts}")
         if sum(counts) > len(positions):
             raise ValueError(f"requests schedule {sum(counts)} tokens but the batch has only {len(positions)} positions")
-        return self._gather(req_ids, counts, positions, device, out)
+        return self._gather(req_ids, counts, positions, device, out, names)
 
-    def warmup_context(self, num_tokens: int, device: torch.device | str | None = None) -> ReplacementContext:
+    def warmup_context(self, num_tokens: int, device: torch.device | str | None = None,
+                       names: Collection[str] | None = None) -> ReplacementContext:
         """Zeros with the real shapes and dtypes and an all-False mask: replacement off.
-        Its buffers are its own (never recycled): engines bind them to the graph."""
+        Its buffers are its own (never recycled): engines bind them to the graph.
+        ``names`` as in :meth:`build_context`."""
+        layout = self._layout_of(names)
         with torch.inference_mode(False):  # a feed outlives the mode it is made in: an inference tensor made
             # under torch.inference_mode() could not be filled or cleared outside it
-            storage = tuple(torch.zeros(num_tokens, m, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
+            storage = tuple(torch.zeros(num_tokens, m, e, dtype=dt, device=self._device) for m, e, dt in layout.shapes)
             mask = torch.zeros(num_tokens, dtype=torch.bool, device=self._device)
-            return ReplacementContext.from_storage(storage, mask, self._places).to(device)
+            return ReplacementContext.from_storage(storage, mask, layout.places).to(device)
 
     # ------------------------------------------------------------------ internals
+
+    def _layout_of(self, names: Collection[str] | None) -> "_Layout":
+        """The layout of a context holding ``names`` (every column for None)."""
+        if names is None:
+            return self._layout
+        key = frozenset(names)
+        layout = self._narrowed.get(key)
+        if layout is None:
+            places = self._layout.places
+            if isinstance(names, str) or not key <= places.keys():
+                unknown = [names] if isinstance(names, str) else sorted(key - places.keys())
+                raise KeyError(f"names: the reference holds no capture name {unknown}; it holds {sorted(places)[:8]} "
+                               f"({len(places)} in all)")
+            layout = self._layout if len(key) == len(places) else self._layout.narrowed(key)
+            if len(self._narrowed) >= _NARROWED_LAYOUTS:
+                self._narrowed.clear()
+            self._narrowed[key] = layout
+        return layout
 
     def _lookup(self, req_ids: Sequence[str]) -> BatchLookup:
         """The batch's lookup: internal prompt per request (-1 where unmatched, plus a trailing
@@ -342,7 +370,7 @@ class TensorReplacer:
         rows = None if positions is None else _decode_rows(last, positions)
         if rows is None or checked.slots != len(rows):
             return False
-        self._run((last.shard, rows), out.storage, checked.bits)
+        self._run(checked.layout, (last.shard, rows), out.storage, checked.bits)
         checked.mask_bits.fill(True)
         out.num_replaced = len(rows)
         return True
@@ -359,7 +387,7 @@ class TensorReplacer:
         fraction of the dozen numpy calls of the general case."""
         n, prompts = len(positions), lookup.prompts
         several = type(lookup.shard) is list
-        if n <= _SMALL_BATCH and (not several or self._source_bits is not None):  # several: numpy gathers per slot
+        if n <= _SMALL_BATCH and (not several or self._on_host):  # several: numpy gathers per slot
             pos = positions if type(positions) is list else positions.tolist()
             spans, shard_of = self._spans, self._shard_list
             shard = 0 if several else lookup.shard
@@ -385,26 +413,28 @@ class TensorReplacer:
         first = int(touched[0]) if touched.size else 0
         return (first, np.where(mask, local, self._zero_rows[first])), mask
 
-    def _gather(self, req_ids, counts: Sequence[int] | np.ndarray, positions: np.ndarray | list[int], device, out) -> ReplacementContext:
+    def _gather(self, req_ids, counts: Sequence[int] | np.ndarray, positions: np.ndarray | list[int], device, out,
+                names) -> ReplacementContext:
         """Request ``i`` owns the next ``counts[i]`` slots, the rest is padding -> context."""
+        layout = self._layout_of(names)
         plan, mask = self._slot_rows(self._lookup(req_ids), counts, positions)
         n = len(positions)
-        small = self._source_bits is not None and n <= _SMALL_BATCH  # numpy copies its rows
+        small = self._on_host and n <= _SMALL_BATCH  # numpy copies its rows
         replaced = mask.count(True) if type(mask) is list else int(np.count_nonzero(mask))
         if out is None:
-            ctx = self._fresh_context(n)
-            self._run(plan, ctx.storage, tuple(map(host_bits, ctx.storage)) if small else None)
+            ctx = self._fresh_context(layout, n)
+            self._run(layout, plan, ctx.storage, tuple(map(host_bits, ctx.storage)) if small else None)
             ctx.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
             ctx.num_replaced = replaced
             return ctx.to(device)
-        checked = self._checked_out(out, n)
+        checked = self._checked_out(out, n, layout)
         if device is not None and not same_device(out.mask.device, device):
             raise ValueError(f"out= is on {out.mask.device}; it cannot also move the context to {device}")
         if checked.on_device:
-            self._run(plan, out.storage, checked.bits if small else None)
+            self._run(layout, plan, out.storage, checked.bits if small else None)
         else:  # gather where the reference lives, then one copy per group
-            staged = self._fresh_context(n)
-            self._run(plan, staged.storage, tuple(map(host_bits, staged.storage)) if small else None)
+            staged = self._fresh_context(layout, n)
+            self._run(layout, plan, staged.storage, tuple(map(host_bits, staged.storage)) if small else None)
             for src, dst in zip(staged.storage, out.storage):
                 dst.copy_(src, non_blocking=True)
         if checked.mask_bits is not None:
@@ -414,7 +444,8 @@ class TensorReplacer:
         out.num_replaced = replaced
         return out
 
-    def _run(self, plan, storage: tuple[torch.Tensor, ...], storage_bits: tuple[np.ndarray, ...] | None) -> None:
+    def _run(self, layout: "_Layout", plan, storage: tuple[torch.Tensor, ...],
+             storage_bits: tuple[np.ndarray, ...] | None) -> None:
         """Carry out a plan of :meth:`_slot_rows` into ``storage``. ``storage_bits`` (its numpy
         views) is given for a small batch of a host store: numpy copies its few rows for less
         than a torch call costs. Anything else is ``index_select``: rows of one shard straight
@@ -424,12 +455,12 @@ class TensorReplacer:
             shard, rows = plan
             if storage_bits is None:
                 index = self._index_tensor(rows)
-                for src, dst in zip(self._sources[shard], storage):
+                for src, dst in zip(layout.sources[shard], storage):
                     index_select_rows(src, dst, index)
             elif type(shard) is int:
-                take_rows(self._source_bits[shard], storage_bits, rows)
+                take_rows(layout.source_bits[shard], storage_bits, rows)
             else:  # the shard of each slot
-                take_slot_rows(self._source_bits, storage_bits, shard, rows)
+                take_slot_rows(layout.source_bits, storage_bits, shard, rows)
             return
         rows, columns = self._index_tensor(plan.rows), self._index_tensor(plan.columns)
         for g, dst in enumerate(storage):
@@ -437,44 +468,46 @@ class TensorReplacer:
             staging = torch.empty(plan.replaced + 1, m, e, dtype=dst.dtype, device=dst.device)
             staging[plan.replaced].zero_()  # the padding's and unmatched slots' row
             for shard, start, stop in plan.blocks:
-                index_select_rows(self._sources[shard][g], staging[start:stop], rows[start:stop])
+                index_select_rows(layout.sources[shard][g], staging[start:stop], rows[start:stop])
             index_select_rows(staging, dst, columns)
 
     def _index_tensor(self, rows) -> torch.Tensor:
         return torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self._device)
 
-    def _fresh_context(self, n: int) -> ReplacementContext:
+    def _fresh_context(self, layout: "_Layout", n: int) -> ReplacementContext:
         """A context of ``n`` slots on the store's device, reusing the buffers of a dropped
-        context of the same size when there is one (a fresh allocation of a large context
+        context of the same shapes when there is one (a fresh allocation of a large context
         costs more in page faults than the gather itself)."""
         mask = torch.empty(n, dtype=torch.bool, device=self._device)
+        shapes = [((n, m, e), dt) for m, e, dt in layout.shapes]
         with self._lock:  # views are made under the lock, so no two builds take the same buffers
             for k, bufs in enumerate(self._spare):
-                if bufs[0].shape[0] == n and _UNSHARED is not None and all(_use_count(b) == _UNSHARED for b in bufs):
+                if ([(b.shape, b.dtype) for b in bufs] == shapes and _UNSHARED is not None
+                        and all(_use_count(b) == _UNSHARED for b in bufs)):
                     self._spare.append(self._spare.pop(k))
                     break
             else:
-                bufs = tuple(torch.empty(n, m, e, dtype=dt, device=self._device) for m, e, dt in self._shapes)
+                bufs = tuple(torch.empty(shape, dtype=dt, device=self._device) for shape, dt in shapes)
                 self._spare.append(bufs)
                 del self._spare[:-_SPARE_BUFFERS]
             # the context holds views, not the buffers themselves: their use count says while it lives
-            return ReplacementContext.from_storage(tuple(b.view_as(b) for b in bufs), mask, self._places)
+            return ReplacementContext.from_storage(tuple(b.view_as(b) for b in bufs), mask, layout.places)
 
-    def _checked_out(self, out: ReplacementContext, n: int) -> "_CheckedOut":
+    def _checked_out(self, out: ReplacementContext, n: int, layout: "_Layout") -> "_CheckedOut":
         """Check ``out`` once: a context's shapes and device never change, so the replacer
         remembers the check (and, for a host context of a host store, numpy views of it)."""
         checked = self._checked_outs.get(id(out))
-        if checked is None or checked.context() is not out or checked.slots != n:
-            want = [(n, m, e, dt) for m, e, dt in self._shapes]
+        if checked is None or checked.context() is not out or checked.slots != n or checked.layout is not layout:
+            want = [(n, m, e, dt) for m, e, dt in layout.shapes]
             got = [(*s.shape, s.dtype) for s in out.storage]
-            if got != want or out.mask.shape[0] != n or out.places != self._places:
+            if got != want or out.mask.shape[0] != n or out.places != layout.places:
                 raise ValueError(
                     f"out must be a context built by this replacer (build_context, warmup_context or .leading()) for {n} "
-                    f"slots; got {out!r}"
+                    f"slots and the same names; got {out!r}"
                 )
             on_device = out.mask.device == self._device
-            host = on_device and self._source_bits is not None
-            checked = _CheckedOut(weakref.ref(out), n, on_device, tuple(map(host_bits, out.storage)) if host else None,
+            host = on_device and self._on_host
+            checked = _CheckedOut(weakref.ref(out), n, layout, on_device, tuple(map(host_bits, out.storage)) if host else None,
                                   out.mask.numpy() if host else None)
             if len(self._checked_outs) >= _CHECKED_OUTS:  # forget the dropped ones (or all, if none was)
                 self._checked_outs = {k: c for k, c in self._checked_outs.items() if c.context() is not None}
@@ -492,9 +525,40 @@ class _CheckedOut(NamedTuple):
 
     context: Any  # weakref.ref to the context
     slots: int
+    layout: "_Layout"
     on_device: bool
     bits: tuple[np.ndarray, ...] | None
     mask_bits: np.ndarray | None
+
+
+class _Layout(NamedTuple):
+    """Where a context's groups read the store: per shard, per group of the context, a
+    ``[rows + 1, capture names, E]`` tensor (the store's own groups, or for a context of a
+    few names the runs of their columns: views, nothing copied), numpy views of them for
+    small host batches, and each capture name's place ``(group, column)`` in the context."""
+
+    sources: list[tuple[torch.Tensor, ...]]
+    source_bits: list[tuple[np.ndarray, ...]] | None
+    shapes: list[tuple[int, int, torch.dtype]]  # per group: capture names, E, dtype
+    places: dict[str, tuple[int, int]]
+
+    @staticmethod
+    def of(sources: list[tuple[torch.Tensor, ...]], places: dict[str, tuple[int, int]], on_host: bool) -> "_Layout":
+        shapes = [(t.shape[1], t.shape[2], t.dtype) for t in sources[0]] if sources else []
+        return _Layout(sources, [tuple(map(host_bits, src)) for src in sources] if on_host else None, shapes, places)
+
+    def narrowed(self, names: frozenset) -> "_Layout":
+        """The layout of a context holding ``names`` only: a group per run of adjacent columns."""
+        runs: list[tuple[int, int, int]] = []  # (group, first column, columns)
+        places = {}
+        for name, (g, i) in sorted(((n, self.places[n]) for n in names), key=operator.itemgetter(1)):
+            if runs and runs[-1][0] == g and sum(runs[-1][1:]) == i:
+                runs[-1] = (g, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((g, i, 1))
+            places[name] = (len(runs) - 1, i - runs[-1][1])
+        sources = [tuple(src[g][:, i : i + k] for g, i, k in runs) for src in self.sources]
+        return _Layout.of(sources, places, self.source_bits is not None)
 
 
 class BatchLookup(NamedTuple):

@@ -324,9 +324,14 @@ class Runner:
     def _context(self, req_ids, positions, is_prefill, tokens_per_req, replace):
         if self.replacer is None:
             return None
+        # the rows of the names replaced only, unless compiled: graphs take every name's tensor as an input,
+        # so a context of other names would build other graphs
+        names = (None if self.compiled or replace is True else () if replace is False
+                 else set().union(*replace) if isinstance(replace, PerRequest) else replace)
         if replace is False:
-            return self.replacer.warmup_context(positions.shape[0], device=self.device)
-        ctx = self.replacer.build_context(req_ids, positions, is_prefill, device=self.device, tokens_per_req=tokens_per_req)
+            return self.replacer.warmup_context(positions.shape[0], device=self.device, names=names)
+        ctx = self.replacer.build_context(req_ids, positions, is_prefill, device=self.device, tokens_per_req=tokens_per_req,
+                                          names=names)
         if isinstance(replace, PerRequest):  # request i owns slots i*tokens_per_req ...; the rest is padding
             rows = {}
             for name in set().union(*replace):

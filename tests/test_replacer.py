@@ -188,11 +188,16 @@ def scenario(draw):
 def _setup(lengths, decode, kv_cache, req_prompts, seed, dtype=torch.float32, **layout):
     caps = captures_for(lengths, decode, seed=seed, kv_cache=kv_cache, dtype=dtype, **layout)
     r = TensorReplacer(caps, on_unknown="passthrough")
+    return caps, r, _register(r, req_prompts)
+
+
+def _register(r, req_prompts) -> list[str]:
+    """Request ``req-i`` registered as prompt ``req_prompts[i]`` (None: not registered)."""
     req_ids = [f"req-{i}" for i in range(len(req_prompts))]
     for rid, p in zip(req_ids, req_prompts):
         if p is not None:
             r.register_request(rid, None, prompt_idx=p)
-    return caps, r, req_ids
+    return req_ids
 
 
 def _assert_same(ctx, expected, mask):
@@ -336,10 +341,7 @@ def test_sharded_store_matches_per_slot_oracle(sc, shard_bytes, data):
             for p in reversed(range(len(caps))):  # shards hold prompts in any order
                 writer.add(None, caps[p], prompt_idx=p)
         r = TensorReplacer(ReferenceStore.load(f"{tmp}/ref"), on_unknown="passthrough")
-        req_ids = [f"req-{i}" for i in range(len(req_prompts))]
-        for rid, p in zip(req_ids, req_prompts):
-            if p is not None:
-                r.register_request(rid, None, prompt_idx=p)
+        req_ids = _register(r, req_prompts)
         counts = data.draw(st.lists(st.integers(0, 5), min_size=len(req_ids), max_size=len(req_ids)))
         positions = [s + j for c in counts for s in [data.draw(st.integers(0, 10))] for j in range(c)]
         positions += data.draw(st.lists(st.integers(0, 10), max_size=4))
@@ -354,6 +356,47 @@ def test_sharded_store_matches_per_slot_oracle(sc, shard_bytes, data):
         dirty.mask.fill_(True)
         _assert_same(r.build_context_for_batch(req_ids, counts, positions, out=dirty.leading(len(positions))), *expected)
         assert dirty.mask[len(positions):].all() and all(bool((b[len(positions):] == 7).all()) for b in dirty.storage)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sc=scenario(), shard_bytes=st.sampled_from([None, 1, 200]), data=st.data())
+def test_a_context_of_some_names_holds_their_rows_only(row_path, sc, shard_bytes, data):
+    """build_context(names=): a blame pass replacing a few components gathers their rows alone, equal to
+    the full context's, into buffers of their columns only (adjacent columns of a group stay one block);
+    out= reuses a context of the same names; names the store lacks are an error naming them."""
+    import tempfile
+
+    from fxreplace import ReferenceStore, StoreWriter
+
+    lengths, decode, kv_cache, req_prompts = sc
+    modules = ("m0", "m1", "m2", "m3", "m4")  # m0, m1, m3 share a group (width 4), m2 and m4 another
+    caps = captures_for(lengths, decode, modules=modules, widths=(4, 4, 3, 4, 3), seed=5, kv_cache=kv_cache)
+    names = data.draw(st.sets(st.sampled_from(modules)))
+    with tempfile.TemporaryDirectory() as tmp:
+        if shard_bytes is None:
+            r = TensorReplacer(caps, on_unknown="passthrough")
+        else:
+            with StoreWriter(f"{tmp}/ref", shard_bytes=shard_bytes) as writer:
+                for p in range(len(caps)):
+                    writer.add(None, caps[p], prompt_idx=p)
+            r = TensorReplacer(ReferenceStore.load(f"{tmp}/ref"), on_unknown="passthrough")
+        req_ids = _register(r, req_prompts)
+        positions = data.draw(st.lists(st.integers(0, 10), min_size=len(req_ids), max_size=len(req_ids) + 3))
+        owners = slot_owners(len(positions), len(req_ids), is_prefill=False, tokens_per_req=1)
+        expected, mask = build_context_loop(caps, req_prompts, positions, owners)
+        ctx = r.build_context(req_ids, positions, is_prefill=False, names=names)
+        assert set(ctx) == names and sum(s.shape[1] for s in ctx.storage) == len(names)
+        _assert_same(ctx, {m: expected[m] for m in names}, mask)
+        out = r.warmup_context(len(positions), names=names)
+        assert r.build_context(req_ids, positions, is_prefill=False, names=names, out=out) is out
+        _assert_same(out, {m: expected[m] for m in names}, mask)
+        if names == {"m0", "m1", "m3"}:
+            assert len(ctx.storage) == 1, "one group's columns: one block"
+        if names and set(modules) - names:
+            with pytest.raises(ValueError, match="the same names"):
+                r.build_context(req_ids, positions, is_prefill=False, out=out)
+    with pytest.raises(KeyError, match=r"no capture name \['m9'\]"):
+        r.build_context(req_ids, positions, is_prefill=False, names=["m0", "m9"])
 
 
 def test_a_large_batch_over_several_shards_matches_per_slot_oracle(tmp_path):

@@ -5,6 +5,7 @@ import torch
 
 from fxreplace import TensorReplacer
 from fxreplace.models import tiny_model
+from fxreplace.context import PerRequest
 from fxreplace.runner import Runner, RunnerConfig, propose_ngram
 from fxreplace.testing import build_context_loop, slot_owners
 
@@ -105,7 +106,8 @@ def test_every_context_matches_the_per_slot_oracle(hf, k):
     recorded = []
     original = replacer.build_context
 
-    def build(req_ids, positions, is_prefill, device=None, tokens_per_req=1):
+    def build(req_ids, positions, is_prefill, device=None, tokens_per_req=1, names=None):
+        assert names is None, "replace=True: every name's rows"
         ctx = original(req_ids, positions, is_prefill, device=device, tokens_per_req=tokens_per_req)
         recorded.append((list(req_ids), positions.tolist(), is_prefill, tokens_per_req, ctx))
         return ctx
@@ -133,14 +135,28 @@ def test_every_context_matches_the_per_slot_oracle(hf, k):
     assert prefill_shapes == {8, 16}
 
 
-def test_replace_false_feeds_an_all_off_context_of_the_same_shapes(hf):
-    flat, _ = fake_reference()
+def test_an_eager_runner_gathers_the_rows_of_the_names_it_replaces_only(hf):
+    """A blame pass replaces a few of many components: an eager runner's contexts hold their rows alone
+    (nothing for replace=False, a selection's names, the union of a PerRequest's), each name's own rows
+    (a compiled runner's keep every name: one graph for every selection, tested by the CLI's graph counts)."""
+    flat, _ = fake_reference(num_modules=3)
     spy = Spy(hf)
     runner = Runner(spy, hf.config, replacer=TensorReplacer(flat, prompt_token_ids=PROMPTS),
                     runner_config=RunnerConfig(max_len=64, prefill_buckets=(16,), batch_buckets=(4,)))
-    runner.generate(PROMPTS, 2, replace=False)
-    assert all(not c.mask.any() for c in spy.contexts)
-    assert {tuple(c["m0"].shape) for c in spy.contexts} == {(16, 4), (4, 4)}
+    cases = [(False, set()), (["m0", "m2"], {"m0", "m2"}), (PerRequest([{"m1"}, {"m2"}, {"m1"}]), {"m1", "m2"}),
+             (True, {"m0", "m1", "m2"})]
+    for replace, names in cases:
+        spy.contexts.clear()
+        runner.generate(PROMPTS, 2, replace=replace)
+        # a prompt's own prefill holds its own selection, a decode step the batch's
+        each = [set(r) for r in replace] if isinstance(replace, PerRequest) else [names] * len(PROMPTS)
+        assert [set(c) for c in spy.contexts] == each + [names], replace
+        for c in spy.contexts:
+            assert sum(block.shape[1] for block in c.storage) == len(c), "no other name's rows gathered"
+            assert c.mask.any() == (replace is not False)
+            first, *others = sorted(c) or [None]
+            for name in others:  # name i's rows are the (prompt, position) code + i
+                assert (c[name][c.mask] - c[first][c.mask] == int(name[1]) - int(first[1])).all()
 
 
 def test_bad_sizes_are_clear_errors(hf):
