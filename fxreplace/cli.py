@@ -154,7 +154,11 @@ def max_memory_arg(text: str) -> dict:
 
 
 def dispatch_args(args) -> dict | None:
-    """``capture --device-map`` and its budget as from_pretrained's keyword arguments."""
+    """``--device-map`` and its budget as from_pretrained's keyword arguments, for the reference
+    model (``capture``'s MODEL, ``validate``'s and ``blame``'s ``--clean``)."""
+    if args.device_map is not None and hasattr(args, "clean") and not args.clean:
+        raise UsageError(f"--device-map places the reference model, which {args.command} loads from --clean only "
+                         "(the target loads whole, in --dtype)", "give the clean model as --clean CKPT, or drop --device-map")
     if args.device_map is None:
         if args.max_memory or args.offload_folder:
             raise UsageError("--max-memory and --offload-folder bound where --device-map places the layers",
@@ -163,6 +167,20 @@ def dispatch_args(args) -> dict | None:
     if args.offload_folder:
         check_writable_dir(args.offload_folder, "--offload-folder")
     return {"device_map": args.device_map, "max_memory": args.max_memory, "offload_folder": args.offload_folder}
+
+
+def add_dispatch_arguments(parser, loaded: str) -> None:
+    """--device-map and its budget, for the reference model wherever a command loads it."""
+    parser.add_argument("--device-map", type=device_map_arg, choices=["auto", "balanced", "balanced_low_0", "sequential"],
+                        help=f"load {loaded} dispatched by accelerate (from_pretrained's device_map): its layers "
+                             "across the GPUs, the CPU and disk, each offloaded layer's weights moved in as it runs, "
+                             "for a model larger than memory")
+    parser.add_argument("--max-memory", type=max_memory_arg, metavar="DEVICE=SIZE,...",
+                        help="--device-map: the most each device holds, e.g. 0=20GiB,1=20GiB,cpu=64GiB; what does not "
+                             "fit goes to the CPU, then to disk")
+    parser.add_argument("--offload-folder", metavar="DIR",
+                        help="--device-map: where layers offloaded to disk are written when the checkpoint's own files "
+                             "cannot serve them (a MoE's fused experts, converted as they load)")
 
 
 def model_spec(spec: str) -> str:
@@ -468,7 +486,7 @@ def _capture(args) -> int:
 
         reference = load_reference(args.out)
         del model  # the floor's model is loaded in its dtype, as validate and blame load the target
-        floor = measure_floor(load_model(args.model, torch_dtype(args.noise_floor)), reference,
+        floor = measure_floor(load_model(args.model, torch_dtype(args.noise_floor), dispatch), reference,
                               torch_dtype(args.noise_floor), progress=True)
         save_floor(floor, args.out)
     print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.capture_names)} targets -> {args.out}")
@@ -614,7 +632,7 @@ def _noise_floor(args, reference):
         return floor
     if getattr(args, "clean", None):
         check_reference_matches(reference, args.reference, args.clean, model_architecture(args.clean))
-        clean = load_model(args.clean, torch_dtype(args.dtype))  # loaded in the dtype, as the target is
+        clean = load_model(args.clean, torch_dtype(args.dtype), dispatch_args(args))  # in the dtype, as the target is
         _check_vocab(reference, args.clean, clean.config.vocab_size)
         print(f"noise floor: {args.clean} in {args.dtype} against the reference")
         return measure_floor(clean, reference, torch_dtype(args.dtype), progress=True)
@@ -648,6 +666,7 @@ def _targets_label(targets) -> str:
 
 
 def _validate(args) -> int:
+    dispatch_args(args)  # its mistakes before anything loads
     if args.engine == "vllm":
         return _validate_vllm(args)
     import torch
@@ -805,6 +824,7 @@ def _blame(args) -> int:
     from .blame import BlameError, blame
 
     _program_of_validation(args)
+    dispatch_args(args)  # its mistakes before anything loads
     reference = load_reference_arg(args.reference)
     _reference_caveat(args, reference)  # refused here; blame() states the caveat
     check_writable_dir(args.report_dir, "--report-dir")
@@ -844,7 +864,7 @@ def _blame(args) -> int:
 
                 def clean():
                     """The clean model, loaded for each capture only: blame holds the target's weights alone."""
-                    loaded = load_model(args.clean)
+                    loaded = load_model(args.clean, dispatch=dispatch_args(args))
                     _check_vocab(reference, args.clean, loaded.config.vocab_size)
                     return loaded
             result = blame(model, args.reference, clean=clean,
@@ -1065,16 +1085,7 @@ def build_parser() -> Parser:
     capture.add_argument("--noise-floor", choices=LOW_DTYPES, metavar="DTYPE",
                          help="also measure the noise floor: the model in DTYPE (bfloat16, float16) teacher-forced "
                               "against this reference; stored in it, it gives validate's and blame's verdicts a scale")
-    capture.add_argument("--device-map", type=device_map_arg, choices=["auto", "balanced", "balanced_low_0", "sequential"],
-                         help="load the reference dispatched by accelerate (from_pretrained's device_map): its layers "
-                              "across the GPUs, the CPU and disk, each offloaded layer's weights moved in as it runs, "
-                              "for a model larger than memory (--noise-floor's model still loads whole)")
-    capture.add_argument("--max-memory", type=max_memory_arg, metavar="DEVICE=SIZE,...",
-                         help="--device-map: the most each device holds, e.g. 0=20GiB,1=20GiB,cpu=64GiB; what does not "
-                              "fit goes to the CPU, then to disk")
-    capture.add_argument("--offload-folder", metavar="DIR",
-                         help="--device-map: where layers offloaded to disk are written when the checkpoint's own files "
-                              "cannot serve them (a MoE's fused experts, converted as they load)")
+    add_dispatch_arguments(capture, "the reference (and --noise-floor's model)")
     capture.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                          help="hf: the HF model in this process (fp32); vllm: a vLLM engine in capture mode "
                               "(MODEL: a checkpoint directory)")
@@ -1102,6 +1113,7 @@ def build_parser() -> Parser:
     validate.add_argument("--clean", metavar="CKPT", type=model_spec,
                           help="the clean model the reference came from: measures the noise floor (it in --dtype) when "
                                "the reference holds none for --dtype (`capture --noise-floor`)")
+    add_dispatch_arguments(validate, "--clean")
     validate.add_argument("--report-dir", default="fxreplace-report",
                           help="folder for report.html, result.json and the plots")
     validate.add_argument("--fail-on", action="append", type=gate_condition, metavar="{diverged,kl=X,top5=Y,floor=K}",
@@ -1138,6 +1150,7 @@ def build_parser() -> Parser:
                        help="the clean model the reference came from (builtin:ARCH or an HF directory): components the "
                             "reference lacks are captured from it as the search needs them, stored under the reference "
                             "directory and reused (--engine runner)")
+    add_dispatch_arguments(blame, "--clean (for the noise floor and the components captured on demand)")
     blame.add_argument("--allow-low-precision-reference", action="store_true",
                        help="accept a reference captured below float32 (refused otherwise); the verdict says so")
     blame.add_argument("--budget", type=positive_int, help="the most validation passes the search may run "

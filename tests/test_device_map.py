@@ -3,6 +3,7 @@ max_memory=..., offload_folder=...)``, accelerate placing layers on the CPU and 
 offloaded layer's weights in as it runs. Its capture is the capture of the model in memory."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -83,15 +84,50 @@ def test_capture_of_a_dispatched_model_equals_the_capture_in_memory(checkpoint, 
         assert torch.equal(model(ids).logits, in_memory(ids).logits)
 
 
+def on_disk(offload_folder) -> list[str]:
+    """Every layer of the reference model on disk (20 KB of CPU memory), read in as it runs."""
+    return ["--device-map", "auto", "--max-memory", "cpu=20KB", "--offload-folder", str(offload_folder)]
+
+
+def floor_of(reference_dir) -> dict:
+    floor = json.loads((reference_dir / "noise_floors.json").read_text())["bfloat16"]
+    return {key: value for key, value in floor.items() if key != "seconds"}
+
+
 def test_cli_capture_with_a_device_map_equals_the_plain_capture(checkpoint, tmp_path, capsys):
     (tmp_path / "prompts.json").write_text(json.dumps(PROMPTS))
     common = ["capture", str(checkpoint), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", str(STEPS),
-              "--components"]
+              "--components", "--noise-floor", "bfloat16"]
     assert cli([*common, "--out", str(tmp_path / "plain")]) == 0
-    assert cli([*common, "--out", str(tmp_path / "dispatched"), "--device-map", "auto", "--max-memory", "cpu=20KB",
-                "--offload-folder", str(tmp_path / "off")]) == 0
+    assert cli([*common, "--out", str(tmp_path / "dispatched"), *on_disk(tmp_path / "off")]) == 0
     assert any((tmp_path / "off").iterdir()), "the fused experts were offloaded to disk"
     same_capture(load_reference(tmp_path / "dispatched"), load_reference(tmp_path / "plain"))
+    assert floor_of(tmp_path / "dispatched") == floor_of(tmp_path / "plain")  # the floor's model dispatched too
+
+
+def test_cli_blame_with_a_dispatched_clean_model_equals_the_plain_blame(checkpoint, tmp_path, capsys):
+    """blame --clean loads the reference model twice, for the noise floor (in bfloat16) and for each
+    on-demand capture: dispatched, it gives the verdict and every figure the model in memory gives."""
+    target = load_checkpoint(checkpoint, torch.float32)
+    with torch.no_grad():
+        target.model.layers[2].self_attn.o_proj.weight.mul_(1.5)  # the planted fault
+    target.save_pretrained(tmp_path / "target")
+    (tmp_path / "prompts.json").write_text(json.dumps(PROMPTS))
+    assert cli(["capture", str(checkpoint), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", str(STEPS),
+                "--out", str(tmp_path / "plain")]) == 0  # routers only: blame captures what it needs
+    shutil.copytree(tmp_path / "plain", tmp_path / "dispatched")  # (each run keeps its captures under its reference)
+    results = {}
+    for run, dispatch in (("plain", []), ("dispatched", on_disk(tmp_path / "off"))):
+        assert cli(["blame", str(tmp_path / "target"), "--reference", str(tmp_path / run), "--dtype", "bfloat16",
+                    "--clean", str(checkpoint), "--report-dir", str(tmp_path / f"blame-{run}"), *dispatch]) == 0
+        results[run] = json.loads((tmp_path / f"blame-{run}" / "blame.json").read_text())
+    assert any((tmp_path / "off").iterdir())
+    plain, dispatched = results["plain"], results["dispatched"]
+    assert plain["captured"] and plain["origins"][0]["component"] == "model.layers.2.self_attn", plain["verdict"]
+    for key in ("verdict", "origins", "ranking", "layer_shares", "captured"):
+        assert dispatched[key] == plain[key], key
+    assert {k: v for k, v in dispatched["noise_floor"].items() if k != "seconds"} == {
+        k: v for k, v in plain["noise_floor"].items() if k != "seconds"}
 
 
 def fails(argv, capsys) -> str:
@@ -123,3 +159,7 @@ def test_cli_device_map_mistakes_are_one_line(checkpoint, tmp_path, capsys, monk
                         "--offload-folder DIR")
     err = fails([*argv[:1], f"builtin:{ARCH}", *argv[2:], "--device-map", "auto"], capsys)
     assert "a builtin model is built in memory; hint: save it with save_pretrained(DIR)" in err
+    for command in ("validate", "blame"):  # they load the reference model from --clean only
+        err = fails([command, str(checkpoint), "--reference", str(tmp_path), "--device-map", "auto"], capsys)
+        assert err == (f"error: --device-map places the reference model, which {command} loads from --clean only (the "
+                       "target loads whole, in --dtype); hint: give the clean model as --clean CKPT, or drop --device-map")
