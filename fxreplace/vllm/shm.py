@@ -40,9 +40,15 @@ def remove_unused(names, shm: Path = SHM) -> list[str]:
 
 def unused(names, shm: Path = SHM) -> list[str]:
     """The segments of ``names`` that no live process maps or holds open, sorted."""
-    leftovers = set(names)
-    if not leftovers:
-        return []
+    users = _users(names, shm)
+    return sorted(name for name in users if not users[name])
+
+
+def _users(names, shm: Path = SHM) -> dict[str, set[int]]:
+    """For each segment of ``names``, the live processes that map it or hold it open."""
+    users: dict[str, set[int]] = {name: set() for name in names}
+    if not users:
+        return users
     inside = f"{shm.resolve()}/"
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -53,8 +59,20 @@ def unused(names, shm: Path = SHM) -> list[str]:
         except OSError:  # gone meanwhile, or another user's (whose segments are not ours to unlink)
             continue
         used += [target for target in map(_link_target, fds) if target.startswith(inside)]
-        leftovers.difference_update(path.removeprefix(inside).removesuffix(" (deleted)") for path in used)
-    return sorted(leftovers)
+        for path in used:
+            name = path.removeprefix(inside).removesuffix(" (deleted)")
+            if name in users:
+                users[name].add(int(proc.name))
+    return users
+
+
+def _in_our_group(pid: int) -> bool:
+    """Whether ``pid`` is in this process's group: the engine's processes stay in it (a Ctrl-C
+    reaches them all), even once the engine core that started the workers is gone."""
+    try:
+        return os.getpgid(pid) == os.getpgrp()
+    except OSError:  # exited meanwhile
+        return False
 
 
 class Cleanup:
@@ -65,16 +83,20 @@ class Cleanup:
         self.shm = shm
         self.before = segments(shm)
 
-    def after_teardown(self, wait_s: float = 10.0) -> list[str]:
-        """The engine's worker processes may still be exiting when its shutdown returns, their
-        segments still mapped: wait (at most ``wait_s``) until the new segments are unused, then
-        remove the unused ones; one still in use then is another live engine's."""
-        deadline = time.monotonic() + wait_s
-        created = segments(self.shm) - self.before
-        while created and len(unused(created, self.shm)) < len(created) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    def after_teardown(self, wait_s: float = 10.0, own_wait_s: float = 120.0) -> list[str]:
+        """The engine's processes may still be exiting when its shutdown returns (an interrupted
+        one on a loaded machine, for tens of seconds), their segments still mapped: wait until the
+        new segments are unused (at most ``own_wait_s`` while a process of this one's group maps
+        one, else ``wait_s``), then remove the unused ones; one still in use then is another live
+        engine's."""
+        started = time.monotonic()
+        while True:
             created = segments(self.shm) - self.before
-        return remove_unused(created, self.shm)
+            users = set().union(*_users(created, self.shm).values()) - {os.getpid()}  # waiting frees no mapping of ours
+            limit = own_wait_s if any(map(_in_our_group, users)) else wait_s
+            if not users or time.monotonic() - started > limit:
+                return remove_unused(created, self.shm)
+            time.sleep(0.1)
 
 
 def _link_target(fd: Path) -> str:

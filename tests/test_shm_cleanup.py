@@ -1,0 +1,50 @@
+"""An engine's shared-memory segments are removed at its teardown, also when its processes take
+longer to exit than a quick shutdown does (an interrupted engine on a loaded machine), while a
+segment another live engine maps is kept (:class:`fxreplace.vllm.shm.Cleanup`)."""
+
+import subprocess
+import sys
+import time
+
+from fxreplace.vllm.shm import Cleanup
+
+HOLD = """
+import mmap, sys, time
+with open(sys.argv[1], "w+b") as f:
+    f.truncate(4096)
+    mapped = mmap.mmap(f.fileno(), 4096)
+print("mapped", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def holding(path, seconds: float, **popen) -> subprocess.Popen:
+    """A process mapping the segment ``path`` for ``seconds``, then exiting without unlinking it (as an engine's do)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path), str(seconds)], stdout=subprocess.PIPE, text=True,
+                            **popen)
+    assert proc.stdout.readline() == "mapped\n"
+    return proc
+
+
+def test_the_engines_slowly_exiting_process_is_waited_for_and_its_segment_removed(tmp_path):
+    cleanup = Cleanup(tmp_path)
+    engine = holding(tmp_path / "psm_engine", 3)  # in this process's group, as the engine's processes are
+    started = time.monotonic()
+    assert cleanup.after_teardown(wait_s=0.5, own_wait_s=60) == ["psm_engine"]
+    assert time.monotonic() - started >= 2 and engine.wait(timeout=10) == 0
+    assert not (tmp_path / "psm_engine").exists()
+
+
+def test_another_live_engines_segment_is_kept(tmp_path):
+    (tmp_path / "psm_before").write_bytes(b"")  # there before this engine: not its to remove
+    cleanup = Cleanup(tmp_path)
+    other = holding(tmp_path / "psm_other", 60, start_new_session=True)  # another command's engine
+    try:
+        (tmp_path / "psm_ours").write_bytes(b"")  # this engine's, unmapped once it exited
+        started = time.monotonic()
+        assert cleanup.after_teardown(wait_s=0.5, own_wait_s=60) == ["psm_ours"]
+        assert time.monotonic() - started < 30  # not the wait for a process of our own
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["psm_before", "psm_other"]
+    finally:
+        other.kill()
+        other.wait()
