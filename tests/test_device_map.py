@@ -89,9 +89,13 @@ def on_disk(offload_folder) -> list[str]:
     return ["--device-map", "auto", "--max-memory", "cpu=20KB", "--offload-folder", str(offload_folder)]
 
 
-def floor_of(reference_dir) -> dict:
-    floor = json.loads((reference_dir / "noise_floors.json").read_text())["bfloat16"]
+def timeless(floor: dict) -> dict:
+    """A noise floor's figures without the seconds it took to measure."""
     return {key: value for key, value in floor.items() if key != "seconds"}
+
+
+def floor_of(reference_dir) -> dict:
+    return timeless(json.loads((reference_dir / "noise_floors.json").read_text())["bfloat16"])
 
 
 def test_cli_capture_with_a_device_map_equals_the_plain_capture(checkpoint, tmp_path, capsys):
@@ -126,8 +130,7 @@ def test_cli_blame_with_a_dispatched_clean_model_equals_the_plain_blame(checkpoi
     assert plain["captured"] and plain["origins"][0]["component"] == "model.layers.2.self_attn", plain["verdict"]
     for key in ("verdict", "origins", "ranking", "layer_shares", "captured"):
         assert dispatched[key] == plain[key], key
-    assert {k: v for k, v in dispatched["noise_floor"].items() if k != "seconds"} == {
-        k: v for k, v in plain["noise_floor"].items() if k != "seconds"}
+    assert timeless(dispatched["noise_floor"]) == timeless(plain["noise_floor"])
 
 
 def fails(argv, capsys) -> str:
