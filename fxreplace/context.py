@@ -29,7 +29,11 @@ class ReplacementContext(Mapping):
     per request at random: in this layout each is one contiguous read of every capture
     name's values (48 x E=128 bf16: 12 KiB), where a name-major layout scatters it into one
     256-byte read per capture name, which the memory's latency bounds at about a third of
-    the speed. ``num_replaced`` counts the mask's True rows as the last build wrote them
+    the speed. Made by hand (``ReplacementContext({name: [num_tokens, E]}, mask)``), the tensors
+    are copied into the same layout, grouped by dtype and row shape: a compiled graph guards on
+    its inputs' strides, and one graph serves hand-made and built contexts alike. Write into a
+    context's own tensors (``ctx[name]``), not into the ones it was made from.
+    ``num_replaced`` counts the mask's True rows as the last build wrote them
     (None for a context made by hand).
     """
 
@@ -39,6 +43,9 @@ class ReplacementContext(Mapping):
                  places: Mapping[str, tuple[int, int]] | None = None):
         if mask.dtype != torch.bool or mask.dim() != 1:
             raise ValueError(f"mask must be a 1-D bool tensor, got {mask.dtype} of shape {tuple(mask.shape)}")
+        for name, value in tensors.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"replacement for {name!r} must be a tensor, got {type(value).__name__}")
         # the tensors of a context built over storage are its groups' blocks: a group's rows are theirs
         shapes = ((f"group {g}", s.shape) for g, s in enumerate(storage)) if storage else (
             (repr(name), t.shape) for name, t in tensors.items())
@@ -47,6 +54,9 @@ class ReplacementContext(Mapping):
                 raise ValueError(f"replacement for {what} has shape {tuple(shape)}; expected "
                                  f"[{mask.shape[0]}, ...] to match the mask")
         self.places = dict(places or {})
+        if not storage and tensors:
+            storage, self.places = _pack(tensors)
+            tensors = {}
         if storage and not tensors:
             columns = [s.unbind(1) for s in storage]
             tensors = {name: columns[g][i] for name, (g, i) in self.places.items()}
@@ -81,6 +91,9 @@ class ReplacementContext(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
+    def __contains__(self, name) -> bool:
+        return name in self.tensors
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
 
@@ -107,6 +120,21 @@ class ReplacementContext(Mapping):
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self.items())
         return f"ReplacementContext({{{shapes}}}, active={int(self.mask.sum())}/{self.num_tokens})"
+
+
+def _pack(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], dict[str, tuple[int, int]]]:
+    """Hand-made tensors copied into the layout a :class:`~fxreplace.TensorReplacer` builds: one
+    position-major ``[num_tokens, names, ...]`` tensor per (dtype, row shape, device), in first-seen
+    order. A compiled graph guards on its inputs' strides, so a context made by hand and one the
+    replacer built must look alike for one graph to serve both."""
+    groups: dict[tuple, list[str]] = {}
+    for name, value in tensors.items():
+        groups.setdefault((value.dtype, tuple(value.shape[1:]), value.device), []).append(name)
+    storage, places = [], {}
+    for g, names in enumerate(groups.values()):
+        storage.append(torch.stack([tensors[n].detach() for n in names], dim=1))
+        places.update({n: (g, i) for i, n in enumerate(names)})
+    return tuple(storage), places
 
 
 def same_device(have: torch.device, want: torch.device | str) -> bool:

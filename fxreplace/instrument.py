@@ -30,8 +30,8 @@ from torch.compiler import is_dynamo_compiling
 from .context import ReplacementContext
 from .injection import Injection, recording, with_element
 from .passes import InjectionSpec, insert_replacements
-from .points import (InjectionPoint, check_adapter_fits, check_output_point_read, computes_linear_output,
-                     locate_injection_point)
+from .points import (InjectionPoint, TargetNotLiveError, check_adapter_fits, check_output_point_read,
+                     computes_linear_output, locate_injection_point, working_point)
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
@@ -65,6 +65,8 @@ class _Slot:
         self.target = target
         self.fed = (None, None, False)  # (values, mask, leading_rows) that a forward without replacements= reads
         self.state = SlotState.IDLE
+        self.unproven = False  # an output[i] that no graph showed read: the next eager forward watches it
+        self.read: bool | None = None  # while watched: whether an op of this forward read it
         self.hold_fed()
         # set by _bind: the module's own forward, its point and Injection, the (shared) generated forward
         self.original = self.passes_self = self.point = self.injection = self.graph_forward = None
@@ -191,7 +193,7 @@ def _output_point_forward(self, *args, **kwargs):
     output = _call_original(self, slot, args, kwargs)
     # (Dynamo may start tracing inside an eager forward: then the Injection decides)
     if (slot.state is SlotState.FED and type(output) is (torch.Tensor if index is None else tuple)
-            and not injection.observers and not is_dynamo_compiling()):
+            and not injection.observers and not slot.unproven and not is_dynamo_compiling()):
         value = output if index is None else output[index]
         if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
             entry = injection.checked.fed_entry(value)
@@ -210,7 +212,41 @@ def _output_point_forward(self, *args, **kwargs):
     if type(value) is not torch.Tensor:
         _check_point_value(value, slot.point.module_name, slot.point.point)
     injected = injection(value, slot.replacement, slot.mask, None, slot.leading_rows)
+    if (slot.unproven and slot.replacement is not None and type(injected) is torch.Tensor
+            and not is_dynamo_compiling() and not recording()):
+        injected = _Watched.watch(injected, slot)
     return _with_injected(output, index, value, injected)
+
+
+class _Watched(torch.Tensor):
+    """A target's output handed on while its slot watches whether any op reads it: the first
+    eager forward through a target that no graph showed read proves it live (or dead) at the
+    cost of one subclass dispatch per op on this one tensor. Ops on it return plain tensors."""
+
+    @staticmethod
+    def watch(value: torch.Tensor, slot: _Slot) -> "_Watched":
+        watched = value.as_subclass(_Watched)
+        watched._fxreplace_watched = slot
+        slot.read = False
+        return watched
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        _mark_read((args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _mark_read(value) -> None:
+    if type(value) is _Watched:
+        value._fxreplace_watched.read = True
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _mark_read(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _mark_read(item)
 
 
 def _with_injected(output, index: int | None, value, injected):
@@ -267,6 +303,7 @@ class Instrumentation:
         self.bound = False  # whether the feed buffers are a context's own tensors (feed(bind=True))
         self.unbound_by_move: str | None = None  # where a move made copies of bound buffers (dtype, device)
         self.forced: dict[str, torch.Tensor] | None = None  # see forcing()
+        self.unproven = [slot for slot in slots if slot.unproven]  # see _check_watched()
 
     def buffer_names(self, i: int) -> tuple[str, str]:
         return f"_fxreplace_feed_{i}", f"_fxreplace_feed_mask_{i}"
@@ -321,18 +358,21 @@ class Instrumentation:
             return
         if not isinstance(replacements, Mapping):
             raise TypeError(f"replacements must be a ReplacementContext or a dict of tensors, got {type(replacements)}")
-        tensors = {name: replacements[name] for name in replacements}
         names = [t.capture_name for t in self.targets]
-        if tensors and not any(name in tensors for name in names):
-            raise KeyError(f"no replacement name {sorted(tensors)} matches a target capture name {names}")
+        is_context = isinstance(replacements, ReplacementContext)
+        # A context is read by target name only: a compiled graph guards on what it reads, and
+        # iterating would make it guard on the order in which the context lists its names.
+        tensors = ({name: replacements[name] for name in names if name in replacements} if is_context
+                   else {name: replacements[name] for name in replacements})
+        if (len(replacements) if is_context else tensors) and not any(name in tensors for name in names):
+            raise KeyError(f"no replacement name {sorted(replacements)} matches a target capture name {names}")
         # A context may carry more capture names than this model instruments (e.g. one layer
         # of a full reference); names typed into a dict must each name a target.
-        unknown = [] if isinstance(replacements, ReplacementContext) else [n for n in tensors if n not in names]
+        unknown = [] if is_context else [n for n in tensors if n not in names]
         if unknown:
             close = {n: closest_names(n, names, n=2) for n in unknown}
             raise KeyError(f"replacement name(s) {unknown} match no target; close capture names: {close}; "
                            f"all capture names: {names}")
-        is_context = isinstance(replacements, ReplacementContext)
         self.overridden = True
         for slot, name in zip(self.slots, names):
             value = tensors.get(name)
@@ -343,6 +383,36 @@ class Instrumentation:
             if mask is None:
                 mask = torch.ones(value.shape[0], dtype=torch.bool, device=value.device)
             slot.arm(value, mask)
+
+    @contextmanager
+    def proving(self):
+        """While :func:`~fxreplace.liveness.check_live` runs, its forwards decide, not the watch:
+        the targets it passes are proven live, the others stay watched."""
+        watched, self.unproven = self.unproven, []
+        for slot in watched:
+            slot.unproven = False
+        try:
+            yield
+        except BaseException:
+            for slot in watched:
+                slot.unproven = True
+            self.unproven = watched
+            raise
+
+    def _check_watched(self, model: nn.Module) -> None:
+        """The targets this forward watched (see :class:`_Watched`): read ones are proven live
+        and no longer watched; one that no op read is dead, an error naming the point that works."""
+        dead = [slot for slot in self.unproven if slot.read is False]
+        for slot in self.unproven:
+            slot.unproven, slot.read = slot.read is not True and slot.unproven, None
+        self.unproven = [slot for slot in self.unproven if slot.unproven]
+        if dead:
+            self.reset()
+            first = dead[0].target
+            raise TargetNotLiveError(
+                f"replacing {', '.join(f'{s.target.module_name!r} (point {s.target.point!r})' for s in dead)} changes "
+                f"nothing: this forward never read what the target returns there (its caller could not be traced to "
+                f"check this at instrument time); {working_point(model.get_submodule(first.module_name), first.point)}")
 
     def reset(self) -> list[str]:
         """Back to idle (the slots holding the fed buffers again); returns the targets armed
@@ -359,6 +429,8 @@ class Instrumentation:
 
     def finish(self, model: nn.Module) -> None:
         """:meth:`reset` after a forward that returned; every armed target must have been reached."""
+        if self.unproven:
+            self._check_watched(model)
         for slot in self.slots:
             if slot.state is not SlotState.TAKEN:
                 break
@@ -493,9 +565,11 @@ class InstrumentedModel:
         for i, name in enumerate(names):
             values_name, mask_name = state.buffer_names(i)
             value = tensors.get(name)
-            if not state.fed:
-                self.register_buffer(values_name, value.new_zeros(state.max_tokens, *value.shape[1:]), persistent=False)
-                self.register_buffer(mask_name, torch.zeros(state.max_tokens, dtype=torch.bool, device=value.device),
+            if not state.fed:  # where the target computes, whatever device the context was built on
+                device = _computes_on(self.get_submodule(state.targets[i].module_name)) or value.device
+                self.register_buffer(values_name, value.new_zeros(state.max_tokens, *value.shape[1:], device=device),
+                                     persistent=False)
+                self.register_buffer(mask_name, torch.zeros(state.max_tokens, dtype=torch.bool, device=device),
                                      persistent=False)
             values_buf, mask_buf = getattr(self, values_name), getattr(self, mask_name)
             mask_buf.fill_(False)
@@ -520,6 +594,18 @@ class InstrumentedModel:
         """Turn fed replacement off (mask all False); the same graph keeps running."""
         for _, mask in self._fxreplace.fed:
             mask.fill_(False)
+
+
+def _computes_on(module: nn.Module) -> torch.device | None:
+    """The device of a module's first parameter or buffer (None when it has none, or when its
+    weights are offloaded and only accelerate's hook knows where it runs)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+        hook = getattr(module, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        return torch.device(device) if device is not None else None
+    return None
 
 
 _instrumented_classes: dict[type, type] = {}
@@ -559,12 +645,13 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
     points, injections, slots = [], [], []
     for target in resolved:
         module = model.get_submodule(target.module_name)
-        check_output_point_read(model, target.module_name, target.point)
+        proven = check_output_point_read(model, target.module_name, target.point)
         point = locate_injection_point(module, target.module_name, target.point)
         injection = Injection(target.module_name, module, target.adapter, target.shard)
         check_adapter_fits(target.module_name, target.point, target.adapter,
                            lambda: computes_linear_output(module, point))
         slot = _Slot(target)
+        slot.unproven = not proven
         points.append(point)
         injections.append(injection)
         slots.append(slot)

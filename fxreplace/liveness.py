@@ -4,7 +4,8 @@
 its caller never reads, :func:`~fxreplace.points.check_output_point_read`). What no graph
 decides (a caller that cannot be traced, a value read but then dropped) :func:`check_live`
 decides by running the model: one forward per target with a random replacement at that
-target alone, which must move the model's output.
+target alone, which must move the model's output. Without that call, the first eager forward
+that replaces an ``output[i]`` no graph decided watches whether any op reads it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def check_live(model: torch.nn.Module, run: Run, *, seed: int = 0) -> dict[str, 
     """
     if not isinstance(model, InstrumentedModel):
         raise ValueError("check_live() needs an instrumented model")
+    with model._fxreplace.proving():
+        return _check_live(model, run, seed)
+
+
+def _check_live(model: InstrumentedModel, run: Run, seed: int) -> dict[str, float]:
     state = model._fxreplace
     computed: dict[str, torch.Tensor] = {}
 

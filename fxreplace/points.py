@@ -199,29 +199,30 @@ class _KeepLeaf(fx.Tracer):
         return module is self.leaf or super().is_leaf_module(module, qualified_name)
 
 
-def check_output_point_read(model: nn.Module, module_name: str, point: Point) -> None:
+def check_output_point_read(model: nn.Module, module_name: str, point: Point) -> bool:
     """Refuse ``output[i]`` of a module whose caller never reads element ``i`` (e.g. NxD's
     ``RouterTopK``, whose MoE block reads only the affinities and ids it computes from its
-    internal logits). Decided from the parent module traced alone with the target kept whole;
-    a parent that cannot be traced, or that does not call the target, decides nothing (the
-    run-time check :func:`fxreplace.liveness.check_live` covers those)."""
+    internal logits). Decided from the parent module traced alone with the target kept whole.
+    Returns False when nothing was decided (a parent that cannot be traced, or that does not
+    call the target): the first forward that reaches the target then watches whether element
+    ``i`` is read (see :mod:`fxreplace.instrument`)."""
     is_output, index = parse_output_point(point)
     parent_name, _, child = module_name.rpartition(".")
     if not is_output or index is None or not child:
-        return
+        return True
     parent, module = model.get_submodule(parent_name), model.get_submodule(module_name)
     try:
         graph = _KeepLeaf(module).trace(parent)
     except Exception:
-        return
+        return False
     calls = [n for n in graph.nodes if n.op == "call_module" and n.target == child]
     if not calls:
-        return
+        return False
     for call in calls:
         for user in call.users:
             is_element = user.op == "call_function" and user.target is operator.getitem and len(user.args) == 2
             if not is_element or user.args[1] == index and user.users:
-                return  # the whole output is passed on, or element i is read
+                return True  # the whole output is passed on, or element i is read
     raise TargetNotLiveError(
         f"target {module_name!r}, point {point!r}: its caller {parent_name!r} never reads {point} (it reads "
         f"{_read_elements(calls) or 'none of its outputs'}), so a replacement there changes nothing downstream; "

@@ -57,6 +57,15 @@ def random_context(names, num_experts, tokens=TOKENS, seed=0, scale=3.0, mask=No
     return ReplacementContext(tensors, mask)
 
 
+def contiguous_context(names, num_experts, tokens=TOKENS, seed=0):
+    """random_context's values, each name in a group of its own (``from_storage``), so every
+    tensor is contiguous: what an eager bound feed hands on without a copy. A hand-made context
+    packs its names into one position-major group per width, like the replacer's."""
+    ctx = random_context(names, num_experts, tokens, seed)
+    return ReplacementContext.from_storage(tuple(ctx[n][:, None].clone() for n in names), ctx.mask,
+                                           {n: (g, 0) for g, n in enumerate(names)})
+
+
 def off_context(names, num_experts, tokens=TOKENS):
     return ReplacementContext({n: torch.zeros(tokens, num_experts) for n in names},
                               torch.zeros(tokens, dtype=torch.bool))

@@ -13,7 +13,7 @@ from fxreplace.context import ReplacementContext
 from fxreplace.instrument import TargetNotHitError, instrument
 from fxreplace.sharding import ShapeError
 from fxreplace.targets import Target, TargetError
-from graph_helpers import TOKENS, OverrideLinear, input_ids, off_context, random_context
+from graph_helpers import TOKENS, OverrideLinear, contiguous_context, input_ids, off_context, random_context
 
 ARCH = "Qwen3MoeForCausalLM"
 GATES = ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
@@ -323,7 +323,8 @@ def test_eager_bound_feed_reads_rows_without_a_kernel(plain):
     value, a mixed one selects per row; each forward reads the buffers' current contents.
     A copying feed() never hands its buffers out."""
     fed = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
-    bound = random_context(GATES, E, tokens=16, seed=3)
+    bound = contiguous_context(GATES, E, tokens=16, seed=3)
+    assert all(bound[n].is_contiguous() for n in GATES)
     fed.feed(bound, bind=True)
     seen = {}
     hooks = [fed.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: seen.__setitem__(n, out))
@@ -508,7 +509,7 @@ def test_output_points_of_a_bound_feed_read_the_fed_rows(mask):
     names = ["pair", "plain"]
     fed = instrument(copy.deepcopy(model), [Target("pair", point="output[0]"), Target("plain", point="output")],
                      max_tokens=16)
-    bound = random_context(names, E, tokens=16, seed=3)
+    bound = contiguous_context(names, E, tokens=16, seed=3)
     fed.feed(bound, bind=True)
     seen = {}
     for name in names:
@@ -540,3 +541,57 @@ def test_output_points_of_a_bound_feed_read_the_fed_rows(mask):
                      seen["plain"].data_ptr() == bound["plain"].data_ptr()]
         assert handed_on == [mask == "all" and step >= 2] * 2  # the first call of each size is checked in full
     assert observed == [("pair", 9), ("plain", 9)]
+
+
+class _Gate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, E)
+
+    def forward(self, x):
+        logits = self.linear(x)
+        return logits, logits.softmax(-1)
+
+
+class _Untraceable(torch.nn.Module):
+    """A parent whose forward branches on a value (fx cannot trace it alone), reading its gate's
+    ``output[0]`` or, with ``reads_logits=False``, only ``output[1]``."""
+
+    def __init__(self, reads_logits: bool):
+        super().__init__()
+        self.gate = _Gate()
+        self.reads_logits = reads_logits
+
+    def forward(self, x):
+        logits, probs = self.gate(x)
+        if x.sum() > -1e9:  # data-dependent control flow
+            return logits * 2 if self.reads_logits else probs
+        return probs
+
+
+@pytest.mark.parametrize("reads_logits", [True, False])
+def test_first_replaced_forward_proves_a_point_no_graph_decides(reads_logits):
+    """instrument() cannot trace the caller, so output[0] is watched on the first forward that has a
+    replacement: read, it is proven (and never watched again); dropped, the forward says so and
+    names the point that works. A forward with nothing fed proves nothing."""
+    from fxreplace import TargetNotLiveError
+
+    torch.manual_seed(0)
+    model = instrument(_Untraceable(reads_logits), [Target("gate", point="output[0]")], max_tokens=8)
+    slot = model._fxreplace.slots[0]
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        plain = model(x)
+        assert slot.unproven
+        values = torch.randn(8, E)
+        model.feed(ReplacementContext({"gate": values}, torch.ones(8, dtype=torch.bool)))
+        if not reads_logits:
+            with pytest.raises(TargetNotLiveError, match=r"replacing 'gate' \(point 'output\[0\]'\) changes nothing.*"
+                                                         r"point='auto'"):
+                model(x)
+            assert slot.unproven and model._fxreplace.slots[0].state.value == "idle"
+            return
+        out = model(x)
+        assert type(out) is torch.Tensor and torch.equal(out, values[:4] * 2) and not torch.equal(out, plain)
+        assert not slot.unproven and not model._fxreplace.unproven
+        assert torch.equal(model(x), values[:4] * 2)

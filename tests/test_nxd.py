@@ -127,20 +127,26 @@ def test_router_output0_is_refused_at_instrument_time_and_auto_passes(hf):
 
 def test_liveness_check_flags_output0_where_no_graph_decides(hf):
     """With the fused kernel configured, NxD's MoE branches on the step's length, so it cannot be
-    traced alone and instrument() cannot see that output[0] is dropped: the run-time check can."""
+    traced alone and instrument() cannot see that output[0] is dropped: the first fed forward
+    (through NxDI's application, no explicit call) and check_live() both say so."""
     app = stand_in(hf, moe_fused_nki_kernel_enabled=True)
     model = instrument(app.model, [Target(NXD_ROUTER, point="output[0]")], max_tokens=app.max_tokens)
+    run = lambda: app.forward(*context_step(app))  # noqa: E731
+    before = run()  # nothing fed: nothing to prove
     model.feed(ReplacementContext({n: torch.ones(app.max_tokens, 8) for n in ("layers.0.mlp.router", "layers.1.mlp.router")},
                                   torch.ones(app.max_tokens, dtype=torch.bool)))
     fed = [values.clone() for values, _ in model._fxreplace.fed]
-    run = lambda: app.forward(*context_step(app))  # noqa: E731
-    before = run()
-    with pytest.raises(TargetNotLiveError, match=r"'layers\.0\.mlp\.router' \(point 'output\[0\]'\), "
-                                                 r"'layers\.1\.mlp\.router' \(point 'output\[0\]'\).*point='auto'"):
+    dead = r"'layers\.0\.mlp\.router' \(point 'output\[0\]'\), 'layers\.1\.mlp\.router' \(point 'output\[0\]'\).*point='auto'"
+    with pytest.raises(TargetNotLiveError, match=r"replacing " + dead):
+        run()
+    with pytest.raises(TargetNotLiveError, match=dead):
         check_live(model, run)
     assert all(torch.equal(a, b) for a, (b, _) in zip(fed, model._fxreplace.fed))  # the feed is left as it was
-    assert torch.equal(run(), before)
+    model.clear()
+    with pytest.raises(TargetNotLiveError, match=dead):  # still dead, whatever the mask
+        run()
     uninstrument(model)
+    assert torch.equal(run(), before)
     assert min(check_live(instrument(app.model, nxd_targets(HF_ARCH)), run).values()) > 0
 
 

@@ -1,5 +1,5 @@
 """instrument()'s core promise, the way engines exercise it: one compiled graph for every
-context an engine produces, in any order. An engine compiles with an all-off warm-up
+context an engine produces, in any order, and for contexts made by hand. An engine compiles with an all-off warm-up
 context, then alternates built contexts (fresh, into ``out=``, into ``leading()`` views of
 a bound max-size feed, with partial masks and new values) with more all-off ones (padding
 batches, dummy runs); a context that changed when read, or two kinds of context that look
@@ -70,6 +70,13 @@ def _ids(seed):
     return torch.randint(0, 128, (1, TOKENS), generator=torch.Generator().manual_seed(seed))
 
 
+def _hand_made(replacer):
+    """A context made with the public constructor, its names in another order than the store's."""
+    built = replacer.build_context(["a"], list(range(2, 2 + TOKENS)), is_prefill=True)
+    names = list(reversed(replacer.capture_names))
+    return fxreplace.ReplacementContext({n: built[n].clone() for n in names}, torch.arange(TOKENS) % 3 != 1)
+
+
 def _engine_contexts(replacer):
     """What an engine hands the model, in an engine's order: warm-up (all off), fresh
     builds, builds into out= and into leading() views of a max-size feed, a partial mask,
@@ -83,6 +90,7 @@ def _engine_contexts(replacer):
     yield replacer.build_context(["a"], list(range(4, 4 + TOKENS)), is_prefill=True, out=out)  # new values
     yield replacer.build_context_for_batch(["a", "b"], [4, 4], [0, 1, 2, 3, 2, 3, 4, 5], out=feed.leading(TOKENS))
     yield replacer.warmup_context(TOKENS)
+    yield _hand_made(replacer)
     yield out
     yield replacer.build_context_for_batch(["b", "a"], [3, 3], [3, 4, 5, 9, 10, 11, 0, 0], out=feed.leading(TOKENS))
 

@@ -114,6 +114,29 @@ def test_static_feed_buffers_no_compilation_after_warm_up(xla):
     assert added == 0
 
 
+def test_feed_and_move_in_any_order(xla):
+    """Engines feed and move in their own order: instrument, move, feed a context built on the host
+    (the first feed creates the buffers where the targets compute); feed, move, feed again; move
+    back and forth. Every forward gives the oracle's logits for the context fed last."""
+    device, tokens = xla.device(), 8
+    model = instrument(families.tiny_model(ARCH), TARGETS, max_tokens=16)
+    states = contexts(model.targets, tokens)
+
+    def logits(on):
+        return step(xla, lambda: model(input_ids(tokens).to(on))) if on != "cpu" else model(input_ids(tokens)).detach()
+
+    model.to(device)
+    model.feed(states["on"])  # built on the host, fed after the move
+    torch.testing.assert_close(logits(device), oracle(states["on"], tokens), rtol=1e-5, atol=1e-5)
+    model.feed(states["new"])
+    model.to("cpu")  # the buffers follow the model
+    torch.testing.assert_close(logits("cpu"), oracle(states["new"], tokens), rtol=1e-5, atol=1e-5)
+    model.to(device)
+    torch.testing.assert_close(logits(device), oracle(states["new"], tokens), rtol=1e-5, atol=1e-5)
+    model.feed(states["off"].to(device))
+    torch.testing.assert_close(logits(device), oracle(states["off"], tokens), rtol=1e-5, atol=1e-5)
+
+
 def test_rank_tensor_one_graph_for_both_ranks(xla):
     """Sequence parallel over 2 ranks: each rank's model sees its half of the
     tokens and slices its rows of the full context by a rank tensor, so the
