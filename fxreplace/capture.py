@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 import torch
 
 from .components import resolve_components
+from .devices import input_device
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .reference import Reference, load_reference
 from .store import StoreWriter
@@ -187,18 +188,6 @@ def _generate(model, names: list[str], prompts: list[list[int]], max_new_tokens:
                 out = model(input_ids=torch.tensor([[generated[-1]]], device=device),
                             past_key_values=out.past_key_values, use_cache=True)
         yield steps, generated, torch.stack(step_logits)
-
-
-def input_device(model: torch.nn.Module) -> torch.device:
-    """Where a forward's inputs go: the device of the model's first module. A model loaded with
-    ``from_pretrained(device_map=...)`` names it first in ``hf_device_map`` (where transformers'
-    pipelines put inputs too); its parameters may be on the meta device, offloaded. A module
-    offloaded to the CPU or disk takes them on the CPU: accelerate's hooks move them to where it runs."""
-    device_map = getattr(model, "hf_device_map", None)
-    if device_map:
-        first = next(iter(device_map.values()))
-        return torch.device("cpu" if first in ("cpu", "disk") else first)
-    return next(model.parameters()).device
 
 
 def _metadata(model, names: list[str], max_new_tokens: int, texts: list, found: list) -> dict:

@@ -104,11 +104,11 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}", None if "hint:" in message else f"see `{self.prog} --help`")
 
 
-def load_model(spec: str, dtype=None, dispatch: dict | None = None):
+def load_model(spec: str, dtype=None, dispatch: dict | None = None, device: str | None = None):
     """``builtin:ARCH`` (a tiny random model from fxreplace.models) or a local HF directory
     (sharded or not), in ``dtype`` (default fp32): loaded in it, never converted from a copy,
     each weight in memory once, or placed across devices, the CPU and disk by ``dispatch``
-    (:func:`fxreplace.checkpoint.load_checkpoint`)."""
+    (:func:`fxreplace.checkpoint.load_checkpoint`); else moved to ``device`` (``--device``)."""
     import torch
 
     from .checkpoint import load_checkpoint
@@ -120,14 +120,36 @@ def load_model(spec: str, dtype=None, dispatch: dict | None = None):
                              "in memory", "save it with save_pretrained(DIR) and capture DIR")
         from fxreplace.models import tiny_model
 
-        return tiny_model(spec.removeprefix("builtin:")).to(dtype)
+        return tiny_model(spec.removeprefix("builtin:")).to(dtype).to(device or "cpu")
     check_model_dir(spec)
     try:
-        return load_checkpoint(spec, dtype, dispatch)
+        model = load_checkpoint(spec, dtype, dispatch)
     except (OSError, ValueError, KeyError) as e:
         hint = ("--max-memory DEVICE=SIZE,... bounds each device; the layers that do not fit go to --offload-folder DIR"
                 if dispatch else "a checkpoint directory holds config.json and its weights (save_pretrained)")
         raise UsageError(f"cannot load the model in {spec}: {one_line(e)}", hint) from None
+    return model if dispatch or device is None else model.to(device)
+
+
+def device_arg(text: str) -> str:
+    """``--device``: a torch device this machine has (checked before anything loads)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device ({one_line(e)}); e.g. cpu, cuda, cuda:1") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA device torch {torch.__version__} can use")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def add_device_argument(parser) -> None:
+    parser.add_argument("--device", type=device_arg, metavar="DEVICE",
+                        help="where the models run, e.g. cuda or cuda:1 (default: where they load, the CPU); a reference "
+                             "larger than one device: --device-map auto")
 
 
 def device_map_arg(text: str) -> str:
@@ -424,7 +446,8 @@ def _demo(args) -> int:
 
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: f"{folder_state(args.report_dir, '--report-dir')}; rerun `fxreplace demo`"
-    run_demo(DemoConfig(prompts=args.prompts, new_tokens=args.new_tokens, compile=not args.eager, report_dir=args.report_dir))
+    run_demo(DemoConfig(prompts=args.prompts, new_tokens=args.new_tokens, compile=not args.eager, report_dir=args.report_dir,
+                        device=args.device or "cpu"))
     return 0
 
 
@@ -445,7 +468,7 @@ def _capture(args) -> int:
     ids, texts = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)
     components = _components(args.component) if args.component else None
     check_capture_out(args.out, replace=True)
-    model = load_model(args.model, dispatch=dispatch)
+    model = load_model(args.model, dispatch=dispatch, device=args.device)
     prompts = checked_ids(ids, model.config.vocab_size, args.prompts)
     targets = args.target or _capture_targets(args, model, components)
     if args.components and not args.component:
@@ -486,7 +509,7 @@ def _capture(args) -> int:
 
         reference = load_reference(args.out)
         del model  # the floor's model is loaded in its dtype, as validate and blame load the target
-        floor = measure_floor(load_model(args.model, torch_dtype(args.noise_floor), dispatch), reference,
+        floor = measure_floor(load_model(args.model, torch_dtype(args.noise_floor), dispatch, args.device), reference,
                               torch_dtype(args.noise_floor), progress=True)
         save_floor(floor, args.out)
     print(f"captured {reference.num_prompts} prompts x {args.max_new_tokens} tokens at {len(reference.store.capture_names)} targets -> {args.out}")
@@ -632,7 +655,7 @@ def _noise_floor(args, reference):
         return floor
     if getattr(args, "clean", None):
         check_reference_matches(reference, args.reference, args.clean, model_architecture(args.clean))
-        clean = load_model(args.clean, torch_dtype(args.dtype), dispatch_args(args))  # in the dtype, as the target is
+        clean = load_model(args.clean, torch_dtype(args.dtype), dispatch_args(args), args.device)  # in the dtype, as the target is
         _check_vocab(reference, args.clean, clean.config.vocab_size)
         print(f"noise floor: {args.clean} in {args.dtype} against the reference")
         return measure_floor(clean, reference, torch_dtype(args.dtype), progress=True)
@@ -681,7 +704,7 @@ def _validate(args) -> int:
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: f"no report written ({folder_state(args.report_dir, '--report-dir')})"
     dtype = torch_dtype(args.dtype)
-    model = load_model(args.model, dtype)
+    model = load_model(args.model, dtype, device=args.device)
     check_reference_matches(reference, args.reference, args.model, architecture(model.config, type(model).__name__))
     check_layer_count(reference, args.reference, args.model, getattr(model.config, "num_hidden_layers", None))
     _check_vocab(reference, args.model, model.config.vocab_size)
@@ -856,7 +879,7 @@ def _blame(args) -> int:
         else:
             dtype = torch_dtype(args.dtype)
             floor = _noise_floor(args, reference)  # the clean model, if measured, is gone before the target loads
-            model = load_model(args.model, dtype)  # blame() checks it and the clean model against the reference
+            model = load_model(args.model, dtype, device=args.device)  # blame() checks it and the clean model against the reference
             check_layer_count(reference, args.reference, args.model, getattr(model.config, "num_hidden_layers", None))
             clean = None
             if args.clean:
@@ -864,7 +887,7 @@ def _blame(args) -> int:
 
                 def clean():
                     """The clean model, loaded for each capture only: blame holds the target's weights alone."""
-                    loaded = load_model(args.clean, dispatch=dispatch_args(args))
+                    loaded = load_model(args.clean, dispatch=dispatch_args(args), device=args.device)
                     _check_vocab(reference, args.clean, loaded.config.vocab_size)
                     return loaded
             result = blame(model, args.reference, clean=clean,
@@ -919,7 +942,7 @@ def _repro_write(args) -> int:
         component = args.component or blamed_component(args.blame)
     except (OSError, ValueError) as e:
         raise UsageError(f"--blame {args.blame}: {e}", "give the blame.json `fxreplace blame` wrote") from None
-    target, clean = load_model(args.model), load_model(args.clean)
+    target, clean = load_model(args.model, device=args.device), load_model(args.clean, device=args.device)
     dtype = torch_dtype(args.dtype)
     chosen = f"--blame {args.blame}" if not args.component else f"--component {args.component}"
     command = (f"fxreplace repro write {args.model} --reference {args.reference} --clean {args.clean} {chosen} "
@@ -1065,6 +1088,7 @@ def build_parser() -> Parser:
     demo.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated per prompt")
     demo.add_argument("--eager", action="store_true", help="do not torch.compile the target")
     demo.add_argument("--report-dir", default="fxreplace-report", help="folder for report.html and blame.html")
+    add_device_argument(demo)
     demo.set_defaults(func=_demo)
 
     capture = command("capture", "capture reference tensors and logits from an HF model")
@@ -1093,6 +1117,7 @@ def build_parser() -> Parser:
     capture.add_argument("--eager", action="store_true", help="--engine vllm: enforce eager mode (no vLLM compile)")
     capture.add_argument("--engine-args", default="{}",
                          help='--engine vllm: JSON of vllm.LLM arguments, e.g. \'{"tensor_parallel_size": 2}\'')
+    add_device_argument(capture)
     capture.set_defaults(func=_capture)
 
     validate = command("validate", "teacher-forced logit validation of a target against a reference")
@@ -1125,6 +1150,7 @@ def build_parser() -> Parser:
                                "of every measure); the verdict says so")
     validate.add_argument("--junit", type=junit_path, metavar="FILE",
                           help="write JUnit XML: one test case per prompt, failed by --fail-on")
+    add_device_argument(validate)
     validate.set_defaults(func=_validate)
 
     blame = command("blame", "find every component that explains the divergence (split over the layers' streams, "
@@ -1160,6 +1186,7 @@ def build_parser() -> Parser:
     blame.add_argument("--junit", type=junit_path, metavar="FILE",
                        help="write JUnit XML: one test case per ranked component, failed when it accounts for a share "
                             "of the divergence")
+    add_device_argument(blame)
     blame.set_defaults(func=_blame)
 
     repro = command("repro", "the blamed component alone, as a ticket for the compiler team: write its folder "
@@ -1177,6 +1204,7 @@ def build_parser() -> Parser:
     write.add_argument("--inputs", type=positive_int, default=4,
                        help="calls kept: the prompts where the target's component departs most from the reference's")
     write.add_argument("--out", required=True, help="the repro folder to write")
+    add_device_argument(write)
     write.set_defaults(func=_repro_write)
     run = steps.add_parser("run", help="run a repro folder under a backend: the port or the compiler?",
                            parents=[common], formatter_class=DefaultsFormatter)

@@ -48,6 +48,7 @@ class DemoConfig:
     compile: bool = True
     report_dir: str = "fxreplace-report"
     blame_prompts: int = 2  # the blame search's prompts (each of its passes validates them all)
+    device: str = "cpu"  # where the reference and the target run (e.g. "cuda")
 
 
 def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> ValidationResult:
@@ -63,7 +64,7 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
     started = time.perf_counter()
     family = get_family(cfg.architecture)
     reference_model = tiny_model(cfg.architecture, seed=cfg.seed, init_std=cfg.init_std, num_hidden_layers=cfg.layers,
-                                 num_experts=cfg.experts)
+                                 num_experts=cfg.experts).to(cfg.device)
     config = reference_model.config
     generator = torch.Generator().manual_seed(cfg.seed)
     prompts = [

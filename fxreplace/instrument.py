@@ -28,6 +28,7 @@ from torch import nn
 from torch.compiler import is_dynamo_compiling
 
 from .context import ReplacementContext
+from .devices import computes_on
 from .injection import Injection, recording, with_element
 from .passes import InjectionSpec, insert_replacements
 from .points import (InjectionPoint, TargetNotLiveError, check_adapter_fits, check_output_point_read,
@@ -566,7 +567,7 @@ class InstrumentedModel:
             values_name, mask_name = state.buffer_names(i)
             value = tensors.get(name)
             if not state.fed:  # where the target computes, whatever device the context was built on
-                device = _computes_on(self.get_submodule(state.targets[i].module_name)) or value.device
+                device = computes_on(self.get_submodule(state.targets[i].module_name)) or value.device
                 self.register_buffer(values_name, value.new_zeros(state.max_tokens, *value.shape[1:], device=device),
                                      persistent=False)
                 self.register_buffer(mask_name, torch.zeros(state.max_tokens, dtype=torch.bool, device=device),
@@ -594,18 +595,6 @@ class InstrumentedModel:
         """Turn fed replacement off (mask all False); the same graph keeps running."""
         for _, mask in self._fxreplace.fed:
             mask.fill_(False)
-
-
-def _computes_on(module: nn.Module) -> torch.device | None:
-    """The device of a module's first parameter or buffer (None when it has none, or when its
-    weights are offloaded and only accelerate's hook knows where it runs)."""
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.device.type != "meta":
-            return tensor.device
-        hook = getattr(module, "_hf_hook", None)
-        device = getattr(hook, "execution_device", None)
-        return torch.device(device) if device is not None else None
-    return None
 
 
 _instrumented_classes: dict[type, type] = {}

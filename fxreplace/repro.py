@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from . import repro_run
 from .components import Component, layer_of, resolve_components
+from .devices import input_device
 from .targets import Target, TargetLike, resolve_targets
 
 #: Relative error a component may show against the reference, by the target's dtype: rounding
@@ -111,7 +112,7 @@ def capture_calls(model: nn.Module, module_name: str, sequences: Sequence[Sequen
 
     hooks = [module.register_forward_pre_hook(before, with_kwargs=True),
              module.register_forward_hook(after, with_kwargs=True)]
-    device = next(model.parameters()).device
+    device = input_device(model)
     try:
         for prompt, ids in enumerate(sequences):
             model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False)
@@ -128,7 +129,7 @@ def capture_calls(model: nn.Module, module_name: str, sequences: Sequence[Sequen
 
 
 def _detach(x):
-    return x.detach().clone() if isinstance(x, torch.Tensor) else x
+    return x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x  # a repro folder is device-neutral
 
 
 class _Positional(nn.Module):

@@ -33,6 +33,7 @@ from typing import Callable, Collection, Sequence
 import torch
 from transformers import StaticCache
 
+from .devices import input_device
 from .instrument import observe
 from .config import ReplacementConfig
 from .context import PerRequest
@@ -147,7 +148,8 @@ class Runner:
 
     def __init__(self, model: Callable, config, replacer: TensorReplacer | ReplacementConfig | None = None,
                  runner_config: RunnerConfig | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", observed: torch.nn.Module | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 observed: torch.nn.Module | None = None,
                  compile: str | None = None):
         weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None) if isinstance(
             model, torch.nn.Module) else None
@@ -171,7 +173,9 @@ class Runner:
         self.replacer = TensorReplacer.from_config(replacer) if isinstance(replacer, ReplacementConfig) else replacer
         self.cfg = runner_config or RunnerConfig()
         self.dtype = dtype
-        self.device = torch.device(device)
+        # where the model's inputs, caches and contexts go: by default where the model is
+        self.device = torch.device(device) if device is not None else (
+            input_device(model) if isinstance(model, torch.nn.Module) else torch.device("cpu"))
         self._caches: dict[tuple[str, int], StaticCache] = {}
         self._ids = itertools.count()
         self.forwards = 0
@@ -257,7 +261,7 @@ class Runner:
                 logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx)
                 # the host reads each step once for all requests (a wave holds a blame round's copies); the
                 # rows kept are the requests' only, not the padding's
-                picks, kept = logits.argmax(-1).tolist(), logits[: len(gens)].to(torch.float32, copy=True)
+                picks, kept = logits.argmax(-1).tolist(), logits[: len(gens)].to("cpu", torch.float32, copy=True)
                 for row, g in enumerate(gens):
                     chosen = picks[row]
                     accepted = k if forced is not None else 0  # forced reads are the reference's: all kept
@@ -307,12 +311,12 @@ class Runner:
                 g.observed.setdefault(name, {}).update(zip(range(n), values[r * bucket : r * bucket + n]))
             row = logits[r, r if keep is not None else n - 1]
             g.tokens.append(int(row.argmax()))
-            g.logits.append(row.float().clone())
+            g.logits.append(row.to("cpu", torch.float32, copy=True))
         # each prompt right-aligned to W in its row of the batch cache, all rows in one gather per layer:
         # slot j reads prompt position j - (W - n); the slots before the prompt read position 0 and stay
         # masked off (not valid)
         lengths = torch.tensor([len(g.prompt) for g in gens])
-        source = (torch.arange(write) - write + lengths[:, None]).clamp(min=0)  # [requests, W]
+        source = (torch.arange(write) - write + lengths[:, None]).clamp(min=0).to(self.device)  # [requests, W]
         mine = slice(first_row, first_row + len(gens))
         for src, dst in zip(cache.layers, batch_cache.layers):
             index = source[:, None, :, None].expand(-1, src.keys.shape[1], -1, src.keys.shape[3])

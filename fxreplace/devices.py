@@ -1,0 +1,32 @@
+"""Where a model or module runs: the one place fxreplace decides where tensors it makes go."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where a forward's inputs go: the device of the model's first module. A model loaded with
+    ``from_pretrained(device_map=...)`` names it first in ``hf_device_map`` (where transformers'
+    pipelines put inputs too); its parameters may be on the meta device, offloaded. A module
+    offloaded to the CPU or disk takes them on the CPU: accelerate's hooks move them to where it runs."""
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        first = next(iter(device_map.values()))
+        return torch.device("cpu" if first in ("cpu", "disk") else first)
+    return next(model.parameters()).device
+
+
+def computes_on(module: nn.Module) -> torch.device | None:
+    """The device of a module's first parameter or buffer (None when it has none, or when its
+    weights are offloaded and only accelerate's hook knows where it runs)."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+        hook = getattr(module, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        return torch.device(device) if device is not None else None
+    return None
