@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from .metrics import times
+from .store.format import FLOOR_FILE
 
 #: A divergence up to this multiple of the floor (in every measure) is precision noise: the
 #: target's rounding is not the reference's cast, and compiled kernels round differently, so
@@ -138,9 +139,6 @@ def check_reference_precision(reference, allow: bool = False, option: str = "all
             "so 'no divergence' here is no all-clear")
 
 
-#: The file in a reference directory that holds its noise floors, by dtype, each with its own metadata
-#: (the store's own metadata is written when its capture starts, before the floor can be measured).
-FLOOR_FILE = "noise_floors.json"
 
 
 def save_floor(floor: NoiseFloor, directory) -> Path:

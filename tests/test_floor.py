@@ -177,9 +177,12 @@ def test_cli_captures_the_floor_and_gates_on_it(setups, tmp_path, capsys):
     clean.save_pretrained(tmp_path / "clean")
     scaled_attention(clean, 2, 1.5).save_pretrained(tmp_path / "faulty")
     (tmp_path / "prompts.json").write_text(json.dumps(prompts()))
-    assert cli(["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens",
-                str(NEW), "--out", str(tmp_path / "ref"), "--noise-floor", "bfloat16"]) == 0
+    with_floor = ["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens",
+                  str(NEW), "--out", str(tmp_path / "ref"), "--noise-floor", "bfloat16"]
+    assert cli(with_floor) == 0
+    assert cli(with_floor) == 0  # the same command again: its own floor file is part of the reference it replaces
     assert "noise floor (the model in bfloat16" in capsys.readouterr().out
+    assert sorted(json.loads((tmp_path / "ref" / "noise_floors.json").read_text())) == ["bfloat16"]
     common = ["--reference", str(tmp_path / "ref"), "--fail-on", "floor=2"]
     assert cli(["validate", str(tmp_path / "clean"), *common, "--report-dir", str(tmp_path / "ok")]) == 0
     out = capsys.readouterr().out

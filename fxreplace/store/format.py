@@ -40,6 +40,10 @@ BLAME_COMPONENTS_DIR = "blame-components"
 DERIVED_DIRS = (BLAME_COMPONENTS_DIR,)
 #: A vLLM capture's counts, written beside its store (fxreplace.vllm.capture).
 CAPTURE_STATS_FILE = "capture.json"
+#: The file in a reference directory that holds its noise floors, by dtype, each with its own metadata
+#: (the store's own metadata is written when its capture starts, before the floor can be measured):
+#: part of the reference, replaced with it by a new capture into the same folder.
+FLOOR_FILE = "noise_floors.json"
 _MAX_HEADER_BYTES = 256 << 20  # a header beyond this is not a store (safetensors itself caps at 100 MB)
 
 _DTYPES = {
@@ -394,7 +398,7 @@ def _is_file(path: Path) -> bool:
 def is_store_entry(name: str) -> bool:
     """Whether a directory entry of this name is part of a store (its files, or a folder
     fxreplace derived from it): anything else is someone else's and never replaced."""
-    return (name in (TENSORS_FILE, INDEX_FILE, CAPTURE_STATS_FILE, *DERIVED_DIRS)
+    return (name in (TENSORS_FILE, INDEX_FILE, CAPTURE_STATS_FILE, FLOOR_FILE, *DERIVED_DIRS)
             or re.fullmatch(r"shard-\d{5,}\.safetensors(\.tmp)?", name) is not None)
 
 
