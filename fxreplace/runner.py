@@ -24,6 +24,7 @@ rejected speculative drafts simply stay masked.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 from contextlib import nullcontext
@@ -97,6 +98,24 @@ def _forced_reads(forced: Sequence[int], done: int, width: int) -> list[int]:
     if not reads:
         raise ValueError(f"forced holds {len(forced)} tokens; a step after {done} needs token {done - 1}")
     return reads + [reads[-1]] * (width - len(reads))
+
+
+def _attention_layout(config) -> tuple[int | None, object]:
+    """The sliding window of a model with sliding-window layers (None without), and the config its
+    caches are built from. Every cache layer holds ``max_len`` slots: the runner's slots are its own
+    layout (a shared write index, rejected drafts left in place), which a window-sized ring buffer
+    cannot hold, so the window is applied through the mask of the sliding layers instead."""
+    text = config.get_text_config(decoder=True)
+    types = list(getattr(text, "layer_types", None) or [])
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"the runner runs full and sliding-window attention layers; this model's config has "
+                         f"layer types {unknown}")
+    if "sliding_attention" not in types:
+        return None, config
+    full = copy.deepcopy(text)
+    full.layer_types = ["full_attention"] * len(types)
+    return text.sliding_window, full
 
 
 def takes_logits_to_keep(model) -> bool:
@@ -177,6 +196,7 @@ class Runner:
         self.device = torch.device(device) if device is not None else (
             input_device(model) if isinstance(model, torch.nn.Module) else torch.device("cpu"))
         self._caches: dict[tuple[str, int], StaticCache] = {}
+        self._window, self._cache_config = _attention_layout(config)
         self._ids = itertools.count()
         self.forwards = 0
 
@@ -238,12 +258,13 @@ class Runner:
                                  f"{max_new_tokens} steps of {width} tokens needs {needed}")
             cache = self._cache("decode", batch)
             valid = torch.zeros(batch, self.cfg.max_len, dtype=torch.bool)
+            held = torch.zeros(batch, self.cfg.max_len, dtype=torch.long)  # the position each cache slot holds
             if self.cfg.batched_prefill:
-                self._prefill(gens, replace, cache, write, valid, rows=batch)
+                self._prefill(gens, replace, cache, write, valid, held, rows=batch)
             else:
                 for row, g in enumerate(gens):
                     self._prefill([g], replace[row] if isinstance(replace, PerRequest) else replace, cache, write, valid,
-                                  first_row=row)
+                                  held, first_row=row)
             positions = torch.tensor([len(g.prompt) for g in gens] + [0] * (batch - len(gens)))
             while any(len(g.tokens) < max_new_tokens for g in gens):
                 # what each request reads: its last pick and k drafts, or (forced) the next k + 1 forced tokens
@@ -257,8 +278,9 @@ class Runner:
                 causal = torch.ones(width, width, dtype=torch.bool).tril()
                 mask4d = step_mask[:, None, None, :].repeat(1, 1, width, 1)
                 mask4d[:, 0, :, write : write + width] = causal
+                held[:, write : write + width] = slot_pos
                 ctx = self._context([g.req_id for g in gens], slot_pos.flatten(), False, width, replace)
-                logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx)
+                logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx, held=held)
                 # the host reads each step once for all requests (a wave holds a blame round's copies); the
                 # rows kept are the requests' only, not the padding's
                 picks, kept = logits.argmax(-1).tolist(), logits[: len(gens)].to("cpu", torch.float32, copy=True)
@@ -284,7 +306,7 @@ class Runner:
                     self.replacer.release_request(g.req_id)
 
     def _prefill(self, gens: list[Generation], replace, batch_cache: StaticCache, write: int, valid: torch.Tensor,
-                 first_row: int = 0, rows: int = 1):
+                 held: torch.Tensor, first_row: int = 0, rows: int = 1):
         """The prompts of ``gens`` in one ``[rows, bucket]`` forward (padding rows after them); request
         ``r``'s cache goes to row ``first_row + r`` of the batch cache. One request: the Neuron-style
         prefill layout; several (``batched_prefill``): decode-style, slot ``s`` of request ``s // bucket``."""
@@ -304,7 +326,9 @@ class Runner:
         # index r of a [rows]-long logits_to_keep, a static shape) unless that is no smaller than the bucket
         last = [len(g.prompt) - 1 for g in gens] + [0] * (rows - len(gens))
         keep = torch.tensor(last) if self._keeps_logits and rows < bucket else None
-        logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx, keep=keep)
+        prefill_held = torch.zeros(rows, self.cfg.max_len, dtype=torch.long)
+        prefill_held[:, :bucket] = positions
+        logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx, keep=keep, held=prefill_held)
         for r, g in enumerate(gens):
             n = len(g.prompt)
             for name, values in seen.items():
@@ -316,8 +340,10 @@ class Runner:
         # slot j reads prompt position j - (W - n); the slots before the prompt read position 0 and stay
         # masked off (not valid)
         lengths = torch.tensor([len(g.prompt) for g in gens])
-        source = (torch.arange(write) - write + lengths[:, None]).clamp(min=0).to(self.device)  # [requests, W]
+        source = (torch.arange(write) - write + lengths[:, None]).clamp(min=0)  # [requests, W]
         mine = slice(first_row, first_row + len(gens))
+        held[mine, :write] = source
+        source = source.to(self.device)
         for src, dst in zip(cache.layers, batch_cache.layers):
             index = source[:, None, :, None].expand(-1, src.keys.shape[1], -1, src.keys.shape[3])
             dst.keys[mine, :, :write] = src.keys[: len(gens)].gather(2, index)
@@ -345,16 +371,20 @@ class Runner:
             return ctx.select(rows)
         return ctx if replace is True else ctx.select(replace)
 
-    def _forward(self, inputs, positions, mask_bool, cache: StaticCache, write: int, ctx, keep=None):
+    def _forward(self, inputs, positions, mask_bool, cache: StaticCache, write: int, ctx, keep=None, held=None):
         """Logits ``[batch, slots, vocab]`` (``[batch, len(keep), vocab]``: only the slots ``keep`` indexes) and
-        the observed target values ``{name: [batch*slots, E]}``."""
+        the observed target values ``{name: [batch*slots, E]}``. ``held``: the position in each cache slot
+        (``[batch, max_len]``), from which a model with sliding-window layers gets their mask."""
         for layer in cache.layers:
             layer.cumulative_length.fill_(write)
-        mask = torch.zeros(mask_bool.shape, dtype=self.dtype).masked_fill(~mask_bool, torch.finfo(self.dtype).min)
+        mask = self._additive(mask_bool)
+        if self._window is not None:  # HF models take a mask per layer type, built by the caller
+            recent = positions[:, None, :, None] - held[:, None, None, :] < self._window
+            mask = {"full_attention": mask, "sliding_attention": self._additive(mask_bool & recent)}
         kwargs = dict(
             input_ids=inputs.to(self.device),
             position_ids=positions.to(self.device),
-            attention_mask=mask.to(self.device),
+            attention_mask=mask,
             past_key_values=cache,
             use_cache=True,
         )
@@ -370,6 +400,11 @@ class Runner:
         return logits, {name: value.reshape(-1, value.shape[-1]).float().cpu() for name, value in seen.items()
                         if isinstance(value, torch.Tensor)}
 
+    def _additive(self, mask_bool: torch.Tensor) -> torch.Tensor:
+        """A bool mask as the additive one attention takes, on the model's device."""
+        mask = torch.zeros(mask_bool.shape, dtype=self.dtype).masked_fill(~mask_bool, torch.finfo(self.dtype).min)
+        return mask.to(self.device)
+
     def _cache(self, kind: str, size: int) -> StaticCache:
         """One static cache per (kind, bucket): reused so compiled graphs see the same objects."""
         key = (kind, size)
@@ -378,7 +413,7 @@ class Runner:
             for other in [k for k in self._caches if k[0] == kind]:
                 del self._caches[other]
         if key not in self._caches:
-            cache = StaticCache(config=self.config, max_cache_len=self.cfg.max_len)
+            cache = StaticCache(config=self._cache_config, max_cache_len=self.cfg.max_len)
             text = self.config.get_text_config(decoder=True)
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
             cache.early_initialization(

@@ -60,6 +60,25 @@ def test_runner_reproduces_hf_greedy_generation(hf, hf_greedy, k):
         assert runner.forwards < len(PROMPTS) + STEPS - 1, "speculation must accept some drafts"
 
 
+@pytest.mark.parametrize("k, batched", [(0, False), (2, False), (0, True)])
+def test_sliding_window_layers_reproduce_hf_past_the_window(k, batched):
+    """GPT-OSS alternates sliding-window (16 positions here) and full layers: prompts and
+    continuations longer than the window, speculation and a batched prefill give HF's own tokens
+    and logits (its cache keeps a window-sized ring buffer, the runner a mask over its slots)."""
+    model = tiny_model("GptOssForCausalLM", init_std=0.3, seed=2)
+    assert model.config.sliding_window == 16 and "sliding_attention" in model.config.layer_types
+    prompts = [list(range(3, 23)), [7, 1, 9, 4, 2, 8, 5, 5, 6, 1, 3]]
+    runner = Runner(model, model.config, runner_config=RunnerConfig(
+        speculative_tokens=k, max_len=128, prefill_buckets=(32,), batch_buckets=(2,), batched_prefill=batched))
+    gens = runner.generate(prompts, 12, replace=False)
+    with torch.no_grad():
+        for g, p in zip(gens, prompts):
+            want = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)
+            assert g.tokens == want.sequences[0, len(p):].tolist()
+            torch.testing.assert_close(g.logits_tensor, torch.cat(want.logits), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_prefill_computes_the_vocabulary_only_at_each_rows_last_position(hf, hf_greedy, batched):
     """A prefill reads one position per row: the lm head sees that one (of a [rows]-long keep list when
