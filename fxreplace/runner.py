@@ -178,6 +178,8 @@ class Runner:
         self.graphs_compiled = 0
         self.compiled = compile is not None
         self._keeps_logits = takes_logits_to_keep(model)
+        self._eager = model if isinstance(model, torch.nn.Module) else None  # probed for its cache's shapes
+        self._kv_shapes: list[tuple[int, int, int]] | None = None
         if compile is not None:
             backend = torch._dynamo.lookup_backend(compile)
 
@@ -345,9 +347,9 @@ class Runner:
         held[mine, :write] = source
         source = source.to(self.device)
         for src, dst in zip(cache.layers, batch_cache.layers):
-            index = source[:, None, :, None].expand(-1, src.keys.shape[1], -1, src.keys.shape[3])
-            dst.keys[mine, :, :write] = src.keys[: len(gens)].gather(2, index)
-            dst.values[mine, :, :write] = src.values[: len(gens)].gather(2, index)
+            for held_by_src, held_by_dst in ((src.keys, dst.keys), (src.values, dst.values)):  # widths may differ
+                index = source[:, None, :, None].expand(-1, held_by_src.shape[1], -1, held_by_src.shape[3])
+                held_by_dst[mine, :, :write] = held_by_src[: len(gens)].gather(2, index)
         slot = torch.arange(valid.shape[1])
         valid[mine] = (slot >= write - lengths[:, None]) & (slot < write)
 
@@ -414,14 +416,29 @@ class Runner:
                 del self._caches[other]
         if key not in self._caches:
             cache = StaticCache(config=self._cache_config, max_cache_len=self.cfg.max_len)
-            text = self.config.get_text_config(decoder=True)
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            cache.early_initialization(
-                batch_size=1 if kind == "prefill" else size,
-                num_heads=text.num_key_value_heads,
-                head_dim=head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
+            batch = 1 if kind == "prefill" else size
+            for layer, (heads, key_dim, value_dim) in zip(cache.layers, self._layer_shapes()):
+                # made before any forward (a compiled graph must not allocate its cache), each layer as the model fills it
+                layer.lazy_initialization(torch.zeros(batch, heads, 0, key_dim, dtype=self.dtype, device=self.device),
+                                          torch.zeros(batch, heads, 0, value_dim, dtype=self.dtype, device=self.device))
             self._caches[key] = cache
         return self._caches[key]
+
+    def _layer_shapes(self) -> list[tuple[int, int, int]]:
+        """Per cache layer (heads, key width, value width): what one token's forward of the model
+        writes (a latent-attention model such as DeepSeek-V3 caches one compressed head of another
+        width for keys than for values); from the config for a model that is not a module."""
+        if self._kv_shapes is None:
+            text = self.config.get_text_config(decoder=True)
+            if self._eager is None:
+                head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+                self._kv_shapes = [(text.num_key_value_heads, head_dim, head_dim)] * text.num_hidden_layers
+            else:
+                probe = StaticCache(config=self._cache_config, max_cache_len=1)
+                # the decoder alone: no vocabulary computed, no replacement armed, no hook of the whole model called
+                decoder = self._eager.get_decoder() if hasattr(self._eager, "get_decoder") else self._eager
+                with torch.no_grad():
+                    decoder(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), past_key_values=probe,
+                            use_cache=True)
+                self._kv_shapes = [(layer.num_heads, layer.k_head_dim, layer.v_head_dim) for layer in probe.layers]
+        return self._kv_shapes

@@ -1,0 +1,40 @@
+"""Every shipped family with a checkpoint format, the way a user debugs it from the shell:
+``capture`` the clean checkpoint, ``validate`` a copy with a planted fault (layer 1's attention
+output scaled), ``blame`` it with the clean model at hand. Each command exits 0 and blame names
+the planted component as the one origin. Covers what the runner must hold for each family:
+sliding-window layers (GPT-OSS), latent attention with keys and values of different widths
+(DeepSeek-V3), dense and MoE blocks."""
+
+import json
+
+import pytest
+import torch
+
+from fxreplace.cli import main as cli
+from fxreplace.models import families, tiny_model
+
+CHECKPOINT_FAMILIES = [a for a in families() if "+" not in a and a != "NeuronMoeForCausalLM"]  # builtin-only ones aside
+
+
+def test_the_list_covers_the_shipped_families():
+    assert set(CHECKPOINT_FAMILIES) >= {"DeepseekV3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM",
+                                        "MixtralForCausalLM", "Qwen3MoeForCausalLM"}
+
+
+@pytest.mark.parametrize("architecture", CHECKPOINT_FAMILIES)
+def test_capture_validate_blame_a_planted_fault(architecture, tmp_path, capsys):
+    clean = tiny_model(architecture, init_std=0.3, seed=1)
+    clean.save_pretrained(tmp_path / "clean")
+    with torch.no_grad():
+        clean.model.layers[1].self_attn.o_proj.weight.mul_(3.0)
+    clean.save_pretrained(tmp_path / "faulty")
+    # prompts and continuations past GPT-OSS's 16-position window
+    (tmp_path / "prompts.json").write_text(json.dumps([list(range(3, 15)), list(range(20, 30))]))
+    assert cli(["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", "8",
+                "--out", str(tmp_path / "ref")]) == 0
+    assert cli(["validate", str(tmp_path / "faulty"), "--reference", str(tmp_path / "ref"), "--report-dir",
+                str(tmp_path / "out")]) == 0
+    assert cli(["blame", str(tmp_path / "faulty"), "--reference", str(tmp_path / "ref"), "--clean", str(tmp_path / "clean"),
+                "--report-dir", str(tmp_path / "blame")]) == 0
+    origins = json.loads((tmp_path / "blame" / "blame.json").read_text())["origins"]
+    assert [o["component"] for o in origins] == ["model.layers.1.self_attn"], capsys.readouterr().out[-2000:]
