@@ -412,10 +412,32 @@ def _prompt(path: str, where: str, item):
     if isinstance(item, dict):
         if "messages" in item and isinstance(item["messages"], list):
             return item["messages"]
-        item = item.get("prompt")
-    if isinstance(item, str) or (isinstance(item, list) and all(isinstance(t, int) for t in item)):
+        if "prompt" not in item:
+            raise UsageError(f"{path} {where}: a dict with neither 'prompt' nor 'messages' (it has {sorted(item)[:4]})",
+                             PROMPTS_HINT)
+        item = item["prompt"]
+    if isinstance(item, str) or (isinstance(item, list) and item and all(_is_token_id(t) for t in item)):
         return item
-    raise UsageError(f"{path} {where}: not a prompt", PROMPTS_HINT)
+    raise UsageError(f"{path} {where}: {_not_a_prompt(item)}", PROMPTS_HINT)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _not_a_prompt(item) -> str:
+    """What is wrong with an item that is not a prompt, in the user's terms."""
+    if isinstance(item, int) and not isinstance(item, bool):
+        return (f"{item!r} is a number, not a prompt: a file of one prompt of token ids is a list of lists "
+                "([[1, 2, 3]], not [1, 2, 3])")
+    if isinstance(item, list):
+        if not item:
+            return "an empty prompt"
+        bad = next(t for t in item if not _is_token_id(t))
+        what = ("a float" if isinstance(bad, float) else "negative" if isinstance(bad, int) and not isinstance(bad, bool)
+                else f"a {type(bad).__name__}")
+        return f"token id {bad!r} is {what}; token ids are non-negative integers"
+    return f"a {type(item).__name__} ({str(item)[:40]}), not a text or a list of token ids"
 
 
 def tokenize_args(prompts: list, model_spec: str, path: str, chat: bool = False) -> tuple[list, list]:

@@ -76,6 +76,9 @@ class ReplacementConfig:
     select_captures: bool = False
 
     def __post_init__(self):
+        check_on_unknown(self.on_unknown)
+        if not isinstance(self.select_captures, bool):
+            raise ConfigError(f"select_captures must be true or false, got {self.select_captures!r}")
         if self.capture is not None:
             self.capture = _capture_section(self.capture, self)
             return
@@ -92,9 +95,6 @@ class ReplacementConfig:
                 setattr(self, key, _existing_path(key, path))
         if self.targets is not None:
             self.targets = parse_targets(self.targets)
-        check_on_unknown(self.on_unknown)
-        if not isinstance(self.select_captures, bool):
-            raise ConfigError(f"select_captures must be true or false, got {self.select_captures!r}")
 
     # ------------------------------------------------------------ dict form
 

@@ -568,10 +568,12 @@ class InstrumentedModel:
             value = tensors.get(name)
             if not state.fed:  # where the target computes, whatever device the context was built on
                 device = computes_on(self.get_submodule(state.targets[i].module_name)) or value.device
-                self.register_buffer(values_name, value.new_zeros(state.max_tokens, *value.shape[1:], device=device),
-                                     persistent=False)
-                self.register_buffer(mask_name, torch.zeros(state.max_tokens, dtype=torch.bool, device=device),
-                                     persistent=False)
+                # plain tensors even under torch.inference_mode(): later feeds and clear() may run outside it
+                with torch.inference_mode(False):
+                    self.register_buffer(values_name, value.new_zeros(state.max_tokens, *value.shape[1:], device=device),
+                                         persistent=False)
+                    self.register_buffer(mask_name, torch.zeros(state.max_tokens, dtype=torch.bool, device=device),
+                                         persistent=False)
             values_buf, mask_buf = getattr(self, values_name), getattr(self, mask_name)
             mask_buf.fill_(False)
             if value is None:
@@ -593,6 +595,10 @@ class InstrumentedModel:
     @torch.no_grad()
     def clear(self) -> None:
         """Turn fed replacement off (mask all False); the same graph keeps running."""
+        if not torch.is_inference_mode_enabled() and any(mask.is_inference() for _, mask in self._fxreplace.fed):
+            raise ValueError("clear(): the fed masks are the tensors of a context built under torch.inference_mode() "
+                             "(feed(bind=True)), which only change inside it: call clear() inside inference_mode too, "
+                             "or build the bound context outside it")
         for _, mask in self._fxreplace.fed:
             mask.fill_(False)
 

@@ -60,6 +60,8 @@ def test_neuron_tool_name_is_the_same_config(ref_dir):
     ({"tensors": [], "targets": []}, "targets is empty"),
     ({"tensors": [], "on_unknown": "drop"}, "on_unknown must be 'error' or 'passthrough'"),
     ({"tensors": [], "select_captures": "yes"}, "select_captures must be true or false, got 'yes'"),
+    ({"capture": {"out": "ref"}, "on_unknown": "passthru"}, "on_unknown must be 'error' or 'passthrough'"),
+    ({"capture": {"out": "ref"}, "select_captures": "yes"}, "select_captures must be true or false, got 'yes'"),
     ({"tensors": [], "name_map": {"model.layers.*.mlp.gate": "model.layers.*.block_sparse_moe.gate"}},
      r"'name_map' is replaced .*\"pattern\": \"model.layers.\*.block_sparse_moe.gate\", \"name\": \"model.layers.\{\}.mlp.gate\""),
     ([1], "must be a dict of fields"),

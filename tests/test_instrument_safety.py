@@ -137,3 +137,25 @@ def test_a_second_concurrent_forward_is_refused_never_mixed(model):
     for t in threads:
         t.join(120)
     assert all(torch.equal(out, want[k]) for k in (1, 2) for out in got[k])
+
+
+def test_a_feed_under_inference_mode_is_cleared_and_fed_outside_it(plain):
+    """Buffers the first feed makes under torch.inference_mode() are plain tensors: clear() and the
+    next feed work outside it. A context bound while built inside it says where clear() must run."""
+    model = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=16)
+    names = [t.capture_name for t in model._fxreplace.targets]
+    with torch.inference_mode():
+        model.feed(random_context(names, 8, tokens=16, seed=1))
+        on = model(input_ids()).logits
+    model.clear()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids()).logits, plain(input_ids()).logits)
+        model.feed(random_context(names, 8, tokens=16, seed=1))
+        assert torch.equal(model(input_ids()).logits, on)
+    with torch.inference_mode():
+        bound = random_context(names, 8, tokens=16, seed=2)
+    model.feed(bound, bind=True)
+    with pytest.raises(ValueError, match=r"clear\(\): .*inference_mode\(\).*call clear\(\) inside inference_mode"):
+        model.clear()
+    with torch.inference_mode():
+        model.clear()

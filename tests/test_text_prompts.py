@@ -128,5 +128,12 @@ def test_text_prompts_without_a_tokenizer_say_to_pass_token_ids(tmp_path, capsys
         assert err.startswith("error: text prompts in ") and "needs a tokenizer but" in err
         assert "hint: give --prompts as token id lists" in err and "\n" not in err
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": 3}\n')
-    with pytest.raises(SystemExit, match=r"bad.jsonl line 2: not a prompt; hint: a JSON list of texts"):
+    with pytest.raises(SystemExit, match=r"bad.jsonl line 2: a dict with neither 'prompt' nor 'messages' \(it has "
+                                         r"\['text'\]\); hint: a JSON list of texts"):
         cli(["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "ref")])
+    for data, says in (([1, 2, 3], r"item 0: 1 is a number, not a prompt: .*\(\[\[1, 2, 3\]\], not \[1, 2, 3\]\)"),
+                       ([[1.0, 2.0]], r"item 0: token id 1.0 is a float; token ids are non-negative integers"),
+                       ([[5, -1]], r"item 0: token id -1 is negative"), ([[]], r"item 0: an empty prompt")):
+        (tmp_path / "bad.json").write_text(json.dumps(data))
+        with pytest.raises(SystemExit, match=says):
+            cli(["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "bad.json"), "--out", str(tmp_path / "ref")])
