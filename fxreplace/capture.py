@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 import torch
 
 from .components import resolve_components
+from .dtypes import dtype_name
 from .devices import input_device
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .reference import Reference, load_reference
@@ -198,7 +199,7 @@ def _metadata(model, names: list[str], max_new_tokens: int, texts: list, found: 
         "model_type": getattr(config, "model_type", ""),
         "vocab_size": config.vocab_size,
         "num_hidden_layers": getattr(config, "num_hidden_layers", None),  # another count: another model
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": dtype_name(next(model.parameters()).dtype),
         "targets": names,
         "max_new_tokens": max_new_tokens,
         "prompt_texts": texts,

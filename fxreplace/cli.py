@@ -27,9 +27,9 @@ LOW_DTYPES = ["bfloat16", "float16"]
 
 def torch_dtype(name: str):
     """The torch dtype a ``--dtype`` choice names."""
-    import torch
+    from .dtypes import as_dtype  # torch loads with it: not for every command's parsing
 
-    return getattr(torch, name)
+    return as_dtype(name)
 
 
 #: Files that make a directory hold a tokenizer (transformers 5 builds an empty one from a bare config).

@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from .dtypes import dtype_name
 from .metrics import times
 from .store.format import FLOOR_FILE
 
@@ -117,7 +118,7 @@ def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prom
                 "first_divergence": s["first_divergence"], "steps": reference.num_generated(p)}
             for p, s in summary["prompts"].items()}
     per_step = {p: [s.top5_error for s in result.steps if s.prompt == p] for p in indices}
-    return NoiseFloor(str(dtype).removeprefix("torch."), rows, per_step, seconds=time.perf_counter() - started)
+    return NoiseFloor(dtype_name(dtype), rows, per_step, seconds=time.perf_counter() - started)
 
 
 #: The precisions a reference may hold and be trusted as the truth.

@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from . import repro_run
 from .components import Component, layer_of, resolve_components
+from .dtypes import dtype_name
 from .devices import input_device
 from .targets import Target, TargetLike, resolve_targets
 
@@ -253,7 +254,7 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
         "module_name": component.module_name, "module": type(module).__name__, "point": component.target.point,
         "model": source.get("model") or reference.metadata.get("source_model") or type(clean).__name__,
         "target": source.get("target") or type(target).__name__,
-        "dtype": str(dtype).removeprefix("torch."), "tolerance": TOLERANCE.get(dtype, 1e-3),
+        "dtype": dtype_name(dtype), "tolerance": TOLERANCE.get(dtype, 1e-3),
         "outputs": [{"name": n, "compared": c} for n, c in zip(names, compared)],
         "inputs": [{"prompt": c.prompt, "tokens": len(sequences[indices.index(c.prompt)]),
                     "tensors": len(_tensors(c)), "shapes": [list(t.shape) for t in _tensors(c)],

@@ -35,6 +35,7 @@ import torch
 from transformers import StaticCache
 
 from .devices import input_device
+from .dtypes import as_dtype
 from .instrument import observe
 from .config import ReplacementConfig
 from .context import PerRequest
@@ -167,9 +168,10 @@ class Runner:
 
     def __init__(self, model: Callable, config, replacer: TensorReplacer | ReplacementConfig | None = None,
                  runner_config: RunnerConfig | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 dtype: torch.dtype | str = torch.float32, device: torch.device | str | None = None,
                  observed: torch.nn.Module | None = None,
                  compile: str | None = None):
+        dtype = as_dtype(dtype, "Runner's dtype")
         weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None) if isinstance(
             model, torch.nn.Module) else None
         if weights is not None and weights != dtype:  # else a dtype mismatch deep in the KV cache's index_copy_

@@ -67,6 +67,9 @@ def test_the_runner_refuses_a_dtype_mismatch_zero_tokens_and_a_bucket_past_its_c
     with pytest.raises(ValueError, match=r"weights are torch.bfloat16 but Runner's dtype .* is torch.float32; "
                                          r"hint: Runner\(\.\.\., dtype=torch.bfloat16\)"):
         Runner(target, hf.config)  # was a raw index_copy_() dtype error from the KV cache at the first step
+    assert Runner(target, hf.config, dtype="bfloat16").dtype == torch.bfloat16  # a dtype's name is that dtype
+    with pytest.raises(ValueError, match=r"Runner's dtype must be a torch dtype or its name .*got 'bf16'"):
+        Runner(target, hf.config, dtype="bf16")
     with pytest.raises(ValueError, match=r"prefill_buckets \(16, 64\) hold a bucket longer than max_len 32"):
         RunnerConfig(prefill_buckets=(16, 64), max_len=32)
     runner = Runner(hf, hf.config, runner_config=RunnerConfig(prefill_buckets=(8,), batch_buckets=(1,), max_len=16))

@@ -20,6 +20,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..dtypes import dtype_name
 from ..floor import check_reference_precision, measure_floor, stored_floor
 from ..metrics import Tolerances, no_scale
 from ..components import Component, layer_of, resolve_components
@@ -223,23 +224,23 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
             finally:
                 engine.observed = None
 
-        dtype_name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         floor_seconds = 0.0
-        if floor is None and dtype_name not in ("float32", "float64"):
-            floor = stored_floor(reference, dtype_name, directory)
+        if floor is None and name not in ("float32", "float64"):
+            floor = stored_floor(reference, name, directory)
             if (floor is None or not floor.covers(indices)) and clean is not None:
                 floor = measure_floor(clean if isinstance(clean, nn.Module) else clean(), reference, dtype,
                                       prompts=indices)
                 floor_seconds = floor.seconds
         result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
                         progress=progress, supply=supply if on_demand else None, observe=observe, floor=floor,
-                        dtype=dtype_name, batch_rows=max(engine.cfg.batch_buckets))
+                        dtype=name, batch_rows=max(engine.cfg.batch_buckets))
     finally:
         if model is target:
             uninstrument(model)
     result.floor_seconds = floor_seconds
     result.seconds += floor_seconds
-    result.program = {"engine": "runner", "compile": bool(compile), "dtype": dtype_name}
+    result.program = {"engine": "runner", "compile": bool(compile), "dtype": name}
     if on_demand:
         result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds - before_search
     return result

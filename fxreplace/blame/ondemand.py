@@ -30,6 +30,7 @@ from typing import Callable, Collection, Sequence
 import torch
 from torch import nn
 
+from ..dtypes import dtype_name
 from ..store import ReferenceStore, StoreWriter
 from ..store.format import BLAME_COMPONENTS_DIR as SUBDIR
 from . import BlameError
@@ -90,7 +91,7 @@ class OnDemand:
         # in for the tokens a whole forward would check. In float32 only, where the batched forward's
         # rounding is far below the tolerance; otherwise (or with no witness after them) the whole forward.
         witnesses = set()
-        if str(next(model.parameters()).dtype).removeprefix("torch.") == ref.metadata.get("dtype") == "float32":
+        if dtype_name(next(model.parameters()).dtype) == ref.metadata.get("dtype") == "float32":
             witnesses = {n for n in self.by_name if n not in need and self.present(n)}
 
         def until(computed: list[str]) -> bool:

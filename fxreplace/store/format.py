@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from ..dtypes import dtype_name
 from ..matching import TokenTable
 
 FORMAT_NAME = "fxreplace-reference"
@@ -118,7 +119,7 @@ def _shard_index(groups, prompts, num_steps, prefill, has_token_ids, extras, met
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "groups": [{"dtype": str(g.dtype).removeprefix("torch."), "width": g.width, "modules": list(g.capture_names)} for g in groups],
+        "groups": [{"dtype": dtype_name(g.dtype), "width": g.width, "modules": list(g.capture_names)} for g in groups],
         "prompts": list(prompts),
         "num_steps": num_steps,
         "prefill": prefill,

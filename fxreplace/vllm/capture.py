@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..dtypes import dtype_name
 from ..config import ConfigError
 from ..gather import host_bits
 from ..instrument import instrument, observe
@@ -258,7 +259,7 @@ class VllmCapture:
                 "source_model": str(config.model), "architecture": arch, "engine": "vllm",
                 "model_type": getattr(config.hf_config, "model_type", ""), "vocab_size": self.vocab,
                 "num_hidden_layers": getattr(config.hf_config, "num_hidden_layers", None),
-                "dtype": str(dtype).removeprefix("torch."), "targets": self.names})
+                "dtype": dtype_name(dtype), "targets": self.names})
         logger.info("fxreplace: capturing %d target(s) of %s (%s ...) into %s%s", len(self.names), arch,
                     self.names[0] if self.names else "-", self.out, "" if self.writes else " (written by TP rank 0)")
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, ReplacementConfig
+from ..dtypes import dtype_name
 from ..context import ReplacementContext
 from ..gather import host_bits
 from ..instrument import instrument, observe
@@ -237,7 +238,7 @@ class StepInputCapture:
         self.writes = True
         self.out = Path(capture["out"])
         self.writer = StoreWriter(self.out, metadata={"architecture": arch, "engine": side.engine,
-                                                      "dtype": str(self.dtype).removeprefix("torch."),
+                                                      "dtype": dtype_name(self.dtype),
                                                       "targets": self.names})
         logger.info("fxreplace: capturing %d target(s) of %s (%s ...) into %s", len(self.names), arch, self.names[0],
                     self.out)
