@@ -626,25 +626,21 @@ def _report(result, args, extra: str = "") -> int:
     from .report import print_summary
     from .validation import Gate
 
+    gate = Gate.parse(args.fail_on or [])
+    result.gate = gate.outcome(result, args.fail_on) if args.fail_on else None  # both reports record it
     result.write_report(args.report_dir)
     print_summary(result)
     if extra:
         print(extra)
     print(f"report: {Path(args.report_dir).resolve() / 'report.html'}")
-    gate = Gate.parse(args.fail_on or [])
     if args.junit:
         from .junit import write_validation_junit
 
         print(f"junit: {write_validation_junit(result, gate, args.junit).resolve()}")
-    if not args.fail_on:
+    if result.gate is None:
         return EXIT_OK
-    failed = {p: reasons for p, reasons in gate.failures(result).items() if reasons}
-    if failed:
-        print(f"gate failed (--fail-on {' '.join(args.fail_on)}): {len(failed)} of {result.num_prompts} prompts: "
-              + "; ".join(f"prompt {p}: {', '.join(r)}" for p, r in list(failed.items())[:5]))
-        return EXIT_GATE_FAILED
-    print(f"gate passed (--fail-on {' '.join(args.fail_on)}): every prompt")
-    return EXIT_OK
+    print(gate.describe(result.gate, result.num_prompts))
+    return EXIT_OK if result.gate["passed"] else EXIT_GATE_FAILED
 
 
 def gate_condition(text: str) -> str:
@@ -1164,9 +1160,9 @@ def build_parser() -> Parser:
     validate.add_argument("--report-dir", default="fxreplace-report",
                           help="folder for report.html, result.json and the plots")
     validate.add_argument("--fail-on", action="append", type=gate_condition, metavar="{diverged,kl=X,top5=Y,floor=K}",
-                          help="exit 1 when a prompt of the target without replacement fails: its top-1 token "
-                               "differs (diverged), its mean KL > X, its mean top-5 error > Y, its mean KL or top-5 "
-                               "error > K times the noise floor's (repeatable)")
+                          help="exit 1 when the target without replacement fails: a prompt's top-1 token differs "
+                               "(diverged), its mean KL > X, its mean top-5 error > Y; over every prompt, its mean KL "
+                               "or top-5 error > K times the noise floor's (the verdict's scale) (repeatable)")
     validate.add_argument("--allow-low-precision-reference", action="store_true",
                           help="accept a reference captured below float32 (refused otherwise: its own rounding is part "
                                "of every measure); the verdict says so")

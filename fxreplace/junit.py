@@ -13,10 +13,17 @@ from .metrics import pct
 
 
 def write_validation_junit(result, gate, path: str | Path) -> Path:
-    """One case per prompt: failed when :meth:`Gate.failures` names a reason."""
+    """One case per prompt, failed when :meth:`Gate.failures` names a reason; with ``floor=K`` one
+    more for the whole validation, failed when :meth:`Gate.overall` does."""
     failures = gate.failures(result)
+    overall = gate.overall(result)
     summary = result.summary()["off"]["prompts"]
-    suite = _suite("fxreplace.validate", len(failures), sum(bool(r) for r in failures.values()))
+    cases = len(failures) + (gate.floor is not None)
+    suite = _suite("fxreplace.validate", cases, sum(bool(r) for r in failures.values()) + bool(overall))
+    if gate.floor is not None:
+        case = ET.SubElement(suite, "testcase", classname="fxreplace.validate", name="all prompts, on the noise floor's scale")
+        if overall:
+            ET.SubElement(case, "failure", message="; ".join(overall), type="accuracy").text = result.verdict.sentence
     for p, reasons in failures.items():
         s = summary[p]
         case = ET.SubElement(suite, "testcase", classname="fxreplace.validate", name=f"prompt {p}")

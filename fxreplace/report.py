@@ -140,6 +140,11 @@ def _html(result, has_router: bool) -> str:
     parts.append("</table>")
     if result.program:
         parts.append(f"<p id='program'>Program validated: {html.escape(describe_program(result.program))}.</p>")
+    if result.gate is not None:
+        why = "; ".join([*result.gate["overall"], *(f"prompt {p}: {', '.join(r)}" for p, r in result.gate["prompts"].items())])
+        parts.append(f"<p id='gate' class='{'passed' if result.gate['passed'] else 'failed'}'>CI gate (--fail-on "
+                     f"{html.escape(' '.join(result.gate['conditions']))}): "
+                     f"{'passed' if result.gate['passed'] else 'failed: ' + html.escape(why)}.</p>")
     parts.append("<h3>Tolerances</h3><table id='tolerances'><tr><th>rule</th><th>value</th></tr>"
                  f"<tr><td class='text'>matched: top-5 error at most</td><td>{tol['match_atol']:g}</td></tr>"
                  f"<tr><td class='text'>diverged: top-5 error above</td><td>{tol['top5_atol']:g}</td></tr>"

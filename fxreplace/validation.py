@@ -66,6 +66,7 @@ class ValidationResult:
     # the program validated: {"engine", "compile", "dtype"}; blame examines the same one
     program: dict = field(default_factory=dict)
     caveat: str = ""  # what the verdict must say first (a reference below float32 accepted)
+    gate: dict | None = None  # the --fail-on outcome when one was checked (:meth:`Gate.outcome`)
 
     @property
     def verdict(self) -> Verdict:
@@ -124,6 +125,7 @@ class ValidationResult:
                 "verdict": self.verdict.to_dict(),
                 "program": self.program,
                 "noise_floor": self.floor.to_dict() if self.floor else None,
+                "gate": self.gate,
                 "tolerances": self.tolerances.to_dict(),
                 "prompt_texts": self.prompt_texts,
                 "token_texts": self.token_texts,
@@ -141,12 +143,13 @@ class ValidationResult:
 
 @dataclass(frozen=True)
 class Gate:
-    """A pass/fail rule for CI, checked per prompt on the target *without* replacement
-    (mode "off": the compiled model as it runs): ``diverged`` fails a prompt whose top-1
-    token differs from the reference at any step (or gives NaN), ``kl`` a prompt whose
-    mean KL exceeds it, ``top5`` one whose mean top-5 log-prob error exceeds it, ``floor`` one
-    whose mean KL or mean top-5 error exceeds that many times the noise floor's on the same prompt
-    (the validation needs a floor: :mod:`fxreplace.floor`)."""
+    """A pass/fail rule for CI, checked on the target *without* replacement (mode "off": the
+    compiled model as it runs). Per prompt: ``diverged`` fails a prompt whose top-1 token differs
+    from the reference at any step (or gives NaN), ``kl`` one whose mean KL exceeds it, ``top5``
+    one whose mean top-5 log-prob error exceeds it. ``floor=K`` fails the validation when the
+    target's mean KL or mean top-5 error over every validated prompt exceeds K times its noise
+    floor's: the scale the verdict states and blame searches on, so the three agree (the
+    validation needs a floor: :mod:`fxreplace.floor`)."""
 
     diverged: bool = False
     kl: float | None = None
@@ -171,14 +174,9 @@ class Gate:
         return cls(**fields)
 
     def failures(self, result: ValidationResult) -> dict[int, list[str]]:
-        """Per validated prompt, why it fails the gate (an empty list: it passes)."""
-        summary = result.summary().get("off")
-        if summary is None:
-            raise ValueError("the gate checks the target without replacement: validate with mode 'off'")
-        if self.floor is not None and result.floor is None:
-            raise ValueError(f"floor={self.floor:g} needs the noise floor, and this validation has none")
+        """Per validated prompt, why it fails the per-prompt conditions (an empty list: it passes)."""
         out = {}
-        for p, s in summary["prompts"].items():
+        for p, s in self._off(result)["prompts"].items():
             reasons = []
             if self.diverged and s["nan"]:
                 reasons.append("NaN logits")
@@ -188,15 +186,45 @@ class Gate:
                 reasons.append(f"mean KL {_fmt(s['mean_kl'])} > {self.kl:g}")
             if self.top5 is not None and (s["mean_top5_error"] is None or s["mean_top5_error"] > self.top5):
                 reasons.append(f"mean top-5 error {_fmt(s['mean_top5_error'])} > {self.top5:g}")
-            if self.floor is not None:
-                m = result.floor.multiples({"prompts": {p: s}, "mean_kl": s["mean_kl"],
-                                            "mean_top5_error": s["mean_top5_error"]})
-                above = [f"{label} {_fmt(m[key])}x the floor" for key, label in (("kl", "mean KL"), ("top5", "mean top-5 error"))
-                         if m[key] is None or m[key] > self.floor]
-                if above:
-                    reasons.append(f"{', '.join(above)} > {self.floor:g}x")
             out[p] = reasons
         return out
+
+    def overall(self, result: ValidationResult) -> list[str]:
+        """Why the validation as a whole fails the gate (``floor=K``, on the verdict's scale), or nothing."""
+        if self.floor is None:
+            return []
+        summary = self._off(result)
+        m = result.floor.multiples(summary)
+        above = [f"{label} {_fmt(m[key])}x the floor" for key, label in (("kl", "mean KL"), ("top5", "mean top-5 error"))
+                 if m[key] is None or m[key] > self.floor]
+        return [f"{', '.join(above)} > {self.floor:g}x over the {len(summary['prompts'])} validated prompts"] if above else []
+
+    def outcome(self, result: ValidationResult, conditions: Sequence[str]) -> dict:
+        """The gate's result as reports record it: the conditions, whether it passed, and why not."""
+        prompts = {p: reasons for p, reasons in self.failures(result).items() if reasons}
+        overall = self.overall(result)
+        return {"conditions": list(conditions), "passed": not prompts and not overall, "overall": overall,
+                "prompts": prompts}
+
+    def describe(self, outcome: dict, num_prompts: int) -> str:
+        """One line: "gate passed (--fail-on ...)" or what failed."""
+        flags = " ".join(outcome["conditions"])
+        if outcome["passed"]:
+            return f"gate passed (--fail-on {flags}): every prompt" + (", and the whole on the floor's scale"
+                                                                      if self.floor is not None else "")
+        parts = list(outcome["overall"])
+        if outcome["prompts"]:
+            parts.append(f"{len(outcome['prompts'])} of {num_prompts} prompts: " + "; ".join(
+                f"prompt {p}: {', '.join(r)}" for p, r in list(outcome["prompts"].items())[:5]))
+        return f"gate failed (--fail-on {flags}): " + "; ".join(parts)
+
+    def _off(self, result: ValidationResult) -> dict:
+        summary = result.summary().get("off")
+        if summary is None:
+            raise ValueError("the gate checks the target without replacement: validate with mode 'off'")
+        if self.floor is not None and result.floor is None:
+            raise ValueError(f"floor={self.floor:g} needs the noise floor, and this validation has none")
+        return summary
 
 
 def logit_validation(

@@ -195,9 +195,22 @@ def test_cli_captures_the_floor_and_gates_on_it(setups, tmp_path, capsys):
     assert data["program"] == {"engine": "runner", "compile": False, "dtype": "bfloat16"}
     page = (tmp_path / "ok" / "report.html").read_text()
     assert "id='noise-floor'" in page and "noise floor: the reference in bfloat16" in page
+    assert data["gate"] == {"conditions": ["floor=2"], "passed": True, "overall": [], "prompts": {}}
+    assert "id='gate' class='passed'" in page
     assert cli(["validate", str(tmp_path / "faulty"), *common, "--report-dir", str(tmp_path / "bad")]) == 1
     out = capsys.readouterr().out
-    assert "beyond precision noise" in out and "x the floor > 2x" in out
+    assert "beyond precision noise" in out and "x the floor > 2x over the" in out
+    # one scale: the gate fails where the verdict says beyond the floor, both reports say why, and blame finds
+    # the planted fault on that scale (it does not say "nothing to blame")
+    bad = json.loads((tmp_path / "bad" / "result.json").read_text())
+    assert bad["verdict"]["within_floor"] is False and bad["gate"]["passed"] is False
+    multiple = bad["verdict"]["floor_multiples"]["kl"]
+    assert multiple > 2 and f"mean KL {multiple:.3g}x the floor" in bad["gate"]["overall"][0]
+    assert "id='gate' class='failed'" in (tmp_path / "bad" / "report.html").read_text()
+    assert cli(["blame", str(tmp_path / "faulty"), "--reference", str(tmp_path / "ref"), "--from-validation",
+                str(tmp_path / "bad"), "--clean", str(tmp_path / "clean"), "--report-dir", str(tmp_path / "blame")]) == 0
+    blamed = json.loads((tmp_path / "blame" / "blame.json").read_text())
+    assert [o["component"] for o in blamed["origins"]] == ["model.layers.2.self_attn"], blamed["verdict"]
     # without a floor: the verdict has no scale, and a floor gate is refused before any pass
     capture = ["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens",
                str(NEW), "--out", str(tmp_path / "bare")]
