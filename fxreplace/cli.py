@@ -825,9 +825,14 @@ def _components(specs: list[str]) -> dict:
 
 
 def _program_of_validation(args) -> None:
-    """Blame examines the program validate ran: with --from-validation, its engine, compile mode and
-    dtype (recorded in result.json) fill what the command line leaves out; a flag contradicting
-    them is refused. Without it: the same defaults as validate (runner, eager, bfloat16)."""
+    """Blame examines the program validate ran: with --from-validation (or a --report-dir where
+    validate wrote its result.json), its engine, compile mode and dtype (recorded in result.json)
+    fill what the command line leaves out; a flag contradicting them is refused. Without one: the
+    same defaults as validate (runner, eager, bfloat16). The report goes beside the validation's."""
+    if not args.from_validation and args.report_dir and (Path(args.report_dir) / "result.json").is_file():
+        args.from_validation = args.report_dir
+        print(f"blame examines the program validated in {args.report_dir} (its result.json)")
+    args.report_dir = args.report_dir or args.from_validation or "fxreplace-blame"
     program = {}
     if args.from_validation:
         path = Path(args.from_validation) / "result.json"
@@ -919,9 +924,14 @@ def _blame(args) -> int:
     print(result.table())
     from .report import describe_program
 
-    print(f"program examined: {describe_program(result.program)}")
+    validated = "" if args.from_validation else " (no validation given: --from-validation DIR examines the program it ran)"
+    print(f"program examined: {describe_program(result.program)}{validated}")
     print(f"verdict: {result.verdict}")
-    print(f"report: {report.resolve()}   ranking: {Path(args.report_dir).resolve() / 'blame.json'}")
+    ranking = Path(args.report_dir).resolve() / "blame.json"
+    print(f"report: {report.resolve()}   ranking: {ranking}")
+    if result.origins:
+        print(f"next: the first origin alone, for the compiler team: fxreplace repro write {args.model} --reference "
+              f"{args.reference} --blame {ranking} --out repro/ (then fxreplace repro run repro/ --backend inductor)")
     if args.junit:
         from .junit import write_blame_junit
 
@@ -960,6 +970,11 @@ def _repro_write(args) -> int:
         component = args.component or blamed_component(args.blame)
     except (OSError, ValueError) as e:
         raise UsageError(f"--blame {args.blame}: {e}", "give the blame.json `fxreplace blame` wrote") from None
+    if args.clean is None:
+        args.clean = str(reference.metadata.get("source_model") or "")
+        if not args.clean or not (args.clean.startswith("builtin:") or Path(args.clean).is_dir()):
+            raise UsageError(f"the reference {args.reference} records no clean model that is still at hand "
+                             f"({args.clean or 'none recorded'})", "give it as --clean CKPT")
     target, clean = load_model(args.model, device=args.device), load_model(args.clean, device=args.device)
     dtype = torch_dtype(args.dtype)
     chosen = f"--blame {args.blame}" if not args.component else f"--component {args.component}"
@@ -1199,8 +1214,9 @@ def build_parser() -> Parser:
                        help="accept a reference captured below float32 (refused otherwise); the verdict says so")
     blame.add_argument("--budget", type=positive_int, help="the most validation passes the search may run "
                        "(default: enough for 4 origins and the diffuse heat map)")
-    blame.add_argument("--report-dir", default="fxreplace-blame", help="folder for blame.html and blame.json "
-                       "(the validation's folder links the two reports)")
+    blame.add_argument("--report-dir", help="folder for blame.html and blame.json (default: the --from-validation "
+                       "folder, where the two reports link, else fxreplace-blame); a validation's folder given here "
+                       "is its --from-validation too")
     blame.add_argument("--junit", type=junit_path, metavar="FILE",
                        help="write JUnit XML: one test case per ranked component, failed when it accounts for a share "
                             "of the divergence")
@@ -1214,7 +1230,8 @@ def build_parser() -> Parser:
                              parents=[common], formatter_class=DefaultsFormatter)
     write.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF directory (the target's weights)")
     write.add_argument("--reference", required=True, type=reference_path, help="the reference blame used")
-    write.add_argument("--clean", required=True, type=model_spec, help="the reference model (its component's inputs)")
+    write.add_argument("--clean", type=model_spec, help="the reference model (its component's inputs; default: the "
+                       "model the reference was captured from, as its metadata records it)")
     write.add_argument("--blame", metavar="BLAME_JSON", type=existing_file,
                        help="blame.json of `fxreplace blame`: its first origin's component")
     write.add_argument("--component", metavar="NAME", help="the component instead (a capture name or module path)")

@@ -109,6 +109,10 @@ def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
     blame_prompts = list(range(min(cfg.blame_prompts, cfg.prompts)))
     print(f"blame: which components make the bf16 target drift? (prompts 0-{blame_prompts[-1]}; the layers' streams "
           "split side by side, then each kind of the origin layer; components captured from the clean model on demand)")
+    if cfg.compile:
+        print("blame examines the eager program, not the compiled one validated above: its passes run side by side in "
+              "batches of other shapes, each a graph to compile (`fxreplace blame --from-validation DIR` examines the "
+              "program a validation ran)")
     blamed = blame(reference_model, reference_dir, clean=reference_model, dtype=torch.bfloat16, prompts=blame_prompts,
                    progress=progress)
     blamed.write_report(cfg.report_dir)

@@ -208,9 +208,16 @@ def test_cli_captures_the_floor_and_gates_on_it(setups, tmp_path, capsys):
     assert multiple > 2 and f"mean KL {multiple:.3g}x the floor" in bad["gate"]["overall"][0]
     assert "id='gate' class='failed'" in (tmp_path / "bad" / "report.html").read_text()
     assert cli(["blame", str(tmp_path / "faulty"), "--reference", str(tmp_path / "ref"), "--from-validation",
-                str(tmp_path / "bad"), "--clean", str(tmp_path / "clean"), "--report-dir", str(tmp_path / "blame")]) == 0
-    blamed = json.loads((tmp_path / "blame" / "blame.json").read_text())
+                str(tmp_path / "bad"), "--clean", str(tmp_path / "clean")]) == 0
+    blamed = json.loads((tmp_path / "bad" / "blame.json").read_text())  # beside the validation's pages
     assert [o["component"] for o in blamed["origins"]] == ["model.layers.2.self_attn"], blamed["verdict"]
+    assert "href='blame.html'" in (tmp_path / "bad" / "report.html").read_text()
+    out = capsys.readouterr().out
+    assert f"next: the first origin alone, for the compiler team: fxreplace repro write {tmp_path / 'faulty'}" in out
+    # the next step as printed, without --clean: the reference records the model it came from
+    assert cli(["repro", "write", str(tmp_path / "faulty"), "--reference", str(tmp_path / "ref"), "--blame",
+                str(tmp_path / "bad" / "blame.json"), "--out", str(tmp_path / "repro")]) == 0
+    assert (tmp_path / "repro" / "run.py").is_file()
     # without a floor: the verdict has no scale, and a floor gate is refused before any pass
     capture = ["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens",
                str(NEW), "--out", str(tmp_path / "bare")]
@@ -268,9 +275,11 @@ def test_blame_examines_the_program_validate_ran(tmp_path, capsys):
         cli(["blame", arch, "--reference", str(tmp_path / "ref"), "--from-validation", str(tmp_path / "val"),
              "--dtype", "float32"])
     assert exit_.value.code == 2 and "--dtype float32 contradicts the validation" in capsys.readouterr().err
-    assert cli(["blame", arch, "--reference", str(tmp_path / "ref"), "--from-validation", str(tmp_path / "val"),
-                "--report-dir", str(tmp_path / "val")]) == 0
-    assert "program examined: engine runner, compiled (inductor), bfloat16" in capsys.readouterr().out
+    # as docs/own-model.md runs it: the same --report-dir, no --from-validation
+    assert cli(["blame", arch, "--reference", str(tmp_path / "ref"), "--report-dir", str(tmp_path / "val")]) == 0
+    out = capsys.readouterr().out
+    assert f"blame examines the program validated in {tmp_path / 'val'}" in out
+    assert "program examined: engine runner, compiled (inductor), bfloat16\n" in out
     assert json.loads((tmp_path / "val" / "blame.json").read_text())["program"] == {
         "engine": "runner", "compile": True, "dtype": "bfloat16"}
     assert "Program examined: engine runner, compiled (inductor), bfloat16" in (tmp_path / "val" / "blame.html").read_text()
