@@ -589,13 +589,20 @@ def vllm_capture_state(out) -> str:
 
 
 def _engine_args(text: str) -> dict:
-    """``--engine-args``: a JSON object of ``vllm.LLM`` keyword arguments."""
+    """``--engine-args``: a JSON object of ``vllm.LLM`` keyword arguments, checked against what this
+    machine can start (:mod:`fxreplace.vllm.preflight`) before any engine does."""
     try:
         engine_args = json.loads(text)
     except json.JSONDecodeError as e:
         raise UsageError(f"--engine-args is not JSON: {e}") from None
     if not isinstance(engine_args, dict):
         raise UsageError("--engine-args must be a JSON object of vllm.LLM keyword arguments")
+    from .vllm.preflight import EngineSetupError, check_engine_start
+
+    try:
+        check_engine_start(engine_args)
+    except EngineSetupError as e:
+        raise UsageError(e.problem, e.fix) from None
     return engine_args
 
 
@@ -782,6 +789,7 @@ def _validate_vllm(args) -> int:
         raise UsageError("--compile is for --engine runner; vLLM compiles by default (--eager to disable)")
     if args.logprobs == 0 or args.logprobs < -1:
         raise UsageError(f"--logprobs must be -1 (whole vocabulary) or a positive count, got {args.logprobs}")
+    engine_args = _engine_args(args.engine_args)
     reference = load_reference_arg(args.reference)
     caveat = _reference_caveat(args, reference)
     check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
@@ -793,9 +801,9 @@ def _validate_vllm(args) -> int:
     floor = _noise_floor(args, reference)
     longest = _longest_sequence(reference)
     engine = VllmEngine(args.model, _replacement_config(args, tensors_path=args.reference), dtype=args.dtype,
-                        logprobs=args.logprobs,
-                        enforce_eager=args.eager, max_model_len=max(longest + 8, 128),
-                        max_num_seqs=min(8, reference.num_prompts))
+                        logprobs=args.logprobs, enforce_eager=args.eager,
+                        **{"max_model_len": max(longest + 8, 128), "max_num_seqs": min(8, reference.num_prompts),
+                           **engine_args})
     try:
         _check_vocab(reference, args.model, engine.vocab_size)
         with open(Path(args.model) / "config.json") as f:
@@ -871,6 +879,7 @@ def _blame(args) -> int:
 
     _program_of_validation(args)
     dispatch_args(args)  # its mistakes before anything loads
+    engine_args = _engine_args(args.engine_args) if args.engine == "vllm" else {}
     reference = load_reference_arg(args.reference)
     _reference_caveat(args, reference)  # refused here; blame() states the caveat
     check_writable_dir(args.report_dir, "--report-dir")
@@ -889,7 +898,7 @@ def _blame(args) -> int:
             from .vllm.engine import VllmBlameEngine
 
             engine_args = {"max_model_len": max(_longest_sequence(reference) + 8, 128),
-                           "max_num_seqs": min(64, reference.num_prompts * 5), **_engine_args(args.engine_args)}
+                           "max_num_seqs": min(64, reference.num_prompts * 5), **engine_args}
             engine = VllmBlameEngine(args.model, args.reference, dtype=args.dtype, logprobs=-1,
                                      enforce_eager=args.eager, **engine_args)
             floor = _noise_floor(args, reference)
@@ -1164,6 +1173,8 @@ def build_parser() -> Parser:
                           help="--engine runner: prefill bucket in tokens (default: the longest reference sequence "
                                "rounded up to a power of two); decode batch: min(8, prompts)")
     validate.add_argument("--eager", action="store_true", help="--engine vllm: enforce eager mode (no vLLM compile)")
+    validate.add_argument("--engine-args", default="{}",
+                          help='--engine vllm: JSON of vllm.LLM arguments, e.g. \'{"gpu_memory_utilization": 0.5}\'')
     validate.add_argument("--logprobs", type=int, default=-1,
                           help="--engine vllm: log-probs per step, -1 = whole vocabulary (exact metrics); "
                                "k > 0 fills the rest with the smallest returned value")
@@ -1214,9 +1225,9 @@ def build_parser() -> Parser:
                        help="accept a reference captured below float32 (refused otherwise); the verdict says so")
     blame.add_argument("--budget", type=positive_int, help="the most validation passes the search may run "
                        "(default: enough for 4 origins and the diffuse heat map)")
-    blame.add_argument("--report-dir", help="folder for blame.html and blame.json (default: the --from-validation "
-                       "folder, where the two reports link, else fxreplace-blame); a validation's folder given here "
-                       "is its --from-validation too")
+    blame.add_argument("--report-dir", help="folder for blame.html and blame.json (default: fxreplace-blame, or the "
+                       "--from-validation folder, where the two reports link); a validation's folder given here is "
+                       "its --from-validation too")
     blame.add_argument("--junit", type=junit_path, metavar="FILE",
                        help="write JUnit XML: one test case per ranked component, failed when it accounts for a share "
                             "of the divergence")

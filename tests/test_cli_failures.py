@@ -222,3 +222,52 @@ def test_hints_point_at_the_actual_fix(tmp_path, capsys, monkeypatch):
     assert exit_code(["blame", str(tmp_path / "clean"), "--reference", str(tmp_path / "ref"), "--dtype", "float32",
                       "--report-dir", str(tmp_path / "blame")]) == 2
     assert f"--clean {tmp_path / 'clean'}`" in last_error_line(capsys)
+
+
+def _fxreplace(args, tmp_path, pythonpath=()):
+    """The command in a subprocess, as a user runs it (no test environment variable besides PYTHONPATH)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), os.getcwd()])
+    return subprocess.run([sys.executable, "-m", "fxreplace", *args], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+
+
+@pytest.fixture
+def vllm_ready(tmp_path):
+    """A checkpoint, prompts and a reference store: everything a vLLM command needs before its engine."""
+    from fxreplace.models import tiny_model
+
+    tiny_model(ARCH).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "p.json").write_text(json.dumps([[1, 2, 3]]))
+    small_store(tmp_path / "ref")
+    return tmp_path
+
+
+def test_a_torch_companion_that_does_not_match_torch_is_one_line_before_the_engine(vllm_ready):
+    """PyPI's torchvision beside the CPU torch fails at import (the operator it registers is missing);
+    vLLM imports it, so the engine would die after its start-up with an 'internal error'."""
+    fake = vllm_ready / "site" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    meta = vllm_ready / "site" / "torchvision-0.29.1.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.29.1\n")
+    done = _fxreplace(["capture", "ckpt", "--engine", "vllm", "--prompts", "p.json", "--out", "new"], vllm_ready,
+                      pythonpath=[vllm_ready / "site"])
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: vLLM cannot load beside torch") and "torchvision 0.29.1" in line
+    assert "hint: pip uninstall -y torchvision torchaudio torchcodec" in line and not (vllm_ready / "new").exists()
+
+
+@pytest.mark.parametrize("command", ["capture", "validate", "blame"])
+def test_every_vllm_command_takes_engine_args_and_checks_the_memory_they_ask_for(vllm_ready, command):
+    """More memory than is free (vLLM's CPU backend reserves gpu_memory_utilization of the machine's)
+    is one line naming the --engine-args that fits, before the engine starts."""
+    rest = (["--prompts", "p.json", "--out", "new"] if command == "capture" else ["--reference", "ref"])
+    done = _fxreplace([command, "ckpt", "--engine", "vllm", *rest, "--engine-args", '{"gpu_memory_utilization": 1.0}'],
+                      vllm_ready)
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: vLLM would reserve 1 of this machine's memory") and "GiB are free" in line, line
+    assert "hint: --engine-args '{\"gpu_memory_utilization\": 0." in line
