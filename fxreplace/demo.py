@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import shutil
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,13 +51,6 @@ class DemoConfig:
 
 
 def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> ValidationResult:
-    with warnings.catch_warnings():
-        # transformers' MoE dispatch calls lru_cache'd version checks that Dynamo warns about, harmlessly
-        warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
-        return _run_demo(cfg, progress)
-
-
-def _run_demo(cfg: DemoConfig, progress: bool) -> ValidationResult:
     from fxreplace.models import get_family, tiny_model
 
     started = time.perf_counter()

@@ -27,7 +27,8 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
-from contextlib import nullcontext
+import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
@@ -117,6 +118,16 @@ def _attention_layout(config) -> tuple[int | None, object]:
     full = copy.deepcopy(text)
     full.layer_types = ["full_attention"] * len(types)
     return text.sliding_window, full
+
+
+@contextmanager
+def _quiet_tracing():
+    """transformers' MoE dispatch calls lru_cache'd version checks that Dynamo warns about while it
+    traces: harmless, and nothing a user can act on (the warning prints file lines that read like
+    a traceback)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+        yield
 
 
 def takes_logits_to_keep(model) -> bool:
@@ -398,7 +409,8 @@ class Runner:
             kwargs["logits_to_keep"] = keep.to(self.device)
         self.forwards += 1
         seen: dict[str, torch.Tensor] = {}
-        with torch.no_grad(), (observe(self.observed, seen.__setitem__) if self.observed is not None else nullcontext()):
+        with torch.no_grad(), (observe(self.observed, seen.__setitem__) if self.observed is not None else nullcontext()), \
+                (_quiet_tracing() if self.compiled else nullcontext()):
             logits = self.model(**kwargs).logits
         # router agreement compares logits: points that compute (weights, ids) pairs have none to offer
         return logits, {name: value.reshape(-1, value.shape[-1]).float().cpu() for name, value in seen.items()
