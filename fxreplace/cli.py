@@ -628,7 +628,7 @@ def _replacement_config(args, **source):
         raise UsageError(str(e), "`fxreplace inspect MODEL` lists the injection points") from None
 
 
-def _report(result, args, extra: str = "") -> int:
+def _report(result, args, reference, extra: str = "") -> int:
     """Write the report, print the summary and verdict; with a gate, the exit code says whether it passed."""
     from .report import print_summary
     from .validation import Gate
@@ -639,6 +639,9 @@ def _report(result, args, extra: str = "") -> int:
     print_summary(result)
     if extra:
         print(extra)
+    mismatch = _another_model(result, args.model, reference)
+    if mismatch:
+        print(mismatch)
     print(f"report: {Path(args.report_dir).resolve() / 'report.html'}")
     if args.junit:
         from .junit import write_validation_junit
@@ -648,6 +651,21 @@ def _report(result, args, extra: str = "") -> int:
         return EXIT_OK
     print(gate.describe(result.gate, result.num_prompts))
     return EXIT_OK if result.gate["passed"] else EXIT_GATE_FAILED
+
+
+def _another_model(result, model: str, reference) -> str:
+    """A target that picks another token than the reference at the first step of every prompt, and
+    whose replaced targets do not change that, is most likely not the model the reference came from."""
+    summary = result.summary()
+    off, on = summary.get("off"), summary.get("on")
+    if not off or len(off["prompts"]) < 2 or any(p["first_divergence"] != 0 for p in off["prompts"].values()):
+        return ""
+    if on and any(p["first_divergence"] != 0 for p in on["prompts"].values()):
+        return ""
+    source = reference.metadata.get("source_model") or "unrecorded"
+    return (f"note: {model} picks another token than the reference at the first step of every prompt, with "
+            f"and without replacement: is it the model the reference was captured from ({source}), or a port of it? "
+            "A model with other weights (another checkpoint of the same architecture) drifts like this from the start")
 
 
 def gate_condition(text: str) -> str:
@@ -763,7 +781,7 @@ def _validate(args) -> int:
     result.replaced = _targets_label(targets)
     result.floor, result.caveat = floor, caveat
     result.program = {"engine": "runner", "compile": bool(args.compile), "dtype": args.dtype}
-    return _report(result, args, f"graphs compiled: {runner.graphs_compiled}" if args.compile else "")
+    return _report(result, args, reference, f"graphs compiled: {runner.graphs_compiled}" if args.compile else "")
 
 
 def _decoder(model: str, reference):
@@ -814,7 +832,7 @@ def _validate_vllm(args) -> int:
     result.replaced = _targets_label(args.target or reference.metadata.get("targets") or [])
     result.floor, result.caveat = floor, caveat
     result.program = {"engine": "vllm", "compile": not args.eager, "dtype": args.dtype}
-    return _report(result, args)
+    return _report(result, args, reference)
 
 
 def _components(specs: list[str]) -> dict:

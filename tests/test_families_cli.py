@@ -38,3 +38,22 @@ def test_capture_validate_blame_a_planted_fault(architecture, tmp_path, capsys):
                 "--report-dir", str(tmp_path / "blame")]) == 0
     origins = json.loads((tmp_path / "blame" / "blame.json").read_text())["origins"]
     assert [o["component"] for o in origins] == ["model.layers.1.self_attn"], capsys.readouterr().out[-2000:]
+
+
+def test_another_checkpoint_of_the_same_architecture_is_named_as_the_likely_cause(tmp_path, capsys):
+    """Other weights than the reference's diverge at the first token of every prompt with and without
+    replacement: validate says the models may differ and names the one the reference records."""
+    arch = "Qwen3MoeForCausalLM"
+    tiny_model(arch, init_std=0.3, seed=1).save_pretrained(tmp_path / "clean")
+    tiny_model(arch, init_std=0.3, seed=7).save_pretrained(tmp_path / "other")
+    (tmp_path / "prompts.json").write_text(json.dumps([list(range(3, 15)), list(range(20, 30)), [5, 9, 2, 7]]))
+    assert cli(["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", "6",
+                "--out", str(tmp_path / "ref")]) == 0
+    for model, named in (("other", True), ("clean", False)):
+        capsys.readouterr()
+        assert cli(["validate", str(tmp_path / model), "--reference", str(tmp_path / "ref"), "--dtype", "float32",
+                    "--report-dir", str(tmp_path / f"out-{model}")]) == 0
+        out = capsys.readouterr().out
+        note = (f"note: {tmp_path / 'other'} picks another token than the reference at the first step of every prompt, "
+                f"with and without replacement: is it the model the reference was captured from ({tmp_path / 'clean'})")
+        assert (note in out) is named, out[-1500:]
