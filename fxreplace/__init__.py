@@ -1,8 +1,9 @@
 """fxreplace: inject reference tensors into compiled LLM graphs to find which component drifts.
 
 What a user calls is here: instrument a model, build replacement contexts from a reference
-store, capture a reference, validate and blame, run the bucketed runner (each loads its module when first used). Plumbing (the graph pass, the runtime op, prompt matching, file formats) lives in
-the submodules.
+store, capture a reference, validate and blame, run the bucketed runner (each name loads its
+module when first used). Plumbing (the graph pass, the runtime op, prompt matching, file
+formats) lives in the submodules.
 """
 
 from __future__ import annotations
