@@ -230,7 +230,8 @@ def check_model_dir(spec: str, error=UsageError) -> None:
 
         if (path / INDEX_FILE).is_file() or (path / TENSORS_FILE).is_file():
             raise error(f"{spec} is a reference store, not a model directory; hint: "
-                        f"`fxreplace inspect --verify {spec}` checks a store")
+                        f"`fxreplace inspect --verify {spec}` checks a store; were the two swapped? the model comes "
+                        f"first and the store after --reference: MODEL --reference {spec}")
         raise error(f"{spec} holds no config.json: not a Hugging Face model directory; hint: "
                     "save the model with save_pretrained(DIR)")
 

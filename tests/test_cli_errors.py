@@ -50,6 +50,10 @@ def test_inspect_on_a_reference_store_points_at_verify(tmp_path, capsys, no_mode
     ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=[[1, 2]]).save(tmp_path / "ref")
     err = fails(["inspect", str(tmp_path / "ref")], capsys)
     assert "is a reference store, not a model directory; hint: `fxreplace inspect --verify" in err
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    err = fails(["validate", str(tmp_path / "ref"), "--reference", str(tmp_path / "ckpt")], capsys)  # swapped
+    assert f"were the two swapped? the model comes first and the store after --reference: MODEL --reference {tmp_path / 'ref'}" in err
 
 
 def test_a_wrong_target_is_one_line_with_the_close_matches_and_debug_adds_the_traceback(tmp_path, capsys):
