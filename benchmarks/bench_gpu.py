@@ -131,7 +131,6 @@ def step_costs(device, args, rows):
     for mode, compile_mode in (("cuda graphs", "reduce-overhead"), ("eager", None)):
         if compile_mode:
             torch._dynamo.reset()
-            graphs = CompileCounterWithBackend("inductor")
             models = {name: torch.compile(m, mode=compile_mode) for name, m in
                       (("plain", plain), ("plain_twin", twin), ("instrumented", target))}
         else:

@@ -120,7 +120,7 @@ def load_model(spec: str, dtype=None, dispatch: dict | None = None, device: str 
                              "in memory", "save it with save_pretrained(DIR) and capture DIR")
         from fxreplace.models import tiny_model
 
-        return tiny_model(spec.removeprefix("builtin:")).to(dtype).to(device or "cpu")
+        return tiny_model(spec.removeprefix("builtin:")).to(device or "cpu", dtype)
     check_model_dir(spec)
     try:
         model = load_checkpoint(spec, dtype, dispatch)

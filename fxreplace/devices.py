@@ -23,10 +23,10 @@ def input_device(model: torch.nn.Module) -> torch.device:
 def computes_on(module: nn.Module) -> torch.device | None:
     """The device of a module's first parameter or buffer (None when it has none, or when its
     weights are offloaded and only accelerate's hook knows where it runs)."""
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if tensor.device.type != "meta":
-            return tensor.device
-        hook = getattr(module, "_hf_hook", None)
-        device = getattr(hook, "execution_device", None)
-        return torch.device(device) if device is not None else None
-    return None
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    if first is None:
+        return None
+    if first.device.type != "meta":
+        return first.device
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    return None if device is None else torch.device(device)

@@ -140,8 +140,6 @@ def check_reference_precision(reference, allow: bool = False, option: str = "all
             "so 'no divergence' here is no all-clear")
 
 
-
-
 def save_floor(floor: NoiseFloor, directory) -> Path:
     """Store ``floor`` in the reference directory ``directory`` (beside floors of other dtypes)."""
     path = Path(directory) / FLOOR_FILE

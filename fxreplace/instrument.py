@@ -365,7 +365,7 @@ class Instrumentation:
         # iterating would make it guard on the order in which the context lists its names.
         tensors = ({name: replacements[name] for name in names if name in replacements} if is_context
                    else {name: replacements[name] for name in replacements})
-        if (len(replacements) if is_context else tensors) and not any(name in tensors for name in names):
+        if len(replacements) and not any(name in tensors for name in names):
             raise KeyError(f"no replacement name {sorted(replacements)} matches a target capture name {names}")
         # A context may carry more capture names than this model instruments (e.g. one layer
         # of a full reference); names typed into a dict must each name a target.
@@ -403,9 +403,10 @@ class Instrumentation:
     def _check_watched(self, model: nn.Module) -> None:
         """The targets this forward watched (see :class:`_Watched`): read ones are proven live
         and no longer watched; one that no op read is dead, an error naming the point that works."""
-        dead = [slot for slot in self.unproven if slot.read is False]
-        for slot in self.unproven:
-            slot.unproven, slot.read = slot.read is not True and slot.unproven, None
+        watched = [slot for slot in self.unproven if slot.read is not None]
+        dead = [slot for slot in watched if not slot.read]
+        for slot in watched:
+            slot.unproven, slot.read = not slot.read, None
         self.unproven = [slot for slot in self.unproven if slot.unproven]
         if dead:
             self.reset()

@@ -209,7 +209,7 @@ class Runner:
         self.dtype = dtype
         # where the model's inputs, caches and contexts go: by default where the model is
         self.device = torch.device(device) if device is not None else (
-            input_device(model) if isinstance(model, torch.nn.Module) else torch.device("cpu"))
+            input_device(self._eager) if self._eager is not None else torch.device("cpu"))
         self._caches: dict[tuple[str, int], StaticCache] = {}
         self._window, self._cache_config = _attention_layout(config)
         self._ids = itertools.count()
