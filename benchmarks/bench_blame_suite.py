@@ -6,14 +6,16 @@ does not (OLMoE, Qwen2-MoE, Qwen2: blame gets their components as ``{kind: Targe
 are planted in a copy of the clean model's weights, one of each kind blame names: an attention
 projection (q/k/v/o), router rows, one expert's projection (dense: the MLP's), the input and
 post-attention norms, the final norm, an embedding row; singly, paired in different layers and
-in the same layer, three at once, on top of bf16 drift; plus a clean fp32 copy and pure bf16
-drift.
+in the same layer, three at once, on top of bf16 drift (the fault dominating it, and a smaller one
+beside a substantial drift: blamed without and with a noise floor); plus a clean fp32 copy and pure
+bf16 drift.
 
 Ground truth comes from an oracle that does not use blame's search: the target is run
 teacher-forced on the reference's sequences with each planted module's output replaced by the
 clean model's (forward hooks), and a fixture is kept only when replacing every planted module
-removes >= 90% of the divergence (blame's EXPLAINS) and each one adds >= 10% (SIGNIFICANT)
-beside the others; the rest are re-drawn (up to ``--redraws`` times) and reported. Expected
+removes >= 90% of the divergence (blame's EXPLAINS; a fault on substantial drift: 50-90%, the rest
+being the drift) and each one adds >= 10% (SIGNIFICANT) beside the others; the rest are re-drawn (up
+to ``--redraws`` times) and reported. Expected
 origins: an attention projection or the input norm -> the layer's ``attention``; router rows
 -> ``router``; an expert, the MLP or the post-attention norm -> the layer's ``experts``/``mlp``;
 an embedding row -> the ``embedding`` (declared by every family: layer 0's input); the final norm ->
@@ -48,6 +50,9 @@ from fxreplace.targets import Target
 MOE_KINDS = ["attention_proj", "input_norm", "router_rows", "expert", "post_norm", "final_norm", "embedding"]
 DENSE_KINDS = ["attention_proj", "input_norm", "mlp_proj", "post_norm", "final_norm", "embedding"]
 FINAL = ("final", None)  # what blame names for a fault after the decoder layers
+#: a smaller fault beside a substantial bf16 drift: the fault removes 50-90% of the divergence (the oracle), the
+#: drift the rest; blamed without a floor and with one, it must be named alone
+FAULT_ON_DRIFT = "fault on drift"
 
 
 @dataclass(frozen=True)
@@ -99,10 +104,12 @@ class Fault:
     detail: str = ""
 
 
-def plant(model, kind: str, layer: int, rng: random.Random, block: str, tokens: list[int]) -> Fault:
-    """Perturb ``model`` in place; the fault it now holds."""
+def plant(model, kind: str, layer: int, rng: random.Random, block: str, tokens: list[int],
+          size: float | None = None) -> Fault:
+    """Perturb ``model`` in place; the fault it now holds (``size``: relative to the weights' spread,
+    default 0.5-1)."""
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    size = rng.uniform(0.5, 1.0)  # relative to the weights' spread
+    size = rng.uniform(0.5, 1.0) if size is None else size
 
     def noise(w):
         w.add_(size * w.std() * torch.randn(w.shape, generator=g))
@@ -192,15 +199,17 @@ def removed(off: dict, on: dict) -> float:
     return min(parts) if parts else 0.0
 
 
-def decide(clean, target, reference, faults: list[Fault]) -> str | None:
-    """None when the oracle confirms the faults as the fixture's ground truth, else why not."""
+def decide(clean, target, reference, faults: list[Fault], explain: tuple[float, float] = (EXPLAINS, 1.0)) -> str | None:
+    """None when the oracle confirms the faults as the fixture's ground truth (replaced together, they
+    remove a part of the divergence within ``explain``), else why not."""
     modules = [f.module for f in faults]
     sets = [[], modules] + ([[m for m in modules if m != f.module] for f in faults] if len(faults) > 1 else [])
     off, together, *without = oracle(clean, target, reference, sets)
     if not off["diverged"]:
         return "the target does not diverge"
-    if removed(off, together) < EXPLAINS:
-        return f"the planted modules replaced explain {removed(off, together):.0%} (< {EXPLAINS:.0%})"
+    if not explain[0] <= removed(off, together) <= explain[1]:
+        return (f"the planted modules replaced explain {removed(off, together):.0%} (not within "
+                f"{explain[0]:.0%}-{explain[1]:.0%})")
     for f, rest in zip(faults, without):
         if removed(off, together) - removed(off, rest) < SIGNIFICANT:
             return f"{f.kind} at layer {f.layer} adds {removed(off, together) - removed(off, rest):.0%} beside the others"
@@ -211,11 +220,13 @@ def decide(clean, target, reference, faults: list[Fault]) -> str | None:
 
 def named(result) -> list[tuple]:
     """What a blame result names, in its ranking's order: (kind, layer) per origin (a layer no kind
-    explains as ("layer", L)), then FINAL when a significant part arises after the last layer."""
+    explains as ("layer", L)) or candidate (a target below float32 without a floor: the strongest
+    components beside a diffuse drift, which its verdict names), then FINAL when a significant part
+    arises after the last layer."""
     off = next((p for p in result.passes if not p.replaced), None)
     if off is not None and off.steps_diverged == 0 and not off.nonfinite:
         return []  # nothing diverges: nothing to name
-    out = [(o.kind if o.component else "layer", o.layer) for o in result.origins]
+    out = [(o.kind if o.component else "layer", o.layer) for o in result.origins + getattr(result, "candidates", [])]
     last = result.layer_shares[-1] if result.layer_shares else None
     if last is not None and last.layer == max(result.layers) and last.explained is not None \
             and 1 - last.explained >= SIGNIFICANT and not result.diffuse:
@@ -234,11 +245,12 @@ def score(expected: list[tuple], result) -> dict:
 
 
 def drift_right(case: str, result) -> bool:
-    """Pure bf16 drift: diffuse, or within the noise floor; the clean copy: no divergence at all."""
+    """Pure bf16 drift (with a floor or without): diffuse, or within the noise floor, no origin named; the
+    clean copy: no divergence at all."""
     floor = getattr(result, "floor", None) or {}
-    if case == "clean fp32":
+    if case.startswith("clean fp32"):
         return not result.origins and not result.diffuse and not named(result)
-    return bool(result.diffuse or floor.get("within"))
+    return bool(result.diffuse or floor.get("within")) and not result.origins
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -262,14 +274,17 @@ def case_plan(kinds: list[str], rng: random.Random, singles: int) -> list[tuple[
     plan.append(("triple", rng.sample(layered, 3), False))
     plan.append(("on bf16 drift", [rng.choice(["attention_proj", "router_rows" if "router_rows" in kinds else "mlp_proj"])],
                  True))
+    plan.append((FAULT_ON_DRIFT, [rng.choice(["attention_proj", "mlp_proj" if "mlp_proj" in kinds else "expert"])], True))
     return plan
 
 
-def run_case(case: Case, target, reference, components) -> dict:
+def run_case(case: Case, target, reference, components, clean=None, name: str | None = None) -> dict:
+    """Blame ``target`` (``clean``: the clean model given, as `blame --clean`: the noise floor is measured from
+    it; ``name``: the row's case, default the case's)."""
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if case.bf16 else None
-    result = blame(target, reference, components=components, dtype=dtype, progress=False)
-    row = {"family": case.family, "case": case.name, "bf16": case.bf16,
+    result = blame(target, reference, components=components, dtype=dtype, clean=clean, progress=False)
+    row = {"family": case.family, "case": name or case.name, "bf16": case.bf16,
            "planted": [(f.kind, f.layer, f.detail) for f in case.faults], "expected": [f.expected for f in case.faults],
            "passes": len(result.passes), "rounds": result.rounds, "seconds": time.perf_counter() - t0,
            "one_by_one": 1 + len(resolve_components(target, components or family_components(target))),
@@ -319,14 +334,22 @@ def run_family(spec: FamilySpec, args) -> tuple[list[dict], list[str]]:
         if case is None:
             refused.append(f"{spec.arch} {name}: undecidable after {args.redraws + 1} draws (not run)")
             continue
-        rows.append(run_case(case[0], case[1], reference, components))
+        if name == FAULT_ON_DRIFT:  # the same target without a floor, then with the clean model (the floor measured)
+            rows.append(run_case(case[0], case[1], reference, components, name=f"{name}, no floor"))
+            print(line(rows[-1]), flush=True)
+            rows.append(run_case(case[0], case[1], reference, components, clean=clean, name=f"{name}, floor"))
+        else:
+            rows.append(run_case(case[0], case[1], reference, components))
         print(line(rows[-1]), flush=True)
     rows.append(run_case(Case(spec.arch, "clean fp32", drift=True), clean, reference, components))
     print(line(rows[-1]), flush=True)
     # pure bf16 drift needs prompts on which the bf16 copy diverges at all: re-drawn (longer) until it does
     for _ in range(args.redraws + 1):
         if oracle(clean, copy.deepcopy(clean).to(torch.bfloat16), reference, [[]])[0]["diverged"]:
-            rows.append(run_case(Case(spec.arch, "pure bf16", bf16=True, drift=True), clean, reference, components))
+            pure = Case(spec.arch, "pure bf16", bf16=True, drift=True)
+            rows.append(run_case(pure, clean, reference, components))
+            print(line(rows[-1]), flush=True)
+            rows.append(run_case(pure, clean, reference, components, clean=clean, name="pure bf16, floor"))
             print(line(rows[-1]), flush=True)
             break
         refused.append(f"{spec.arch} pure bf16: the bf16 copy does not diverge on {reference.num_prompts} prompts x "
@@ -343,16 +366,24 @@ def draw(spec, clean, reference, name, kinds, bf16, rng, redraws, layers):
     block = "experts" if spec.moe else "mlp"
     tokens = sorted({t for p in range(reference.num_prompts) for t in reference.prompt_tokens(p)})
     refused = []
-    for _ in range(redraws + 1):
+    on_drift = name == FAULT_ON_DRIFT
+    # a fault on substantial drift: small enough for the drift to hold 10-50% of the divergence; its size (relative
+    # to the weights' spread) halves after a draw the fault dominates and doubles after one the drift does
+    size = 0.15 if on_drift else None
+    for _ in range(2 * redraws + 1 if on_drift else redraws + 1):
         target = copy.deepcopy(clean)
         where = [rng.randrange(layers)] * 2 if name == "pair, same layer" else rng.sample(range(layers), len(kinds))
-        faults = [plant(target, k, layer, rng, block, tokens) for k, layer in zip(kinds, where)]
+        faults = [plant(target, k, layer, rng, block, tokens, size) for k, layer in zip(kinds, where)]
         if bf16:
             target.to(torch.bfloat16)
-        why = decide(clean, target, reference, faults)
+        why = decide(clean, target, reference, faults, (0.5, EXPLAINS) if on_drift else (EXPLAINS, 1.0))
         if why is None:
             return (Case(spec.arch, name, faults, bf16), target), refused
-        refused.append(f"{', '.join(f'{f.kind}@{f.layer}' for f in faults)}: {why}")
+        refused.append(f"{', '.join(f'{f.kind}@{f.layer}' for f in faults)}"
+                       f"{f' (size {size:.2g})' if on_drift else ''}: {why}")
+        if on_drift:
+            off, together = oracle(clean, target, reference, [[], [f.module for f in faults]])
+            size = size / 2 if removed(off, together) > EXPLAINS else size * 2
     return None, refused
 
 

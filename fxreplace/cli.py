@@ -554,7 +554,7 @@ def _capture_vllm(args) -> int:
     """Capture through a vLLM engine in capture mode (see :mod:`fxreplace.vllm.capture`)."""
     if not Path(args.model).is_dir():
         raise UsageError(f"--engine vllm needs a local checkpoint directory, got {args.model!r}")
-    engine_args = _engine_args(args.engine_args)
+    engine_args = _engine_args(args)
     with open(Path(args.model) / "config.json") as f:
         vocab_size = json.load(f)["vocab_size"]
     ids = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)[0]
@@ -589,11 +589,12 @@ def vllm_capture_state(out) -> str:
             f" and {MERGED_DIR}: {store_state(merged)}")
 
 
-def _engine_args(text: str) -> dict:
+def _engine_args(args) -> dict:
     """``--engine-args``: a JSON object of ``vllm.LLM`` keyword arguments, checked against what this
-    machine can start (:mod:`fxreplace.vllm.preflight`) before any engine does."""
+    machine can start (:mod:`fxreplace.vllm.preflight`) before any engine does. An engine's start
+    interrupted says what the command left (:mod:`fxreplace.vllm.startup`)."""
     try:
-        engine_args = json.loads(text)
+        engine_args = json.loads(args.engine_args)
     except json.JSONDecodeError as e:
         raise UsageError(f"--engine-args is not JSON: {e}") from None
     if not isinstance(engine_args, dict):
@@ -604,6 +605,9 @@ def _engine_args(text: str) -> dict:
         check_engine_start(engine_args)
     except EngineSetupError as e:
         raise UsageError(e.problem, e.fix) from None
+    from .vllm import startup
+
+    startup.last_words = lambda: str(args.produced)
     return engine_args
 
 
@@ -808,7 +812,7 @@ def _validate_vllm(args) -> int:
         raise UsageError("--compile is for --engine runner; vLLM compiles by default (--eager to disable)")
     if args.logprobs == 0 or args.logprobs < -1:
         raise UsageError(f"--logprobs must be -1 (whole vocabulary) or a positive count, got {args.logprobs}")
-    engine_args = _engine_args(args.engine_args)
+    engine_args = _engine_args(args)
     reference = load_reference_arg(args.reference)
     caveat = _reference_caveat(args, reference)
     check_reference_matches(reference, args.reference, args.model, model_architecture(args.model))
@@ -898,7 +902,7 @@ def _blame(args) -> int:
 
     _program_of_validation(args)
     dispatch_args(args)  # its mistakes before anything loads
-    engine_args = _engine_args(args.engine_args) if args.engine == "vllm" else {}
+    engine_args = _engine_args(args) if args.engine == "vllm" else {}
     reference = load_reference_arg(args.reference)
     _reference_caveat(args, reference)  # refused here; blame() states the caveat
     check_writable_dir(args.report_dir, "--report-dir")

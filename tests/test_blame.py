@@ -262,14 +262,17 @@ def prompt_set(seed, n=2):
 @pytest.mark.parametrize("model_seed, prompt_seed", [(0, 0), (3, 3)])
 def test_bf16_drift_is_diffuse_for_other_weights_and_prompts(model_seed, prompt_seed):
     """Precision drift leaves a substantial part in the layers holding no origin, whichever
-    layer holds the largest part (here layer 0: 72%); a planted fault leaves them at ~0."""
+    layer holds the largest part (here layer 0: 72%); a planted fault leaves them at ~0. Without a
+    noise floor, the strongest component beside it is a candidate the verdict names, never an origin."""
     clean = tiny_model(ARCH, num_hidden_layers=LAYERS, seed=model_seed)
     g = torch.Generator().manual_seed(prompt_seed)
     texts = [torch.randint(0, 128, (int(torch.randint(8, 25, (1,), generator=g)),), generator=g).tolist() for _ in range(2)]
     reference = capture_reference(clean, texts, [], 2 * NEW, components=get_family(ARCH).components, progress=False)
     result = blame(clean, reference, dtype=torch.bfloat16, progress=False)
     assert result.diffuse and not result.confident and result.verdict.startswith("diffuse drift"), result.verdict
-    assert "where a fault leaves ~0" in result.verdict or f"more than {MAX_ORIGINS} places" in result.verdict
+    assert not result.origins and ("as precision drift does" in result.verdict or "without a noise floor" in result.verdict
+                                   or f"more than {MAX_ORIGINS} places" in result.verdict), result.verdict
+    assert all(o.component in result.verdict for o in result.candidates)
     assert max(s.share for s in result.layer_shares) > 0.5  # one layer holds most, yet no component is the fix
 
 

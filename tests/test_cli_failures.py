@@ -120,6 +120,10 @@ def test_capture_checks_its_out_folder_before_it_runs(tmp_path, capsys, no_model
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
 
 
+#: a KV cache that fits beside other jobs: the checks under test come after the engine's memory check
+FITTING = ["--engine-args", '{"gpu_memory_utilization": 0.2}']
+
+
 def test_a_vllm_capture_refuses_an_out_holding_a_store_before_the_engine_starts(tmp_path, capsys, monkeypatch):
     from fxreplace.vllm.testing import save_tiny_checkpoint
 
@@ -131,7 +135,7 @@ def test_a_vllm_capture_refuses_an_out_holding_a_store_before_the_engine_starts(
 
     monkeypatch.setattr(fxreplace.vllm.capture, "capture_with_vllm", lambda *a, **k: pytest.fail("the engine started"))
     assert exit_code(["capture", str(ckpt), "--engine", "vllm", "--prompts", str(tmp_path / "p.json"),
-                      "--out", str(tmp_path / "ref")]) == 2
+                      "--out", str(tmp_path / "ref"), *FITTING]) == 2
     err = one_error_line(capsys)
     assert "holds a loadable store of 1 prompt; the capture would fail at its end; hint: give a new or empty --out" in err
 
@@ -148,7 +152,7 @@ def test_a_prompt_given_twice_is_refused_before_the_engine_starts(tmp_path, caps
     capsys.readouterr()
     monkeypatch.setattr(fxreplace.vllm.capture, "capture_with_vllm", lambda *a, **k: pytest.fail("the engine started"))
     assert exit_code(["capture", str(ckpt), "--engine", "vllm", "--prompts", str(tmp_path / "p.json"),
-                      "--out", str(tmp_path / "ref")]) == 2
+                      "--out", str(tmp_path / "ref"), *FITTING]) == 2
     err = one_error_line(capsys)
     assert err.startswith(f"error: {tmp_path / 'p.json'}: prompt {len(prompts) - 1} has the same token ids as prompt 0")
     assert err.endswith("hint: give each prompt once, as token ids below the model's vocab_size (128) or as text"), err

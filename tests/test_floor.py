@@ -128,6 +128,33 @@ def test_a_fault_on_bf16_drift_is_the_first_origin_well_above_the_floor(setups, 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_fault_on_substantial_drift_is_named_alone_with_a_floor_or_without(setups, family):
+    """A fault about the size of the precision drift beside it (the target 1.4x-10x its floor: within it
+    for Llama): given the clean model, blame names the faulty component alone, with its share, its
+    multiple of the floor and what it removes beyond the drift arising there, where the floor alone
+    ("within precision noise") would hide it; without a floor, it names no drift as an origin, the
+    precision's own parts (a layer no kind explains, a kind beside the fault) stay unnamed."""
+    clean, components, _, reference, _ = setups(family)
+    target = scaled_attention(clean, 2, 1.06)
+    fault_part = 1 - oracle_kl(clean, reference, torch.bfloat16) / oracle_kl(target, reference, torch.bfloat16)
+    assert 0.25 < fault_part < 0.95
+    floored = blame(target, reference, components=components, dtype=torch.bfloat16, clean=clean, progress=False)
+    assert [(o.component, o.layer) for o in floored.origins] == [("model.layers.2.self_attn", 2)], floored.verdict
+    first = floored.origins[0]
+    assert first.share >= 0.25 and f"{first.share / floored.floor['noise_share']:.2g}x the floor" in floored.verdict
+    if first.share < floored.floor["noise_share"]:  # less than the floor's whole part: told by the drift arising there
+        assert first.drift is not None and first.share - first.drift >= 0.1
+        assert "beyond the precision drift arising there" in floored.verdict
+    if floored.floor["within"]:  # within the noise as a whole, yet the fault is named
+        assert floored.verdict.startswith("within precision noise: ") and first.drift is not None and \
+            "1 source the precision noise does not explain: layer 2 attention" in floored.verdict, floored.verdict
+    bare = blame(target, reference, components=components, dtype=torch.bfloat16, progress=False)
+    named = [(o.component, o.layer) for o in bare.origins + bare.candidates]
+    assert set(named) <= {("model.layers.2.self_attn", 2)}, bare.verdict
+    assert all(o.component for o in bare.origins) and "no scale" in bare.verdict
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_two_faults_in_one_layer_are_both_named(setups, family):
     clean, components, block, reference, _ = setups(family)
     target = scaled_attention(clean, 1, 1.5)

@@ -324,6 +324,56 @@ def test_a_generation_longer_than_its_first_logits_allocation_keeps_every_row():
     assert np.shares_memory(record.generated_logits(8), record.logits)  # full: no copy
 
 
+def test_ctrl_c_while_the_vllm_engine_starts_exits_130_within_seconds_leaving_nothing(setup, tmp_path):
+    """A terminal's Ctrl-C while `fxreplace capture --engine vllm` starts its engine (the worker
+    loading the model, the command waiting for the engine core in a zmq poll that drops the
+    KeyboardInterrupt): exit 130 within seconds with the command's one line, the engine's processes
+    and shared memory gone. vLLM's default multiprocessing engine, as a user runs it."""
+    out = tmp_path / "out"
+    env = engine_env()
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the engine core in a process of its own, vLLM's default
+    remove_leaked_shm()
+    segments_before = shm.segments()
+    proc = subprocess.Popen([sys.executable, "-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--eager",
+                             "--prompts", str(setup.prompts_path), "--out", str(out), "--max-new-tokens", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True, preexec_fn=sigint_as_at_a_terminal)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any("Starting to load model" in line for line in lines):  # the worker's log: the engine starts
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        assert proc.wait(timeout=60) == 130, "".join(lines)[-3000:]
+        assert time.monotonic() - interrupted < 20, "".join(lines)[-3000:]  # not vLLM's 600 s start timeout
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    text = "".join(lines)
+    assert "Timed out" not in text and lines[-1].startswith("interrupted: --out "), text[-3000:]
+    assert not out.exists() or not any(out.iterdir())
+    assert group_gone(proc.pid, within_s=10)  # the engine core and its worker went with the command
+    assert shm.unused(shm.segments() - segments_before) == []
+
+
+def group_gone(pgid: int, within_s: float) -> bool:
+    """Whether the process group ``pgid`` is gone within ``within_s`` (a killed process's parent, killed too,
+    leaves it to init to reap)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_ctrl_c_during_a_vllm_capture_exits_130_with_one_line_and_the_written_prompts_loadable(setup, tmp_path):
     """A terminal's Ctrl-C (SIGINT to the process group) while `fxreplace capture --engine vllm`
     generates: one line saying what --out holds, exit 130, the prompts written so far load, and the

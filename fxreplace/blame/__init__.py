@@ -109,11 +109,12 @@ def refuse_missing(reference, components: Sequence[Component], model_hint: str =
 def search(engine, reference, components: Sequence[Component], *, tolerances: Tolerances = Tolerances(),
            prompts: Sequence[int] | None = None, budget: int | None = None, probes: int = PROBES,
            progress: bool = True, supply=None, observe=None, floor=None, dtype: str | None = None,
-           batch_rows: int | None = None) -> BlameResult:
+           batch_rows: int | None = None, drift_of=None) -> BlameResult:
     """The search of :mod:`fxreplace.blame.search` over ``components`` through ``engine``; ``floor``
     (:class:`fxreplace.floor.NoiseFloor`) scales it, else a target below float32 (``dtype``) is
     told its verdict has no scale. ``batch_rows``: the requests ``engine`` runs in one batch (default:
-    a round of ``probes`` streams and "off")."""
+    a round of ``probes`` streams and "off"). ``drift_of``: each of the given capture names' part of the floor
+    (:func:`precision_drift`)."""
     if not components:
         raise BlameError("no components to search: give the family's components or your own")
     indices = check_inputs(reference, architecture=None, vocab_size=None, what="the target", prompts=prompts)
@@ -125,7 +126,7 @@ def search(engine, reference, components: Sequence[Component], *, tolerances: To
     unscaled = no_scale(dtype) if dtype and dtype not in ("float32", "float64") else ""
     result = Search(engine, reference, components, tolerances=tolerances, prompts=indices, budget=budget,
                     probes=probes, progress=progress, supply=supply, observe=observe, floor=floor,
-                    unscaled=unscaled, batch_rows=batch_rows).run()
+                    unscaled=unscaled, batch_rows=batch_rows, drift_of=drift_of).run()
     return result
 
 
@@ -232,9 +233,13 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
                 floor = measure_floor(clean if isinstance(clean, nn.Module) else clean(), reference, dtype,
                                       prompts=indices)
                 floor_seconds = floor.seconds
+        drift_of = None
+        if clean is not None and floor is not None:
+            def drift_of(names):
+                return precision_drift(clean, on_demand.store(), reference, dtype, comps, names, indices, probes)
         result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
                         progress=progress, supply=supply if on_demand else None, observe=observe, floor=floor,
-                        dtype=name, batch_rows=max(engine.cfg.batch_buckets))
+                        dtype=name, batch_rows=max(engine.cfg.batch_buckets), drift_of=drift_of)
     finally:
         if model is target:
             uninstrument(model)
@@ -244,6 +249,24 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
     if on_demand:
         result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds - before_search
     return result
+
+
+def precision_drift(clean, store, reference, dtype: torch.dtype, components: Sequence[Component], names: Sequence[str],
+                    prompts: Sequence[int], probes: int = PROBES) -> dict[str, float]:
+    """The part of the noise floor each component of ``names`` removes when replaced in the clean model
+    run in ``dtype`` (``clean``: it, or a function loading it): the precision drift arising there, which a
+    target's replacement of it removes too, fault or none."""
+    from ..instrument import instrument
+
+    loaded = clean if isinstance(clean, nn.Module) else clean()
+    model = copy.deepcopy(loaded).to(dtype)  # instrumented: the caller's clean model stays as it is
+    chosen = [c for c in components if c.capture_name in set(names)]
+    instrument(model, [c.target for c in chosen])
+    engine = blame_runner(model, model.config, store, reference, prompts, chosen, probes=probes)
+    floor = Search(engine, reference, chosen, tolerances=Tolerances(), prompts=prompts, budget=len(chosen) + 1,
+                   probes=probes, progress=False, supply=None, observe=None)
+    (_, floor.off_summary), *_ = floor.measure([()] + [[c.capture_name] for c in chosen])
+    return {c.capture_name: floor.E([c.capture_name]) for c in chosen}
 
 
 #: the most requests the embedded runner decodes in one batch (a blame round beyond it runs in several)

@@ -83,10 +83,15 @@ class Origin:
     kind: str | None
     kinds_tried: list[str] = field(default_factory=list)
     beside: list[str] = field(default_factory=list)  # replaced beside it when it was measured: earlier origins, its layer's other guilty kinds
+    # of its share, the precision drift arising there (its replacement in the clean model in the target's precision);
+    # None: not measured
+    drift: float | None = None
 
     def describe(self, noise: float | None = None) -> str:
         """``noise``: the floor's part of the divergence; the origin's part is then also a multiple of it."""
         scale = f", {times(self.share / noise)} the floor" if noise else ""
+        if self.drift is not None:
+            scale += f"; {pct(self.share - self.drift)} beyond the precision drift arising there"
         if self.component is None:
             return (f"layer {self.layer} ({pct(self.share)}{scale}): none of {'/'.join(self.kinds_tried) or 'its kinds'} "
                     "explains it, alone or together; look at the norms or the residual path")
@@ -138,6 +143,9 @@ class BlameResult:
     # "within" (precision noise), "noise_share" (the floor's part of the divergence), "floor" (its measures)};
     # None: no floor, no scale
     floor: dict | None = None
+    # a target below float32 without a floor: the strongest components beside a diffuse drift, named by the verdict
+    # but no origins (no scale tells a fault there from the precision)
+    candidates: list[Origin] = field(default_factory=list)
     floor_seconds: float = 0.0  # of ``seconds``, measuring the floor (0 when the reference stored it)
     program: dict = field(default_factory=dict)  # what was examined: {"engine", "compile", "dtype"}
     thresholds: dict = field(default_factory=lambda: {"explains": EXPLAINS, "significant": SIGNIFICANT,
@@ -155,6 +163,7 @@ class BlameResult:
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "confident": self.confident, "diffuse": self.diffuse,
                 "origin_layer": self.origin_layer, "origins": [asdict(o) for o in self.origins],
+                "candidates": [asdict(o) for o in self.candidates],
                 "explained": self.explained, "nonfinite": asdict(self.nonfinite) if self.nonfinite else None,
                 "passes": len(self.passes), "rounds": self.rounds, "budget": self.budget,
                 "budget_spent": self.budget_spent, "captured": self.captured, "seconds": self.seconds,

@@ -93,10 +93,17 @@ class Search:
 
     def __init__(self, engine, reference, components, *, tolerances: Tolerances, prompts: Sequence[int],
                  budget: int | None, probes: int, progress: bool, supply: Callable[[Collection[str]], None] | None,
-                 observe: Callable | None, floor=None, unscaled: str = "", batch_rows: int | None = None):
+                 observe: Callable | None, floor=None, unscaled: str = "", batch_rows: int | None = None,
+                 drift_of: Callable[[list[str]], dict[str, float]] | None = None):
         self.engine, self.reference, self.components = engine, reference, list(components)
         # the noise floor (fxreplace.floor): what exceeds it is attributed, what it explains is precision noise
         self.floor, self.unscaled = floor, unscaled
+        # a target below float32 drifts by itself: a part of its divergence may be precision drift, not a fault
+        self.drifts = floor is not None or bool(unscaled)
+        self.drift: list[Origin] = []  # parts the search replaced on its way that precision drift may explain
+        self.candidates: list[Origin] = []  # without a floor: the strongest components beside a diffuse drift
+        # with the clean model: the part of the floor each component's replacement removes in the clean model itself
+        self.drift_of = drift_of
         self.noise = 0.0  # the floor's part of the divergence: set once the target without replacement is measured
         self.significant = SIGNIFICANT  # the least part an origin adds: SIGNIFICANT, or the floor's part when larger
         self.tolerances, self.indices, self.progress = tolerances, list(prompts), progress
@@ -199,10 +206,9 @@ class Search:
             nonfinite = self._first_nonfinite()
             return self._result([], nonfinite, False, False, started, nonfinite.describe() + "." if nonfinite else
                                 "the target's logits hold NaN/inf; no observing engine to say where they first appear.")
-        if self.floor is not None and self.floor.within(self.off_summary):
-            return self._result([], None, True, False, started, f"within precision noise: the target is "
-                                f"{self.floor.describe(self.off_summary).split(': ', 1)[1]}; no component stands "
-                                "above the floor, so there is nothing to blame beyond the precision itself.")
+        # within the floor as a whole, the target may still hold a component whose replacement removes more than
+        # the precision alone causes: the search looks for it at the floor's scale
+        within = self.floor is not None and self.floor.within(self.off_summary)
         try:
             base: list[str] = []
             start = 0  # index into stream_layers
@@ -222,13 +228,28 @@ class Search:
                         self.floor is not None and self.floor.within(left)):  # what is left is precision noise
                     break
                 start = (self.stream_layers.index(origin.layer) + 1) % len(self.stream_layers)
+            if self.drifts:
+                origins = self._without_drift(origins)
+            if self.floor is not None and self.drift_of is not None and not origins:
+                origins = self._beyond_own_drift()
             last = self.stream_layers[-1] if self.stream_layers else None
             if last is not None:  # probed in the first round
                 after_layers = self.E([self.streams[last].capture_name])
-            if self.floor is not None:  # beyond the floor, yet no component and no layer stands above it
-                diffuse = not origins or len(origins) > MAX_ORIGINS
+                if self.drifts and 1 - after_layers < self._least(origins):
+                    after_layers = None  # what arises after the layers stands no higher than the drift
+            if within and not origins:
+                return self._result([], None, True, False, started, f"within precision noise: the target is "
+                                    f"{self.floor.describe(self.off_summary).split(': ', 1)[1]}; no component stands "
+                                    "above the floor, so there is nothing to blame beyond the precision itself.")
+            spread = bool(origins) and (len(origins) > MAX_ORIGINS or sum(self._spread(origins)) >= SIGNIFICANT)
+            if self.floor is not None:  # nothing stands out from the floor, or too many would have to be fixed
+                diffuse = (not origins and after_layers is None) or len(origins) > MAX_ORIGINS
+            elif self.drifts:
+                diffuse = (not origins and after_layers is None) or spread
+                if diffuse:  # precision drift builds up beside them: without a floor, no scale to tell them from it
+                    self.candidates, origins = origins, []
             else:
-                diffuse = bool(origins) and (len(origins) > MAX_ORIGINS or sum(self._spread(origins)) >= SIGNIFICANT)
+                diffuse = spread
             if diffuse:  # where does the drift build up: every stream and kind, for the heat map
                 self.measure([[c.capture_name] for c in self.components])
         except BudgetSpent:
@@ -309,9 +330,12 @@ class Search:
             beside = self.key(base + [x.capture_name for x in together] + [c.capture_name]) - {c.capture_name}
             return Origin(layer, share, c.capture_name, c.kind, kinds, sorted(beside))
 
+        # without a floor, a drifting target's layer part holds drift no kind explains: a kind removing more than it
+        # leaves stands out from it as it is
+        stands_out = 0.5 if self.drifts and self.floor is None else math.inf
         for c in candidates:
             gain = self.E(base + [c.capture_name]) - e_base
-            if gain >= self.significant and gain >= EXPLAINS * part:
+            if gain >= self.significant and (gain >= EXPLAINS * part or gain >= stands_out):
                 return [origin(c, gain)]
         if idx:
             self.measure([below + [c.capture_name] for c in candidates])
@@ -339,6 +363,62 @@ class Search:
                 return [origin(c, self._member_share(base, guilty, c), [x for x in guilty if x is not c])
                         for c in guilty]
         return [Origin(layer, self.E(stream) - e_base, None, None, kinds)]
+
+    def _without_drift(self, origins: list[Origin]) -> list[Origin]:
+        """The origins of a drifting target that stand out from its precision drift; the others go to
+        ``self.drift`` (the verdict lists them, unnamed). A part no component explains is what rounding in
+        the residual path looks like: it stands out only by its own part (its stream's over the stream
+        below) above the floor's part of the divergence. Without a floor, a component stands out when it
+        removes more than the strongest one leaves (at most the drift, when that one is the only fault)."""
+        least = self._least(origins)
+        kept = []
+        for o in origins:
+            part = o.share if o.component else self._own_part(o)
+            if o.component is None and self.floor is None or part < least:
+                self.drift.append(o)
+            else:
+                kept.append(o)
+        if self.drift and kept:  # what the named ones remove together, without the drift replaced beside them
+            try:
+                self.measure([[o.component or self.streams[o.layer].capture_name for o in kept]])
+            except BudgetSpent:
+                pass
+        return kept
+
+    def _beyond_own_drift(self) -> list[Origin]:
+        """With a floor and the clean model, when no component stands above the floor's whole part: the
+        component removing a significant part beyond its own precision drift (what its replacement removes
+        in the clean model in the target's precision, in the target's measure): a fault smaller than the floor,
+        hidden in the drift, still stands out there. The earliest in forward order of those removing
+        nearly as much as the most (a later kind of its layer carries it too)."""
+        names = [c.capture_name for c in self.components if c.kind != LAYER]
+        self.measure([[n] for n in names])  # every component alone: the heat map
+        drift = self.drift_of(names)
+        beyond = {n: self.E([n]) - self.noise * drift[n] for n in names}
+        most = max(beyond.values(), default=0.0)
+        if most < SIGNIFICANT:
+            return []
+        first = next(n for n in names if beyond[n] >= EXPLAINS * most)
+        c = next(c for c in self.components if c.capture_name == first)
+        layer = c.layer if c.layer is not None else self.stream_layers[0]
+        kinds = [x.kind for x in self._kinds(layer)]
+        return [Origin(layer, self.E([first]), first, c.kind, kinds, drift=drift[first] * self.noise)]
+
+    def _least(self, origins: list[Origin]) -> float:
+        """The least part standing out from a drifting target's precision drift: the floor's part, else what
+        the strongest component found leaves (more than half when none is found)."""
+        if self.floor is not None:
+            return self.significant
+        return max(SIGNIFICANT, 1 - max((o.share for o in origins if o.component), default=0.5))
+
+    def _own_part(self, origin: Origin) -> float:
+        """What ``origin``'s layer adds: its stream's part over the stream below (its share when unmeasured)."""
+        idx = self.stream_layers.index(origin.layer)
+        here = frozenset([self.streams[origin.layer].capture_name])
+        below = frozenset([self.streams[self.stream_layers[idx - 1]].capture_name]) if idx else frozenset()
+        if here not in self.cache or (below and below not in self.cache):
+            return origin.share
+        return self.E(here) - self.E(below)
 
     def _member_share(self, base: list[str], combo: list, member) -> float:
         """What ``combo`` (replaced beside ``base``) loses without ``member``."""
@@ -429,8 +509,9 @@ class Search:
                      "within": self.floor.within(self.off_summary), "noise_share": self.noise,
                      "floor": self.floor.aggregate(self.indices)}
         if verdict is None:
-            verdict = _verdict(origins, together, diffuse, self._spread(origins), spent, self.budget, ranking, shares,
-                               after_layers, self.noise if self.floor is not None else None)
+            verdict = _verdict(origins, together, diffuse, self._spread(origins or self.candidates), spent, self.budget, ranking, shares,
+                               after_layers, self.noise if self.floor is not None else None, self.drifts, self.drift,
+                               floor is not None and floor["within"], self.candidates)
             if self.floor is not None:
                 verdict = f"{self.floor.describe(self.off_summary)}. " + verdict
         if self.floor is None and self.unscaled and hasattr(self, "off_summary") and nonfinite is None:
@@ -438,14 +519,14 @@ class Search:
         ranking.sort(key=lambda b: not b.origin)  # stable: the origins first, then by share
         return BlameResult(ranking, shares, origins, self.passes, self.rounds, verdict, confident, diffuse, nonfinite,
                            self.kinds, self.layers, time.perf_counter() - started, self.budget, spent,
-                           explained=together, floor=floor)
+                           explained=together, floor=floor, candidates=self.candidates)
 
     def _ranking(self, origins: list[Origin]) -> list[Blame]:
         """One row per measured component (its most informative pass: the attribution that named it,
         else the pass with the most origins replaced beside it)."""
         off, off_s = self.off, self.off_summary
         named = {o.component for o in origins if o.component}
-        chosen = [o.component or self.streams[o.layer].capture_name for o in origins]
+        chosen = [o.component or self.streams[o.layer].capture_name for o in origins + self.drift]
         kept = set(chosen)
         # an origin's row is its attribution: the origins found before it (and the other guilty components
         # of its layer) replaced beside it
@@ -481,20 +562,40 @@ class Search:
         return out
 
 
-def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares, after_layers, noise=None) -> str:
-    """The blame verdict; ``noise``: the floor's part of the divergence (None: no floor)."""
+def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares, after_layers, noise=None,
+             drifts=False, drift=(), within=False, candidates=()) -> str:
+    """The blame verdict; ``noise``: the floor's part of the divergence (None: no floor); ``drifts``: the
+    target is below float32; ``drift``: the parts it replaced on its way that precision drift may explain;
+    ``within``: the target as a whole is within its floor; ``candidates``: without a floor, the strongest
+    components beside a diffuse drift."""
     tail = ""
-    if after_layers is not None and after_layers < EXPLAINS and not diffuse and noise is None:
+    if drift:
+        scale = ("the floor's part" if noise is not None else
+                 "what the strongest component leaves: below float32 without a noise floor they cannot be told from "
+                 "precision drift")
+        tail = (f" Not named, as they stand no higher than {scale}: "
+                + "; ".join(o.describe(noise) for o in drift) + ".")
+    if after_layers is not None and after_layers < EXPLAINS and not diffuse and (noise is None or drifts):
         tail = (f" Replacing the stream after the last layer removes {pct(after_layers)}: the rest arises after the "
                 "decoder layers (final norm, lm_head).")
-    if diffuse and noise is not None:
+    if diffuse and drifts:
         per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
         if len(origins) > MAX_ORIGINS:
             why = f"more than {MAX_ORIGINS} places would each have to be fixed"
-        else:
+        elif noise is not None:
             why = (f"no layer adds a part larger than the floor's ({pct(noise)} of the divergence), so none can be told "
                    "from precision noise")
-        return (f"diffuse drift beyond the floor: the divergence builds up across the layers, not in a few components: "
+        elif candidates:
+            inside, after = spread
+            named = "; ".join(o.describe() for o in candidates)
+            why = (f"the strongest components ({named}) leave {pct(inside + after)} of it to the other layers "
+                   f"({pct(inside)}) and after the last layer ({pct(after)}), as precision drift does; without a noise "
+                   "floor a fault there cannot be told from the precision")
+        else:
+            why = ("no component removes more of it than it leaves, so none can be told from precision drift without "
+                   "a noise floor")
+        beyond = " beyond the floor" if noise is not None else ""
+        return (f"diffuse drift{beyond}: the divergence builds up across the layers, not in a few components: "
                 f"{why}; share arising per layer: {per_layer}.")
     if diffuse:
         per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
@@ -521,7 +622,9 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
                 f"{SIGNIFICANT:.0%})." + tail)
     independent = len({o.layer for o in origins}) == len(origins)  # a layer's guilty kinds are found together
     count = "1 source" if len(origins) == 1 else f"{len(origins)} {'independent ' if independent else ''}sources"
-    if noise is not None:
+    if within:  # the target as a whole within its floor, yet this part is more than the precision causes
+        count += " the precision noise does not explain"
+    elif noise is not None:
         count += " above the precision floor"
     text = f"{count}: " + "; ".join(o.describe(noise) for o in origins)
     if together is not None:
@@ -534,7 +637,7 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
     if noise is not None:
         text += (f"; precision noise at the floor: {pct(noise)} of the divergence (the reference in the target's "
                  "precision diverges that much by itself)")
-    elif together is not None and together < EXPLAINS and not tail:
+    elif together is not None and together < EXPLAINS and not tail and not drifts:
         text += f"; the remaining {pct(1 - together)} arises in no single layer (each adds less than {SIGNIFICANT:.0%})"
     return text + "." + tail
 

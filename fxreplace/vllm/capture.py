@@ -61,6 +61,7 @@ from ..store import ReferenceStore, StoreError, StoreWriter
 from ..store.format import CAPTURE_STATS_FILE
 from ..targets import Target, TargetError, resolve_targets
 from . import internals, shm
+from .startup import interruptible_start
 from .protocol import StepHooks
 
 logger = logging.getLogger("fxreplace.vllm")
@@ -572,7 +573,8 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
     llm_kwargs.setdefault("seed", 0)
     cleanup = shm.Cleanup()
     try:
-        llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": {"capture": capture}}, **llm_kwargs)
+        with interruptible_start():
+            llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": {"capture": capture}}, **llm_kwargs)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
             llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params)  # its progress bar

@@ -32,6 +32,7 @@ from ..config import ReplacementConfig
 from ..context import PerRequest
 from ..runner import Generation
 from . import shm
+from .startup import interruptible_start
 
 OFF = {"fxreplace": "off"}
 
@@ -53,7 +54,8 @@ class VllmEngine:
         llm_kwargs.setdefault("seed", 0)
         self._shm = shm.Cleanup()
         try:
-            self.llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": replacement}, **llm_kwargs)
+            with interruptible_start():
+                self.llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": replacement}, **llm_kwargs)
         except BaseException:
             self._shm.after_teardown()  # what a failed start left
             raise

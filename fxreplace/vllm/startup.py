@@ -1,0 +1,83 @@
+"""Ctrl-C while a vLLM engine starts: exit 130 within seconds, its processes stopped.
+
+While ``vllm.LLM(...)`` starts, its client waits for the engine core in a single ``zmq`` poll of
+up to ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s). pyzmq retries a poll interrupted by a signal and
+drops the exception the signal's handler raised (its ``_check_rc`` raises
+``InterruptedSystemCall`` over it), so a KeyboardInterrupt raised there never arrives and the
+user waits out the timeout. :func:`interruptible_start` stops the processes the start created on
+the first Ctrl-C, removes their shared memory and raises KeyboardInterrupt; when that is dropped,
+an alarm a moment later says what the command left (:data:`last_words`) and exits 130 itself:
+nothing is being written while an engine starts. (The engine's own processes, reached by the
+same Ctrl-C half-started, may print their tracebacks above that line.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Callable
+
+from . import shm
+
+EXIT_INTERRUPTED = 130
+#: what the forced exit prints after "interrupted: " (the CLI sets what its command left on disk)
+last_words: Callable[[], str] = lambda: "the vLLM engine was starting; its processes are stopped"  # noqa: E731
+#: how long a KeyboardInterrupt may take to leave the start before the process exits by itself
+GRACE_S = 1.0
+
+
+@contextmanager
+def interruptible_start():
+    """Run a vLLM engine's start (``with interruptible_start(): llm = LLM(...)``) so that Ctrl-C
+    ends it within seconds, the processes it started stopped and their shared memory removed.
+    Only the main thread receives signals: elsewhere the start runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import psutil  # a vLLM dependency
+
+    this = psutil.Process()
+    before = {p.pid for p in _children(this)}
+    segments = shm.Cleanup()
+
+    def stop(signum, frame):
+        created = [p for p in _children(this) if p.pid not in before]
+        for p in created:  # half-started: nothing of theirs to keep, and a gentler signal makes them print more
+            _quietly(p.kill)
+        psutil.wait_procs([p for p in created if p.ppid() == this.pid], timeout=5)  # reaped, not left as zombies
+        segments.after_teardown(wait_s=1.0, own_wait_s=5.0)
+        signal.signal(signal.SIGALRM, _exit_interrupted)
+        signal.setitimer(signal.ITIMER_REAL, GRACE_S)
+        raise KeyboardInterrupt
+
+    previous, previous_alarm = signal.signal(signal.SIGINT, stop), signal.getsignal(signal.SIGALRM)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_alarm)
+        signal.signal(signal.SIGINT, previous)
+
+
+def _children(process) -> list:
+    try:
+        return process.children(recursive=True)
+    except Exception:  # noqa: BLE001 - the process table changed meanwhile: nothing more to stop
+        return []
+
+
+def _quietly(action) -> None:
+    try:
+        action()
+    except Exception:  # noqa: BLE001 - exited meanwhile
+        pass
+
+
+def _exit_interrupted(signum, frame) -> None:
+    """The KeyboardInterrupt was dropped inside the engine's wait: say what was left and exit."""
+    below_a_bar = "\n" if sys.stderr.isatty() else ""
+    print(f"{below_a_bar}interrupted: {last_words()}", file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)
