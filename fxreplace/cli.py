@@ -1306,15 +1306,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Every failure is one line on stderr (``--debug`` adds the traceback)
     and an exit code of its own: a user's mistake raises :class:`UsageError` (2), an
     interrupt exits 130 and an internal error 3, each line ending with what was left on disk."""
-    from .config import ConfigError
-    from .targets import TargetError
-
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     produced = Produced()
     try:
         args = build_parser().parse_args(argv)
         args.produced = produced
+        from .config import ConfigError  # after the parse: --help answers without loading torch
+        from .targets import TargetError
+
         try:
             return args.func(args)
         except (TargetError, ConfigError) as e:  # a --target that names no module, a bad replacement config

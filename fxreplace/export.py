@@ -73,6 +73,20 @@ def export_inputs(program: torch.export.ExportedProgram, context: ReplacementCon
     return inputs
 
 
+def _mask_as_bool(gm: torch.fx.GraphModule) -> None:
+    """The program reads ``fxreplace_mask`` as ``mask != 0``: a 0/1 integer mask (a common hand-made input)
+    works as the bool one does instead of failing inside a ``where`` that names no input (an exported
+    program checks its inputs' shapes, not their dtypes)."""
+    graph = gm.graph
+    mask = next(n for n in graph.nodes if n.op == "placeholder" and n.target == MASK_INPUT)
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last_input):
+        read = graph.call_function(torch.ops.aten.ne.Scalar, (mask, 0))
+    mask.replace_all_uses_with(read, delete_user_cb=lambda user: user is not read)
+    graph.lint()
+    gm.recompile()
+
+
 def export(
     model: nn.Module,
     example_inputs: Mapping | Sequence,
@@ -89,7 +103,7 @@ def export(
     arguments or a tuple of positional ones, flattened to keywords named as in
     the model's signature), then one ``[T, E]`` replacement per target named
     :func:`export_input_name` (capture name), then ``fxreplace_mask`` (bool
-    ``[T]``) and, when a target's shard rank is a tensor, ``fxreplace_rank``.
+    ``[T]``; 0/1 integers read as bool) and, when a target's shard rank is a tensor, ``fxreplace_rank``.
     Mask all False turns replacement off in the same program. :func:`export_inputs` makes
     these inputs from a :class:`~fxreplace.ReplacementContext`, checked.
 
@@ -130,6 +144,7 @@ def export(
         gm.graph.erase_node(node)  # re-export derives its own guards
     insert_replacements(gm, specs, mask_input=MASK_INPUT, rank_input=RANK_INPUT if tensor_rank else None,
                         optional_inputs=False)
+    _mask_as_bool(gm)
 
     # Example values for the new inputs, shaped like what each target computes.
     examples = {}

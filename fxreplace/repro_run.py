@@ -25,8 +25,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
 
 PROGRAM, INPUTS, OUTPUTS, META = "component.pt2", "inputs.safetensors", "reference_outputs.safetensors", "repro.json"
 EXIT_AGREES, EXIT_DISAGREES, EXIT_UNUSABLE = 0, 1, 2
@@ -69,6 +67,9 @@ class Repro:
         check_no_pickle(self.directory / PROGRAM)
         for library in self.meta.get("op_libraries", []):  # registers the custom ops the program calls
             importlib.import_module(library)
+        import torch  # where it is used, as below: `fxreplace --help` builds this file's options without it
+        from safetensors.torch import load_file
+
         self.program = torch.export.load(self.directory / PROGRAM)
         tensors, outputs = load_file(self.directory / INPUTS), load_file(self.directory / OUTPUTS)
         self.inputs = [[tensors[f"{i}.{j}"] for j in range(item["tensors"])] for i, item in enumerate(self.meta["inputs"])]
@@ -78,6 +79,8 @@ class Repro:
 
     def run(self, backend: str) -> list[list[torch.Tensor]]:
         """Every input through the program under ``backend``; outputs on the CPU."""
+        import torch
+
         if backend == "xla":
             return _run_xla(self.program, self.inputs)
         module = self.program.module()
@@ -111,6 +114,7 @@ def _run_xla(program, inputs):
         import torch_xla
     except ImportError:
         raise ReproError("--backend xla needs torch_xla (PJRT_DEVICE=CPU runs it on the CPU)") from None
+    import torch
     from torch.export.passes import move_to_device_pass
 
     device = torch_xla.device()
@@ -163,6 +167,7 @@ def verdict(eager: list[float], backend: list[float] | None, name: str, toleranc
 def bisect(repro: Repro, eager_outputs, tolerance: float):
     """PyTorch's CompilerBisector over inductor: the first backend, stage or pass whose output
     leaves eager's by more than ``tolerance``."""
+    import torch
     from torch._inductor.compiler_bisector import CompilerBisector
 
     def good() -> bool:

@@ -64,6 +64,18 @@ def test_static_export_takes_replacement_inputs(plain, eager):
         module(**program_inputs(program, random_context(GATES, 8, 12), tokens=12))
 
 
+def test_a_0_1_integer_mask_works_as_the_bool_one(dynamic_program):
+    """A hand-made mask of 0/1 integers (int64, as torch.tensor([1, 0, ...]) makes it) gives the program's
+    bool result instead of failing inside a where that names no input."""
+    module = dynamic_program.module()
+    inputs = program_inputs(dynamic_program, random_context(GATES, 8, 8, seed=3))
+    inputs["fxreplace_mask"][1::2] = False  # some rows replaced, some computed
+    with torch.no_grad():
+        expected = module(**inputs).logits
+        got = module(**{**inputs, "fxreplace_mask": inputs["fxreplace_mask"].long()}).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_dynamic_export_follows_the_sequence_length(dynamic_program, eager):
     module = dynamic_program.module()
     for tokens in (3, 8, 21):

@@ -147,7 +147,7 @@ def test_a_fault_on_substantial_drift_is_named_alone_with_a_floor_or_without(set
         assert "beyond the precision drift arising there" in floored.verdict
     if floored.floor["within"]:  # within the noise as a whole, yet the fault is named
         assert floored.verdict.startswith("within precision noise: ") and first.drift is not None and \
-            "1 source the precision noise does not explain: layer 2 attention" in floored.verdict, floored.verdict
+            "1 source standing out from the precision drift arising in it: layer 2 attention" in floored.verdict, floored.verdict
     bare = blame(target, reference, components=components, dtype=torch.bfloat16, progress=False)
     named = [(o.component, o.layer) for o in bare.origins + bare.candidates]
     assert set(named) <= {("model.layers.2.self_attn", 2)}, bare.verdict

@@ -236,7 +236,8 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
         drift_of = None
         if clean is not None and floor is not None:
             def drift_of(names):
-                return precision_drift(clean, on_demand.store(), reference, dtype, comps, names, indices, probes)
+                return precision_drift(clean, on_demand.store(), reference, dtype, comps, names, indices, probes,
+                                       loaded_in_dtype=same)
         result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
                         progress=progress, supply=supply if on_demand else None, observe=observe, floor=floor,
                         dtype=name, batch_rows=max(engine.cfg.batch_buckets), drift_of=drift_of)
@@ -252,14 +253,16 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
 
 
 def precision_drift(clean, store, reference, dtype: torch.dtype, components: Sequence[Component], names: Sequence[str],
-                    prompts: Sequence[int], probes: int = PROBES) -> dict[str, float]:
+                    prompts: Sequence[int], probes: int = PROBES, loaded_in_dtype: bool = False) -> dict[str, float]:
     """The part of the noise floor each component of ``names`` removes when replaced in the clean model
     run in ``dtype`` (``clean``: it, or a function loading it): the precision drift arising there, which a
-    target's replacement of it removes too, fault or none."""
+    target's replacement of it removes too, fault or none. ``loaded_in_dtype``: the target was loaded in
+    ``dtype`` (the CLI's), and the clean model is built as loading builds it, not cast: the same program."""
     from ..instrument import instrument
 
     loaded = clean if isinstance(clean, nn.Module) else clean()
-    model = copy.deepcopy(loaded).to(dtype)  # instrumented: the caller's clean model stays as it is
+    # a copy, instrumented: the caller's clean model stays as it is
+    model = _as_loaded(copy.deepcopy(loaded), dtype) if loaded_in_dtype else copy.deepcopy(loaded).to(dtype)
     chosen = [c for c in components if c.capture_name in set(names)]
     instrument(model, [c.target for c in chosen])
     engine = blame_runner(model, model.config, store, reference, prompts, chosen, probes=probes)
@@ -267,6 +270,17 @@ def precision_drift(clean, store, reference, dtype: torch.dtype, components: Seq
                    probes=probes, progress=False, supply=None, observe=None)
     (_, floor.off_summary), *_ = floor.measure([()] + [[c.capture_name] for c in chosen])
     return {c.capture_name: floor.E([c.capture_name]) for c in chosen}
+
+
+def _as_loaded(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` with what a checkpoint holds (parameters, persistent buffers) in ``dtype`` and the buffers
+    it computes (rotary frequencies) kept as they are: what loading it in ``dtype`` builds, where ``.to()``
+    would round those too."""
+    held = set(model.state_dict())
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name in held and tensor.is_floating_point():
+            tensor.data = tensor.data.to(dtype)
+    return model
 
 
 #: the most requests the embedded runner decodes in one batch (a blame round beyond it runs in several)

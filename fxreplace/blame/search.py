@@ -401,6 +401,7 @@ class Search:
         first = next(n for n in names if beyond[n] >= EXPLAINS * most)
         c = next(c for c in self.components if c.capture_name == first)
         layer = c.layer if c.layer is not None else self.stream_layers[0]
+        self.drift = [o for o in self.drift if o.layer != layer]  # its layer's part is the origin's now
         kinds = [x.kind for x in self._kinds(layer)]
         return [Origin(layer, self.E([first]), first, c.kind, kinds, drift=drift[first] * self.noise)]
 
@@ -622,7 +623,10 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
                 f"{SIGNIFICANT:.0%})." + tail)
     independent = len({o.layer for o in origins}) == len(origins)  # a layer's guilty kinds are found together
     count = "1 source" if len(origins) == 1 else f"{len(origins)} {'independent ' if independent else ''}sources"
-    if within:  # the target as a whole within its floor, yet this part is more than the precision causes
+    if noise is not None and all(o.drift is not None for o in origins):  # told from the clean model's own drift
+        count += " standing out from the precision drift arising in it" if len(origins) == 1 else \
+            " standing out from the precision drift arising in them"
+    elif within:  # the target as a whole within its floor, yet this part is more than the precision causes
         count += " the precision noise does not explain"
     elif noise is not None:
         count += " above the precision floor"
