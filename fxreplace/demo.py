@@ -127,6 +127,10 @@ def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> Validatio
     print(f"repro: the first origin alone, as a ticket for the compiler team ({folder}; "
           f"`fxreplace repro run {folder} --backend inductor`); in eager:")
     repro_run.run(folder)
+    if cfg.compile:  # inductor's compile workers stop at exit, its longest part: stopped now, the exit follows the line
+        from torch._inductor.async_compile import shutdown_compile_workers  # no public API stops them
+
+        shutdown_compile_workers()
     print(f"report: {Path(report).resolve()}, {Path(cfg.report_dir).resolve() / 'blame.html'}, "
           f"{Path(cfg.report_dir).resolve() / 'blame-planted' / 'blame.html'}   ({time.perf_counter() - started:.0f} s)")
     return result
