@@ -390,7 +390,11 @@ class Search:
         component removing a significant part beyond its own precision drift (what its replacement removes
         in the clean model in the target's precision, in the target's measure): a fault smaller than the floor,
         hidden in the drift, still stands out there. The earliest in forward order of those removing
-        nearly as much as the most (a later kind of its layer carries it too)."""
+        nearly as much as the most (a later kind of its layer carries it too). None when the target
+        diverges no more than its floor (within 10%): a component's replacement then removes more than the
+        clean model's only by the two programs' rounding taking other turns."""
+        if 1 - self.noise < SIGNIFICANT:  # the target diverges no more than the precision alone: nothing to tell apart
+            return []
         names = [c.capture_name for c in self.components if c.kind != LAYER]
         self.measure([[n] for n in names])  # every component alone: the heat map
         drift = self.drift_of(names)
