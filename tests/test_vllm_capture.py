@@ -328,14 +328,16 @@ def test_ctrl_c_while_the_vllm_engine_starts_exits_130_within_seconds_leaving_no
     """A terminal's Ctrl-C while `fxreplace capture --engine vllm` starts its engine (the worker
     loading the model, the command waiting for the engine core in a zmq poll that drops the
     KeyboardInterrupt): exit 130 within seconds with the command's one line, the engine's processes
-    and shared memory gone. vLLM's default multiprocessing engine, as a user runs it."""
+    and shared memory gone."""
     out = tmp_path / "out"
-    env = engine_env()
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the engine core in a process of its own, vLLM's default
+    # as a user runs it: vLLM's default multiprocessing engine (the engine core in a process of its own), its
+    # memory given by --engine-args
+    env = {k: v for k, v in engine_env().items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
     remove_leaked_shm()
     segments_before = shm.segments()
     proc = subprocess.Popen([sys.executable, "-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--eager",
-                             "--prompts", str(setup.prompts_path), "--out", str(out), "--max-new-tokens", "4"],
+                             "--prompts", str(setup.prompts_path), "--out", str(out), "--max-new-tokens", "4",
+                             "--engine-args", '{"kv_cache_memory_bytes": 1073741824}'],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True, preexec_fn=sigint_as_at_a_terminal)
     lines: list[str] = []
