@@ -21,6 +21,7 @@ from .components import resolve_components
 from .dtypes import dtype_name
 from .devices import input_device
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
+from .models import architecture
 from .reference import Reference, load_reference
 from .store import StoreWriter
 from .targets import TargetError, TargetLike, resolve_targets
@@ -207,13 +208,6 @@ def _metadata(model, names: list[str], max_new_tokens: int, texts: list, found: 
     if found:
         metadata["components"] = {c.capture_name: {"kind": c.kind, "layer": c.layer} for c in found}
     return metadata
-
-
-def architecture(config, default: str) -> str:
-    """The architecture a model config (or its config.json as a dict) names first (the family
-    registry key), else ``default``."""
-    names = config.get("architectures") if isinstance(config, Mapping) else getattr(config, "architectures", None)
-    return (names or [default])[0]
 
 
 def tokenize_prompts(prompts: Sequence[Prompt], tokenizer=None, *, chat: bool = False

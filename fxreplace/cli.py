@@ -18,17 +18,15 @@ import sys
 import traceback
 from pathlib import Path
 
+from .dtypes import LOW_PRECISION, as_dtype, is_full_precision
+
 HF_EXTRA = {"transformers", "tqdm", "matplotlib"}  # the `hf` extra: every command needs it
 EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-DTYPES = ["float32", "bfloat16", "float16"]
-#: What a target may run in below the reference's float32: the precisions a noise floor is measured in.
-LOW_DTYPES = ["bfloat16", "float16"]
+DTYPES = ["float32", *LOW_PRECISION]  # --dtype: the reference's float32, or below it (a noise floor's precisions)
 
 
 def torch_dtype(name: str):
     """The torch dtype a ``--dtype`` choice names."""
-    from .dtypes import as_dtype  # torch loads with it: not for every command's parsing
-
     return as_dtype(name)
 
 
@@ -291,7 +289,7 @@ def load_tokenizer(spec: str, *, required_by: str | None = None):
 
 def model_architecture(spec: str) -> str:
     """The architecture a ``builtin:ARCH`` spec or a model directory's config.json names."""
-    from .capture import architecture
+    from .models import architecture
 
     if spec.startswith("builtin:"):
         return spec.removeprefix("builtin:")
@@ -690,7 +688,7 @@ def _noise_floor(args, reference):
     ``--fail-on floor=K`` then refuses before any pass)."""
     from .floor import measure_floor, stored_floor
 
-    if args.dtype not in LOW_DTYPES:
+    if is_full_precision(args.dtype):
         if _gates_on_floor(args):
             raise UsageError(f"--fail-on floor=K scores a target below float32 against its noise floor; this target "
                              f"runs in {args.dtype}", "give --dtype bfloat16 (or float16), or gate on kl=X / top5=Y")
@@ -1171,7 +1169,7 @@ def build_parser() -> Parser:
                          help="also record the family's blame components (attention, router, experts, layer outputs)")
     capture.add_argument("--component", action="append", metavar="KIND=PATTERN[@POINT]",
                          help="record this component instead of the family's (repeatable)")
-    capture.add_argument("--noise-floor", choices=LOW_DTYPES, metavar="DTYPE",
+    capture.add_argument("--noise-floor", choices=LOW_PRECISION, metavar="DTYPE",
                          help="also measure the noise floor: the model in DTYPE (bfloat16, float16) teacher-forced "
                               "against this reference; stored in it, it gives validate's and blame's verdicts a scale")
     add_dispatch_arguments(capture, "the reference (and --noise-floor's model)")

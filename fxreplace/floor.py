@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from .dtypes import dtype_name
+from .dtypes import dtype_name, is_full_precision
 from .metrics import times
 from .store.format import FLOOR_FILE
 
@@ -121,16 +121,12 @@ def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prom
     return NoiseFloor(dtype_name(dtype), rows, per_step, seconds=time.perf_counter() - started)
 
 
-#: The precisions a reference may hold and be trusted as the truth.
-FULL_PRECISION = ("float32", "float64")
-
-
 def check_reference_precision(reference, allow: bool = False, option: str = "allow_low_precision_reference=True") -> str:
     """A reference captured below float32 carries its own rounding into every measure: a target
     that drifts as much looks clean, and one that is right looks wrong. Refused (ValueError naming
     ``option``) unless ``allow``; then returns the caveat the verdict states ('' for a full-precision one)."""
     dtype = str(reference.metadata.get("dtype") or "float32")
-    if dtype in FULL_PRECISION:
+    if is_full_precision(dtype):
         return ""
     if not allow:
         raise ValueError(f"the reference was captured in {dtype}, below float32: its own rounding would be part of every "

@@ -24,6 +24,10 @@ import json
 import sys
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 PROGRAM, INPUTS, OUTPUTS, META = "component.pt2", "inputs.safetensors", "reference_outputs.safetensors", "repro.json"

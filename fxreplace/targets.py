@@ -78,6 +78,11 @@ class ResolvedTarget:
         return Target(self.module_name, point=self.point, adapter=self.adapter, shard=self.shard,
                       name=self.capture_name)
 
+    def observed(self) -> Target:
+        """The :class:`Target` observing this module's value as it computes it: a capture records that,
+        so no adapter reshapes it and no shard slices it."""
+        return Target(self.module_name, point=self.point, name=self.capture_name)
+
 
 TargetLike = Union[str, Target]
 

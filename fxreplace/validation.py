@@ -30,6 +30,7 @@ from typing import Callable, Collection, Mapping, Protocol, Sequence
 import torch
 
 from .context import PerRequest
+from .dtypes import is_full_precision
 from .metrics import (DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_steps, no_scale,
                       topk_agreement, verdict)
 from .reference import Reference
@@ -72,7 +73,7 @@ class ValidationResult:
     def verdict(self) -> Verdict:
         """What this validation concludes (:func:`fxreplace.metrics.verdict`)."""
         dtype = self.program.get("dtype")
-        unscaled = no_scale(dtype) if dtype and dtype not in ("float32", "float64") else ""
+        unscaled = no_scale(dtype) if dtype and not is_full_precision(dtype) else ""
         found = verdict(self.summary(), self.replaced, self.floor, unscaled)
         if not self.caveat:
             return found

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
-from fxreplace.capture import architecture  # noqa: F401  (the registry key of a model's config)
 from fxreplace.extensions import describe_failures, load_extensions
 from fxreplace.targets import Target
 
@@ -71,6 +70,13 @@ def register_family(family: Family, *, replace: bool = False) -> Family:
     _FAMILIES[family.architecture] = family
     return family
 
+
+
+def architecture(config, default: str) -> str:
+    """The registry key of a model: the architecture its config (or config.json as a dict) names
+    first, else ``default``."""
+    names = config.get("architectures") if isinstance(config, Mapping) else getattr(config, "architectures", None)
+    return (names or [default])[0]
 
 def get_family(architecture: str) -> Family:
     failures = []

@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, is_full_precision
 from ..floor import check_reference_precision, measure_floor, stored_floor
 from ..metrics import Tolerances, no_scale
 from ..components import Component, layer_of, resolve_components
@@ -123,7 +123,7 @@ def search(engine, reference, components: Sequence[Component], *, tolerances: To
     if floor is not None and not floor.covers(indices):
         raise BlameError(f"the noise floor covers prompts {sorted(floor.prompts)[:5]} ... but not all of {indices[:5]} ...: "
                          "it was measured on another reference")
-    unscaled = no_scale(dtype) if dtype and dtype not in ("float32", "float64") else ""
+    unscaled = no_scale(dtype) if dtype and not is_full_precision(dtype) else ""
     result = Search(engine, reference, components, tolerances=tolerances, prompts=indices, budget=budget,
                     probes=probes, progress=progress, supply=supply, observe=observe, floor=floor,
                     unscaled=unscaled, batch_rows=batch_rows, drift_of=drift_of).run()
@@ -172,7 +172,7 @@ def blame(target, reference, *, clean: nn.Module | Callable[[], nn.Module] | Non
 def _blame(target, reference, directory, label, *, clean, components, dtype, compile, tolerances, prompts, budget,
            probes, progress, floor) -> BlameResult:
     """:func:`blame` past its reference's checks."""
-    from ..capture import architecture
+    from ..models import architecture
 
     if not isinstance(target, nn.Module):
         check_inputs(reference, architecture=None, vocab_size=getattr(target, "vocab_size", None),
@@ -227,7 +227,7 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
 
         name = dtype_name(dtype)
         floor_seconds = 0.0
-        if floor is None and name not in ("float32", "float64"):
+        if floor is None and not is_full_precision(name):
             floor = stored_floor(reference, name, directory)
             if (floor is None or not floor.covers(indices)) and clean is not None:
                 floor = measure_floor(clean if isinstance(clean, nn.Module) else clean(), reference, dtype,

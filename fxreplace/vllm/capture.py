@@ -59,7 +59,7 @@ from ..injection import recording
 from ..reference import Reference
 from ..store import ReferenceStore, StoreError, StoreWriter
 from ..store.format import CAPTURE_STATS_FILE
-from ..targets import Target, TargetError, resolve_targets
+from ..targets import TargetError, resolve_targets
 from . import internals, shm
 from .startup import interruptible_start
 from .protocol import StepHooks
@@ -226,7 +226,7 @@ class VllmCapture:
                               f"{[t if isinstance(t, str) else t.pattern for t in elsewhere][:4]}; give every stage "
                               "one (e.g. a pattern such as 'model.layers.*.mlp.gate')")
         resolved = resolve_targets(self.model, targets)
-        instrument(self.model, [Target(r.module_name, point=r.point, name=r.capture_name) for r in resolved],
+        instrument(self.model, [r.observed() for r in resolved],
                    max_tokens=self.max_tokens)
         self.names = [r.capture_name for r in resolved]
         dtype = next(self.model.parameters()).dtype

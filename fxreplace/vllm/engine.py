@@ -176,8 +176,7 @@ def _family_vllm_components(model_dir: str) -> dict:
     import json
     from pathlib import Path
 
-    from fxreplace.capture import architecture
-    from fxreplace.models import get_family
+    from fxreplace.models import architecture, get_family
 
     arch = architecture(json.loads((Path(model_dir) / "config.json").read_text()), "?")
     family = get_family(arch)

@@ -28,7 +28,7 @@ from ..context import ReplacementContext
 from ..gather import host_bits
 from ..instrument import instrument, observe
 from ..store import StoreWriter
-from ..targets import Target, TargetError, resolve_targets
+from ..targets import TargetError, resolve_targets
 from . import neuron_internals as internals
 from .capture import _Recorder, _RequestRows
 from .protocol import RecordedRows, StepHooks, StepLayout
@@ -222,7 +222,7 @@ class StepInputCapture:
             raise TargetError(f"fxreplace capture: the {arch} family has no {side.family_targets}; give capture 'targets'")
         resolved = resolve_targets(self.model, list(targets))
         self.max_tokens = int(side.max_tokens)
-        instrument(self.model, [Target(r.module_name, point=r.point, name=r.capture_name) for r in resolved],
+        instrument(self.model, [r.observed() for r in resolved],
                    max_tokens=self.max_tokens)
         self.names = [r.capture_name for r in resolved]
         widths = [_linear_width(self.model.get_submodule(r.module_name), r.module_name, r.point) for r in resolved]
