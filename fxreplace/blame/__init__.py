@@ -260,9 +260,9 @@ def precision_drift(clean, store, reference, dtype: torch.dtype, components: Seq
     ``dtype`` (the CLI's), and the clean model is built as loading builds it, not cast: the same program."""
     from ..instrument import instrument
 
-    loaded = clean if isinstance(clean, nn.Module) else clean()
-    # a copy, instrumented: the caller's clean model stays as it is
-    model = _as_loaded(copy.deepcopy(loaded), dtype) if loaded_in_dtype else copy.deepcopy(loaded).to(dtype)
+    # the caller's model is copied (it is instrumented here); one loaded for this is used itself
+    model = copy.deepcopy(clean) if isinstance(clean, nn.Module) else clean()
+    model = _as_loaded(model, dtype) if loaded_in_dtype else model.to(dtype)
     chosen = [c for c in components if c.capture_name in set(names)]
     instrument(model, [c.target for c in chosen])
     engine = blame_runner(model, model.config, store, reference, prompts, chosen, probes=probes)
