@@ -26,7 +26,7 @@ from transformers import DeepseekV3Config
 
 from fxreplace.targets import Target
 
-from . import Family, decoder_components, register_family
+from .registry import Family, decoder_components, register_family
 
 # DeepSeek-V3's own rope scaling (its config.json); see the module docstring for why it matters.
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,

@@ -17,7 +17,8 @@ from torch import nn
 
 from fxreplace.targets import Target
 
-from . import Family, decoder_components, gpt_oss, register_family
+from . import gpt_oss
+from .registry import Family, decoder_components, register_family
 
 
 @torch.library.custom_op("fxreplace_models::router_topk_softmax", mutates_args=())

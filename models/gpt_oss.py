@@ -8,7 +8,7 @@ from transformers import GptOssConfig
 
 from fxreplace.targets import Target
 
-from . import Family, decoder_components, register_family
+from .registry import Family, decoder_components, register_family
 
 
 def tiny_config(**overrides):

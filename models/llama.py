@@ -7,7 +7,7 @@ from transformers import LlamaConfig
 
 from fxreplace.targets import Target
 
-from . import Family, decoder_components, register_family
+from .registry import Family, decoder_components, register_family
 
 MLP_OUTPUT = Target("model.layers.*.mlp", point="output")
 ATTENTION_OUTPUT = Target("model.layers.*.self_attn", point="output[0]")

@@ -9,7 +9,7 @@ from transformers import MixtralConfig
 
 from fxreplace.targets import Target
 
-from . import Family, decoder_components, register_family
+from .registry import Family, decoder_components, register_family
 
 
 def tiny_config(**overrides):

@@ -25,7 +25,7 @@ from torch import nn
 
 from fxreplace.targets import Target
 
-from . import Family, register_family
+from .registry import Family, register_family
 
 
 @dataclass

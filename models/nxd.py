@@ -32,7 +32,7 @@ from torch import nn
 from fxreplace.instrument import register_bypass_hint
 from fxreplace.targets import Target
 
-from . import get_family
+from .registry import get_family
 
 #: NxDI's module that holds the router: ``layers.N.mlp.router`` in every NxDI MoE model.
 NXD_ROUTER = "layers.*.mlp.router"

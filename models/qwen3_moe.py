@@ -11,7 +11,7 @@ from transformers import Qwen3MoeConfig
 
 from fxreplace.targets import Target
 
-from . import Family, decoder_components, register_family
+from .registry import Family, decoder_components, register_family
 from .nxd import nxd_router_targets
 
 ROUTER = Target("model.layers.*.mlp.gate")

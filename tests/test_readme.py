@@ -34,7 +34,8 @@ def test_python_block_runs(page, index, code, tmp_path, monkeypatch):
     import fxreplace.models
 
     # a block that registers a family registers it for itself (tests/test_docs.py runs the same example)
-    monkeypatch.setattr(fxreplace.models, "_FAMILIES", dict(fxreplace.models._FAMILIES))
+    fxreplace.models.families()  # the built-ins registered before the copy
+    monkeypatch.setattr(fxreplace.models.registry, "_FAMILIES", dict(fxreplace.models.registry._FAMILIES))
     exec(compile(code, f"{page} python block {index}", "exec"), {"__name__": f"docs_block_{index}"})
 
 

@@ -1,0 +1,139 @@
+"""The family registry: what fxreplace knows per model architecture, found by its name.
+
+The built-in families (the modules of :data:`BUILTIN` in ``fxreplace.models``) register when the
+registry is first used; packages outside this repository register through the ``fxreplace.families``
+entry-point group (:mod:`fxreplace.extensions`), or by calling :func:`register_family`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from fxreplace.extensions import describe_failures, load_extensions
+from fxreplace.targets import Target
+
+logger = logging.getLogger("fxreplace")
+
+#: the built-in families' modules: the stand-in needs torch alone, the others transformers (the `hf` extra)
+BUILTIN = ("neuron_moe",)
+BUILTIN_HF = ("deepseek_v3", "fused_router", "gpt_oss", "llama", "mixtral", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What fxreplace knows about one model architecture.
+
+    ``targets``: the HF implementation's injection sites (router logits for MoE
+    models). ``vllm_targets``: the same sites in vLLM's implementation;
+    ``vllm_neuron_targets``: in the model code vllm-neuron serves (for the families with
+    NxD's MoE layout, :func:`fxreplace.models.nxd.nxd_router_targets`).
+    ``tiny_config``: a small config with random weights for tests and demos;
+    ``model_kwargs``: arguments ``from_config`` needs here (e.g. eager attention).
+    ``transform``: turns the HF model into the family's variant (e.g. a fused router).
+    ``build``: makes the model from its config when it is not a transformers model.
+    ``components`` / ``vllm_components``: the candidates ``fxreplace blame`` replaces, by
+    kind (``attention``, ``router``, ``experts`` or ``mlp``, ``layer``), in the order
+    they run inside a decoder layer; ``*`` in each pattern is the layer index (see
+    :func:`decoder_components`). vLLM's captures are named as in the HF reference.
+    """
+
+    architecture: str
+    targets: tuple[Target, ...]
+    tiny_config: Callable[[], object]
+    vllm_targets: tuple[Target, ...] = ()
+    vllm_neuron_targets: tuple[Target, ...] = ()
+    model_kwargs: dict = field(default_factory=dict)
+    transform: Callable | None = None
+    build: Callable | None = None
+    components: dict[str, Target] = field(default_factory=dict)
+    vllm_components: dict[str, Target] = field(default_factory=dict)
+
+
+_FAMILIES: dict[str, Family] = {}
+_loaded = False  # the built-in modules imported
+_HF_AVAILABLE = True  # transformers installed (set when the built-ins load)
+
+
+def register_family(family: Family, *, replace: bool = False) -> Family:
+    """Make ``family`` known by its architecture name. A name already registered (a built-in
+    one included) is an error unless ``replace=True``: an extension must not silently take
+    over another family's targets."""
+    if not isinstance(family, Family):
+        raise TypeError(f"register_family needs a Family, got {type(family).__name__}")
+    _load_builtins()  # a built-in name is taken before anyone registers
+    if not isinstance(family.architecture, str) or not family.architecture:
+        raise TypeError(f"Family.architecture must be a non-empty string, got {family.architecture!r}")
+    if family.architecture in _FAMILIES and not replace:
+        raise ValueError(f"a family for {family.architecture!r} is already registered; pass replace=True to replace it")
+    _FAMILIES[family.architecture] = family
+    return family
+
+
+
+def architecture(config, default: str) -> str:
+    """The registry key of a model: the architecture its config (or config.json as a dict) names
+    first, else ``default``."""
+    names = config.get("architectures") if isinstance(config, Mapping) else getattr(config, "architectures", None)
+    return (names or [default])[0]
+
+
+def get_family(architecture: str) -> Family:
+    """The family registered for ``architecture`` (built-in, by an extension, or by register_family)."""
+    _load_builtins()
+    failures = []
+    if architecture not in _FAMILIES:
+        failures = load_extensions()  # an installed package may register it (entry-point group fxreplace.families)
+    try:
+        return _FAMILIES[architecture]
+    except KeyError:
+        missing = "" if _HF_AVAILABLE else " (the HF families need transformers: pip install 'fxreplace[hf]')"
+        raise KeyError(f"no fxreplace family for {architecture!r}; registered: {sorted(_FAMILIES)}{missing}"
+                       f"{describe_failures(failures)}") from None
+
+
+def families() -> list[str]:
+    """Every registered family; an entry point that failed to load is logged, by name, at every call."""
+    _load_builtins()
+    for failure in load_extensions():
+        logger.warning("fxreplace: %s", failure)
+    return sorted(_FAMILIES)
+
+
+def decoder_components(*, router: Target | None = None, attention: str = "self_attn", block: str = "mlp",
+                       block_kind: str = "experts", block_point: str = "output", vllm: bool = False) -> dict[str, Target]:
+    """Components of a ``model.layers.N`` decoder stack, in forward order: the token
+    embedding's output (HF; the first layer's input), the attention block's output, the
+    router logits (MoE), the MLP/MoE block's output, and the residual stream after the
+    layer. ``attention`` and ``block`` name the layer's attention and MLP/MoE submodules.
+
+    HF attention returns ``(output, weights)``; vLLM's returns the output. vLLM's
+    decoder layer returns ``(block output, residual)`` and leaves the add to the next
+    layer's fused norm, so the stream after the layer is their sum: its replacement
+    goes through the ``residual_stream_pair`` adapter, which hands the layer's
+    consumers ``(0, stream)``.
+    """
+    # the embedding: an error in one of its rows reaches every later position through layer 0's attention,
+    # so without it blame names that attention; vLLM's engine does not declare it (not exercised there yet)
+    out = {} if vllm else {"embedding": Target("model.embed_tokens", point="output")}
+    out["attention"] = Target(f"model.layers.*.{attention}", point="output" if vllm else "output[0]")
+    if router is not None:
+        out["router"] = router
+    out[block_kind] = Target(f"model.layers.*.{block}", point=block_point)
+    out["layer"] = Target("model.layers.*", point="output", adapter="residual_stream_pair" if vllm else None)
+    return out
+
+
+def _load_builtins() -> None:
+    """Import the built-in family modules once (each registers its families); the HF ones when
+    transformers is installed."""
+    global _loaded, _HF_AVAILABLE
+    if _loaded:
+        return
+    _loaded = True  # first: their register_family calls come back here
+    _HF_AVAILABLE = importlib.util.find_spec("transformers") is not None
+    for name in BUILTIN + (BUILTIN_HF if _HF_AVAILABLE else ()):
+        importlib.import_module(f"{__package__}.{name}")
