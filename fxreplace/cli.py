@@ -1146,6 +1146,18 @@ def build_parser() -> Parser:
     def command(name: str, help: str) -> Parser:
         return sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=DefaultsFormatter)
 
+    _add_demo(command)
+    _add_capture(command)
+    _add_validate(command)
+    _add_blame(command)
+    _add_repro(command, common)
+    _add_inspect(command)
+    _add_repack(command)
+    return parser
+
+
+def _add_demo(command) -> None:
+    """``fxreplace demo``'s arguments."""
     demo = command("demo", "capture, run compiled bf16 with and without router replacement, validate, blame, report")
     demo.add_argument("--prompts", type=positive_int, default=8, help="random prompts of 8-24 tokens")
     demo.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated per prompt")
@@ -1154,6 +1166,9 @@ def build_parser() -> Parser:
     add_device_argument(demo)
     demo.set_defaults(func=_demo)
 
+
+def _add_capture(command) -> None:
+    """``fxreplace capture``'s arguments."""
     capture = command("capture", "capture reference tensors and logits from an HF model")
     capture.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF checkpoint directory")
     capture.add_argument("--prompts", required=True, type=existing_file,
@@ -1183,6 +1198,9 @@ def build_parser() -> Parser:
     add_device_argument(capture)
     capture.set_defaults(func=_capture)
 
+
+def _add_validate(command) -> None:
+    """``fxreplace validate``'s arguments."""
     validate = command("validate", "teacher-forced logit validation of a target against a reference")
     validate.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF directory (the target's weights)")
     validate.add_argument("--reference", required=True, type=reference_path, help="directory written by `fxreplace capture`")
@@ -1218,6 +1236,9 @@ def build_parser() -> Parser:
     add_device_argument(validate)
     validate.set_defaults(func=_validate)
 
+
+def _add_blame(command) -> None:
+    """``fxreplace blame``'s arguments."""
     blame = command("blame", "find every component that explains the divergence (split over the layers' streams, "
                              "then each kind of the origin layer, origin after origin)")
     blame.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF directory (the target's weights)")
@@ -1255,6 +1276,9 @@ def build_parser() -> Parser:
     add_device_argument(blame)
     blame.set_defaults(func=_blame)
 
+
+def _add_repro(command, common) -> None:
+    """``fxreplace repro``'s arguments."""
     repro = command("repro", "the blamed component alone, as a ticket for the compiler team: write its folder "
                              "(exported program, inputs from the reference run, reference outputs), run it per backend")
     steps = repro.add_subparsers(dest="step", required=True, metavar="STEP")
@@ -1276,11 +1300,14 @@ def build_parser() -> Parser:
     run = steps.add_parser("run", help="run a repro folder under a backend: the port or the compiler?",
                            parents=[common], formatter_class=DefaultsFormatter)
     run.add_argument("dir", help="a folder written by `fxreplace repro write`")
-    from .repro_run import add_arguments
+    from .repro_run import add_arguments  # run.py's own options (it runs without fxreplace): one home for both
 
     add_arguments(run)
     run.set_defaults(func=_repro_run)
 
+
+def _add_inspect(command) -> None:
+    """``fxreplace inspect``'s arguments."""
     inspect = command("inspect", "list candidate injection points with their shapes, or --verify a reference")
     inspect.add_argument("model", nargs="?", type=model_spec, help="builtin:ARCH or a local HF directory")
     inspect.add_argument("--verify", metavar="REF", type=reference_path,
@@ -1290,6 +1317,9 @@ def build_parser() -> Parser:
                          help="prove each target reaches the logits: PATTERN or PATTERN@POINT (default: the family's)")
     inspect.set_defaults(func=_inspect)
 
+
+def _add_repack(command) -> None:
+    """``fxreplace repack``'s arguments."""
     repack = command("repack", "rewrite a reference store of many small shards (a vLLM capture writes one per idle) "
                                "as few large ones; prompts and rows unchanged")
     repack.add_argument("reference", type=reference_path, help="the store directory to read (left as it is)")
@@ -1297,7 +1327,6 @@ def build_parser() -> Parser:
     repack.add_argument("--shard-mib", type=positive_int, default=256,
                         help="MiB per output shard (consecutive shards are joined up to it; a larger one stays whole)")
     repack.set_defaults(func=_repack)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,6 +98,18 @@ def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> Validatio
     if cfg.compile:
         print(f"graphs compiled: {runner.graphs_compiled} (one per bucket; replacement on and off share them)")
     print()
+    _blame_and_repro(cfg, reference_model, reference_dir, progress)
+    if cfg.compile:  # inductor's compile workers stop at exit, its longest part: stopped now, the exit follows the line
+        from torch._inductor.async_compile import shutdown_compile_workers  # no public API stops them
+
+        shutdown_compile_workers()
+    print(f"report: {Path(report).resolve()}, {Path(cfg.report_dir).resolve() / 'blame.html'}, "
+          f"{Path(cfg.report_dir).resolve() / 'blame-planted' / 'blame.html'}   ({time.perf_counter() - started:.0f} s)")
+    return result
+
+
+def _blame_and_repro(cfg: DemoConfig, reference_model, reference_dir: Path, progress: bool) -> None:
+    """The demo's blame of the bf16 target, of one with two planted faults, and the repro of its first origin."""
     blame_prompts = list(range(min(cfg.blame_prompts, cfg.prompts)))
     print(f"blame: which components make the bf16 target drift? (prompts 0-{blame_prompts[-1]}; the layers' streams "
           "split side by side, then each kind of the origin layer; components captured from the clean model on demand)")
@@ -127,13 +139,6 @@ def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> Validatio
     print(f"repro: the first origin alone, as a ticket for the compiler team ({folder}; "
           f"`fxreplace repro run {folder} --backend inductor`); in eager:")
     repro_run.run(folder)
-    if cfg.compile:  # inductor's compile workers stop at exit, its longest part: stopped now, the exit follows the line
-        from torch._inductor.async_compile import shutdown_compile_workers  # no public API stops them
-
-        shutdown_compile_workers()
-    print(f"report: {Path(report).resolve()}, {Path(cfg.report_dir).resolve() / 'blame.html'}, "
-          f"{Path(cfg.report_dir).resolve() / 'blame-planted' / 'blame.html'}   ({time.perf_counter() - started:.0f} s)")
-    return result
 
 
 def _experts(config) -> int:

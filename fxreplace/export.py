@@ -73,6 +73,29 @@ def export_inputs(program: torch.export.ExportedProgram, context: ReplacementCon
     return inputs
 
 
+def _example_inputs(resolved, specs, located, tensor_rank: bool) -> dict[str, torch.Tensor]:
+    """Example values for the program's new inputs, shaped like what each target computes (a sequence
+    shard's rows and an expert shard's columns whole), then the mask and the rank."""
+    examples = {}
+    for target, spec, value in zip(resolved, specs, located):
+        shard = target.shard
+        shape = [size_hint(size) for size in value.shape]  # the example's sizes when shapes are dynamic
+        rows = math.prod(shape) // shape[-1]
+        columns = shape[-1]
+        if shard is not None and shard.mode == "sequence":
+            rows *= shard.world_size
+        if shard is not None and shard.mode == "expert":
+            columns *= shard.world_size
+        examples[spec.input_name] = torch.zeros(rows, columns, dtype=value.dtype, device=value.device)
+    tokens = {v.shape[0] for v in examples.values()}
+    if len(tokens) != 1:
+        raise ShapeError(f"targets see different token counts {tokens}; export them separately")
+    examples[MASK_INPUT] = torch.zeros(tokens.pop(), dtype=torch.bool, device=next(iter(examples.values())).device)
+    if tensor_rank:
+        examples[RANK_INPUT] = next(t.shard.rank for t in resolved if t.shard and isinstance(t.shard.rank, torch.Tensor))
+    return examples
+
+
 def _mask_as_bool(gm: torch.fx.GraphModule) -> None:
     """The program reads ``fxreplace_mask`` as ``mask != 0``: a 0/1 integer mask (a common hand-made input)
     works as the bool one does instead of failing inside a ``where`` that names no input (an exported
@@ -146,24 +169,7 @@ def export(
                         optional_inputs=False)
     _mask_as_bool(gm)
 
-    # Example values for the new inputs, shaped like what each target computes.
-    examples = {}
-    for target, spec, value in zip(resolved, specs, located):
-        shard = target.shard
-        shape = [size_hint(size) for size in value.shape]  # the example's sizes when shapes are dynamic
-        rows = math.prod(shape) // shape[-1]
-        columns = shape[-1]
-        if shard is not None and shard.mode == "sequence":
-            rows *= shard.world_size
-        if shard is not None and shard.mode == "expert":
-            columns *= shard.world_size
-        examples[spec.input_name] = torch.zeros(rows, columns, dtype=value.dtype, device=value.device)
-    tokens = {v.shape[0] for v in examples.values()}
-    if len(tokens) != 1:
-        raise ShapeError(f"targets see different token counts {tokens}; export them separately")
-    examples[MASK_INPUT] = torch.zeros(tokens.pop(), dtype=torch.bool, device=next(iter(examples.values())).device)
-    if tensor_rank:
-        examples[RANK_INPUT] = next(t.shard.rank for t in resolved if t.shard and isinstance(t.shard.rank, torch.Tensor))
+    examples = _example_inputs(resolved, specs, located, tensor_rank)
 
     signature = inspect.signature(model.forward)
     given = signature.bind_partial(*args, **kwargs).arguments

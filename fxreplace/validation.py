@@ -259,67 +259,74 @@ def logit_validation(
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
     texts = reference.metadata.get("prompt_texts") or [None] * reference.num_prompts
     result = ValidationResult(tolerances=tolerances, num_prompts=len(indices), prompt_texts={p: texts[p] for p in indices})
-    from tqdm.auto import tqdm  # the hf extra; `import fxreplace` (blame) imports this module without it
-
     for mode in modes:
-        router = result.router.setdefault(mode, {})
-        # per prompt: how many reference steps are covered, and whether we stopped on NaN
-        covered = {p: 0 for p in indices}
-        stopped: set[int] = set()
-        rounds = 0
-        # smoothing=0: the rate is the average since the bar (re)started, which leaves out the first call's compile
-        bar = tqdm(total=sum(reference.num_generated(p) for p in indices), desc=f"validate ({mode})", disable=not progress,
-                   smoothing=0)
-        while True:
-            todo = [p for p in indices if p not in stopped and covered[p] < reference.num_generated(p)]
-            if not todo:
-                break
-            # one wave per round; prompts needing the same number of steps could share a call, but
-            # each call already batches every prompt still running
-            inputs = [reference.prompt_tokens(p) + reference.tokens(p)[: covered[p]] for p in todo]
-            max_new = max(reference.num_generated(p) - covered[p] for p in todo)
-            if replace is None or mode == "off":
-                selection = mode == "on"
-            else:
-                selection = PerRequest(replace[p] for p in todo) if isinstance(replace, Mapping) else replace
-            doing = f"round {rounds}: {len(todo)} prompts, up to {max_new} steps"
-            if rounds == 0:
-                doing += "; a compiled engine compiles during its first call"
-            forcing = getattr(engine, "teacher_forcing", False)
-            forced = {"forced": [reference.tokens(p)[covered[p]:] for p in todo]} if forcing else {}
-            with heartbeat(lambda line: bar.write(f"  {bar.desc}: {line}", file=sys.stderr), progress, doing):
-                gens = engine.generate(inputs, max_new, replace=selection, **forced)
-            spans = [(p, gen, covered[p], min(len(gen.logits), reference.num_generated(p) - covered[p]))
-                     for p, gen in zip(todo, gens)]
-            for (p, gen, start, _), compared in zip(spans, _compare(reference, spans, tolerances)):
-                retry = rounds  # forced steps after a divergence count as the retry that would compute them
-                for j, m in enumerate(compared):
-                    step = start + j
-                    result.steps.append(StepRecord(**vars(m), mode=mode, prompt=p, step=step, round=retry, req_id=gen.req_id))
-                    covered[p] = step + 1
-                    if m.nan:
-                        stopped.add(p)
-                        break
-                    if not m.top1_agree:
-                        if not forcing:
-                            break
-                        retry += 1
-                if router_topk and getattr(gen, "observed", None):
-                    _router_agreement(router, reference, p, gen, start, covered[p], router_topk)
-            done = sum(covered.values())
-            if rounds == 0:  # the first call compiles: time the ETA from the calls after it
-                bar.reset()
-                bar.initial = bar.n = done
-                bar.refresh()
-            else:
-                bar.update(done - bar.n)
-            rounds += 1
-        bar.close()
+        _validate_mode(engine, reference, result, mode, indices, replace, tolerances, router_topk, progress)
     result.num_steps = len(result.steps)
     if tokenizer is not None:
         at_divergence = {t for s in result.steps if not s.top1_agree and not s.nan for t in (s.reference_token, s.target_token)}
         result.token_texts = {t: tokenizer.decode([t]) for t in sorted(at_divergence)}
     return result
+
+
+def _validate_mode(engine: Engine, reference: Reference, result: ValidationResult, mode: str, indices: list[int],
+                   replace, tolerances: Tolerances, router_topk: int | None, progress: bool) -> None:
+    """One mode's rounds of :func:`logit_validation`, recorded into ``result``: every prompt still
+    running in one engine call, until each covers the reference's steps or stops on NaN."""
+    from tqdm.auto import tqdm  # the hf extra; `import fxreplace` (blame) imports this module without it
+
+    router = result.router.setdefault(mode, {})
+    # per prompt: how many reference steps are covered, and whether we stopped on NaN
+    covered = {p: 0 for p in indices}
+    stopped: set[int] = set()
+    rounds = 0
+    # smoothing=0: the rate is the average since the bar (re)started, which leaves out the first call's compile
+    bar = tqdm(total=sum(reference.num_generated(p) for p in indices), desc=f"validate ({mode})", disable=not progress,
+               smoothing=0)
+    while True:
+        todo = [p for p in indices if p not in stopped and covered[p] < reference.num_generated(p)]
+        if not todo:
+            break
+        # one wave per round; prompts needing the same number of steps could share a call, but
+        # each call already batches every prompt still running
+        inputs = [reference.prompt_tokens(p) + reference.tokens(p)[: covered[p]] for p in todo]
+        max_new = max(reference.num_generated(p) - covered[p] for p in todo)
+        if replace is None or mode == "off":
+            selection = mode == "on"
+        else:
+            selection = PerRequest(replace[p] for p in todo) if isinstance(replace, Mapping) else replace
+        doing = f"round {rounds}: {len(todo)} prompts, up to {max_new} steps"
+        if rounds == 0:
+            doing += "; a compiled engine compiles during its first call"
+        forcing = getattr(engine, "teacher_forcing", False)
+        forced = {"forced": [reference.tokens(p)[covered[p]:] for p in todo]} if forcing else {}
+        with heartbeat(lambda line: bar.write(f"  {bar.desc}: {line}", file=sys.stderr), progress, doing):
+            gens = engine.generate(inputs, max_new, replace=selection, **forced)
+        spans = [(p, gen, covered[p], min(len(gen.logits), reference.num_generated(p) - covered[p]))
+                 for p, gen in zip(todo, gens)]
+        for (p, gen, start, _), compared in zip(spans, _compare(reference, spans, tolerances)):
+            retry = rounds  # forced steps after a divergence count as the retry that would compute them
+            for j, m in enumerate(compared):
+                step = start + j
+                result.steps.append(StepRecord(**vars(m), mode=mode, prompt=p, step=step, round=retry, req_id=gen.req_id))
+                covered[p] = step + 1
+                if m.nan:
+                    stopped.add(p)
+                    break
+                if not m.top1_agree:
+                    if not forcing:
+                        break
+                    retry += 1
+            if router_topk and getattr(gen, "observed", None):
+                _router_agreement(router, reference, p, gen, start, covered[p], router_topk)
+        done = sum(covered.values())
+        if rounds == 0:  # the first call compiles: time the ETA from the calls after it
+            bar.reset()
+            bar.initial = bar.n = done
+            bar.refresh()
+        else:
+            bar.update(done - bar.n)
+        rounds += 1
+    bar.close()
 
 
 def _compare(reference: Reference, spans, tolerances: Tolerances) -> list[list[StepMetrics]]:

@@ -581,44 +581,10 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
         tail = (f" Not named, as they stand no higher than {scale}: "
                 + "; ".join(o.describe(noise) for o in drift) + ".")
     if after_layers is not None and after_layers < EXPLAINS and not diffuse and (noise is None or drifts):
-        tail = (f" Replacing the stream after the last layer removes {pct(after_layers)}: the rest arises after the "
+        tail += (f" Replacing the stream after the last layer removes {pct(after_layers)}: the rest arises after the "
                 "decoder layers (final norm, lm_head).")
-    if diffuse and drifts:
-        per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
-        if len(origins) > MAX_ORIGINS:
-            why = f"more than {MAX_ORIGINS} places would each have to be fixed"
-        elif noise is not None:
-            why = (f"no layer adds a part larger than the floor's ({pct(noise)} of the divergence), so none can be told "
-                   "from precision noise")
-        elif candidates:
-            inside, after = spread
-            named = "; ".join(o.describe() for o in candidates)
-            why = (f"the strongest components ({named}) leave {pct(inside + after)} of it to the other layers "
-                   f"({pct(inside)}) and after the last layer ({pct(after)}), as precision drift does; without a noise "
-                   "floor a fault there cannot be told from the precision")
-        else:
-            why = ("no component removes more of it than it leaves, so none can be told from precision drift without "
-                   "a noise floor")
-        beyond = " beyond the floor" if noise is not None else ""
-        return (f"diffuse drift{beyond}: the divergence builds up across the layers, not in a few components: "
-                f"{why}; share arising per layer: {per_layer}.")
     if diffuse:
-        per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
-        if after_layers is not None:
-            per_layer += f", after the last layer: {pct(1 - after_layers)}"
-        inside, after = spread
-        # the origins' layers by their streams' shares: the same accounting as the other layers'
-        by_layer = {s.layer: s.share for s in shares}
-        parts = "; ".join(f"layer {o.layer}{' (' + o.kind + ')' if o.kind else ''}: {pct(by_layer.get(o.layer, o.share))}"
-                          for o in origins)
-        if len(origins) > MAX_ORIGINS:
-            why = f"more than {MAX_ORIGINS} places would each have to be fixed ({parts})"
-        else:
-            why = (f"the layers with the largest parts ({parts}) leave {pct(inside + after)} of it to the other layers "
-                   f"({pct(inside)}) and after the last layer ({pct(after)}), where a fault leaves ~0 (concentrated "
-                   f"sources leave less than {SIGNIFICANT:.0%}): fixing those components alone would not remove it")
-        return (f"diffuse drift: the divergence builds up across the layers, not in a few components: {why}; share "
-                f"arising per layer: {per_layer}.")
+        return _diffuse_verdict(origins, spread, shares, after_layers, noise, drifts, candidates)
     if spent:
         found = "; ".join(o.describe(noise) for o in origins) or "nothing yet"
         return f"the search stopped at its budget of {budget} passes; found so far: {found}."
@@ -648,6 +614,44 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
     elif together is not None and together < EXPLAINS and not tail and not drifts:
         text += f"; the remaining {pct(1 - together)} arises in no single layer (each adds less than {SIGNIFICANT:.0%})"
     return text + "." + tail
+
+
+def _diffuse_verdict(origins, spread, shares, after_layers, noise, drifts, candidates) -> str:
+    """The verdict of a diffuse drift: where it builds up, and why no few components are its fix."""
+    per_layer = ", ".join(f"{s.layer}: {pct(s.share)}" for s in shares) or "-"
+    if drifts:
+        if len(origins) > MAX_ORIGINS:
+            why = f"more than {MAX_ORIGINS} places would each have to be fixed"
+        elif noise is not None:
+            why = (f"no layer adds a part larger than the floor's ({pct(noise)} of the divergence), so none can be told "
+                   "from precision noise")
+        elif candidates:
+            inside, after = spread
+            named = "; ".join(o.describe() for o in candidates)
+            why = (f"the strongest components ({named}) leave {pct(inside + after)} of it to the other layers "
+                   f"({pct(inside)}) and after the last layer ({pct(after)}), as precision drift does; without a noise "
+                   "floor a fault there cannot be told from the precision")
+        else:
+            why = ("no component removes more of it than it leaves, so none can be told from precision drift without "
+                   "a noise floor")
+        beyond = " beyond the floor" if noise is not None else ""
+        return (f"diffuse drift{beyond}: the divergence builds up across the layers, not in a few components: "
+                f"{why}; share arising per layer: {per_layer}.")
+    if after_layers is not None:
+        per_layer += f", after the last layer: {pct(1 - after_layers)}"
+    inside, after = spread
+    # the origins' layers by their streams' shares: the same accounting as the other layers'
+    by_layer = {s.layer: s.share for s in shares}
+    parts = "; ".join(f"layer {o.layer}{' (' + o.kind + ')' if o.kind else ''}: {pct(by_layer.get(o.layer, o.share))}"
+                      for o in origins)
+    if len(origins) > MAX_ORIGINS:
+        why = f"more than {MAX_ORIGINS} places would each have to be fixed ({parts})"
+    else:
+        why = (f"the layers with the largest parts ({parts}) leave {pct(inside + after)} of it to the other layers "
+               f"({pct(inside)}) and after the last layer ({pct(after)}), where a fault leaves ~0 (concentrated "
+               f"sources leave less than {SIGNIFICANT:.0%}): fixing those components alone would not remove it")
+    return (f"diffuse drift: the divergence builds up across the layers, not in a few components: {why}; share "
+            f"arising per layer: {per_layer}.")
 
 
 def _g(v) -> str:

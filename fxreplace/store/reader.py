@@ -15,33 +15,29 @@ from .format import (FORMAT_NAME, FORMAT_VERSION, _TOKEN_DTYPES, CaptureError, G
                      _check_tensor_entries, _describe, _offsets, _preview, _read_header, check_extra_against_metadata, check_extras_agree,
                      combine_metadata, extra_layout, first_duplicate)
 
+class _ShardCheck:
+    """The checks of one shard's index against its tensors, each failure naming the file and field."""
+
+    def __init__(self, where: str, specs: dict):
+        self.where, self.specs = where, specs
+
+    def need(self, cond: bool, fld: str, msg) -> None:
+        """``msg``: a string, or a function making it (when it is costly or only valid on failure)."""
+        if not cond:
+            raise StoreError(f"{self.where}: field {fld!r}: {msg() if callable(msg) else msg}")
+
+    def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        self.need(name in self.specs, name, "the index needs this tensor but the file has none")
+        return self.specs[name]
+
+
 def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, dict]:
     """Validate one shard from its metadata and per-prompt tables, then memory-map it."""
     where = _describe(file)
     header, data_start, size = _read_header(file)
-    meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or "fxreplace_index" not in meta:
-        raise StoreError(f"{where} is a safetensors file but not an fxreplace reference store (no index in its header)")
-    try:
-        index = json.loads(meta["fxreplace_index"])
-    except json.JSONDecodeError as e:
-        raise StoreError(f"{where}: field 'fxreplace_index': the store index is not JSON ({e})") from None
-    if not isinstance(index, dict):
-        raise StoreError(f"{where}: field 'fxreplace_index': expected a JSON object, got {type(index).__name__}")
-    if index.get("format") != FORMAT_NAME or index.get("version") != FORMAT_VERSION:
-        raise StoreError(f"{where}: unsupported format {index.get('format')!r} version {index.get('version')!r} "
-                         f"(this fxreplace reads {FORMAT_NAME!r} version {FORMAT_VERSION}; capture the reference again)")
-    specs = _check_tensor_entries(where, header, size - data_start)
-
-    def need(cond: bool, fld: str, msg) -> None:
-        """``msg``: a string, or a function making it (when it is costly or only valid on failure)."""
-        if not cond:
-            raise StoreError(f"{where}: field {fld!r}: {msg() if callable(msg) else msg}")
-
-    def spec(name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        need(name in specs, name, "the index needs this tensor but the file has none")
-        return specs[name]
-
+    index = _shard_index(where, header)
+    check = _ShardCheck(where, _check_tensor_entries(where, header, size - data_start))
+    need, spec = check.need, check.spec
     for key, kind in (("groups", list), ("prompts", list), ("has_token_ids", bool), ("extras", list),
                       ("metadata", dict), ("finite_checked", bool), ("digests", dict)):
         need(isinstance(index.get(key), kind), key, f"expected a {kind.__name__}, got {index.get(key)!r:.60}")
@@ -69,75 +65,10 @@ def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, 
             j = int((offsets != starts).nonzero()[0])
             raise StoreError(f"{where}: field 'prompt.offsets': prompt {prompts[j]} starts at row {int(offsets[j])} but "
                              f"prompts are packed back to back, so it must start at {int(starts[j])} (overlapping or gapped rows)")
-
-        groups = []
-        seen_names = set()
-        for g, grp in enumerate(index["groups"]):
-            fld = f"groups[{g}]"
-            need(isinstance(grp, dict) and isinstance(grp.get("modules"), list) and grp["modules"]
-                 and isinstance(grp.get("width"), int) and grp["width"] > 0 and isinstance(grp.get("dtype"), str),
-                 fld, f"expected {{dtype, width, modules}}, got {grp!r:.80}")
-            dtype = getattr(torch, grp["dtype"], None)
-            need(isinstance(dtype, torch.dtype) and dtype.is_floating_point, fld, f"unknown or non-float dtype {grp['dtype']!r}")
-            dup = seen_names.intersection(grp["modules"])
-            need(not dup and len(set(grp["modules"])) == len(grp["modules"]), fld, f"capture names repeat: {sorted(dup)[:3]}")
-            seen_names.update(grp["modules"])
-            got_dtype, got_shape = spec(f"group.{g}")
-            want_shape = (rows + 1, len(grp["modules"]), grp["width"])
-            need(got_dtype == dtype, f"group.{g}", f"the tensor is {got_dtype} but the index says {dtype}")
-            need(got_shape == want_shape, f"group.{g}",
-                 f"shape {list(got_shape)} but the index needs [rows+1={want_shape[0]}, modules={want_shape[1]}, "
-                 f"width={want_shape[2]}] ({num_prompts} prompts of {rows} rows in all)")
-            groups.append(Group(dtype, grp["width"], tuple(grp["modules"])))
-        need(bool(groups), "groups", "the shard holds no capture names")
-        stray = sorted(n for n in specs if n.startswith("group.") and n not in {f"group.{g}" for g in range(len(groups))})
-        need(not stray, "groups", f"tensors {stray} are not in the index")
-
-        lengths_list = lengths.tolist()
-        num_steps, prefill = index.get("num_steps"), index.get("prefill")
-        for key, value in (("num_steps", num_steps), ("prefill", prefill)):
-            need(isinstance(value, list) and len(value) == num_prompts, key, f"expected a list of {num_prompts} entries")
-        for p, n, steps, pre in zip(prompts, lengths_list, num_steps, prefill):
-            if not (isinstance(steps, int) and steps >= 1):
-                need(False, "num_steps", f"prompt {p}: {steps!r} is not a step count")
-            if pre is not None and not (isinstance(pre, int) and pre >= 1 and pre + steps - 1 == n):
-                need(False, "prefill", f"prompt {p}: a prefill of {pre} positions plus {steps - 1} decode steps is not its {n} rows")
-
-        token_ids = None
-        if index["has_token_ids"]:
-            vdtype, vshape = spec("tokens.values")
-            need(vdtype in _TOKEN_DTYPES and len(vshape) == 1, "tokens.values",
-                 f"token ids must be a 1-D integer tensor, got {vdtype} {list(vshape)}")
-            need(spec("tokens.offsets") == (torch.int64, (num_prompts + 1,)), "tokens.offsets",
-                 f"expected int64 [{num_prompts + 1}], got {spec('tokens.offsets')[0]} {list(spec('tokens.offsets')[1])}")
-            values, toffs = f.get_tensor("tokens.values"), f.get_tensor("tokens.offsets")
-            counts = toffs.diff()
-            need(int(toffs[0]) == 0 and int(toffs[-1]) == vshape[0] and bool((counts >= 1).all()), "tokens.offsets",
-                 lambda: f"must rise from 0 to {vshape[0]} with at least one token per prompt, got {_preview(toffs.tolist())}")
-            need(values.numel() == 0 or int(values.min()) >= 0, "tokens.values",
-                 lambda: f"token ids must be non-negative, found {int(values.min())}")
-            vocab = index["metadata"].get("vocab_size")
-            if isinstance(vocab, int) and values.numel():
-                need(int(values.max()) < vocab, "tokens.values", lambda: f"token id {int(values.max())} is not below the vocab size {vocab}")
-            for p, c, pre in zip(prompts, counts.tolist(), prefill):
-                if pre is not None and c < pre:
-                    need(False, "tokens.values", f"prompt {p} has {c} token ids but its capture's prefill covers {pre} positions")
-            token_ids = TokenTable(values.numpy(), toffs.numpy())
-
-        extras = {}
-        for name in index["extras"]:
-            vfld, ofld = f"extra.{name}.values", f"extra.{name}.offsets"
-            vdtype, vshape = spec(vfld)
-            need(len(vshape) >= 1, vfld, "an extra needs a leading per-item dimension")
-            need(spec(ofld) == (torch.int64, (num_prompts + 1,)), ofld, f"expected int64 [{num_prompts + 1}]")
-            eoffs = f.get_tensor(ofld)
-            need(int(eoffs[0]) == 0 and int(eoffs[-1]) == vshape[0] and bool((eoffs.diff() >= 0).all()), ofld,
-                 lambda: f"must rise from 0 to {vshape[0]}, got {_preview(eoffs.tolist())}")
-            try:
-                check_extra_against_metadata(name, extra_layout(vdtype, vshape), index["metadata"], where)
-            except CaptureError as e:
-                raise StoreError(str(e)) from None
-            extras[name] = (f.get_tensor(vfld), eoffs)
+        groups = _groups(check, index["groups"], rows, num_prompts)
+        num_steps, prefill = _steps(check, index, prompts, lengths.tolist())
+        token_ids = _token_ids(check, f, index, prompts, prefill) if index["has_token_ids"] else None
+        extras = _extras(check, f, index, num_prompts)
         packed = [f.get_tensor(f"group.{g}") for g in range(len(groups))]
 
     if prompt_ids is not None:
@@ -152,6 +83,108 @@ def _load_shard(file: Path, prompt_ids: list[int] | None) -> tuple[dict, Shard, 
     }
     return table, Shard(packed, rows, extras, Path(file)), index
 
+
+def _shard_index(where: str, header: dict) -> dict:
+    """The fxreplace index a shard's safetensors header carries, of this fxreplace's format."""
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or "fxreplace_index" not in meta:
+        raise StoreError(f"{where} is a safetensors file but not an fxreplace reference store (no index in its header)")
+    try:
+        index = json.loads(meta["fxreplace_index"])
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{where}: field 'fxreplace_index': the store index is not JSON ({e})") from None
+    if not isinstance(index, dict):
+        raise StoreError(f"{where}: field 'fxreplace_index': expected a JSON object, got {type(index).__name__}")
+    if index.get("format") != FORMAT_NAME or index.get("version") != FORMAT_VERSION:
+        raise StoreError(f"{where}: unsupported format {index.get('format')!r} version {index.get('version')!r} "
+                         f"(this fxreplace reads {FORMAT_NAME!r} version {FORMAT_VERSION}; capture the reference again)")
+    return index
+
+
+def _groups(check: _ShardCheck, entries: list, rows: int, num_prompts: int) -> list[Group]:
+    """The index's capture groups, each checked against its ``group.G`` tensor."""
+    need, spec = check.need, check.spec
+    groups = []
+    seen_names = set()
+    for g, grp in enumerate(entries):
+        fld = f"groups[{g}]"
+        need(isinstance(grp, dict) and isinstance(grp.get("modules"), list) and grp["modules"]
+             and isinstance(grp.get("width"), int) and grp["width"] > 0 and isinstance(grp.get("dtype"), str),
+             fld, f"expected {{dtype, width, modules}}, got {grp!r:.80}")
+        dtype = getattr(torch, grp["dtype"], None)
+        need(isinstance(dtype, torch.dtype) and dtype.is_floating_point, fld, f"unknown or non-float dtype {grp['dtype']!r}")
+        dup = seen_names.intersection(grp["modules"])
+        need(not dup and len(set(grp["modules"])) == len(grp["modules"]), fld, f"capture names repeat: {sorted(dup)[:3]}")
+        seen_names.update(grp["modules"])
+        got_dtype, got_shape = spec(f"group.{g}")
+        want_shape = (rows + 1, len(grp["modules"]), grp["width"])
+        need(got_dtype == dtype, f"group.{g}", f"the tensor is {got_dtype} but the index says {dtype}")
+        need(got_shape == want_shape, f"group.{g}",
+             f"shape {list(got_shape)} but the index needs [rows+1={want_shape[0]}, modules={want_shape[1]}, "
+             f"width={want_shape[2]}] ({num_prompts} prompts of {rows} rows in all)")
+        groups.append(Group(dtype, grp["width"], tuple(grp["modules"])))
+    need(bool(groups), "groups", "the shard holds no capture names")
+    stray = sorted(n for n in check.specs if n.startswith("group.") and n not in {f"group.{g}" for g in range(len(groups))})
+    need(not stray, "groups", f"tensors {stray} are not in the index")
+    return groups
+
+
+def _steps(check: _ShardCheck, index: dict, prompts: list[int], lengths: list[int]) -> tuple[list, list]:
+    """Each prompt's step count and prefill, checked against its rows."""
+    need = check.need
+    num_steps, prefill = index.get("num_steps"), index.get("prefill")
+    for key, value in (("num_steps", num_steps), ("prefill", prefill)):
+        need(isinstance(value, list) and len(value) == len(prompts), key, f"expected a list of {len(prompts)} entries")
+    for p, n, steps, pre in zip(prompts, lengths, num_steps, prefill):
+        if not (isinstance(steps, int) and steps >= 1):
+            need(False, "num_steps", f"prompt {p}: {steps!r} is not a step count")
+        if pre is not None and not (isinstance(pre, int) and pre >= 1 and pre + steps - 1 == n):
+            need(False, "prefill", f"prompt {p}: a prefill of {pre} positions plus {steps - 1} decode steps is not its {n} rows")
+    return num_steps, prefill
+
+
+def _token_ids(check: _ShardCheck, f, index: dict, prompts: list[int], prefill: list) -> TokenTable:
+    """The shard's token ids per prompt, checked (non-negative, below the vocabulary, covering the prefill)."""
+    need, spec = check.need, check.spec
+    num_prompts = len(prompts)
+    vdtype, vshape = spec("tokens.values")
+    need(vdtype in _TOKEN_DTYPES and len(vshape) == 1, "tokens.values",
+         f"token ids must be a 1-D integer tensor, got {vdtype} {list(vshape)}")
+    need(spec("tokens.offsets") == (torch.int64, (num_prompts + 1,)), "tokens.offsets",
+         f"expected int64 [{num_prompts + 1}], got {spec('tokens.offsets')[0]} {list(spec('tokens.offsets')[1])}")
+    values, toffs = f.get_tensor("tokens.values"), f.get_tensor("tokens.offsets")
+    counts = toffs.diff()
+    need(int(toffs[0]) == 0 and int(toffs[-1]) == vshape[0] and bool((counts >= 1).all()), "tokens.offsets",
+         lambda: f"must rise from 0 to {vshape[0]} with at least one token per prompt, got {_preview(toffs.tolist())}")
+    need(values.numel() == 0 or int(values.min()) >= 0, "tokens.values",
+         lambda: f"token ids must be non-negative, found {int(values.min())}")
+    vocab = index["metadata"].get("vocab_size")
+    if isinstance(vocab, int) and values.numel():
+        need(int(values.max()) < vocab, "tokens.values", lambda: f"token id {int(values.max())} is not below the vocab size {vocab}")
+    for p, c, pre in zip(prompts, counts.tolist(), prefill):
+        if pre is not None and c < pre:
+            need(False, "tokens.values", f"prompt {p} has {c} token ids but its capture's prefill covers {pre} positions")
+    return TokenTable(values.numpy(), toffs.numpy())
+
+
+def _extras(check: _ShardCheck, f, index: dict, num_prompts: int) -> dict:
+    """The shard's extras (per-prompt items beside the rows), each checked against the metadata."""
+    need, spec = check.need, check.spec
+    extras = {}
+    for name in index["extras"]:
+        vfld, ofld = f"extra.{name}.values", f"extra.{name}.offsets"
+        vdtype, vshape = spec(vfld)
+        need(len(vshape) >= 1, vfld, "an extra needs a leading per-item dimension")
+        need(spec(ofld) == (torch.int64, (num_prompts + 1,)), ofld, f"expected int64 [{num_prompts + 1}]")
+        eoffs = f.get_tensor(ofld)
+        need(int(eoffs[0]) == 0 and int(eoffs[-1]) == vshape[0] and bool((eoffs.diff() >= 0).all()), ofld,
+             lambda: f"must rise from 0 to {vshape[0]}, got {_preview(eoffs.tolist())}")
+        try:
+            check_extra_against_metadata(name, extra_layout(vdtype, vshape), index["metadata"], where=check.where)
+        except CaptureError as e:
+            raise StoreError(str(e)) from None
+        extras[name] = (f.get_tensor(vfld), eoffs)
+    return extras
 
 def _read_directory_index(index_file: Path) -> tuple[list[Path], list[list[int] | None]]:
     where = _describe(index_file)
