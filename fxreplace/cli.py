@@ -686,25 +686,27 @@ def _noise_floor(args, reference):
     """The noise floor for ``args.dtype``: stored in the reference (``capture --noise-floor``), else
     measured from ``--clean``; None for a float32 target or when neither is at hand (a
     ``--fail-on floor=K`` then refuses before any pass)."""
-    from .floor import measure_floor, stored_floor
+    from .floor import FloorFileError, floor_for
 
     if is_full_precision(args.dtype):
         if _gates_on_floor(args):
             raise UsageError(f"--fail-on floor=K scores a target below float32 against its noise floor; this target "
                              f"runs in {args.dtype}", "give --dtype bfloat16 (or float16), or gate on kl=X / top5=Y")
         return None
+
+    def clean():
+        check_reference_matches(reference, args.reference, args.clean, model_architecture(args.clean))
+        model = load_model(args.clean, torch_dtype(args.dtype), dispatch_args(args), args.device)  # in the dtype, as the target is
+        _check_vocab(reference, args.clean, model.config.vocab_size)
+        print(f"noise floor: {args.clean} in {args.dtype} against the reference")
+        return model
     try:
-        floor = stored_floor(reference, args.dtype, args.reference)
-    except ValueError as e:
+        floor, _ = floor_for(reference, torch_dtype(args.dtype), args.reference,
+                             clean=clean if getattr(args, "clean", None) else None, progress=True)
+    except FloorFileError as e:
         raise UsageError(str(e), f"capture the reference again with `--noise-floor {args.dtype}`") from None
     if floor is not None and floor.covers(range(reference.num_prompts)):
         return floor
-    if getattr(args, "clean", None):
-        check_reference_matches(reference, args.reference, args.clean, model_architecture(args.clean))
-        clean = load_model(args.clean, torch_dtype(args.dtype), dispatch_args(args), args.device)  # in the dtype, as the target is
-        _check_vocab(reference, args.clean, clean.config.vocab_size)
-        print(f"noise floor: {args.clean} in {args.dtype} against the reference")
-        return measure_floor(clean, reference, torch_dtype(args.dtype), progress=True)
     if _gates_on_floor(args):
         raise UsageError(f"--fail-on floor=K needs the noise floor in {args.dtype}, and {args.reference} holds none",
                          f"capture the reference with `--noise-floor {args.dtype}`, or give the clean model as "

@@ -145,6 +145,27 @@ def save_floor(floor: NoiseFloor, directory) -> Path:
     return path
 
 
+class FloorFileError(ValueError):
+    """A reference's stored noise floor that cannot be read."""
+
+
+def floor_for(reference, dtype: torch.dtype, directory=None, prompts: Sequence[int] | None = None, clean=None,
+              progress: bool = False) -> tuple[NoiseFloor | None, float]:
+    """The noise floor a target in ``dtype`` is read against, and the seconds spent measuring it: none in
+    full precision; the one stored with ``reference`` (``capture --noise-floor``) when it covers
+    ``prompts`` (default: all); else measured from ``clean`` (the clean model in ``dtype``, or a function
+    loading it) when given; else none. A stored floor that cannot be read raises :class:`FloorFileError`."""
+    if is_full_precision(dtype):
+        return None, 0.0
+    indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
+    floor = stored_floor(reference, dtype_name(dtype), directory)
+    if (floor is None or not floor.covers(indices)) and clean is not None:
+        floor = measure_floor(clean if isinstance(clean, torch.nn.Module) else clean(), reference, dtype,
+                              prompts=indices, progress=progress)
+        return floor, floor.seconds
+    return floor, 0.0
+
+
 def stored_floor(reference, dtype: str, directory=None) -> NoiseFloor | None:
     """The floor for ``dtype`` stored with ``reference``: in its directory (``capture --noise-floor``),
     or in its metadata's ``"noise_floors"`` (a reference built in memory); None when there is none."""
@@ -154,7 +175,7 @@ def stored_floor(reference, dtype: str, directory=None) -> NoiseFloor | None:
         try:
             floors.update(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read the noise floor {path}: {e}") from None
+            raise FloorFileError(f"cannot read the noise floor {path}: {e}") from None
     stored = floors.get(dtype)
     return NoiseFloor.from_dict(stored) if stored else None
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..dtypes import dtype_name, is_full_precision
-from ..floor import check_reference_precision, measure_floor, stored_floor
+from ..floor import check_reference_precision, floor_for, stored_floor
 from ..metrics import Tolerances, no_scale
 from ..components import Component, layer_of, resolve_components
 from ..targets import Target, TargetLike
@@ -226,7 +226,7 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
                 engine.observed = None
 
         name = dtype_name(dtype)
-        floor, floor_seconds = (floor, 0.0) if floor is not None else _floor(reference, dtype, directory, indices, clean)
+        floor, floor_seconds = (floor, 0.0) if floor is not None else floor_for(reference, dtype, directory, indices, clean)
         drift_of = None
         if clean is not None and floor is not None:
             def drift_of(names):
@@ -244,19 +244,6 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
     if on_demand:
         result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds - before_search
     return result
-
-
-def _floor(reference, dtype: torch.dtype, directory, prompts: Sequence[int], clean):
-    """The noise floor a target in ``dtype`` is read against, and the seconds spent measuring it: none in
-    full precision; the reference's (``capture --noise-floor``) when it covers ``prompts``; else measured
-    from ``clean`` when given."""
-    if is_full_precision(dtype):
-        return None, 0.0
-    floor = stored_floor(reference, dtype_name(dtype), directory)
-    if (floor is None or not floor.covers(prompts)) and clean is not None:
-        floor = measure_floor(clean if isinstance(clean, nn.Module) else clean(), reference, dtype, prompts=prompts)
-        return floor, floor.seconds
-    return floor, 0.0
 
 
 def precision_drift(clean, store, reference, dtype: torch.dtype, components: Sequence[Component], names: Sequence[str],
