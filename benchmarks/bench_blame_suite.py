@@ -274,7 +274,8 @@ def case_plan(kinds: list[str], rng: random.Random, singles: int) -> list[tuple[
     plan.append(("triple", rng.sample(layered, 3), False))
     plan.append(("on bf16 drift", [rng.choice(["attention_proj", "router_rows" if "router_rows" in kinds else "mlp_proj"])],
                  True))
-    plan.append((FAULT_ON_DRIFT, [rng.choice(["attention_proj", "mlp_proj" if "mlp_proj" in kinds else "expert"])], True))
+    plan.append((FAULT_ON_DRIFT, [rng.choice(["attention_proj", "mlp_proj" if "mlp_proj" in kinds else "expert"])],
+                 True))
     return plan
 
 

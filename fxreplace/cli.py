@@ -59,6 +59,12 @@ class Produced:
             return f"what was written could not be read back ({type(e).__name__}: {e})"
 
 
+def say_interrupted(produced: Produced) -> None:
+    """The one line an interrupted command ends with: what it left on disk."""
+    below_a_bar = "\n" if sys.stderr.isatty() else ""  # a progress bar's line has no end on a terminal
+    print(f"{below_a_bar}interrupted: {produced}", file=sys.stderr, flush=True)
+
+
 def one_line(text: str, limit: int = 600) -> str:
     """``text`` (an exception's message may span lines) as one line of at most ``limit`` characters."""
     text = " ".join(str(text).split())
@@ -605,7 +611,7 @@ def _engine_args(args) -> dict:
         raise UsageError(e.problem, e.fix) from None
     from .vllm import startup
 
-    startup.last_words = lambda: str(args.produced)
+    startup.last_words = lambda: say_interrupted(args.produced)
     return engine_args
 
 
@@ -696,7 +702,8 @@ def _noise_floor(args, reference):
 
     def clean():
         check_reference_matches(reference, args.reference, args.clean, model_architecture(args.clean))
-        model = load_model(args.clean, torch_dtype(args.dtype), dispatch_args(args), args.device)  # in the dtype, as the target is
+        # in the dtype, as the target is
+        model = load_model(args.clean, torch_dtype(args.dtype), dispatch_args(args), args.device)
         _check_vocab(reference, args.clean, model.config.vocab_size)
         print(f"noise floor: {args.clean} in {args.dtype} against the reference")
         return model
@@ -1365,8 +1372,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         # what the interrupted frames held open goes now: a progress bar closed at exit would print below this line
         traceback.clear_frames(interrupt.__traceback__)
-        below_a_bar = "\n" if sys.stderr.isatty() else ""  # a progress bar's line has no end on a terminal
-        print(f"{below_a_bar}interrupted: {produced}", file=sys.stderr)
+        say_interrupted(produced)
         raise SystemExit(EXIT_INTERRUPTED) from None
     except Exception as error:  # noqa: BLE001 - fxreplace's own fault: one line, the traceback on demand
         if debug:

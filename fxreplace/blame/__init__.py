@@ -226,7 +226,8 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
                 engine.observed = None
 
         name = dtype_name(dtype)
-        floor, floor_seconds = (floor, 0.0) if floor is not None else floor_for(reference, dtype, directory, indices, clean)
+        floor, floor_seconds = ((floor, 0.0) if floor is not None else
+                                floor_for(reference, dtype, directory, indices, clean))
         drift_of = None
         if clean is not None and floor is not None:
             def drift_of(names):
@@ -257,7 +258,8 @@ def precision_drift(clean, store, reference, dtype: torch.dtype, components: Seq
     # the caller's model is copied (it is instrumented here); one loaded for this is used itself
     model = copy.deepcopy(clean) if isinstance(clean, nn.Module) else clean()
     model = _as_loaded(model, dtype) if loaded_in_dtype else model.to(dtype)
-    chosen = [c for c in components if c.capture_name in set(names)]
+    wanted = set(names)
+    chosen = [c for c in components if c.capture_name in wanted]
     instrument(model, [c.target for c in chosen])
     engine = blame_runner(model, model.config, store, reference, prompts, chosen, probes=probes)
     floor = Search(engine, reference, chosen, tolerances=Tolerances(), prompts=prompts, budget=len(chosen) + 1,

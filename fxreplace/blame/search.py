@@ -241,15 +241,15 @@ class Search:
                 return self._result([], None, True, False, started, f"within precision noise: the target is "
                                     f"{self.floor.describe(self.off_summary).split(': ', 1)[1]}; no component stands "
                                     "above the floor, so there is nothing to blame beyond the precision itself.")
-            spread = bool(origins) and (len(origins) > MAX_ORIGINS or sum(self._spread(origins)) >= SIGNIFICANT)
+            builds_up = bool(origins) and (len(origins) > MAX_ORIGINS or sum(self._spread(origins)) >= SIGNIFICANT)
             if self.floor is not None:  # nothing stands out from the floor, or too many would have to be fixed
                 diffuse = (not origins and after_layers is None) or len(origins) > MAX_ORIGINS
             elif self.drifts:
-                diffuse = (not origins and after_layers is None) or spread
+                diffuse = (not origins and after_layers is None) or builds_up
                 if diffuse:  # precision drift builds up beside them: without a floor, no scale to tell them from it
                     self.candidates, origins = origins, []
             else:
-                diffuse = spread
+                diffuse = builds_up
             if diffuse:  # where does the drift build up: every stream and kind, for the heat map
                 self.measure([[c.capture_name] for c in self.components])
         except BudgetSpent:
@@ -330,9 +330,9 @@ class Search:
             beside = self.key(base + [x.capture_name for x in together] + [c.capture_name]) - {c.capture_name}
             return Origin(layer, share, c.capture_name, c.kind, kinds, sorted(beside))
 
-        # without a floor, a drifting target's layer part holds drift no kind explains: a kind removing more than it
-        # leaves stands out from it as it is
-        stands_out = 0.5 if self.drifts and self.floor is None else math.inf
+        # without a floor, a drifting target's layer part holds drift no kind explains: a kind standing out from the
+        # drift (removing more than it leaves) is an origin as it is
+        stands_out = self._least([]) if self.drifts and self.floor is None else math.inf
         for c in candidates:
             gain = self.E(base + [c.capture_name]) - e_base
             if gain >= self.significant and (gain >= EXPLAINS * part or gain >= stands_out):
@@ -395,19 +395,18 @@ class Search:
         clean model's only by the two programs' rounding taking other turns."""
         if 1 - self.noise < SIGNIFICANT:  # the target diverges no more than the precision alone: nothing to tell apart
             return []
-        names = [c.capture_name for c in self.components if c.kind != LAYER]
-        self.measure([[n] for n in names])  # every component alone: the heat map
-        drift = self.drift_of(names)
-        beyond = {n: self.E([n]) - self.noise * drift[n] for n in names}
+        comps = [c for c in self.components if c.kind != LAYER]
+        self.measure([[c.capture_name] for c in comps])  # every component alone: the heat map
+        drift = self.drift_of([c.capture_name for c in comps])
+        beyond = {c.capture_name: self.E([c.capture_name]) - self.noise * drift[c.capture_name] for c in comps}
         most = max(beyond.values(), default=0.0)
         if most < SIGNIFICANT:
             return []
-        first = next(n for n in names if beyond[n] >= EXPLAINS * most)
-        c = next(c for c in self.components if c.capture_name == first)
+        c = next(c for c in comps if beyond[c.capture_name] >= EXPLAINS * most)
         layer = c.layer if c.layer is not None else self.stream_layers[0]
         self.drift = [o for o in self.drift if o.layer != layer]  # its layer's part is the origin's now
-        kinds = [x.kind for x in self._kinds(layer)]
-        return [Origin(layer, self.E([first]), first, c.kind, kinds, drift=drift[first] * self.noise)]
+        return [Origin(layer, self.E([c.capture_name]), c.capture_name, c.kind, [x.kind for x in self._kinds(layer)],
+                       drift=drift[c.capture_name] * self.noise)]
 
     def _least(self, origins: list[Origin]) -> float:
         """The least part standing out from a drifting target's precision drift: the floor's part, else what
@@ -514,9 +513,9 @@ class Search:
                      "within": self.floor.within(self.off_summary), "noise_share": self.noise,
                      "floor": self.floor.aggregate(self.indices)}
         if verdict is None:
-            verdict = _verdict(origins, together, diffuse, self._spread(origins or self.candidates), spent, self.budget, ranking, shares,
-                               after_layers, self.noise if self.floor is not None else None, self.drifts, self.drift,
-                               floor is not None and floor["within"], self.candidates)
+            verdict = _verdict(origins, together, diffuse, self._spread(origins or self.candidates), spent, self.budget,
+                               ranking, shares, after_layers, self.noise if self.floor is not None else None,
+                               self.drifts, self.drift, floor is not None and floor["within"], self.candidates)
             if self.floor is not None:
                 verdict = f"{self.floor.describe(self.off_summary)}. " + verdict
         if self.floor is None and self.unscaled and hasattr(self, "off_summary") and nonfinite is None:

@@ -23,8 +23,14 @@ from typing import Callable
 from . import shm
 
 EXIT_INTERRUPTED = 130
-#: what the forced exit prints after "interrupted: " (the CLI sets what its command left on disk)
-last_words: Callable[[], str] = lambda: "the vLLM engine was starting; its processes are stopped"  # noqa: E731
+
+
+def _say_stopped() -> None:
+    print("interrupted: the vLLM engine was starting; its processes are stopped", file=sys.stderr, flush=True)
+
+
+#: what the forced exit says before it exits (the CLI sets its command's line: what it left on disk)
+last_words: Callable[[], None] = _say_stopped
 #: how long a KeyboardInterrupt may take to leave the start before the process exits by itself
 GRACE_S = 1.0
 
@@ -78,6 +84,5 @@ def _quietly(action) -> None:
 
 def _exit_interrupted(signum, frame) -> None:
     """The KeyboardInterrupt was dropped inside the engine's wait: say what was left and exit."""
-    below_a_bar = "\n" if sys.stderr.isatty() else ""
-    print(f"{below_a_bar}interrupted: {last_words()}", file=sys.stderr, flush=True)
+    last_words()
     os._exit(EXIT_INTERRUPTED)
