@@ -98,7 +98,7 @@ def prompt_set(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]
 def time_capture_hooks(spent: dict) -> None:
     """Add the time of capture's per-step hooks (its own Python work, shard writes at
     idle included; the rows the compiled graph copies are not) to ``spent["s"]``."""
-    from fxreplace.vllm.capture import VllmCapture
+    from fxreplace.engines.vllm.capture import VllmCapture
 
     depth = [0]  # end_step calls after_sample: count the outermost hook only
     for name in ("begin_step", "after_forward", "end_step", "after_sample"):
@@ -199,7 +199,7 @@ def start_engine(config: str, mode: str, workload: str, ckpt: str, spec: dict, o
 
 
 def vllm_main(args) -> None:
-    from fxreplace.vllm.testing import save_tiny_checkpoint
+    from fxreplace.engines.vllm.testing import save_tiny_checkpoint
 
     tmp = tempfile.mkdtemp(prefix="fxreplace_bench_capture_")
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")

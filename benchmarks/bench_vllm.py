@@ -89,7 +89,7 @@ def child(args) -> None:
     plugin = {"on": False, "pending": 0.0, "decode": [], "other": []}  # seconds per forward: all-decode steps, the rest
     if args.config == "active":
         from fxreplace.vllm import FxReplaceConfig
-        from fxreplace.vllm.replacement import VllmReplacement
+        from fxreplace.engines.vllm.replacement import VllmReplacement
 
         extra["additional_config"] = {"fxreplace": FxReplaceConfig(tensors=data["captures"],
                                                                    prompt_token_ids=data["prompts"])}
@@ -177,7 +177,7 @@ def main() -> None:
     import torch
     from fxreplace.instrument import instrument
     from fxreplace.models import get_family
-    from fxreplace.vllm.testing import capture_router_logits, save_tiny_checkpoint
+    from fxreplace.engines.vllm.testing import capture_router_logits, save_tiny_checkpoint
 
     shape = QUICK if args.quick else MID
     modes = ["eager"] if args.quick else ["eager", "compiled"]

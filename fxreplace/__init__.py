@@ -33,8 +33,8 @@ _LAZY = {
     "Target": "fxreplace.targets", "TargetError": "fxreplace.targets",
     "logit_validation": "fxreplace.validation",
     "capture_reference": "fxreplace.capture",
-    "Runner": "fxreplace.runner",
-    "RunnerConfig": "fxreplace.runner",
+    "Runner": "fxreplace.engines.embedded",
+    "RunnerConfig": "fxreplace.engines.embedded",
 }
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .liveness import check_live
     from .points import TargetNotLiveError
     from .replacer import TensorReplacer
-    from .runner import Runner, RunnerConfig
+    from .engines.embedded import Runner, RunnerConfig
     from .sharding import ShapeError, ShardSpec
     from .store import CaptureError, ReferenceStore, StoreError, StoreWriter, merge_stores, repack_store
     from .targets import Target, TargetError

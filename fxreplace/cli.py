@@ -564,7 +564,7 @@ def _capture_vllm(args) -> int:
     ids = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)[0]
     prompts = checked_ids(ids, vocab_size, args.prompts)
     check_capture_out(args.out, replace=False)
-    from .vllm.capture import capture_with_vllm
+    from .engines.vllm.capture import capture_with_vllm
 
     args.produced.describe = lambda: (f"{vllm_capture_state(args.out)}; the requests in flight were not written: "
                                       "capture again into a new --out for every prompt")
@@ -583,7 +583,7 @@ def _capture_vllm(args) -> int:
 
 def vllm_capture_state(out) -> str:
     """What a vLLM capture left in ``out``: one store, or (pipeline parallel) one per stage."""
-    from .vllm.capture import MERGED_DIR, stage_dirs
+    from .engines.vllm.capture import MERGED_DIR, stage_dirs
 
     stages = stage_dirs(out)
     if not stages:
@@ -603,13 +603,13 @@ def _engine_args(args) -> dict:
         raise UsageError(f"--engine-args is not JSON: {e}") from None
     if not isinstance(engine_args, dict):
         raise UsageError("--engine-args must be a JSON object of vllm.LLM keyword arguments")
-    from .vllm.preflight import EngineSetupError, check_engine_start
+    from .engines.vllm.preflight import EngineSetupError, check_engine_start
 
     try:
         check_engine_start(engine_args)
     except EngineSetupError as e:
         raise UsageError(e.problem, e.fix) from None
-    from .vllm import startup
+    from .engines.vllm import startup
 
     startup.last_words = lambda: say_interrupted(args.produced)
     return engine_args
@@ -751,7 +751,7 @@ def _validate(args) -> int:
 
     from .instrument import instrument
     from .models import architecture
-    from .runner import Runner, RunnerConfig
+    from .engines.embedded import Runner, RunnerConfig
     from .validation import logit_validation
 
     reference = load_reference_arg(args.reference)
@@ -826,7 +826,7 @@ def _validate_vllm(args) -> int:
     check_layer_count(reference, args.reference, args.model, _config_json(args.model).get("num_hidden_layers"))
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: f"no report written ({folder_state(args.report_dir, '--report-dir')})"
-    from .vllm.engine import VllmEngine
+    from .engines.vllm.engine import VllmEngine
 
     floor = _noise_floor(args, reference)
     longest = _longest_sequence(reference)
@@ -925,7 +925,7 @@ def _blame(args) -> int:
                 raise UsageError("--compile, --component and --clean are for --engine runner (vLLM compiles unless "
                                  "--eager; its components come from the family's vllm_components)",
                                  "capture the components into the reference with `fxreplace capture --components`")
-            from .vllm.engine import VllmBlameEngine
+            from .engines.vllm.engine import VllmBlameEngine
 
             engine_args = {"max_model_len": max(_longest_sequence(reference) + 8, 128),
                            "max_num_seqs": min(64, reference.num_prompts * 5), **engine_args}

@@ -31,7 +31,7 @@ from .instrument import instrument
 from .replacer import TensorReplacer
 from .report import print_summary
 from .repro import write_repro
-from .runner import Runner, RunnerConfig
+from .engines.embedded import Runner, RunnerConfig
 from .validation import ValidationResult, logit_validation
 
 

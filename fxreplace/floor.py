@@ -99,7 +99,7 @@ def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prom
     precision noise floor."""
     import copy
 
-    from .runner import Runner, RunnerConfig
+    from .engines.embedded import Runner, RunnerConfig
     from .validation import logit_validation
 
     started = time.perf_counter()

@@ -10,7 +10,7 @@ decode steps (``generate(..., forced=)``), so one call compares every step; each
 step is recorded as the re-run after the prompt's earlier divergences would record it.
 
 Any engine works that offers ``generate(prompts, max_new_tokens, replace) ->
-[Generation]`` (see :class:`fxreplace.runner.Runner`); ``Generation.observed``,
+[Generation]`` (:class:`fxreplace.engines.protocol.Engine`); ``Generation.observed``,
 when the engine fills it, gives each target's own computed values per position,
 from which router agreement is measured.
 """
@@ -31,14 +31,10 @@ import torch
 
 from .context import PerRequest
 from .dtypes import is_full_precision
+from .engines.protocol import Engine
 from .metrics import (DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_steps, no_scale,
                       topk_agreement, verdict)
 from .reference import Reference
-
-
-class Engine(Protocol):
-    # an engine whose ``teacher_forcing`` is true also takes ``forced=`` (see the module docstring)
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str]) -> list: ...
 
 
 @dataclass(frozen=True)

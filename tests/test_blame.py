@@ -505,7 +505,7 @@ def test_selection_keeps_one_compiled_graph(cleans, references):
     """Replacing different sets of components, per call or per request, reuses the same graphs."""
     from fxreplace.instrument import instrument
     from fxreplace.replacer import TensorReplacer
-    from fxreplace.runner import Runner, RunnerConfig
+    from fxreplace.engines.embedded.runner import Runner, RunnerConfig
 
     clean, reference = cleans[ARCH], references[ARCH]
     model = instrument(copy.deepcopy(clean), [c.target for c in resolve_components(clean, get_family(ARCH).components)])

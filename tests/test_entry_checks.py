@@ -60,7 +60,7 @@ def test_a_vllm_capture_into_a_store_is_refused_before_any_engine_process_starts
 def test_the_runner_refuses_a_dtype_mismatch_zero_tokens_and_a_bucket_past_its_cache():
     import copy
 
-    from fxreplace.runner import Runner, RunnerConfig
+    from fxreplace.engines.embedded.runner import Runner, RunnerConfig
 
     hf = tiny_model(ARCH)
     target = copy.deepcopy(hf).to(torch.bfloat16)

@@ -6,7 +6,7 @@ import torch
 from fxreplace import TensorReplacer
 from fxreplace.models import tiny_model
 from fxreplace.context import PerRequest
-from fxreplace.runner import Runner, RunnerConfig, propose_ngram
+from fxreplace.engines.embedded.runner import Runner, RunnerConfig, propose_ngram
 from fxreplace.testing import build_context_loop, slot_owners
 
 PROMPTS = [[1, 5, 9, 3, 7], [2, 8, 8, 4, 1, 6, 3, 9, 12], [3, 3, 3]]

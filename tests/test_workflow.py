@@ -12,7 +12,7 @@ from fxreplace.cli import main as cli
 from fxreplace.metrics import compare_logits
 from fxreplace.models import tiny_model
 from fxreplace.reference import Reference, load_reference
-from fxreplace.runner import Runner, RunnerConfig
+from fxreplace.engines.embedded.runner import Runner, RunnerConfig
 from fxreplace.store import ReferenceStore, unfinished
 from fxreplace.validation import logit_validation
 

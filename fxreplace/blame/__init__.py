@@ -291,7 +291,7 @@ def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[i
     decode steps: a diverging copy is not re-run, so the prefill bucket holds the longest prompt
     and the cache its generated tokens."""
     from ..replacer import TensorReplacer
-    from ..runner import Runner, RunnerConfig
+    from ..engines.embedded import Runner, RunnerConfig
 
     def pow2(n: int) -> int:
         return 1 << (n - 1).bit_length()

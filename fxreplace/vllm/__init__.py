@@ -1,30 +1,20 @@
-"""vLLM integration: a ``vllm.general_plugins`` plugin that instruments vLLM's own
-model implementation and feeds each forward the replacement tensors of the
-requests in vLLM's batch.
+"""``fxreplace.vllm``: the vLLM engine's public import path (the ``vllm.general_plugins`` entry
+point, user code, the docs). The code lives in :mod:`fxreplace.engines.vllm` and
+:mod:`fxreplace.engines.vllm_neuron`; this path stays so installed entry points and imports made
+before the engines moved keep working, and its submodules are those modules themselves (patching
+``fxreplace.vllm.internals`` patches the one the plugin reads)."""
 
-Offline::
+import sys
 
-    from vllm import LLM
-    llm = LLM(model=path, additional_config={"fxreplace": {
-        "tensors": captures, "prompt_token_ids": prompt_ids}})        # or tensors_path=...
+from ..engines import vllm as _engine
+from ..engines.vllm import *  # noqa: F403 - the public names, as before the move
+from ..engines.vllm import __all__  # noqa: F401
+from ..engines.vllm import (capture, config, engine, internals, plugin, preflight, replacement, runners, shm,
+                            startup, testing)
+from ..engines import protocol, vllm_neuron as neuron
+from ..engines.vllm_neuron import internals as neuron_internals
 
-Online::
-
-    python -m vllm.entrypoints.openai.api_server --model DIR \\
-        --additional-config '{"fxreplace": {"tensors_path": "REF_DIR"}}'
-
-Users of the Neuron tool can keep ``additional_config={"neuron_config":
-{"tensor_replacement": TensorReplacementConfig(...)}}`` (not on vllm-neuron, where that key is
-vllm-neuron's own replacer's: :mod:`fxreplace.vllm.neuron`). The plugin is inert
-when neither key is present. :class:`VllmEngine` runs teacher-forced validation
-through vLLM (``fxreplace validate --engine vllm``).
-"""
-
-from .config import CONFIG_KEY, ConfigError, FxReplaceConfig, parse_config
-from .engine import VllmEngine
-from .internals import get_state
-from .plugin import register
-from .replacement import VllmReplacement
-
-__all__ = ["CONFIG_KEY", "ConfigError", "FxReplaceConfig", "VllmEngine", "VllmReplacement", "get_state",
-           "parse_config", "register"]
+for _name in ("capture", "config", "engine", "internals", "plugin", "preflight", "replacement", "runners", "shm",
+              "startup", "testing", "protocol", "neuron", "neuron_internals"):
+    sys.modules[f"{__name__}.{_name}"] = globals()[_name]
+del _engine, _name

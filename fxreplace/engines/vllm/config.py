@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, ReplacementConfig
+from ...config import ConfigError, ReplacementConfig
 
 CONFIG_KEY = "fxreplace"
 NEURON_KEYS = ("neuron_config", "tensor_replacement")

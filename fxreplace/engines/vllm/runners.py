@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from . import internals
-from .protocol import StepHooks, StepLayout
+from ..protocol import StepHooks, StepLayout
 
 
 class VllmRunner:

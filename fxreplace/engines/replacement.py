@@ -1,13 +1,9 @@
-"""The vLLM plugin's per-runner replacement state: the instrumented model, its bound
-buffers and the replacer that fills them from the scheduler's batch before every forward
-(:mod:`fxreplace.vllm.plugin` attaches it to a configured model runner).
+"""The replacement state every runner under vLLM's scheduler shares (vLLM's own runner,
+vllm-neuron's): the replacer, the instrumented model and the per-step request bookkeeping.
 
 Per request, ``SamplingParams(extra_args={"fxreplace": "off"})`` (online:
 ``"vllm_xargs": {"fxreplace": "off"}``) serves a request without replacement even
-when its prompt is in the reference. With ``select_captures=True`` in the config,
-``extra_args={"fxreplace": {"captures": [capture names]}}`` replaces only those
-captures for that request (:class:`SelectingReplacement`); the front end refuses a
-selection naming a capture the reference does not hold.
+when its prompt is in the reference.
 
 Debugging: with ``FXREPLACE_DEBUG_STATE=/path/state.json`` in the worker's
 environment, the worker rewrites that file after every step's request
@@ -29,7 +25,6 @@ from ..context import ReplacementContext
 from ..instrument import instrument
 from ..replacer import TensorReplacer
 from ..targets import Target, TargetError, resolve_targets
-from .protocol import StepHooks
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -214,129 +209,3 @@ class Replacement:
     def tokens_replaced(self) -> int:
         """Tokens whose rows were replaced, over the engine's life (reads the device count: a sync)."""
         return self.host_tokens_replaced + (0 if self.on_host else int(self.device_tokens_replaced))
-
-
-class VllmReplacement(Replacement):
-    """Replacement through static buffers bound to the model before it compiles (vLLM's
-    GPU/CPU runner): every target reads its rows and one mask from them, and each step
-    fills their leading rows in place."""
-
-    def __init__(self, side, config: ReplacementConfig):
-        super().__init__(side, config)
-        # Bind before warmup compiles: the graph reads these buffers from its first trace.
-        # Each step gathers straight into their first rows (no second copy).
-        self.feed = self.replacer.warmup_context(self.max_tokens)
-        self.model.feed(self.feed, bind=True)
-        self._views: dict[int, ReplacementContext] = {}  # first-T-rows views of self.feed, per T
-        self.armed = False  # whether the mask may hold True rows (clear() is a no-op otherwise)
-        self.on_host = self.feed.mask.device.type == "cpu"
-        self._log_instrumented(f"buffers of {self.max_tokens} tokens")
-
-    def hooks(self) -> StepHooks:
-        """Requests are registered and released per step and the buffers filled before each
-        forward; every row the forward reads is rewritten (padding rows off), so nothing is
-        cleared after it. Forwards outside a step see replacement off."""
-        return StepHooks(begin_step=self.update_requests, before_forward=self.prepare,
-                         off_forward=lambda num_tokens: self.clear())
-
-    def prepare(self, scheduler_output, positions) -> None:
-        """Fill the buffers for this forward from the batch vLLM actually runs: every
-        row it reads, the padding after the scheduled tokens included (mask off there).
-
-        One build per step: a steady decode step (the same requests as the last step, one
-        token each) is the replacer's :meth:`~fxreplace.TensorReplacer.decode_into` into the
-        bound buffers' leading rows, anything else its general build."""
-        try:
-            self._fill(self.side.batch_requests(), scheduler_output, positions)
-        except Exception as exc:
-            self.errors += 1
-            self.clear()
-            logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
-
-    def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
-        """Fill the buffers for ``req_ids``; returns the batch's scheduled token counts and
-        the rows written (padding included), or None when nothing is replaced."""
-        out = self._views.get(len(req_ids))
-        if out is not None and self.replacer.decode_into(req_ids, positions, out):  # a steady decode step
-            self._count(out)
-            return [1] * len(req_ids), len(req_ids)
-        if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
-            self.clear()
-            return None
-        layout = self.side.layout(scheduler_output, positions, req_ids)
-        rows = layout.num_slots
-        out = self._views.get(rows)
-        if out is None:
-            out = self._new_view(rows)
-        self._count(layout.build(self.replacer, out))
-        return layout.counts, rows
-
-    def _new_view(self, n: int) -> ReplacementContext:
-        """The bound buffers' first ``n`` rows as an ``out=`` context, kept for the next forward of ``n`` rows."""
-        view = self._views[n] = self.feed.leading(n)
-        return view
-
-    def clear(self) -> None:
-        if self.armed:
-            self.feed.mask.fill_(False)  # every target's mask buffer is this one tensor
-            self.armed = False
-
-
-class SelectingReplacement(VllmReplacement):
-    """``select_captures=True``: each request picks the captures that replace it
-    (``extra_args={"fxreplace": {"captures": [...]}}``; without a selection, all).
-
-    Every target reads a mask of its own (the feed bound as a
-    :class:`~fxreplace.context.SelectedContext`); each step sets every row the forward
-    reads to the batch's mask where the token's request selected that target's capture
-    (padding rows off). The graph's inputs are the same whatever the selection, so one
-    compiled graph serves them all.
-    """
-
-    def __init__(self, side, config: ReplacementConfig):
-        super().__init__(side, config)
-        self.capture_names = list(dict.fromkeys(t.name for t in self.targets))
-        bound = self.feed.select(self.capture_names)
-        self.masks = [bound.mask_for(name) for name in self.capture_names]
-        self.all_selected = torch.ones(len(self.capture_names), dtype=torch.bool)
-        self.none_selected = torch.zeros(len(self.capture_names), dtype=torch.bool)
-        self.selections: dict[str, torch.Tensor] = {}  # request id -> [captures] bool, when it selected
-        # bound again before warmup compiles, now each target to a mask of its own; the feed's
-        # mask stays the batch's, which each step narrows into these
-        self.model.feed(bound, bind=True)
-
-    def update_requests(self, scheduler_output) -> None:
-        for req_id in scheduler_output.finished_req_ids:
-            self.selections.pop(req_id, None)
-        for new in scheduler_output.scheduled_new_reqs:
-            selection = selection_of(new.sampling_params)
-            if selection is None:
-                continue
-            wanted = set(selection["captures"])  # validated in the front end
-            ignored = sorted(wanted - set(self.capture_names) - self.other_stages_captures)
-            if ignored:
-                logger.error("fxreplace: request %s selects capture(s) %s that no instrumented target reads; "
-                             "they are not replaced", new.req_id, ignored)
-            self.selections[new.req_id] = torch.tensor([name in wanted for name in self.capture_names])
-        super().update_requests(scheduler_output)
-
-    def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
-        filled = super()._fill(req_ids, scheduler_output, positions)
-        if filled is None:
-            return None
-        counts, rows = filled
-        total = sum(counts)
-        # per token, whether its request selected each capture (padding rows: none)
-        chosen = torch.stack([self.selections.get(r, self.all_selected) for r in req_ids] + [self.none_selected], 1)
-        per_token = chosen.repeat_interleave(torch.tensor(counts + [rows - total]), dim=1).to(self.device)
-        batch_mask = self.feed.mask[:rows]
-        for mask, selected in zip(self.masks, per_token):
-            torch.logical_and(batch_mask, selected, out=mask[:rows])
-        return filled
-
-    def clear(self) -> None:
-        if self.armed:
-            for mask in self.masks:
-                mask.fill_(False)
-        super().clear()
-

@@ -33,13 +33,14 @@ import difflib
 import functools
 import logging
 
-from ..matching import PromptIndex
-from ..replacer import reference_capture_names, reference_token_ids
+from ...matching import PromptIndex
+from ...replacer import reference_capture_names, reference_token_ids
 from . import internals
-from . import neuron_internals
+from ..vllm_neuron import internals as neuron_internals
 from .config import NEURON_KEYS, ConfigError, parse_config, refuse_unsupported, wrap_in_place
 from .runners import VllmRunner
-from .replacement import NoTargetOnThisStage, SelectingReplacement, VllmReplacement, selection_of, switched_off
+from ..replacement import NoTargetOnThisStage, selection_of, switched_off
+from .replacement import SelectingReplacement, VllmReplacement
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -73,7 +74,7 @@ def register() -> None:
     except (ImportError, AttributeError):
         neuron_runner = None
     if neuron_runner is not None:
-        from .neuron import NeuronRunner
+        from ..vllm_neuron import NeuronRunner
 
         _wrap(neuron_runner, neuron_internals.LOAD_MODEL, _load_model(NeuronRunner))
     worker = internals.worker_base()
@@ -154,7 +155,7 @@ def _refuse_shared_key_on_neuron(additional_config) -> None:
     ``fxreplace`` only."""
     neuron = additional_config.get(NEURON_KEYS[0]) if isinstance(additional_config, dict) else None
     if isinstance(neuron, dict) and neuron.get(NEURON_KEYS[1]) is not None and neuron_internals.on_neuron():
-        from .neuron import SHARED_KEY_HINT
+        from ..vllm_neuron.runner import SHARED_KEY_HINT
 
         raise ConfigError(f"fxreplace: {SHARED_KEY_HINT}; to use vllm-neuron's own replacer instead, leave fxreplace's "
                           "plugin out of VLLM_PLUGINS")
@@ -249,7 +250,7 @@ def attach_state(side, config) -> None:
         if side.bound:
             from .capture import VllmCapture as kind
         else:
-            from .neuron import StepInputCapture as kind
+            from ..vllm_neuron import StepInputCapture as kind
         state = kind(side, config.config.capture)
         setattr(runner, internals.STATE_ATTR, state)
         side.install(state.hooks())
@@ -257,7 +258,7 @@ def attach_state(side, config) -> None:
         if side.bound:
             kind = SelectingReplacement if config.config.select_captures else VllmReplacement
         else:
-            from .neuron import StepInputReplacement as kind
+            from ..vllm_neuron import StepInputReplacement as kind
         try:
             state = kind(side, config.config)
         except NoTargetOnThisStage as exc:

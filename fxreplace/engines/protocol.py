@@ -1,7 +1,12 @@
-"""The runner protocol: what fxreplace needs from a serving engine's model runner, so
-one replacement state and one row recording serve every runner (vLLM's GPU/CPU runner
-in :mod:`fxreplace.vllm.runners`, vllm-neuron's Neuron runner in :mod:`fxreplace.vllm.neuron`).
+"""What fxreplace needs from an engine.
 
+Validation and blame drive any engine through :class:`Engine`: ``generate(prompts,
+max_new_tokens, replace) -> [Generation]`` (the embedded runner, vLLM, an engine of your own:
+see :mod:`fxreplace.engines`).
+
+A serving engine's model runner is seen through :class:`RunnerSide`, so one replacement state
+and one row recording serve every runner (vLLM's GPU/CPU runner in
+:mod:`fxreplace.engines.vllm.runners`, vllm-neuron's in :mod:`fxreplace.engines.vllm_neuron`).
 A runner side tells fxreplace
 
 * the module to instrument (the original model, under any compile wrapper), its Hugging Face
@@ -20,9 +25,33 @@ rows by request and position) is the same code for every runner.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 import torch
+
+@dataclass
+class Generation:
+    """One request's greedy continuation and the logits that chose each token."""
+
+    req_id: str
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # one [vocab] per generated token
+    # what each target computed (before replacement), per position: {capture name: {position: [E]}}
+    observed: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def logits_tensor(self) -> torch.Tensor:
+        return torch.stack(self.logits)
+
+
+class Engine(Protocol):
+    """What validation and blame drive: greedy generation, with replacement on, off or for the
+    named captures only."""
+
+    # an engine whose ``teacher_forcing`` is true also takes ``forced=`` (see the module docstring)
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str]) -> list: ...
+
 
 #: The request id of padding slots inside a layout (never a real request's id: vLLM's ids
 #: are printable, this one starts with NUL). A replacer built with on_unknown="passthrough"

@@ -44,25 +44,24 @@ import itertools
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..dtypes import dtype_name
-from ..config import ConfigError
-from ..gather import host_bits
-from ..instrument import instrument, observe
-from ..injection import recording
-from ..reference import Reference
-from ..store import ReferenceStore, StoreError, StoreWriter
-from ..store.format import CAPTURE_STATS_FILE
-from ..targets import TargetError, resolve_targets
+from ...dtypes import dtype_name
+from ...config import ConfigError
+from ...gather import host_bits
+from ...instrument import instrument, observe
+from ...reference import Reference
+from ...store import ReferenceStore, StoreError, StoreWriter
+from ...store.format import CAPTURE_STATS_FILE
+from ...targets import TargetError, resolve_targets
 from . import internals, shm
 from .startup import interruptible_start
-from .protocol import StepHooks
+from ..protocol import StepHooks
+from ..recording import Recorder, RequestRows
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -104,85 +103,6 @@ def prepare_engine_args(engine_args, capture: dict) -> None:
     engine_args.enable_prefix_caching = False
     if hasattr(engine_args, "async_scheduling"):
         engine_args.async_scheduling = False
-
-
-@dataclass
-class _StopView:
-    """The fields of a vLLM ``Request`` that ``check_stop`` reads."""
-
-    sampling_params: Any
-    prompt_len: int
-    max_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    pooling_params: Any = None
-    status: Any = None
-    stop_reason: Any = None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.prompt_len + len(self.output_token_ids)
-
-
-class _RequestRows:
-    """One request's captures, stored by position: ``rows[p]`` is every target's
-    row at position ``p``; ``logits[j]`` predicts generated token ``j`` (one row per
-    step: the first ``generated`` rows are held). Held as numpy arrays: a small slice
-    copy costs a fifteenth of torch's, and this runs every step."""
-
-    def __init__(self, prompt: list[int], sampling_params, width: int, capacity: int, bits, arrival: int,
-                 logit_rows: int):
-        self.prompt = prompt
-        self.arrival = arrival  # the request's number in the scheduler's order (the same on every stage)
-        self.stop = _StopView(sampling_params, len(prompt), int(sampling_params.max_tokens))
-        self.rows = np.zeros((capacity, width), dtype=bits)
-        self.computed = 0  # positions computed so far (a pipeline stage before the last writes these)
-        self.logit_rows = logit_rows  # the logits' first allocation, made with the first sampled row
-        self.logits: np.ndarray | None = None
-        self.generated = 0
-
-    def put_rows(self, start: int, rows: np.ndarray) -> None:
-        end = start + len(rows)
-        if end > len(self.rows):
-            self.rows = np.concatenate([self.rows, np.zeros((end - len(self.rows), self.rows.shape[1]),
-                                                            dtype=self.rows.dtype)])
-        self.rows[start:end] = rows
-        if end > self.computed:
-            self.computed = end
-
-    def put_logits(self, position: int, row: np.ndarray) -> None:
-        j = position - (self.stop.prompt_len - 1)
-        if j < 0:  # a prefill chunk's end: its sample is discarded
-            return
-        if self.logits is None or j >= len(self.logits):
-            self._grow_logits(j + 1, row)
-        self.logits[j] = row
-        if j >= self.generated:
-            self.generated = j + 1
-
-    def put_token(self, position: int, row: np.ndarray, sampled: np.ndarray) -> None:
-        """A decode step's one row at ``position`` and the logits sampled from it."""
-        self.put_rows(position, row[None])
-        self.put_logits(position, sampled)
-
-    def _grow_logits(self, need: int, row: np.ndarray) -> None:
-        """Room for ``need`` logits rows: the first allocation holds ``logit_rows`` (the request's
-        max_tokens, up to a bound), later ones double, so the rows held are copied a few times
-        per request, not every step (``np.empty``: pages no token is generated into stay untouched)."""
-        held = 0 if self.logits is None else len(self.logits)
-        grown = np.empty((max(need, self.logit_rows, 2 * held), row.shape[-1]), dtype=np.float32)
-        if held:
-            grown[:self.generated] = self.logits[:self.generated]
-        self.logits = grown
-
-    def generated_logits(self, count: int) -> np.ndarray:
-        """The logits of the first ``count`` generated tokens, for the store, which holds what it
-        is given until its shard is written: a copy when they fill only part of the allocation."""
-        logits = self.logits[:count]
-        return logits if count == len(self.logits) else logits.copy()
 
 
 class VllmCapture:
@@ -242,11 +162,11 @@ class VllmCapture:
         self.host_buffer = self.buffer if device.type == "cpu" else torch.zeros_like(self.buffer, device="cpu")
         self.buffer_bits = host_bits(self.host_buffer)  # the same memory as numpy (any dtype, bf16 included)
         self._observing = contextlib.ExitStack()  # open for the engine's life
-        self._observing.enter_context(observe(self.model, _Recorder(self.buffer, self.columns)))
+        self._observing.enter_context(observe(self.model, Recorder(self.buffer, self.columns)))
         self.dtype = dtype
         self.spec_tokens = int(getattr(runner, "num_spec_tokens", 0) or 0)
         self.check_stop = internals.check_stop()
-        self.active: dict[str, _RequestRows] = {}
+        self.active: dict[str, RequestRows] = {}
         self.arrivals = 0  # requests registered so far
         self.step = None  # this step's (records, token ends, positions), from the forward to the logits
         self.completed = 0
@@ -307,7 +227,7 @@ class VllmCapture:
             prompt = list(new.prompt_token_ids)
             capacity = len(prompt) + int(new.sampling_params.max_tokens) + self.spec_tokens
             logit_rows = min(int(new.sampling_params.max_tokens) + self.spec_tokens, FIRST_LOGIT_ROWS)
-            self.active[new.req_id] = _RequestRows(prompt, new.sampling_params, self.width,
+            self.active[new.req_id] = RequestRows(prompt, new.sampling_params, self.width,
                                                    min(capacity, self.max_model_len + self.spec_tokens),
                                                    self.buffer_bits.dtype, self.arrivals, logit_rows)
             self.arrivals += 1
@@ -386,7 +306,7 @@ class VllmCapture:
 
     # ------------------------------------------------------------ writing
 
-    def _complete(self, req_id: str, record: _RequestRows) -> None:
+    def _complete(self, req_id: str, record: RequestRows) -> None:
         """Stream one request that met its stop rule to the store."""
         del self.active[req_id]
         if self.closed:
@@ -395,7 +315,7 @@ class VllmCapture:
             return
         self._write(record)
 
-    def _write(self, record: _RequestRows) -> None:
+    def _write(self, record: RequestRows) -> None:
         """One request's rows (the last stage: and its generation) to the store; they
         leave memory with the shard. Under pipeline parallelism the request's number
         is its prompt index, so the stages' stores join by it."""
@@ -464,34 +384,6 @@ class VllmCapture:
     def summary(self) -> dict:
         """What this runner captured so far (``fxreplace_worker_state``; JSON-able)."""
         return {"names": self.names, "out": str(self.out), "writes": self.writes, **self.counts()}
-
-
-class _Recorder:
-    """Observer: copies each target's computed ``[T, E]`` into its columns of the
-    shared buffer (in place, so a compiled graph writes the same storage).
-
-    Traced into a graph, the copy is an ``index_put_`` of the T rows: a copy into a slice
-    of the buffer becomes a ``slice_scatter`` there, which inductor computes as a pass over
-    the whole ``[max_tokens, width]`` buffer every forward. Eagerly, the slice copy is the
-    fast one (``index_put_`` takes ~20x as long for a 512-token prefill)."""
-
-    def __init__(self, buffer: torch.Tensor, columns: dict[str, slice]):
-        self.buffer = buffer
-        self.columns = columns
-        # each target's columns as a view made once: an eager forward, every step, then only
-        # selects its rows
-        self.column_views = {name: buffer[:, c] for name, c in columns.items()}
-
-    def __call__(self, name: str, computed) -> None:
-        if not isinstance(computed, torch.Tensor):
-            raise TargetError(f"{name}: its point computes a {type(computed).__name__}, not one tensor")
-        flat = computed if computed.dim() == 2 else computed.reshape(-1, computed.shape[-1])
-        if recording():
-            columns = self.columns[name]
-            rows = torch.arange(flat.shape[0], device=flat.device).unsqueeze(1)
-            self.buffer.index_put_((rows, torch.arange(columns.start, columns.stop, device=flat.device)), flat)
-        else:
-            self.column_views[name][:flat.shape[0]].copy_(flat)
 
 
 def _host_float32(t: torch.Tensor) -> np.ndarray:

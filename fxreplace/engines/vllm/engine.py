@@ -28,9 +28,9 @@ from typing import Collection, Sequence
 
 import torch
 
-from ..config import ReplacementConfig
-from ..context import PerRequest
-from ..runner import Generation
+from ...config import ReplacementConfig
+from ...context import PerRequest
+from ..protocol import Generation
 from . import shm
 from .startup import interruptible_start
 
@@ -114,9 +114,9 @@ class VllmBlameEngine:
     """
 
     def __init__(self, model: str, reference_dir: str, *, dtype: str = "float32", vllm_components=None, **llm_kwargs):
-        from ..blame import BlameError, Component, recorded_components
-        from ..reference import load_reference
-        from ..targets import Target
+        from ...blame import BlameError, Component, recorded_components
+        from ...reference import load_reference
+        from ...targets import Target
 
         reference = load_reference(reference_dir)
         if vllm_components is None:

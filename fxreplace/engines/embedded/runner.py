@@ -35,12 +35,13 @@ from typing import Callable, Collection, Sequence
 import torch
 from transformers import StaticCache
 
-from .devices import input_device
-from .dtypes import as_dtype
-from .instrument import observe
-from .config import ReplacementConfig
-from .context import PerRequest
-from .replacer import TensorReplacer
+from ...devices import input_device
+from ...dtypes import as_dtype
+from ...instrument import observe
+from ...config import ReplacementConfig
+from ...context import PerRequest
+from ..protocol import Generation
+from ...replacer import TensorReplacer
 
 
 @dataclass
@@ -69,22 +70,6 @@ class RunnerConfig:
         if max(self.prefill_buckets) > self.max_len:
             raise ValueError(f"RunnerConfig.prefill_buckets {tuple(self.prefill_buckets)} hold a bucket longer than "
                              f"max_len {self.max_len} (the KV cache's length); hint: raise max_len or drop the bucket")
-
-
-@dataclass
-class Generation:
-    """One request's greedy continuation and the logits that chose each token."""
-
-    req_id: str
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)  # one [vocab] per generated token
-    # what each target computed (before replacement), per position: {capture name: {position: [E]}}
-    observed: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
-
-    @property
-    def logits_tensor(self) -> torch.Tensor:
-        return torch.stack(self.logits)
 
 
 def smallest_bucket(buckets: Sequence[int], n: int, what: str) -> int:

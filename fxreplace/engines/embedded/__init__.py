@@ -1,0 +1,6 @@
+"""The embedded engine: fxreplace's own static-shape runner over a Hugging Face causal LM in
+this process (:class:`~fxreplace.engines.embedded.runner.Runner`)."""
+
+from .runner import Runner, RunnerConfig
+
+__all__ = ["Runner", "RunnerConfig"]
