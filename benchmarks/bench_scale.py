@@ -168,7 +168,7 @@ def step_ondemand(args) -> dict:
     from fxreplace.blame import resolve_components
     from fxreplace.blame.ondemand import OnDemand
     from fxreplace.capture import capture_reference
-    from fxreplace.cli import load_model
+    from fxreplace.loading import load_model
     from fxreplace.models import get_family
     from fxreplace.reference import load_reference
 

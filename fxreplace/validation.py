@@ -25,7 +25,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Collection, Mapping, Protocol, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 

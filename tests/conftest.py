@@ -1,5 +1,8 @@
+import importlib
 import os
+import pkgutil
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -62,3 +65,23 @@ def pytest_unconfigure(config):
     caches = getattr(config, "_fxreplace_caches", None)
     if caches:
         shutil.rmtree(caches, ignore_errors=True)
+
+
+def forbid_model_loads(monkeypatch) -> None:
+    """Fail the test if any command loads a model: every fxreplace module that took the loader
+    (the commands' modules imported first: they are imported when a command runs) gets one that fails."""
+    import fxreplace.cli
+    import fxreplace.loading
+
+    for info in pkgutil.iter_modules(fxreplace.cli.__path__):
+        importlib.import_module(f"fxreplace.cli.{info.name}")
+    importlib.import_module("fxreplace.engines.embedded.spec")
+    real = fxreplace.loading.load_model
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("fxreplace") and getattr(module, "load_model", None) is real:
+            monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    forbid_model_loads(monkeypatch)

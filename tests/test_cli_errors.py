@@ -6,7 +6,6 @@ import sys
 import pytest
 import torch
 
-import fxreplace.cli
 from fxreplace.cli import main as cli
 from fxreplace.store import ReferenceStore
 from fxreplace.validation import Gate
@@ -25,11 +24,6 @@ def fails(argv, capsys) -> str:
         cli(argv)
     assert raised.value.code == 2
     return error_line(capsys)
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    monkeypatch.setattr(fxreplace.cli, "load_model", lambda spec: pytest.fail("a model loaded before the check"))
 
 
 def test_path_and_name_mistakes_fail_before_any_model_loads(tmp_path, capsys, no_model_loads):

@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
-import fxreplace.capture
 import fxreplace.cli
+import fxreplace.cli.capture
+import fxreplace.cli.common
 from fxreplace.cli import main as cli
 from fxreplace.store import ReferenceStore
 
@@ -50,11 +51,6 @@ def exit_code(argv) -> int:
 
 def small_store(path, first: int = 1) -> None:
     ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=[[first, 2]]).save(path)
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    monkeypatch.setattr(fxreplace.cli, "load_model", lambda spec: pytest.fail("a model loaded before the check"))
 
 
 def test_ctrl_c_during_a_capture_exits_130_with_one_line_and_the_old_store_intact(tmp_path):
@@ -99,7 +95,7 @@ def test_an_internal_error_is_one_line_exit_3_naming_what_was_written_and_debug_
     def broken(*args, **kwargs):
         raise RuntimeError("shape mismatch\nin two lines")
 
-    monkeypatch.setattr(fxreplace.capture, "capture_reference", broken)  # a bug in fxreplace's capture
+    monkeypatch.setattr(fxreplace.cli.capture, "capture_reference", broken)  # a bug in fxreplace's capture
     argv = ["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "r")]
     assert exit_code(argv) == 3
     err = one_error_line(capsys)
@@ -178,9 +174,9 @@ def test_a_reference_blame_extended_stays_a_reference(tmp_path, capsys):
 
 
 def test_the_demo_checks_its_report_dir_before_it_runs(tmp_path, capsys, monkeypatch):
-    import fxreplace.demo
+    import fxreplace.cli.demo
 
-    monkeypatch.setattr(fxreplace.demo, "run_demo", lambda config: pytest.fail("the demo ran"))
+    monkeypatch.setattr(fxreplace.cli.demo, "run_demo", lambda config: pytest.fail("the demo ran"))
     (tmp_path / "file").write_text("")
     assert exit_code(["demo", "--report-dir", str(tmp_path / "file" / "report")]) == 2
     assert "--report-dir" in one_error_line(capsys)
@@ -193,9 +189,9 @@ def test_a_store_whose_writer_died_says_so_in_the_line(tmp_path, capsys, monkeyp
     writer = StoreWriter(tmp_path / "ref")
     writer.add([1, 2], {"m": torch.zeros(2, 3)})
     writer.sync()  # then the process dies: the marker stays
-    assert fxreplace.cli.store_state(tmp_path / "ref") == ("an unfinished store: the 1 prompt written so far load, "
+    assert fxreplace.cli.common.store_state(tmp_path / "ref") == ("an unfinished store: the 1 prompt written so far load, "
                                                           "the later ones are missing")
-    assert fxreplace.cli.store_state(tmp_path / "empty") == "nothing"
+    assert fxreplace.cli.common.store_state(tmp_path / "empty") == "nothing"
 
 
 def test_hints_point_at_the_actual_fix(tmp_path, capsys, monkeypatch):

@@ -12,6 +12,7 @@ import torch
 from fxreplace.blame import family_components
 from fxreplace.capture import capture_forced, capture_reference
 from fxreplace.checkpoint import load_checkpoint
+from conftest import forbid_model_loads
 from fxreplace.cli import main as cli
 from fxreplace.models import get_family, tiny_model
 from fxreplace.reference import load_reference
@@ -147,7 +148,7 @@ def test_cli_device_map_mistakes_are_one_line(checkpoint, tmp_path, capsys, monk
     argv = ["capture", str(checkpoint), "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "r")]
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "accelerate", None)  # as where it is not installed
-        m.setattr("fxreplace.cli.load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
+        forbid_model_loads(m)
         err = fails([*argv, "--device-map", "auto"], capsys)
     assert err == ("error: fxreplace capture: argument --device-map: 'auto' needs accelerate, which is not installed; "
                    "hint: pip install accelerate")

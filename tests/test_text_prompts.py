@@ -113,13 +113,10 @@ def test_cli_text_prompts_capture_validate_gate_junit_and_blame(checkpoint, tmp_
     assert "<a href='report.html'>" in (report / "blame.html").read_text(), "blame's page links back"
 
 
-def test_text_prompts_without_a_tokenizer_say_to_pass_token_ids(tmp_path, capsys, monkeypatch):
-    import fxreplace.cli
-
+def test_text_prompts_without_a_tokenizer_say_to_pass_token_ids(tmp_path, capsys, no_model_loads):
     tiny_model(ARCH).save_pretrained(tmp_path / "bare")
     (tmp_path / "p.json").write_text(json.dumps(["hello world"]))
     capsys.readouterr()
-    monkeypatch.setattr(fxreplace.cli, "load_model", lambda spec: pytest.fail("the model loaded first"))
     for model in (str(tmp_path / "bare"), f"builtin:{ARCH}"):
         with pytest.raises(SystemExit) as raised:
             cli(["capture", model, "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "ref")])

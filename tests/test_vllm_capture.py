@@ -309,10 +309,10 @@ def test_a_generation_longer_than_its_first_logits_allocation_keeps_every_row():
     import numpy as np
     from vllm import SamplingParams
 
-    from fxreplace.vllm.capture import _RequestRows
+    from fxreplace.engines.recording import RequestRows
 
     prompt = [5, 6, 7]
-    record = _RequestRows(prompt, SamplingParams(max_tokens=9), width=2, capacity=len(prompt) + 9,
+    record = RequestRows(prompt, SamplingParams(max_tokens=9), width=2, capacity=len(prompt) + 9,
                           bits=np.float32, arrival=0, logit_rows=2)
     logits = np.random.default_rng(0).standard_normal((8, 4), dtype=np.float32)
     for j, sampled in enumerate(logits[:7]):  # token j is sampled from position prompt - 1 + j

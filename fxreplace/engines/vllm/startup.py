@@ -6,7 +6,8 @@ drops the exception the signal's handler raised (its ``_check_rc`` raises
 ``InterruptedSystemCall`` over it), so a KeyboardInterrupt raised there never arrives and the
 user waits out the timeout. :func:`interruptible_start` stops the processes the start created on
 the first Ctrl-C, removes their shared memory and raises KeyboardInterrupt; when that is dropped,
-an alarm a moment later says what the command left (:data:`last_words`) and exits 130 itself:
+an alarm a moment later says what the command left
+(:data:`fxreplace.engines.registry.last_words`) and exits 130 itself:
 nothing is being written while an engine starts. (The engine's own processes, reached by the
 same Ctrl-C half-started, may print their tracebacks above that line.)
 """
@@ -18,8 +19,7 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Callable
-
+from .. import registry
 from . import shm
 
 EXIT_INTERRUPTED = 130
@@ -29,8 +29,6 @@ def _say_stopped() -> None:
     print("interrupted: the vLLM engine was starting; its processes are stopped", file=sys.stderr, flush=True)
 
 
-#: what the forced exit says before it exits (the CLI sets its command's line: what it left on disk)
-last_words: Callable[[], None] = _say_stopped
 #: how long a KeyboardInterrupt may take to leave the start before the process exits by itself
 GRACE_S = 1.0
 
@@ -84,5 +82,5 @@ def _quietly(action) -> None:
 
 def _exit_interrupted(signum, frame) -> None:
     """The KeyboardInterrupt was dropped inside the engine's wait: say what was left and exit."""
-    last_words()
+    (registry.last_words or _say_stopped)()
     os._exit(EXIT_INTERRUPTED)

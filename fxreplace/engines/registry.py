@@ -1,0 +1,130 @@
+"""Engines by name, as families are: the built-in ones (imported the first time they are asked
+for) and those other packages declare in the ``fxreplace.engines`` entry-point group (a module
+that registers when imported, or a callable). ``fxreplace validate/blame --engine NAME`` and the
+Python API open an engine through its :class:`EngineSpec`, so a new engine is one package and
+one :func:`register_engine` call (docs: "Adding an engine")."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+ENTRY_POINT_GROUP = "fxreplace.engines"
+
+#: The built-in engines and the module that registers each.
+BUILTIN = {"runner": "fxreplace.engines.embedded.spec", "vllm": "fxreplace.engines.vllm.spec"}
+
+#: Older names of the built-in engines (``capture --engine hf``, before one vocabulary).
+ALIASES = {"hf": "runner"}
+
+
+@dataclass
+class EngineRun:
+    """What a command asks of an engine: the model under test, the reference it is compared
+    with, and how to run it. ``compile`` None: the engine's default. ``options``: the engine's
+    own keyword arguments (``--engine-args``). ``bucket`` (the longest prefill) and ``logprobs``
+    (log-probs returned per step, -1: all) are for the engines that have such a knob."""
+
+    model: str
+    reference: Any  # a fxreplace.reference.Reference
+    reference_dir: str
+    dtype: str = "bfloat16"
+    compile: bool | None = None
+    targets: list | None = None
+    device: str | None = None
+    options: dict = field(default_factory=dict)
+    bucket: int | None = None
+    logprobs: int = -1
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine fxreplace can validate and blame through.
+
+    * ``open_validation(run)``: an :class:`Opened` engine as :func:`fxreplace.logit_validation`
+      drives it (:class:`~fxreplace.engines.protocol.Engine`); the caller closes it;
+    * ``open_blame(run)``: an :class:`Opened` holding what :func:`fxreplace.blame` examines: an
+      engine whose ``generate`` takes capture names and whose ``components`` lists what it
+      replaces, or the model itself (an ``nn.Module``, which blame instruments and runs in the
+      embedded runner);
+    * ``compiles``: whether it compiles when the command says neither ``--compile`` nor ``--no-compile``;
+    * ``takes``: the engine-specific options it understands, by option name (``--component``,
+      ``--bucket``, ``--logprobs``, ``--engine-args``; ``--clean`` for blame: components captured
+      from the clean model as the search needs them); any other given is refused before anything loads;
+    * ``check_options(options)``: refuses, before anything loads, engine options (``--engine-args``)
+      with which the engine cannot start here.
+    """
+
+    name: str
+    summary: str
+    open_validation: Callable[[EngineRun], Any]
+    open_blame: Callable[[EngineRun], Any]
+    compiles: bool = False
+    takes: frozenset = frozenset()
+    check_options: Callable[[dict], None] | None = None
+
+    def compiled(self, run: EngineRun) -> bool:
+        """Whether ``run`` compiles the target."""
+        return self.compiles if run.compile is None else bool(run.compile)
+
+
+@dataclass
+class Opened:
+    """An engine a command opened, with what the command says about it: ``description`` (one line:
+    what runs, or ""), ``router_topk`` (the experts each token picks, for router agreement; None: not
+    measured) and ``replaced`` (the targets replacement mode "on" replaces)."""
+
+    engine: Any
+    description: str = ""
+    router_topk: int | None = None
+    replaced: list = field(default_factory=list)
+
+    def close(self) -> None:
+        """Close the engine when it holds resources (processes, memory)."""
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
+
+
+#: What an engine's start, interrupted and forced to exit at once, prints last: the command's own
+#: "interrupted: ..." line, which the command line sets (None: the engine's own words).
+last_words: Callable[[], None] | None = None
+
+_ENGINES: dict[str, EngineSpec] = {}
+
+
+def register_engine(spec: EngineSpec) -> EngineSpec:
+    """Make ``spec`` available by its name (a later registration of the name replaces it)."""
+    _ENGINES[spec.name] = spec
+    return spec
+
+
+def get_engine(name: str) -> EngineSpec:
+    """The engine registered as ``name`` (or an older name of it); a built-in one or one declared
+    in the entry-point group is loaded on first use. KeyError names the engines there are."""
+    name = ALIASES.get(name, name)
+    if name not in _ENGINES:
+        if name in BUILTIN:
+            importlib.import_module(BUILTIN[name])
+        else:
+            _load_entry_point(name)
+    if name not in _ENGINES:
+        raise KeyError(f"no engine {name!r}; engines: {', '.join(engine_names())}")
+    return _ENGINES[name]
+
+
+def engine_names() -> list[str]:
+    """Every engine name there is, without importing any engine (the command line lists them)."""
+    declared = [ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)]
+    return list(dict.fromkeys([*BUILTIN, *_ENGINES, *declared]))
+
+
+def _load_entry_point(name: str) -> None:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            loaded = ep.load()
+            if callable(loaded):
+                loaded()
+            return

@@ -1,0 +1,89 @@
+"""The engine seam: engines found by name, and the documented example engine (docs/extending.md)
+run through `fxreplace validate` and `fxreplace blame` like the built-in ones."""
+
+from __future__ import annotations
+
+import copy
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxreplace.cli import main as cli
+from fxreplace.engines import registry
+from fxreplace.models import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCH = "Qwen3MoeForCausalLM"
+
+
+def test_engines_are_found_by_name_and_a_wrong_name_lists_them(capsys):
+    assert registry.get_engine("runner").name == "runner" and registry.get_engine("hf").name == "runner"
+    assert registry.get_engine("vllm").compiles and not registry.get_engine("runner").compiles
+    with pytest.raises(KeyError, match="no engine 'sglang'; engines: runner, vllm"):
+        registry.get_engine("sglang")
+    with pytest.raises(SystemExit) as exit_:
+        cli(["validate", f"builtin:{ARCH}", "--reference", str(ROOT), "--engine", "sglang"])
+    assert exit_.value.code == 2
+    assert "argument --engine: no engine 'sglang'; engines: runner, vllm" in capsys.readouterr().err
+
+
+def test_an_option_the_engine_does_not_take_is_refused_before_anything_loads(tmp_path, capsys, no_model_loads):
+    (tmp_path / "config.json").write_text("{}")  # a model directory, never loaded
+    for argv, option in ((["validate", "--bucket", "64", "--engine", "vllm"], "--bucket"),
+                         (["validate", "--engine-args", '{"a": 1}'], "--engine-args"),
+                         (["blame", "--clean", f"builtin:{ARCH}", "--engine", "vllm"], "--clean")):
+        with pytest.raises(SystemExit) as exit_:
+            cli([argv[0], str(tmp_path), "--reference", str(tmp_path), *argv[1:]])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {option} is not an option of --engine "), err
+
+
+@pytest.fixture(scope="module")
+def recompute():
+    """The example engine, registered as its page shows (and unregistered after)."""
+    runpy.run_path(str(ROOT / "docs" / "examples" / "recompute_engine.py"))
+    yield registry.get_engine("recompute")
+    registry._ENGINES.pop("recompute", None)
+
+
+def test_the_example_engine_runs_validate_and_blame(recompute, tmp_path, capsys):
+    """A fault planted in layer 1's attention: the example engine measures what the built-in
+    runner measures, and its blame names that attention as the origin."""
+    clean = tiny_model(ARCH, num_hidden_layers=2)
+    target = copy.deepcopy(clean)
+    with torch.no_grad():
+        target.model.layers[1].self_attn.o_proj.weight.mul_(1.5)
+    clean.save_pretrained(tmp_path / "clean")
+    target.save_pretrained(tmp_path / "target")
+    g = torch.Generator().manual_seed(0)
+    (tmp_path / "prompts.json").write_text(json.dumps([torch.randint(4, 128, (n,), generator=g).tolist()
+                                                       for n in (7, 11, 9)]))
+    ref, tgt = str(tmp_path / "ref"), str(tmp_path / "target")
+    assert cli(["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens",
+                "6", "--components", "--out", ref]) == 0
+
+    summaries = {}
+    for engine in ("recompute", "runner"):
+        assert cli(["validate", tgt, "--reference", ref, "--engine", engine, "--dtype", "float32", "--report-dir",
+                    str(tmp_path / engine)]) == 0
+        result = json.loads((tmp_path / engine / "result.json").read_text())
+        assert result["program"] == {"engine": engine, "compile": False, "dtype": "float32"}
+        summaries[engine] = result["summary"]
+    for mode in ("off", "on"):
+        mine, builtin = summaries["recompute"][mode], summaries["runner"][mode]
+        assert mine["steps"] == builtin["steps"] and mine["prompts_diverged"] == builtin["prompts_diverged"]
+        assert mine["mean_kl"] == pytest.approx(builtin["mean_kl"], rel=1e-3, abs=1e-6)
+    assert summaries["recompute"]["off"]["mean_kl"] > 1e-3  # the fault shows
+
+    capsys.readouterr()
+    assert cli(["blame", tgt, "--reference", ref, "--engine", "recompute", "--dtype", "float32", "--report-dir",
+                str(tmp_path / "blame")]) == 0
+    assert "program examined: engine recompute, eager, float32" in capsys.readouterr().out
+    found = json.loads((tmp_path / "blame" / "blame.json").read_text())
+    assert found["program"] == {"engine": "recompute", "compile": False, "dtype": "float32"}
+    first = found["origins"][0]
+    assert (first["component"], first["kind"], first["layer"]) == ("model.layers.1.self_attn", "attention", 1), found
