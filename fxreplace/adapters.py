@@ -21,6 +21,8 @@ from typing import Callable, Union
 import torch
 from torch import nn
 
+from .extensions import describe_failures, load_extensions
+
 Adapter = Callable[[torch.Tensor, nn.Module], Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]
 
 _REGISTRY: dict[str, Adapter] = {}
@@ -62,14 +64,10 @@ def get_adapter(adapter: Union[str, Adapter, None]) -> Adapter:
         return adapter
     failures = []
     if adapter not in _REGISTRY:
-        from .extensions import load_extensions
-
         failures = load_extensions()  # an installed package may register it
     try:
         return _REGISTRY[adapter]
     except KeyError:
-        from .extensions import describe_failures
-
         raise KeyError(f"unknown adapter {adapter!r}; registered: {sorted(_REGISTRY)}{describe_failures(failures)}") from None
 
 

@@ -43,7 +43,7 @@ def load_checkpoint(directory: str | Path, dtype, dispatch: dict | None = None):
     a model larger than memory: accelerate places each layer on a device, the CPU or disk and
     moves offloaded weights in as each layer runs. It goes through ``from_pretrained``, which
     reads the layers it leaves on disk from the checkpoint's own files."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # the hf extra: the core imports without transformers
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     files = weight_files(directory)
@@ -67,7 +67,7 @@ def load_checkpoint(directory: str | Path, dtype, dispatch: dict | None = None):
 
 
 def _loads_slices() -> bool:
-    import transformers
+    import transformers  # the hf extra: the core imports without transformers
 
     return int(transformers.__version__.split(".")[0]) >= 5
 

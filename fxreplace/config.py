@@ -17,6 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from .adapters import get_adapter
+from .points import check_point
+from .sharding import ShardSpec
+from .store import INDEX_FILE, TENSORS_FILE
 from .targets import Target, TargetError
 
 OnUnknown = Literal["error", "passthrough"]
@@ -163,8 +167,6 @@ def _parse_target(t: Any) -> Target:
             raise ConfigError(f"a target dict needs 'pattern', got {dict(t)!r}")
         fields_ = dict(t)
         if isinstance(fields_.get("shard"), Mapping):  # JSON: {"mode", "world_size", "rank"}
-            from .sharding import ShardSpec
-
             fields_["shard"] = ShardSpec(**fields_["shard"])
         target = Target(**fields_)
     else:
@@ -173,15 +175,12 @@ def _parse_target(t: Any) -> Target:
         raise ConfigError(f"pattern must be a non-empty string, got {target.pattern!r}")
     if target.name is not None and not isinstance(target.name, str):
         raise ConfigError(f"name must be a string, got {target.name!r}")
-    from .points import check_point
 
     try:
         check_point(target.point)
     except TargetError as exc:
         raise ConfigError(str(exc)) from None
     if isinstance(target.adapter, str):
-        from .adapters import get_adapter
-
         try:
             get_adapter(target.adapter)
         except KeyError as exc:
@@ -257,8 +256,6 @@ def _existing_path(key: str, path: Any) -> str:
     if not os.path.exists(path):
         raise ConfigError(f"{key}: {shown} does not exist")
     if os.path.isdir(path):
-        from .store import INDEX_FILE, TENSORS_FILE
-
         if key == "tensors_path" and not any(os.path.exists(os.path.join(path, f)) for f in (INDEX_FILE, TENSORS_FILE)):
             raise ConfigError(f"{key}: the directory {shown} holds no reference store (no index.json or reference.safetensors)")
     elif not os.path.isfile(path):

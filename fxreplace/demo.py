@@ -28,6 +28,7 @@ from .blame import blame
 from .capture import capture_reference
 from .floor import measure_floor, save_floor
 from .instrument import instrument
+from .models import get_family, tiny_model
 from .replacer import TensorReplacer
 from .report import print_summary
 from .repro import write_repro
@@ -51,8 +52,6 @@ class DemoConfig:
 
 
 def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> ValidationResult:
-    from fxreplace.models import get_family, tiny_model
-
     started = time.perf_counter()
     family = get_family(cfg.architecture)
     reference_model = tiny_model(cfg.architecture, seed=cfg.seed, init_std=cfg.init_std, num_hidden_layers=cfg.layers,

@@ -14,6 +14,7 @@ hand (``validate``/``blame --clean``).
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,8 +24,10 @@ from typing import Sequence
 import torch
 
 from .dtypes import dtype_name, is_full_precision
+from .engines.embedded import Runner, RunnerConfig
 from .metrics import times
 from .store.format import FLOOR_FILE
+from .validation import logit_validation
 
 #: A divergence up to this multiple of the floor (in every measure) is precision noise: the
 #: target's rounding is not the reference's cast, and compiled kernels round differently, so
@@ -97,11 +100,6 @@ def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prom
     is built, e.g. loaded in ``dtype`` as the CLI loads both, for the floor to be the target's
     program), teacher-forced against ``reference`` on its prompts with nothing replaced: the
     precision noise floor."""
-    import copy
-
-    from .engines.embedded import Runner, RunnerConfig
-    from .validation import logit_validation
-
     started = time.perf_counter()
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
     longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in indices)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from .metrics import pct
+from .metrics import CONTRIBUTES, pct
 
 
 def write_validation_junit(result, gate, path: str | Path) -> Path:
@@ -38,8 +38,6 @@ def write_validation_junit(result, gate, path: str | Path) -> Path:
 def write_blame_junit(result, path: str | Path) -> Path:
     """One case per ranked component: failed when it accounts for at least the share that
     counts as contributing (:data:`fxreplace.metrics.CONTRIBUTES`) of the divergence."""
-    from .metrics import CONTRIBUTES
-
     guilty = [b for b in result.ranking if (b.share or 0) >= CONTRIBUTES]
     suite = _suite("fxreplace.blame", len(result.ranking), len(guilty))
     for b in result.ranking:

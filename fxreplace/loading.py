@@ -30,7 +30,7 @@ def load_model(spec: str, dtype=None, dispatch: dict | None = None, device: str 
     (sharded or not), in ``dtype`` (default fp32): loaded in it, never converted from a copy,
     each weight in memory once, or placed across devices, the CPU and disk by ``dispatch``
     (:func:`fxreplace.checkpoint.load_checkpoint`); else moved to ``device``."""
-    import torch
+    import torch  # read when the command line parses: torch loads with a model
 
     from .checkpoint import load_checkpoint
 
@@ -39,7 +39,7 @@ def load_model(spec: str, dtype=None, dispatch: dict | None = None, device: str 
         if dispatch:
             raise SetupError("--device-map places a checkpoint's layers as it loads them; a builtin model is built "
                              "in memory", "save it with save_pretrained(DIR) and capture DIR")
-        from fxreplace.models import tiny_model
+        from fxreplace.models import tiny_model  # the families import torch: loaded with a model
 
         return tiny_model(spec.removeprefix("builtin:")).to(device or "cpu", dtype)
     check_model_dir(spec)
@@ -59,7 +59,7 @@ def check_model_dir(spec: str) -> None:
         raise SetupError(f"model {spec!r} is neither builtin:ARCH nor a local directory",
                          "give a checkpoint directory (config.json and weights) or builtin:ARCH")
     if not (path / "config.json").is_file():
-        from .store import INDEX_FILE, TENSORS_FILE
+        from .store import INDEX_FILE, TENSORS_FILE  # the store imports torch: only to name a store given as a model
 
         if (path / INDEX_FILE).is_file() or (path / TENSORS_FILE).is_file():
             raise SetupError(f"{spec} is a reference store, not a model directory",
@@ -85,7 +85,7 @@ def load_tokenizer(spec: str, *, required_by: str | None = None):
         raise SetupError(f"{required_by} needs a tokenizer but {spec} has none ({' / '.join(TOKENIZER_FILES[:2])})",
                          "give --prompts as token id lists, e.g. [[1, 2, 3]], or save the tokenizer into the "
                          "checkpoint (tokenizer.save_pretrained(DIR))")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # the hf extra: loaded with a tokenizer only
 
     try:
         return AutoTokenizer.from_pretrained(spec)
@@ -103,7 +103,7 @@ def config_json(spec: str) -> dict:
 
 def model_architecture(spec: str) -> str:
     """The architecture a ``builtin:ARCH`` spec or a model directory's config.json names."""
-    from .models import architecture
+    from .models import architecture  # the families import torch: loaded with a model
 
     if spec.startswith("builtin:"):
         return spec.removeprefix("builtin:")
@@ -112,7 +112,7 @@ def model_architecture(spec: str) -> str:
 
 def default_targets(model) -> list:
     """The targets the model's family declares (KeyError for a family fxreplace does not register)."""
-    from .models import architecture, get_family
+    from .models import architecture, get_family  # the families import torch: loaded with a model
 
     return list(get_family(architecture(model.config, type(model).__name__)).targets)
 

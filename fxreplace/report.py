@@ -6,6 +6,8 @@ import html
 import re
 from pathlib import Path
 
+import numpy as np
+
 from .metrics import fmt, pct, plural, times
 
 import matplotlib
@@ -234,8 +236,6 @@ def _short(module: str) -> str:
 
 
 def _natural(name: str):
-    import re
-
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
@@ -314,8 +314,6 @@ def _blame_scale(result) -> str:
 
 def blame_figure(result):
     """The heat map of a blame result: share per kind x layer, and per layer."""
-    import numpy as np
-
     layers, rows = result.layers or [0], result.kinds + ["arises here"]
     grid = np.full((len(rows), len(layers)), np.nan)
     for b in result.ranking:

@@ -30,12 +30,15 @@ from typing import Mapping, Sequence
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from . import repro_run
+from .blame import BlameError, family_components
 from .components import Component, layer_of, resolve_components
 from .dtypes import dtype_name
 from .devices import input_device
+from .reference import load_reference
 from .targets import Target, TargetLike, resolve_targets
 
 #: Relative error a component may show against the reference, by the target's dtype: rounding
@@ -65,8 +68,6 @@ def find_component(model: nn.Module, name: str, components: Mapping[str, TargetL
     """The component ``name`` (a blame capture name, e.g. ``model.layers.3.mlp.gate``): one the
     family declares (or ``components``), else the module of that name, whole output compared."""
     if components is None:
-        from .blame import BlameError, family_components
-
         try:
             components = family_components(model)
         except BlameError:
@@ -181,7 +182,7 @@ def _compared(names: list[str], point: str, is_tuple: bool) -> list[bool]:
 
 def _op_libraries(program) -> list[str]:
     """Python modules that register the custom ops the program calls (imported before loading it)."""
-    from torch._library.custom_ops import OPDEFS
+    from torch._library.custom_ops import OPDEFS  # torch's custom-op registry: no public listing exists
 
     found = []
     for node in program.graph.nodes:
@@ -208,8 +209,6 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
     ``inputs``: how many calls to keep (those whose target output departs most from the
     reference's); ``source``: ``{"model": ..., "target": ...}`` as the README names them.
     """
-    from .reference import load_reference
-
     if isinstance(reference, (str, Path)):
         reference = load_reference(reference)
     if not isinstance(component, (str, Component)):
@@ -288,8 +287,6 @@ def _fresh_dir(out: Path) -> Path:
 def _export(module: nn.Module, calls: list[Call], dtype, name: str):
     """The component as an exported program over every call's shapes (dimensions that vary
     between the calls dynamic), checked against the module on each call."""
-    from torch.export import Dim
-
     first = _tensors(calls[0], dtype)
     wrapper = _Positional(module, calls[0]).eval()
     sizes = [[t.shape for t in _tensors(c)] for c in calls]

@@ -83,13 +83,13 @@ class Repro:
 
     def run(self, backend: str) -> list[list[torch.Tensor]]:
         """Every input through the program under ``backend``; outputs on the CPU."""
-        import torch
+        import torch  # run.py answers --help and a bad folder without torch
 
         if backend == "xla":
             return _run_xla(self.program, self.inputs)
         module = self.program.module()
         if backend != "eager":
-            torch._dynamo.reset()
+            torch.compiler.reset()
             module = torch.compile(module, backend=resolve_backend(backend))
         with torch.no_grad():
             return [[t.cpu() for t in module(*inputs)] for inputs in self.inputs]
@@ -98,11 +98,11 @@ class Repro:
 def resolve_backend(spec: str):
     """A torch.compile backend by its registered name, or ``MODULE:FUNCTION`` (imported)."""
     if ":" not in spec:
-        import torch._dynamo
+        import torch  # run.py answers --help and a bad folder without torch
 
-        if spec not in torch._dynamo.list_backends(exclude_tags=()):
+        if spec not in torch.compiler.list_backends(exclude_tags=()):
             raise ReproError(f"--backend {spec}: not a torch.compile backend here (one of eager, "
-                             f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}, xla, or MODULE:FUNCTION)")
+                             f"{', '.join(torch.compiler.list_backends(exclude_tags=()))}, xla, or MODULE:FUNCTION)")
         return spec
     module, _, name = spec.partition(":")
     try:
@@ -115,10 +115,10 @@ def _run_xla(program, inputs):
     """The program on torch_xla's lazy device (its device-specific nodes moved there too), one
     graph per input synced, outputs back on the CPU."""
     try:
-        import torch_xla
+        import torch_xla  # the xla backend only
     except ImportError:
         raise ReproError("--backend xla needs torch_xla (PJRT_DEVICE=CPU runs it on the CPU)") from None
-    import torch
+    import torch  # run.py answers --help and a bad folder without torch
     from torch.export.passes import move_to_device_pass
 
     device = torch_xla.device()
@@ -171,11 +171,11 @@ def verdict(eager: list[float], backend: list[float] | None, name: str, toleranc
 def bisect(repro: Repro, eager_outputs, tolerance: float):
     """PyTorch's CompilerBisector over inductor: the first backend, stage or pass whose output
     leaves eager's by more than ``tolerance``."""
-    import torch
+    import torch  # run.py answers --help and a bad folder without torch
     from torch._inductor.compiler_bisector import CompilerBisector
 
     def good() -> bool:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         compiled = torch.compile(repro.program.module(), backend=CompilerBisector.get_backend())
         with torch.no_grad():
             outs = [[t.cpu() for t in compiled(*inputs)] for inputs in repro.inputs]

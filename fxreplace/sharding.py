@@ -58,7 +58,7 @@ class ShardSpec:
         ``torch.distributed``), so world size and rank cannot disagree with the
         process group. ``rank_as_tensor=True`` gives a 0-d rank tensor: one SPMD
         graph for every rank."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # a spec from a process group only
 
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ShardSpec.from_process_group needs an initialised torch.distributed process group")

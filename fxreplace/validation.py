@@ -133,7 +133,7 @@ class ValidationResult:
         )
 
     def write_report(self, directory: str | Path) -> Path:
-        from .report import write_report
+        from .report import write_report  # reports need matplotlib (the hf extra): loaded to write one
 
         return write_report(self, directory)
 

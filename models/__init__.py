@@ -36,7 +36,7 @@ def tiny_model(architecture: str, *, seed: int = 0, init_std: float | None = 0.2
     if family.build is not None:
         model = family.build(config)
     else:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # the hf extra: a family with its own build needs none
 
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **family.model_kwargs)
     if family.transform is not None:

@@ -21,11 +21,17 @@ import torch
 from torch import nn
 
 from ..dtypes import dtype_name, is_full_precision
+from ..engines.embedded import Runner, RunnerConfig
 from ..floor import check_reference_precision, floor_for, stored_floor
+from ..instrument import instrument, uninstrument
 from ..metrics import Tolerances, no_scale
+from ..models import architecture, get_family
+from ..reference import load_reference
+from ..replacer import TensorReplacer
 from ..components import Component, layer_of, resolve_components
 from ..targets import Target, TargetLike
-from .result import MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass
+from .ondemand import OnDemand
+from .result import MAX_ORIGINS, SIGNIFICANT, Blame, BlameError, BlameResult, LayerShare, NonFinite, Origin, Pass
 from .search import LAYER, PROBES, Search, default_budget
 
 __all__ = ["blame", "search", "Component", "resolve_components", "family_components", "recorded_components",
@@ -33,13 +39,8 @@ __all__ = ["blame", "search", "Component", "resolve_components", "family_compone
            "SIGNIFICANT", "MAX_ORIGINS", "MAX_BATCH", "PROBES", "default_budget", "layer_of", "blame_runner", "recorded_targets"]
 
 
-class BlameError(ValueError):
-    """Inputs blame refuses before its first pass (both sides named)."""
-
-
 def family_components(model: nn.Module) -> dict[str, Target]:
     """The components the model's family declares (``fxreplace.models``)."""
-    from fxreplace.models import architecture, get_family
 
     arch = architecture(model.config, type(model).__name__)
     try:
@@ -152,8 +153,6 @@ def blame(target, reference, *, clean: nn.Module | Callable[[], nn.Module] | Non
     stored for the target's dtype (``capture --noise-floor``), else measured from ``clean``.
     A reference captured below float32 is refused unless ``allow_low_precision_reference``.
     """
-    from ..reference import load_reference
-
     directory, label = None, "the reference"
     if isinstance(reference, (str, Path)):
         directory, reference, label = Path(reference), load_reference(reference), f"the reference {reference}"
@@ -172,8 +171,6 @@ def blame(target, reference, *, clean: nn.Module | Callable[[], nn.Module] | Non
 def _blame(target, reference, directory, label, *, clean, components, dtype, compile, tolerances, prompts, budget,
            probes, progress, floor) -> BlameResult:
     """:func:`blame` past its reference's checks."""
-    from ..models import architecture
-
     if not isinstance(target, nn.Module):
         check_inputs(reference, architecture=None, vocab_size=getattr(target, "vocab_size", None),
                      what="the target engine", prompts=prompts, label=label)
@@ -188,10 +185,6 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
         check_inputs(reference, architecture=architecture(clean.config, type(clean).__name__),
                      vocab_size=clean.config.vocab_size, what=f"the clean model ({type(clean).__name__})",
                      prompts=prompts, label=label)
-    from ..instrument import instrument, uninstrument
-    from ..replacer import TensorReplacer
-    from .ondemand import OnDemand
-
     # the target itself when it already has the dtype (instrumented for the search, restored after):
     # a copy would hold the weights twice
     dtype = dtype or next(target.parameters()).dtype
@@ -253,7 +246,6 @@ def precision_drift(clean, store, reference, dtype: torch.dtype, components: Seq
     run in ``dtype`` (``clean``: it, or a function loading it): the precision drift arising there, which a
     target's replacement of it removes too, fault or none. ``loaded_in_dtype``: the target was loaded in
     ``dtype`` (the CLI's), and the clean model is built as loading builds it, not cast: the same program."""
-    from ..instrument import instrument
 
     # the caller's model is copied (it is instrumented here); one loaded for this is used itself
     model = copy.deepcopy(clean) if isinstance(clean, nn.Module) else clean()
@@ -290,8 +282,6 @@ def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[i
     also one holding the prompts once), prefilled in one forward and teacher-forced inside its
     decode steps: a diverging copy is not re-run, so the prefill bucket holds the longest prompt
     and the cache its generated tokens."""
-    from ..replacer import TensorReplacer
-    from ..engines.embedded import Runner, RunnerConfig
 
     def pow2(n: int) -> int:
         return 1 << (n - 1).bit_length()

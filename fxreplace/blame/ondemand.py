@@ -30,10 +30,11 @@ from typing import Callable, Collection, Sequence
 import torch
 from torch import nn
 
+from ..capture import capture_forced
 from ..dtypes import dtype_name
 from ..store import ReferenceStore, StoreWriter
 from ..store.format import BLAME_COMPONENTS_DIR as SUBDIR
-from . import BlameError
+from .result import BlameError
 
 #: the largest relative error (Frobenius, per prompt) between a witness's rows computed by the
 #: batched forward and the reference's: float32 rounding gives ~1e-6, another model's weights ~1
@@ -76,8 +77,6 @@ class OnDemand:
         need = [n for n in sorted(names) if not self.present(n)]
         if not need:
             return False
-        from ..capture import capture_forced
-
         t0 = time.perf_counter()
         ref = self.reference
         ids = ref.store.prompt_ids  # in the reference's order: the part's rows land where the reference's lie

@@ -17,6 +17,10 @@ SIGNIFICANT = round(1 - EXPLAINS, 6)
 MAX_ORIGINS = 3
 
 
+class BlameError(ValueError):
+    """Inputs blame refuses before its first pass (both sides named)."""
+
+
 @dataclass
 class Pass:
     """One teacher-forced validation with ``replaced`` (capture names) replaced."""
@@ -180,7 +184,7 @@ class BlameResult:
 
     def write_report(self, directory: str | Path) -> Path:
         """``blame.json``, ``blame_heatmap.png`` and ``blame.html`` in ``directory``."""
-        from ..report import write_blame_report
+        from ..report import write_blame_report  # reports need matplotlib (the hf extra): loaded to write one
 
         return write_blame_report(self, directory)
 

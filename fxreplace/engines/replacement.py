@@ -23,6 +23,7 @@ import torch
 from ..config import ReplacementConfig
 from ..context import ReplacementContext
 from ..instrument import instrument
+from ..models import architecture, get_family
 from ..replacer import TensorReplacer
 from ..targets import Target, TargetError, resolve_targets
 
@@ -57,8 +58,6 @@ class Replacement:
     :class:`~fxreplace.vllm.neuron.StepInputReplacement` hands each compiled call its context."""
 
     def __init__(self, side, config: ReplacementConfig, *, reference_device=None):
-        from fxreplace.models import architecture  # configured engines only: unconfigured start-up stays light
-
         self.side = side
         self.runner = side.runner
         self.model = side.model
@@ -101,8 +100,6 @@ class Replacement:
         if explicit is not None:
             targets = list(explicit)
         else:
-            from fxreplace.models import get_family
-
             which = self.side.family_targets  # the family's targets for this runner's model code
             try:
                 targets = list(getattr(get_family(arch), which, ()))

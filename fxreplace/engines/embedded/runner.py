@@ -179,7 +179,7 @@ class Runner:
         self._eager = model if isinstance(model, torch.nn.Module) else None  # probed for its cache's shapes
         self._kv_shapes: list[tuple[int, int, int]] | None = None
         if compile is not None:
-            backend = torch._dynamo.lookup_backend(compile)
+            backend = torch._dynamo.lookup_backend(compile)  # no public lookup; the wrapper counts its graphs
 
             def counting_backend(gm, example_inputs):
                 self.graphs_compiled += 1

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from ...config import ReplacementConfig
 from ...dtypes import as_dtype
+from ...instrument import instrument
 from ...loading import (SetupError, check_layer_count, check_reference_matches, check_vocab, default_targets,
                         load_model, longest_sequence)
+from ...models import architecture
 from ..registry import EngineRun, EngineSpec, Opened, register_engine
 from .runner import Runner, RunnerConfig
 
@@ -14,9 +16,6 @@ from .runner import Runner, RunnerConfig
 def open_validation(run: EngineRun) -> Opened:
     """The target in ``run.dtype`` with its targets instrumented, teacher-forced by one runner
     whose prefill bucket holds the longest reference sequence."""
-    from ...instrument import instrument
-    from ...models import architecture
-
     reference = run.reference
     model = load_model(run.model, as_dtype(run.dtype), device=run.device)
     check_reference_matches(reference, run.reference_dir, run.model, architecture(model.config, type(model).__name__))

@@ -54,6 +54,7 @@ from ...dtypes import dtype_name
 from ...config import ConfigError
 from ...gather import host_bits
 from ...instrument import instrument, observe
+from ...models import architecture, get_family
 from ...reference import Reference
 from ...store import ReferenceStore, StoreError, StoreWriter
 from ...store.format import CAPTURE_STATS_FILE
@@ -110,9 +111,7 @@ class VllmCapture:
     the requests in flight and the writer."""
 
     def __init__(self, side, capture: dict):
-        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
-
-        from fxreplace.models import architecture, get_family
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank  # in a vLLM worker only
 
         runner = side.runner
         self.side = side
@@ -457,7 +456,7 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
     ``tensor_parallel_size``, ``pipeline_parallel_size``, ``speculative_config``, ...).
     Under pipeline parallelism the stages write ``out/pp<rank>`` and their join goes to
     ``out/merged`` (:func:`merge_stages`)."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # vLLM loads when an engine starts, not with fxreplace
 
     capture: dict[str, Any] = {"out": os.fspath(out)}
     if targets:

@@ -40,7 +40,7 @@ def refuse_unsupported(engine_args) -> None:
     """
     backend = engine_args.distributed_executor_backend
     if backend == "ray" or getattr(backend, "uses_ray", False):
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # vLLM's platform: read under Ray only
 
         if not current_platform.ray_device_key:
             raise ConfigError(

@@ -22,14 +22,21 @@ reference's top-50 lies inside the target's top-k; KL is then approximate.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
+import json
+from pathlib import Path
 from typing import Collection, Sequence
 
 import torch
 
+from ...components import Component
 from ...config import ReplacementConfig
 from ...context import PerRequest
+from ...models import architecture, get_family
+from ...reference import load_reference
+from ...targets import Target
 from ..protocol import Generation
 from . import shm
 from .startup import interruptible_start
@@ -47,7 +54,7 @@ class VllmEngine:
 
     def __init__(self, model: str, replacement: ReplacementConfig, *, dtype: str = "float32", logprobs: int = -1,
                  **llm_kwargs):
-        from vllm import LLM
+        from vllm import LLM  # vLLM loads when an engine starts, not with fxreplace
 
         self.logprobs = logprobs
         llm_kwargs.setdefault("max_logprobs", logprobs)
@@ -66,7 +73,7 @@ class VllmEngine:
                  replace: bool | Collection[str] | PerRequest) -> list[Generation]:
         """``replace``: True (every target), False (none), the capture names to replace, or a
         :class:`~fxreplace.context.PerRequest` selection per prompt (one batch serves them all)."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # vLLM loads when an engine starts, not with fxreplace
 
         selections = replace if isinstance(replace, PerRequest) else [replace] * len(prompts)
         params, salts = [], []
@@ -114,9 +121,7 @@ class VllmBlameEngine:
     """
 
     def __init__(self, model: str, reference_dir: str, *, dtype: str = "float32", vllm_components=None, **llm_kwargs):
-        from ...blame import BlameError, Component, recorded_components
-        from ...reference import load_reference
-        from ...targets import Target
+        from ...blame import BlameError, recorded_components  # blame sits above the engines it drives
 
         reference = load_reference(reference_dir)
         if vllm_components is None:
@@ -154,10 +159,8 @@ class VllmBlameEngine:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-            import gc
-
             gc.collect()
-            from vllm.distributed import cleanup_dist_env_and_memory
+            from vllm.distributed import cleanup_dist_env_and_memory  # vLLM loads with its engine, not with fxreplace
 
             cleanup_dist_env_and_memory()
 
@@ -173,11 +176,6 @@ def _request_selection(replace: bool | Collection[str]) -> tuple[dict | None, st
 
 
 def _family_vllm_components(model_dir: str) -> dict:
-    import json
-    from pathlib import Path
-
-    from fxreplace.models import architecture, get_family
-
     arch = architecture(json.loads((Path(model_dir) / "config.json").read_text()), "?")
     family = get_family(arch)
     if not family.vllm_components:

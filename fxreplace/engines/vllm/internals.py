@@ -10,6 +10,7 @@ upgrade breaks loudly at one place instead of deep inside a worker.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import re
 
@@ -95,8 +96,6 @@ WORKER_STATE_METHOD = "fxreplace_worker_state"
 
 
 def _import(where: tuple[str, str]):
-    import importlib
-
     return getattr(importlib.import_module(where[0]), where[1])
 
 

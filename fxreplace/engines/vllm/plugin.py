@@ -32,6 +32,7 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
+import os
 
 from ...matching import PromptIndex
 from ...replacer import reference_capture_names, reference_token_ids
@@ -74,7 +75,7 @@ def register() -> None:
     except (ImportError, AttributeError):
         neuron_runner = None
     if neuron_runner is not None:
-        from ..vllm_neuron import NeuronRunner
+        from ..vllm_neuron import NeuronRunner  # where vllm-neuron is installed only
 
         _wrap(neuron_runner, neuron_internals.LOAD_MODEL, _load_model(NeuronRunner))
     worker = internals.worker_base()
@@ -84,7 +85,7 @@ def register() -> None:
 
 
 def _finish_capture(worker) -> dict | None:
-    from .capture import finish_capture
+    from .capture import finish_capture  # capture's state: in a capturing worker only
 
     return finish_capture(worker)
 
@@ -92,9 +93,7 @@ def _finish_capture(worker) -> dict | None:
 def worker_state(worker) -> dict | None:
     """``llm.collective_rpc("fxreplace_worker_state")``: this worker's process, ranks and what
     its fxreplace state did so far (None: the worker holds none)."""
-    import os
-
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank  # asked in a vLLM worker only
 
     state = internals.get_state(worker.model_runner)
     if state is None:
@@ -141,7 +140,7 @@ def _create_engine_config(original):
         if config is not None:
             refuse_unsupported(self)
         if config is not None and config.config.capture is not None:
-            from .capture import prepare_engine_args
+            from .capture import prepare_engine_args  # capture's checks: a capture configured only
 
             prepare_engine_args(self, config.config.capture)
         return original(self, *args, **kwargs)
@@ -155,7 +154,7 @@ def _refuse_shared_key_on_neuron(additional_config) -> None:
     ``fxreplace`` only."""
     neuron = additional_config.get(NEURON_KEYS[0]) if isinstance(additional_config, dict) else None
     if isinstance(neuron, dict) and neuron.get(NEURON_KEYS[1]) is not None and neuron_internals.on_neuron():
-        from ..vllm_neuron.runner import SHARED_KEY_HINT
+        from ..vllm_neuron.runner import SHARED_KEY_HINT  # on vllm-neuron only
 
         raise ConfigError(f"fxreplace: {SHARED_KEY_HINT}; to use vllm-neuron's own replacer instead, leave fxreplace's "
                           "plugin out of VLLM_PLUGINS")
@@ -248,9 +247,9 @@ def attach_state(side, config) -> None:
     runner = side.runner
     if config.config.capture is not None:
         if side.bound:
-            from .capture import VllmCapture as kind
+            from .capture import VllmCapture as kind  # the configured state's module only
         else:
-            from ..vllm_neuron import StepInputCapture as kind
+            from ..vllm_neuron import StepInputCapture as kind  # the configured state's module only
         state = kind(side, config.config.capture)
         setattr(runner, internals.STATE_ATTR, state)
         side.install(state.hooks())
@@ -258,7 +257,7 @@ def attach_state(side, config) -> None:
         if side.bound:
             kind = SelectingReplacement if config.config.select_captures else VllmReplacement
         else:
-            from ..vllm_neuron import StepInputReplacement as kind
+            from ..vllm_neuron import StepInputReplacement as kind  # the configured state's module only
         try:
             state = kind(side, config.config)
         except NoTargetOnThisStage as exc:

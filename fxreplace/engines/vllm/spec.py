@@ -11,7 +11,7 @@ from .preflight import check_engine_start
 
 def open_validation(run: EngineRun) -> Opened:
     """A vLLM engine replacing the reference's targets (or ``run.targets``) in requests that ask for it."""
-    from .engine import VllmEngine
+    from .engine import VllmEngine  # vLLM's engine loads when one opens
 
     check_checkpoint_dir(run.model, ENGINE.name)
     if run.logprobs == 0 or run.logprobs < -1:
@@ -35,7 +35,7 @@ def open_validation(run: EngineRun) -> Opened:
 
 def open_blame(run: EngineRun) -> Opened:
     """A vLLM engine that replaces the components the reference recorded, selected per request."""
-    from .engine import VllmBlameEngine
+    from .engine import VllmBlameEngine  # vLLM's engine loads when one opens
 
     check_checkpoint_dir(run.model, ENGINE.name)
     check_checkpoint_matches(run.reference, run.reference_dir, run.model)

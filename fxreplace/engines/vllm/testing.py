@@ -13,6 +13,7 @@ def save_tiny_checkpoint(architecture: str, directory: str | os.PathLike, *, see
                          init_std: float | None = 0.2, **config_overrides) -> Path:
     """Write ``fxreplace.models.tiny_model(architecture)`` (float32) and a
     WordLevel tokenizer to ``directory``; returns it."""
+    # test helpers, imported in vLLM's processes: each loads what it uses
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -40,7 +41,7 @@ def capture_router_logits(model, names, token_ids) -> dict:
     computes at its injection point over one sequence (the router logits, for the
     families' targets), observed as reference capture does; ``names`` picks the
     capture names to return."""
-    import torch
+    import torch  # test helpers, imported in vLLM's processes: each loads what it uses
 
     from fxreplace.instrument import observe
 
@@ -56,7 +57,7 @@ def capture_router_logits(model, names, token_ids) -> dict:
 
 def force_routing(logits: dict, bias: float = 15.0) -> dict:
     """Add ``bias`` to each row's least likely expert: a routing the model would never pick."""
-    import torch
+    import torch  # test helpers, imported in vLLM's processes: each loads what it uses
 
     out = {}
     for name, value in logits.items():
@@ -69,7 +70,7 @@ def force_routing(logits: dict, bias: float = 15.0) -> dict:
 def hf_logprobs(model, token_ids, replacements: dict | None = None):
     """``[S, V]`` float32 log-softmax of an instrumented HF model over one sequence;
     ``replacements`` ``{name: Tensor[>=S, E]}`` forces every position's row."""
-    import torch
+    import torch  # test helpers, imported in vLLM's processes: each loads what it uses
 
     seq = list(token_ids)
     with torch.no_grad():

@@ -13,6 +13,7 @@ import torch
 from ...dtypes import dtype_name
 from ...gather import host_bits
 from ...instrument import instrument, observe
+from ...models import architecture, get_family
 from ...store import StoreWriter
 from ...targets import TargetError, resolve_targets
 from ..protocol import RecordedRows, StepHooks
@@ -32,8 +33,6 @@ class StepInputCapture:
     linear layer (a router at point "auto" holding one, as NxD's layout does)."""
 
     def __init__(self, side, capture: dict):
-        from fxreplace.models import architecture, get_family
-
         self.side = side
         self.model = side.model
         arch = architecture(side.hf_config, type(self.model).__name__)

@@ -65,7 +65,7 @@ def runner_class() -> type:
 def on_neuron() -> bool:
     """Whether vLLM's current platform is vllm-neuron's (the front end's view)."""
     try:
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # vLLM loads in its own processes, not with fxreplace
     except ImportError:
         return False
     return type(current_platform).__module__.startswith(PLATFORM_PACKAGE)
@@ -127,7 +127,7 @@ def check() -> list[str]:
             problems.append(f"{NEURON_SCHEDULER[0]} no longer sets {PADDED_COUNTS!r}")
     except (ImportError, AttributeError) as exc:
         problems.append(f"{NEURON_SCHEDULER[0]}.{NEURON_SCHEDULER[1]} is gone ({exc})")
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import SchedulerOutput  # vLLM loads in its own processes, not with fxreplace
 
     for name in SCHEDULER_OUTPUT_FIELDS:
         if name not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
