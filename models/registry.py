@@ -52,6 +52,22 @@ class Family:
     components: dict[str, Target] = field(default_factory=dict)
     vllm_components: dict[str, Target] = field(default_factory=dict)
 
+    def targets_by_engine(self) -> dict[str, tuple[Target, ...]]:
+        """The targets in each engine's model code, by engine name ("runner": the HF implementation)."""
+        return {"runner": self.targets, "vllm": self.vllm_targets, "vllm-neuron": self.vllm_neuron_targets}
+
+    def components_by_engine(self) -> dict[str, dict[str, Target]]:
+        """The blame components in each engine's model code, by engine name."""
+        return {"runner": self.components, "vllm": self.vllm_components}
+
+    def targets_for(self, engine: str) -> tuple[Target, ...]:
+        """The targets in ``engine``'s model code (none declared: empty)."""
+        return tuple(self.targets_by_engine().get(engine, ()))
+
+    def components_for(self, engine: str) -> dict[str, Target]:
+        """The blame components in ``engine``'s model code (none declared: empty)."""
+        return dict(self.components_by_engine().get(engine, {}))
+
 
 _FAMILIES: dict[str, Family] = {}
 _loaded = False  # the built-in modules imported

@@ -87,3 +87,17 @@ def test_the_example_engine_runs_validate_and_blame(recompute, tmp_path, capsys)
     assert found["program"] == {"engine": "recompute", "compile": False, "dtype": "float32"}
     first = found["origins"][0]
     assert (first["component"], first["kind"], first["layer"]) == ("model.layers.1.self_attn", "attention", 1), found
+
+
+def test_a_family_declares_its_targets_and_components_per_engine():
+    """Each runner side finds its family's targets under its own engine name."""
+    from fxreplace.engines.vllm.runners import VllmRunner
+    from fxreplace.engines.vllm_neuron import NeuronRunner
+    from fxreplace.models import get_family
+
+    family = get_family(ARCH)
+    assert {VllmRunner.engine, NeuronRunner.engine, "runner"} <= set(family.targets_by_engine())
+    assert family.targets_for("runner") == family.targets and family.targets_for("vllm") == family.vllm_targets
+    assert family.targets_for(NeuronRunner.engine) == family.vllm_neuron_targets
+    assert family.components_for("vllm") == family.vllm_components and family.components_for("runner") == family.components
+    assert family.targets_for("sglang") == () and family.components_for("sglang") == {}

@@ -138,8 +138,7 @@ class RunnerSide(Protocol):
     device: torch.device  # where the model runs
     max_tokens: int  # slots of the largest forward
     bound: bool  # True: static buffers bound before compile; False: a context per compiled call
-    engine: str  # a short name for messages ("vllm", "vllm-neuron")
-    family_targets: str  # the family attribute holding its default targets in this runner's model code
+    engine: str  # its name: messages, and the key of a family's targets in this runner's model code
 
     def split_by_stage(self, targets: list) -> tuple[list, list]:
         """``targets`` as (this pipeline stage's, other stages')."""

@@ -100,13 +100,13 @@ class Replacement:
         if explicit is not None:
             targets = list(explicit)
         else:
-            which = self.side.family_targets  # the family's targets for this runner's model code
-            try:
-                targets = list(getattr(get_family(arch), which, ()))
+            try:  # the family's targets in this runner's model code
+                targets = list(get_family(arch).targets_for(self.side.engine))
             except KeyError as exc:
                 raise TargetError(f"fxreplace: {exc.args[0]}; give 'targets' in the fxreplace config") from None
             if not targets:
-                raise TargetError(f"fxreplace: the {arch} family has no {which}; give 'targets' in the config")
+                raise TargetError(f"fxreplace: the {arch} family declares no targets in {self.side.engine}'s model "
+                                  "code; give 'targets' in the config")
         targets, elsewhere = self.side.split_by_stage(targets)
         shown = f"{[t if isinstance(t, str) else t.pattern for t in elsewhere][:4]}{' ...' if len(elsewhere) > 4 else ''}"
         if not targets:

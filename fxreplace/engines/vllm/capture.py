@@ -136,9 +136,10 @@ class VllmCapture:
         self.vocab = runner.model_config.get_vocab_size()
         arch = architecture(runner.model_config.hf_config, type(self.model).__name__)
         self.arch = arch
-        targets = capture.get("targets") or get_family(arch).vllm_targets
+        targets = capture.get("targets") or get_family(arch).targets_for(side.engine)
         if not targets:
-            raise TargetError(f"fxreplace capture: the {arch} family has no vllm_targets; give capture 'targets'")
+            raise TargetError(f"fxreplace capture: the {arch} family declares no targets in {side.engine}'s model code; "
+                              "give capture 'targets'")
         targets, elsewhere = side.split_by_stage(list(targets))
         if not targets:  # every stage writes a store of its own layers, joined by merge_stages
             raise TargetError(f"fxreplace capture: pipeline stage {self.stage} holds none of the targets "

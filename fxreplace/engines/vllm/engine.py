@@ -178,6 +178,8 @@ def _request_selection(replace: bool | Collection[str]) -> tuple[dict | None, st
 def _family_vllm_components(model_dir: str) -> dict:
     arch = architecture(json.loads((Path(model_dir) / "config.json").read_text()), "?")
     family = get_family(arch)
-    if not family.vllm_components:
-        raise ValueError(f"the {arch} family declares no vllm_components; pass vllm_components={{kind: Target}}")
-    return dict(family.vllm_components)
+    components = family.components_for("vllm")
+    if not components:
+        raise ValueError(f"the {arch} family declares no components in vLLM's model code; pass "
+                         "vllm_components={kind: Target}")
+    return components

@@ -17,7 +17,6 @@ class VllmRunner:
 
     bound = True  # vLLM compiles (and CUDA-graph captures) the model once: rows live in bound buffers
     engine = "vllm"
-    family_targets = "vllm_targets"  # a family's targets in vLLM's own model code
 
     def __init__(self, runner):
         self.runner = runner

@@ -36,9 +36,10 @@ class StepInputCapture:
         self.side = side
         self.model = side.model
         arch = architecture(side.hf_config, type(self.model).__name__)
-        targets = capture.get("targets") or list(getattr(get_family(arch), side.family_targets, ()))
+        targets = capture.get("targets") or list(get_family(arch).targets_for(side.engine))
         if not targets:
-            raise TargetError(f"fxreplace capture: the {arch} family has no {side.family_targets}; give capture 'targets'")
+            raise TargetError(f"fxreplace capture: the {arch} family declares no targets in {side.engine}'s model code; "
+                              "give capture 'targets'")
         resolved = resolve_targets(self.model, list(targets))
         self.max_tokens = int(side.max_tokens)
         instrument(self.model, [r.observed() for r in resolved],

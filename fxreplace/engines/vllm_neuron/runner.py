@@ -37,7 +37,6 @@ class NeuronRunner:
 
     bound = False  # one graph per bucket, called by the runner: the context is each call's input
     engine = "vllm-neuron"
-    family_targets = "vllm_neuron_targets"  # a family's targets in vllm-neuron's model code
 
     def __init__(self, runner):
         if getattr(runner, internals.OWN_REPLACER, None) is not None:
