@@ -53,12 +53,6 @@ class Engine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str]) -> list: ...
 
 
-#: The request id of padding slots inside a layout (never a real request's id: vLLM's ids
-#: are printable, this one starts with NUL). A replacer built with on_unknown="passthrough"
-#: leaves its slots unreplaced, so padding between requests costs no special case.
-PADDING_ID = "\0fxreplace-padding"
-
-
 @dataclass
 class StepLayout:
     """One forward's slots: request ``i`` computes ``counts[i]`` tokens in consecutive slots,
@@ -95,16 +89,9 @@ class StepLayout:
         return starts
 
     def build(self, replacer, out):
-        """The step's context, written into ``out`` (see
-        :meth:`~fxreplace.TensorReplacer.build_context_for_batch`): every slot of the forward,
-        the padding's mask False. ``replacer`` must pass unknown requests through."""
-        if not self.padding or not any(self.padding):
-            return replacer.build_context_for_batch(self.req_ids, self.counts, self.positions, out=out)
-        ids, counts = [], []
-        for req_id, count, pad in zip(self.req_ids, self.counts, self.padding):
-            ids += [req_id, PADDING_ID] if pad else [req_id]
-            counts += [count, pad] if pad else [count]
-        return replacer.build_context_for_batch(ids, counts, self.positions, out=out)
+        """The step's context, written into ``out`` (see :meth:`~fxreplace.TensorReplacer.build`):
+        every slot of the forward, the padding's mask False."""
+        return replacer.build(self.req_ids, self.counts, self.positions, padding=self.padding, out=out)
 
 
 @dataclass
