@@ -59,7 +59,8 @@ class StepLayout:
     followed by ``padding[i]`` padding slots (None: no padding between requests); every slot
     after the last request's is padding. ``positions`` (host, int64) holds every slot's position,
     padding included (whatever the runner put there: Neuron repeats a prefill's last position
-    and pads decode with 0)."""
+    and pads decode with 0). Plain data: :meth:`~fxreplace.TensorReplacer.step_into` builds
+    the step's context from it, its padding off."""
 
     req_ids: list[str]
     counts: list[int]
@@ -87,11 +88,6 @@ class StepLayout:
             starts.append(slot)
             slot += count + (self.padding[i] if self.padding else 0)
         return starts
-
-    def build(self, replacer, out):
-        """The step's context, written into ``out`` (see :meth:`~fxreplace.TensorReplacer.build`):
-        every slot of the forward, the padding's mask False."""
-        return replacer.build(self.req_ids, self.counts, self.positions, padding=self.padding, out=out)
 
 
 @dataclass
@@ -131,12 +127,8 @@ class RunnerSide(Protocol):
     def split_by_stage(self, targets: list) -> tuple[list, list]:
         """``targets`` as (this pipeline stage's, other stages')."""
 
-    def batch_requests(self) -> list[str]:
-        """The request ids of the step being run, in slot order."""
-
-    def layout(self, step, positions, req_ids: list[str] | None = None) -> StepLayout:
-        """The layout of the forward of ``step`` whose positions are ``positions`` (``req_ids``: the
-        step's requests when the caller read them already)."""
+    def layout(self, step, positions) -> StepLayout:
+        """The layout of the forward of ``step`` whose positions are ``positions``."""
 
     def install(self, hooks: StepHooks) -> None:
         """Install the per-step hooks on this runner instance."""
