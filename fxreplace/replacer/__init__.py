@@ -1,7 +1,7 @@
 """TensorReplacer: from scheduler metadata to the replacement tensors of one forward pass.
 
-Every build is :meth:`TensorReplacer.build`: request ``i`` owns the next ``counts[i]`` slots,
-then ``padding[i]`` padding slots. The facade reads each request's prompt from the table of
+Every build is :meth:`TensorReplacer.build`: request ``i`` owns the next
+``num_scheduled_tokens[i]`` slots, then ``padding[i]`` padding slots. The facade reads each request's prompt from the table of
 :mod:`.requests` and hands on prompts alone: :mod:`.rows` computes the store row of every slot
 on the host (numpy: the scheduler's metadata lives there), :mod:`.copying` copies those rows
 from each group of the :class:`~fxreplace.store.ReferenceStore` (per touched shard) on the
@@ -14,8 +14,8 @@ engine's step is :meth:`TensorReplacer.step_into`, whose steady decode step is
 What the replacer remembers between builds (the last batch's lookup, the ``out=`` contexts
 it checked, buffers of released contexts) lives here: a context is plain data.
 
-Thread safety: registration, release, ``requests`` and building may be called from
-several threads; building into the same ``out=`` context from two threads at once
+Thread safety: registering and releasing requests, ``requests``, building and releasing
+contexts may be called from several threads; building into the same ``out=`` context from two threads at once
 is the caller's race.
 """
 
@@ -124,8 +124,8 @@ class TensorReplacer:
     def any_matched(self, req_ids: Sequence[str]) -> bool:
         """Whether any of these requests resolved to a stored prompt (a batch
         without one needs no context: replacement stays off)."""
-        last = self._last
-        if last.generation == self._requests.generation and type(req_ids) is list and last.req_ids == req_ids:
+        last = self._last_lookup(req_ids)
+        if last is not None:
             return last.rows.matched
         get = self._requests.prompt_of.get
         return any(get(r, UNMATCHED) != UNMATCHED for r in req_ids)
@@ -297,13 +297,13 @@ class TensorReplacer:
     # ------------------------------------------------------------------ internals
 
     def _lookup(self, req_ids: Sequence[str]) -> _Batch:
-        """The batch's prompts and where their rows lie; the last batch's again when ``req_ids``
-        is that batch and nothing was registered or released since."""
-        last, table = self._last, self._requests
-        if last.generation == table.generation and type(req_ids) is list and last.req_ids == req_ids:
+        """The batch's prompts (read from the request table: the ids go no further) and where
+        their rows lie."""
+        last = self._last_lookup(req_ids)
+        if last is not None:
             return last
-        generation = table.generation  # read first: a registration meanwhile makes this entry stale
-        get = table.prompt_of.get
+        generation = self._requests.generation  # read first: a registration meanwhile makes this entry stale
+        get = self._requests.prompt_of.get
         prompts = [get(r, MISSING) for r in req_ids]
         if MISSING in prompts:
             missing = req_ids[prompts.index(MISSING)]
@@ -312,6 +312,14 @@ class TensorReplacer:
             prompts = [UNMATCHED if p == MISSING else p for p in prompts]
         batch = self._last = _Batch(list(req_ids), generation, self._rows.lookup(prompts))
         return batch
+
+    def _last_lookup(self, req_ids: Sequence[str]) -> _Batch | None:
+        """The last batch's lookup when ``req_ids`` is that batch and nothing was registered
+        or released since."""
+        last = self._last
+        if last.generation == self._requests.generation and type(req_ids) is list and last.req_ids == req_ids:
+            return last
+        return None
 
     def _build(self, req_ids, counts, positions: np.ndarray | list[int], padding: list[int] | None, out, device,
                names) -> ReplacementContext:
