@@ -29,7 +29,7 @@ import torch
 from ..config import OnUnknown, ReplacementConfig, check_on_unknown
 from ..context import ReplacementContext, same_device
 from ..gather import host_bits
-from .copying import OutChecks, run, write_mask
+from .copying import OutChecks, run
 from .layouts import ContextLayout, Layouts
 from .pool import BufferPool
 from .requests import MISSING, UNMATCHED, RequestTable
@@ -167,7 +167,7 @@ class TensorReplacer:
             raise ValueError(f"got {len(counts)} num_scheduled_tokens for {len(req_ids)} requests")
         if counts and min(counts) < 0:
             raise ValueError(f"num_scheduled_tokens must be >= 0, got {counts}")
-        padding = _checked_padding(padding, len(req_ids))
+        padding = None if padding is None else _checked_padding(padding, len(req_ids))
         used = sum(counts) + (sum(padding) if padding else 0)
         if used > len(positions):
             raise ValueError(f"requests schedule {used} {'tokens' if padding is None else 'slots (tokens and padding)'} "
@@ -241,15 +241,16 @@ class TensorReplacer:
 
     def release(self, context: ReplacementContext) -> bool:
         """Hand back the buffers of a context that a build without ``out=`` returned, once done
-        reading it: a later build of the same shapes writes into them instead of allocating (a
-        large allocation costs more in page faults than the gather). They are reused only once
-        nothing the replacer can see holds them any more: the context itself, a ``select()`` of
-        it, its storage or a capture tensor read from it (``ctx[name]``), so a released context
-        that is still read is not overwritten. Other views of its memory (slices, ``leading()``,
-        numpy arrays) are not seen: clone what you keep past the release. A context never
-        released is never reused. Returns False, doing nothing, for any other context (warm-up
-        and ``out=`` contexts, ``leading()`` and ``select()`` views, copies moved to another
-        device) and for one released already."""
+        reading it and everything taken from it: a later build of the same shapes writes into them
+        instead of allocating (a large allocation costs more in page faults than the gather). They
+        wait until the context is gone elsewhere too: while another holder keeps the context, a
+        ``select()`` of it or its storage, they are not reused, so a context released by one reader
+        (the embedded runner after its forward) and kept by another is not overwritten. Views of
+        its memory (capture tensors ``ctx[name]``, slices, ``leading()``, numpy arrays) are not
+        seen: clone what you keep past the release. A context never released is never reused.
+        Returns False, doing nothing, for any other context (warm-up and ``out=`` contexts,
+        ``leading()`` and ``select()`` views, copies moved to another device) and for one
+        released already."""
         return self._pool.release(context)
 
     def step_into(self, layout: "StepLayout", out: ReplacementContext) -> ReplacementContext | None:
@@ -328,10 +329,11 @@ class TensorReplacer:
         plan, mask = self._rows.plan(self._lookup(req_ids).rows, counts, positions, padding)
         n = len(positions)
         small = self._rows.small(n)
+        replaced = mask.count(True) if type(mask) is list else int(np.count_nonzero(mask))
         if out is None:
             ctx = self._fresh(layout, plan, n, small)
-            write_mask(ctx, None, mask)
-            ctx.num_replaced = _count(mask)
+            ctx.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
+            ctx.num_replaced = replaced
             moved = ctx.to(device)
             if moved is not ctx:  # the copy is the caller's; the buffers it was copied from are free again
                 self._pool.release(ctx)
@@ -346,8 +348,11 @@ class TensorReplacer:
             for src, dst in zip(staged.storage, out.storage):
                 dst.copy_(src, non_blocking=True)
             self._pool.release(staged)
-        write_mask(out, checked, mask)
-        out.num_replaced = _count(mask)
+        if checked.mask_bits is not None:
+            checked.mask_bits[:] = mask  # no tensor made for a handful of flags
+        else:
+            out.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))
+        out.num_replaced = replaced
         return out
 
     def _fresh(self, layout: ContextLayout, plan, n: int, small: bool) -> ReplacementContext:
@@ -359,8 +364,6 @@ class TensorReplacer:
 
 def _checked_padding(padding, num_requests: int) -> list[int] | None:
     """``padding`` as a list of ints >= 0, one per request (None for none at all)."""
-    if padding is None:
-        return None
     padding = as_index_array(padding, "padding")
     padding = padding if type(padding) is list else padding.tolist()
     if len(padding) != num_requests:
@@ -369,7 +372,3 @@ def _checked_padding(padding, num_requests: int) -> list[int] | None:
         raise ValueError(f"padding must be >= 0, got {padding}")
     return padding if any(padding) else None
 
-
-def _count(mask) -> int:
-    """The True flags of a mask (a list for a small batch, else an array)."""
-    return mask.count(True) if type(mask) is list else int(np.count_nonzero(mask))

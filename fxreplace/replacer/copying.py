@@ -94,11 +94,3 @@ class OutChecks(dict):
             self[id(out)] = checked
         return checked
 
-
-def write_mask(out: ReplacementContext, checked: CheckedOut | None, mask) -> None:
-    """``mask`` (a list or an array of bools) into ``out``'s: through its numpy view when the
-    check made one (no tensor made for a handful of flags)."""
-    if checked is not None and checked.mask_bits is not None:
-        checked.mask_bits[:] = mask
-    else:
-        out.mask.copy_(torch.from_numpy(np.asarray(mask, dtype=bool)))

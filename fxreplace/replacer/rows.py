@@ -7,7 +7,6 @@ the dozen numpy calls of the general case; so are their arguments read (lists of
 
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import NamedTuple, Sequence
 
@@ -18,7 +17,6 @@ from ..store import ReferenceStore
 
 _SMALL_BATCH = 64  # slots up to which the row arithmetic runs in plain Python (decode steps)
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
-_NO_PADDING = itertools.repeat(0)  # the padding after each request of a batch without padding between them
 
 
 class BatchRows(NamedTuple):
@@ -95,32 +93,32 @@ class RowPlanner:
         ``(shard, rows)``, the store row of every slot (the shard's zero row where it holds none);
         that of a batch over several shards is ``(shard of every slot, rows)`` for up to
         ``_SMALL_BATCH`` slots of a host store, else its :class:`ShardBlocks`."""
-        several = type(batch.shard) is list
-        if len(positions) <= _SMALL_BATCH and (not several or self.on_host):  # several: numpy gathers per slot
-            return self._small_plan(batch, counts, positions, padding, several)
-        return self._large_plan(batch, counts, positions, padding)
-
-    def _small_plan(self, batch: BatchRows, counts, positions, padding, several: bool):
-        """:meth:`plan` as a plain Python loop: a fraction of the numpy calls' cost for a decode step."""
+        if padding is not None:
+            batch, counts = _padded(batch, counts, padding)
+        n, several = len(positions), type(batch.shard) is list
+        if n > _SMALL_BATCH or (several and not self.on_host):  # several: numpy gathers per slot
+            return self._large_plan(batch, counts, positions)
+        # a plain Python loop: a fraction of the numpy calls' cost for a decode step
         pos = positions if type(positions) is list else positions.tolist()
-        n, spans, shard_of = len(pos), self._spans, self._shard_list
+        spans, shard_of = self._spans, self._shard_list
         shard = 0 if several else batch.shard
         rows, mask, shards = [self._zero_rows_list[shard]] * n, [False] * n, [0] * n
         s = 0
-        for p, c, pad in zip(batch.prompts, counts, padding or _NO_PADDING):
+        for p, c in zip(batch.prompts, counts):
             if p >= 0:
                 offset, length = spans[p]
                 for j in range(s, s + c):
                     if 0 <= pos[j] < length:
                         rows[j], mask[j], shards[j] = offset + pos[j], True, shard_of[p]
-            s += c + pad
+            s += c
         return (shards if several else shard, rows), mask
 
-    def _large_plan(self, batch: BatchRows, counts, positions, padding):
+    def _large_plan(self, batch: BatchRows, counts, positions):
         """:meth:`plan` in numpy."""
         n = len(positions)
         positions = np.asarray(positions, dtype=np.int64)
-        prompt = _slot_prompts(batch.prompt_array, counts, padding, n)
+        per_request = np.asarray(counts, dtype=np.int64)
+        prompt = np.repeat(batch.prompt_array, np.append(per_request, n - per_request.sum()))
         mask = (positions >= 0) & (positions < self._lengths[prompt])
         local = self._offsets[prompt] + positions
         shard = self._shard_of[prompt]
@@ -131,14 +129,12 @@ class RowPlanner:
         return (first, np.where(mask, local, self._zero_rows[first])), mask
 
 
-def _slot_prompts(prompt_array: np.ndarray, counts, padding: list[int] | None, n: int) -> np.ndarray:
-    """The prompt of each of ``n`` slots (-1 for padding), ``prompt_array`` ending with padding's -1."""
-    tokens = np.asarray(counts, dtype=np.int64)
-    if padding is None:
-        return np.repeat(prompt_array, np.append(tokens, n - tokens.sum()))
-    runs = np.stack([tokens, np.asarray(padding, dtype=np.int64)], 1).ravel()  # tokens, padding, tokens, ...
-    owners = np.stack([prompt_array[:-1], np.full(tokens.shape[0], -1)], 1).ravel()
-    return np.repeat(np.append(owners, -1), np.append(runs, n - runs.sum()))
+def _padded(batch: BatchRows, counts: list[int], padding: list[int]) -> tuple[BatchRows, list[int]]:
+    """``batch`` and ``counts`` with the padding after each request as a run of slots of no prompt,
+    which the plans then treat as any slot without a row."""
+    prompts = [x for p in batch.prompts[:-1] for x in (p, -1)] + [-1]
+    counts = [x for c, pad in zip(counts, padding) for x in (c, pad)]
+    return batch._replace(prompts=prompts, prompt_array=np.array(prompts, dtype=np.int64)), counts
 
 
 def decode_rows(batch: BatchRows, positions: list[int]) -> list[int] | None:
