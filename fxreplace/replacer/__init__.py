@@ -261,8 +261,8 @@ class TensorReplacer:
         prompt writes nothing and returns None (the engine turns replacement off); any other is
         :meth:`build`."""
         req_ids, counts, padding = layout.req_ids, layout.counts, layout.padding
-        n = len(req_ids)
-        if (not (padding and any(padding)) and n == layout.num_slots and type(counts) is list and counts.count(1) == n
+        # one token per request and no padding between them (decode_into checks the slots: one per request)
+        if (not (padding and any(padding)) and type(counts) is list and counts.count(1) == len(req_ids)
                 and self.decode_into(req_ids, layout.positions, out)):
             return out
         if not self.any_matched(req_ids):
@@ -286,11 +286,11 @@ class TensorReplacer:
         if (checked is None or checked.bits is None or checked.context() is not out
                 or last.generation != self._requests.generation or last.req_ids != req_ids):
             return False
-        positions = step_positions(positions)
-        rows = None if positions is None else decode_rows(last.rows, positions)
+        positions, batch = step_positions(positions), last.rows
+        rows = None if positions is None else decode_rows(batch, positions)
         if rows is None or checked.slots != len(rows):
             return False
-        run(checked.layout, (last.rows.shard, rows), out.storage, checked.bits, self._device)
+        run(checked.layout, (batch.shard, rows), out.storage, checked.bits, self._device)
         checked.mask_bits.fill(True)
         out.num_replaced = len(rows)
         return True

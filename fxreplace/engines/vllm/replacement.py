@@ -63,9 +63,10 @@ class VllmReplacement(Replacement):
         """Fill the buffers for this forward; returns its layout, or None when nothing is
         replaced (no request of the batch matched: buffers off)."""
         layout = self.side.layout(scheduler_output, positions)
-        out = self._views.get(layout.num_slots)
+        rows = layout.num_slots
+        out = self._views.get(rows)
         if out is None:
-            out = self._new_view(layout.num_slots)
+            out = self._new_view(rows)
         filled = self.replacer.step_into(layout, out)
         if filled is None:
             self.clear()
