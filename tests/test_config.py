@@ -6,7 +6,7 @@ import torch
 
 from fxreplace import ConfigError, ReferenceStore, ReplacementConfig, Target, TensorReplacementConfig
 from fxreplace import TensorReplacer
-from fxreplace.replacer import reference_capture_names, reference_token_ids
+from fxreplace.replacer.sources import reference_capture_names, reference_token_ids
 from fxreplace.store import load_token_ids
 from fxreplace.sharding import ShardSpec
 

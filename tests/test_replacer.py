@@ -210,10 +210,10 @@ def _assert_same(ctx, expected, mask):
 def row_path(request, monkeypatch):
     """Run a test on both row paths: small batches (slot arithmetic in Python, rows copied by
     numpy) and large ones (numpy arithmetic, rows copied by index_select)."""
-    import fxreplace.replacer as replacer_module
+    import fxreplace.replacer.rows as rows_module
 
     if request.param == "large":
-        monkeypatch.setattr(replacer_module, "_SMALL_BATCH", -1)
+        monkeypatch.setattr(rows_module, "_SMALL_BATCH", -1)
     return request.param
 
 
@@ -503,6 +503,7 @@ def test_fresh_contexts_recycle_only_buffers_nobody_holds(replacer):
     second = replacer.build_context(["a"], [2, 3, 4], True)
     assert second.storage[0].data_ptr() != ptr and torch.equal(kept, kept_values)
     ptr2 = second.storage[0].data_ptr()
+    replacer.release(second)  # handed back explicitly: contexts never released are never reused
     del second
     third = replacer.build_context(["a"], [0, 1, 2], True)
     assert third.storage[0].data_ptr() == ptr2, "a dropped context's buffers serve the next build"
@@ -547,3 +548,213 @@ def test_public_methods_are_safe_from_eight_threads():
         t.join()
     assert not errors, errors[0]
     assert r.requests == {}
+
+
+# ---------------------------------------------------------------- padding as data, the engines' step
+
+
+def _padded_owners(num_slots, counts, padding):
+    """Request index owning each slot (None = padding): request i's tokens, then its padding."""
+    owners = []
+    for i, (c, pad) in enumerate(zip(counts, padding)):
+        owners += [i] * c + [None] * pad
+    return owners + [None] * (num_slots - len(owners))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sc=scenario(), shard_bytes=st.sampled_from([None, 1]), data=st.data())
+def test_padding_between_requests_is_data(row_path, sc, shard_bytes, data):
+    """build(..., padding=): request i's tokens, then padding[i] slots off, for any on_unknown. The same
+    context as the padding given as a request of its own that the reference does not know (how
+    vllm-neuron's layouts carried it before) and as the per-slot oracle; a StepLayout with that padding
+    through step_into builds it too (None, writing nothing, when no request matched)."""
+    import tempfile
+
+    from fxreplace import ReferenceStore, StoreWriter
+    from fxreplace.engines.protocol import StepLayout
+
+    lengths, decode, kv_cache, req_prompts = sc
+    caps = captures_for(lengths, decode, seed=9, kv_cache=kv_cache)
+    counts = data.draw(st.lists(st.integers(0, 4), min_size=len(req_prompts), max_size=len(req_prompts)))
+    padding = data.draw(st.lists(st.integers(0, 3), min_size=len(req_prompts), max_size=len(req_prompts)))
+    positions = []
+    for c, pad in zip(counts, padding):
+        s = data.draw(st.integers(0, 10))
+        positions += list(range(s, s + c)) + data.draw(st.lists(st.integers(0, 10), min_size=pad, max_size=pad))
+    positions += data.draw(st.lists(st.integers(0, 10), max_size=3))
+    expected = build_context_loop(caps, req_prompts, positions, _padded_owners(len(positions), counts, padding))
+    with tempfile.TemporaryDirectory() as tmp:
+        if shard_bytes is None:
+            r = TensorReplacer(caps, on_unknown="passthrough")
+        else:  # a prompt per shard: a batch's rows lie in several
+            with StoreWriter(f"{tmp}/ref", shard_bytes=shard_bytes) as writer:
+                for p in range(len(caps)):
+                    writer.add(None, caps[p], prompt_idx=p)
+            r = TensorReplacer(ReferenceStore.load(f"{tmp}/ref"), on_unknown="passthrough")
+        req_ids = _register(r, req_prompts)
+        _assert_same(r.build(req_ids, counts, positions, padding), *expected)
+        as_requests = [x for rid, c, pad in zip(req_ids, counts, padding) for x in ((rid, c), ("\0padding", pad))]
+        before = r.build_context_for_batch([rid for rid, _ in as_requests], [c for _, c in as_requests], positions)
+        _assert_same(before, *expected)
+        out = r.warmup_context(len(positions))
+        out.mask.fill_(True)  # written only by a build
+        layout = StepLayout(req_ids, counts, torch.tensor(positions, dtype=torch.int64), padding)
+        stepped = r.step_into(layout, out)
+        if any(p is not None for p in req_prompts):
+            assert stepped is out
+            _assert_same(out, *expected)
+        else:
+            assert stepped is None and out.mask.all(), "no request matched: nothing written"
+
+
+def test_padding_is_checked(replacer):
+    replacer.register_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="got 1 padding counts for 2 requests"):
+        replacer.build(["a", "a"], [1, 1], [0, 1, 0], [1])
+    with pytest.raises(ValueError, match=r"padding must be >= 0, got \[-1\]"):
+        replacer.build(["a"], [1], [0, 1], [-1])
+    with pytest.raises(ValueError, match="padding must be integers"):
+        replacer.build(["a"], [1], [0, 1], [0.5])
+    with pytest.raises(ValueError, match=r"requests schedule 4 slots \(tokens and padding\) but the batch has only 3"):
+        replacer.build(["a"], [2], [0, 1, 0], [2])
+    strict = replacer.build(["a"], [2], [0, 1, 0, 0], [1])  # on_unknown="error": padding is no request
+    assert strict.mask.tolist() == [True, True, False, False]
+
+
+def test_step_into_takes_decode_into_for_a_steady_decode_step(monkeypatch):
+    from fxreplace.engines.protocol import StepLayout
+
+    caps = captures_for([3, 5], [4, 4])
+    r = TensorReplacer(caps, on_unknown="passthrough")
+    ids = _register(r, [0, 1, None])
+    out = r.warmup_context(3)
+    calls = []
+    decode_into = r.decode_into
+    monkeypatch.setattr(r, "decode_into", lambda *args: calls.append(decode_into(*args)) or calls[-1])
+    for step in range(3):
+        positions = [3 + step, 5 + step, 0]
+        assert r.step_into(StepLayout(ids, [1, 1, 1], torch.tensor(positions)), out) is out
+        _assert_same(out, *build_context_loop(caps, [0, 1, None], positions, [0, 1, 2]))
+    assert calls == [False, False, False], "a request without a stored prompt: the general build"
+    r.release_request(ids[2])
+    r.register_request(ids[2], None, prompt_idx=0)
+    for step in range(3):
+        positions = [4 + step, 6 + step, 2 + step]
+        assert r.step_into(StepLayout(ids, [1, 1, 1], torch.tensor(positions)), out) is out
+        _assert_same(out, *build_context_loop(caps, [0, 1, 0], positions, [0, 1, 2]))
+    assert calls == [False, False, False, False, True, True], "the same batch again: decode_into"
+    padded = StepLayout(ids[:2], [1, 1], torch.tensor([5, 0, 8]), [1, 0])
+    assert r.step_into(padded, out) is out and calls[-1] is True, "padding between requests: no decode_into"
+    assert out.mask.tolist() == [True, False, True]
+
+
+# ---------------------------------------------------------------- released buffers
+
+
+def test_a_released_context_serves_the_next_build_of_its_shape(replacer):
+    replacer.register_request("a", [1, 2, 3, 4, 5])
+    first = replacer.build_context(["a"], [0, 1, 2], True)
+    ptr = first.storage[0].data_ptr()
+    assert replacer.release(first) is True
+    assert replacer.release(first) is False, "released once"
+    del first
+    other_shape = replacer.build_context(["a"], [0, 1], True)
+    assert other_shape.storage[0].data_ptr() != ptr
+    second = replacer.build_context(["a"], [2, 3, 4], True)
+    assert second.storage[0].data_ptr() == ptr
+    assert torch.equal(second["m0"], replacer.store.rows(1, "m0")[2:5]) and second.mask.all()
+    assert replacer.build_context(["a"], [2, 3, 4], True).storage[0].data_ptr() != ptr, "lent once"
+
+
+def test_an_unreleased_context_is_never_reused(replacer):
+    replacer.register_request("a", [1, 2, 3, 4, 5])
+    alive = replacer.build_context(["a"], [0, 1, 2], True)
+    for start in range(3):
+        ctx = replacer.build_context(["a"], [start, start + 1, start + 2], True)
+        assert ctx.storage[0].data_ptr() != alive.storage[0].data_ptr()
+        del ctx
+    assert torch.equal(alive["m0"], replacer.store.rows(1, "m0")[:3])
+    assert replacer._pool._returned == [], "dropped without release: the pool keeps nothing of them"
+
+
+@pytest.mark.parametrize("holder", ["the context", "a select()", "its storage"])
+def test_a_released_context_still_read_is_not_overwritten(replacer, holder):
+    """The rule of release(): its buffers wait until the context is gone elsewhere too (another
+    holder of it, of a select() of it or of its storage still reads them)."""
+    replacer.register_request("a", [1, 2, 3, 4, 5])
+    ctx = replacer.build_context(["a"], [0, 1, 2], True)
+    ptr, values = ctx.storage[0].data_ptr(), ctx["m0"].clone()
+    held = {"the context": lambda: ctx, "a select()": lambda: ctx.select(["m0"]), "its storage": lambda: ctx.storage}[holder]()
+    assert replacer.release(ctx)
+    del ctx
+    other = replacer.build_context(["a"], [2, 3, 4], True)
+    assert other.storage[0].data_ptr() != ptr
+    assert torch.equal(held["m0"] if isinstance(held, ReplacementContext) else held[0][:, 0], values)
+    del held
+    assert replacer.build_context(["a"], [2, 3, 4], True).storage[0].data_ptr() == ptr, "free once nothing holds it"
+
+
+@pytest.mark.parametrize("view", ["a capture tensor", "leading()"])
+def test_views_of_a_released_context_are_the_callers_to_clone(replacer, view):
+    """What release() documents: views of the storage (a capture tensor, leading(), a slice, a numpy
+    array) do not hold the buffers of a released context; the next build of that shape overwrites them."""
+    replacer.register_request("a", [1, 2, 3, 4, 5])
+    ctx = replacer.build_context(["a"], [0, 1, 2], True)
+    ptr, before = ctx.storage[0].data_ptr(), ctx["m0"].clone()
+    kept = ctx["m0"] if view == "a capture tensor" else ctx.leading(2)["m0"]
+    assert replacer.release(ctx)
+    del ctx
+    again = replacer.build_context(["a"], [2, 3, 4], True)
+    assert again.storage[0].data_ptr() == ptr == kept.data_ptr()
+    assert torch.equal(kept, again["m0"][: kept.shape[0]]) and not torch.equal(kept, before[: kept.shape[0]])
+
+
+def test_release_leaves_every_other_context_alone(replacer):
+    replacer.register_request("a", [1, 2, 3, 4, 5])
+    built = replacer.build_context(["a"], [0, 1, 2], True)
+    warm = replacer.warmup_context(3)
+    assert replacer.build_context(["a"], [0, 1, 2], True, out=warm) is warm
+    moved = replacer.build_context(["a"], [0, 1, 2], True, device="meta")
+    for other in (warm, built.leading(2), built.select(["m0"]), moved, ReplacementContext({"m0": torch.ones(3, 4)},
+                                                                                          torch.ones(3, dtype=torch.bool))):
+        assert replacer.release(other) is False
+    assert len(replacer._pool._returned) == 1, "only the buffers the build copied to meta from"
+    assert not TensorReplacer(replacer.caps).release(built), "another replacer's context"
+    assert replacer.release(built)
+
+
+def test_the_pool_keeps_a_few_released_sets():
+    r = TensorReplacer(captures_for([8], [0]), on_unknown="passthrough")
+    r.register_request("a", None, prompt_idx=0)
+    held = [r.build(["a"], [n], list(range(n))) for n in range(1, 9)]  # eight shapes, each still read
+    assert all(r.release(ctx) for ctx in held)
+    assert len(r._pool._returned) == 4, "the four released last"
+    ptrs = [ctx.storage[0].data_ptr() for ctx in held]
+    del held
+    assert r.build(["a"], [8], list(range(8))).storage[0].data_ptr() == ptrs[-1]
+    assert r.build(["a"], [1], [0]).storage[0].data_ptr() != ptrs[0], "dropped from the pool: not reused"
+
+
+def test_builds_and_releases_from_eight_threads():
+    """No two living contexts share buffers, whichever thread releases them."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    caps = captures_for([40], [0], seed=4)
+    r = TensorReplacer(caps, on_unknown="passthrough")
+    r.register_request("a", None, prompt_idx=0)
+    barrier = threading.Barrier(8)
+
+    def worker(w):
+        barrier.wait()
+        for it in range(40):
+            positions = [(w * 7 + it + j) % 40 for j in range(80)]  # large: index_select into pool buffers
+            ctx = r.build(["a"], [80], positions)
+            expected, _ = build_context_loop(caps, [0], positions, [0] * 80)
+            assert all(torch.equal(ctx[m], expected[m]) for m in expected), (w, it)
+            assert r.release(ctx)
+            time.sleep(0.001)  # the others build meanwhile: still read, the context is not theirs to take
+            assert all(torch.equal(ctx[m], expected[m]) for m in expected), (w, it, "after release")
+
+    with ThreadPoolExecutor(8) as threads:
+        list(threads.map(worker, range(8)))  # re-raises a worker's failure

@@ -178,6 +178,39 @@ def test_an_eager_runner_gathers_the_rows_of_the_names_it_replaces_only(hf):
                 assert (c[name][c.mask] - c[first][c.mask] == int(name[1]) - int(first[1])).all()
 
 
+@pytest.mark.parametrize("replace", [True, ["m1"], PerRequest([{"m0"}, {"m1"}, {"m0"}])])
+def test_each_built_context_goes_back_after_its_forward(hf, replace):
+    """The runner releases every context it built once its forward is done with it (a select() of it
+    the forward read included), so later forwards of that shape reuse its buffers."""
+    flat, _ = fake_reference()
+    replacer = TensorReplacer(flat, prompt_token_ids=PROMPTS)
+    runner = Runner(hf, hf.config, replacer=replacer,
+                    runner_config=RunnerConfig(max_len=64, prefill_buckets=(16,), batch_buckets=(4,)))
+    built, released, reused = [], [], []  # ids only: holding a context would keep its buffers from reuse
+    build, release, take = replacer.build_context, replacer.release, replacer._pool._take
+
+    def building(*args, **kwargs):
+        ctx = build(*args, **kwargs)
+        built.append(id(ctx))
+        return ctx
+
+    def releasing(ctx):
+        released.append((id(ctx), release(ctx)))
+        return released[-1][1]
+
+    def taking(shapes):
+        buffers = take(shapes)
+        reused.append(buffers is not None)
+        return buffers
+
+    replacer.build_context, replacer.release, replacer._pool._take = building, releasing, taking
+    runner.generate(PROMPTS, STEPS, replace=replace)
+    assert released == [(i, True) for i in built] and len(built) == runner.forwards
+    # new buffers for the first prefill and the first two decode steps (the runner still holds the
+    # step before while it builds the next), reused by every other forward
+    assert reused.count(False) == 3 and len(reused) == runner.forwards, reused
+
+
 def test_bad_sizes_are_clear_errors(hf):
     runner = Runner(hf, hf.config, runner_config=RunnerConfig(max_len=16, prefill_buckets=(8,)))
     with pytest.raises(ValueError, match=r"a prompt of 9 exceeds the largest bucket 8"):

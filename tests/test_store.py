@@ -7,7 +7,7 @@ import torch
 
 from fxreplace import CaptureError, ReferenceStore, TensorReplacementConfig
 from fxreplace import TensorReplacer
-from fxreplace.replacer import reference_source
+from fxreplace.replacer.sources import reference_source
 from fxreplace.store import load_legacy, load_token_ids
 from fxreplace.store.format import FORMAT_VERSION
 

@@ -143,7 +143,7 @@ def _run_engine(ref: Ref, kind: str) -> dict:
     try:
         state = fxv.get_state(_runner(llm))
         if state is not None:  # record each request's run (prompt, first position, tokens) per general build
-            build = state.replacer.build_context_for_batch
+            build = state.replacer.build  # step_into's general build
 
             def recording(req_ids, counts, positions, **kw):
                 starts = [0] + torch.as_tensor(counts).cumsum(0).tolist()[:-1]
@@ -151,7 +151,7 @@ def _run_engine(ref: Ref, kind: str) -> dict:
                 res["runs"] += [(prompts.get(r), int(positions[s]), int(c)) for r, s, c in zip(req_ids, starts, counts) if c]
                 return build(req_ids, counts, positions, **kw)
 
-            state.replacer.build_context_for_batch = recording
+            state.replacer.build = recording
         names = list(ref.prompts)
         sp = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=5, ignore_eos=True,
                             prompt_logprobs=None if kind == "spec" else 5)

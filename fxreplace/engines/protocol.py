@@ -53,19 +53,14 @@ class Engine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str]) -> list: ...
 
 
-#: The request id of padding slots inside a layout (never a real request's id: vLLM's ids
-#: are printable, this one starts with NUL). A replacer built with on_unknown="passthrough"
-#: leaves its slots unreplaced, so padding between requests costs no special case.
-PADDING_ID = "\0fxreplace-padding"
-
-
-@dataclass
+@dataclass(slots=True)  # made at every step of a serving engine: slots make it cheaper to make and read
 class StepLayout:
     """One forward's slots: request ``i`` computes ``counts[i]`` tokens in consecutive slots,
     followed by ``padding[i]`` padding slots (None: no padding between requests); every slot
     after the last request's is padding. ``positions`` (host, int64) holds every slot's position,
     padding included (whatever the runner put there: Neuron repeats a prefill's last position
-    and pads decode with 0)."""
+    and pads decode with 0). Plain data: :meth:`~fxreplace.TensorReplacer.step_into` builds
+    the step's context from it, its padding off."""
 
     req_ids: list[str]
     counts: list[int]
@@ -74,7 +69,7 @@ class StepLayout:
 
     @property
     def num_slots(self) -> int:
-        return int(self.positions.shape[0])
+        return self.positions.shape[0]
 
     def check(self) -> None:
         """Refuse a layout whose requests need more slots than the forward has."""
@@ -93,18 +88,6 @@ class StepLayout:
             starts.append(slot)
             slot += count + (self.padding[i] if self.padding else 0)
         return starts
-
-    def build(self, replacer, out):
-        """The step's context, written into ``out`` (see
-        :meth:`~fxreplace.TensorReplacer.build_context_for_batch`): every slot of the forward,
-        the padding's mask False. ``replacer`` must pass unknown requests through."""
-        if not self.padding or not any(self.padding):
-            return replacer.build_context_for_batch(self.req_ids, self.counts, self.positions, out=out)
-        ids, counts = [], []
-        for req_id, count, pad in zip(self.req_ids, self.counts, self.padding):
-            ids += [req_id, PADDING_ID] if pad else [req_id]
-            counts += [count, pad] if pad else [count]
-        return replacer.build_context_for_batch(ids, counts, self.positions, out=out)
 
 
 @dataclass
@@ -143,12 +126,8 @@ class RunnerSide(Protocol):
     def split_by_stage(self, targets: list) -> tuple[list, list]:
         """``targets`` as (this pipeline stage's, other stages')."""
 
-    def batch_requests(self) -> list[str]:
-        """The request ids of the step being run, in slot order."""
-
-    def layout(self, step, positions, req_ids: list[str] | None = None) -> StepLayout:
-        """The layout of the forward of ``step`` whose positions are ``positions`` (``req_ids``: the
-        step's requests when the caller read them already)."""
+    def layout(self, step, positions) -> StepLayout:
+        """The layout of the forward of ``step`` whose positions are ``positions``."""
 
     def install(self, hooks: StepHooks) -> None:
         """Install the per-step hooks on this runner instance."""

@@ -72,6 +72,19 @@ class RunnerConfig:
                              f"max_len {self.max_len} (the KV cache's length); hint: raise max_len or drop the bucket")
 
 
+def _selected(ctx, replace, tokens_per_req: int):
+    """``ctx`` replaced at the names ``replace`` selects: for a :class:`~fxreplace.context.PerRequest`
+    selection each request's own (request ``i`` owns slots ``i * tokens_per_req`` on; the rest is padding)."""
+    if not isinstance(replace, PerRequest):
+        return ctx.select(replace)
+    rows = {}
+    for name in set().union(*replace):
+        owned = torch.tensor([name in s for s in replace]).repeat_interleave(tokens_per_req)
+        rows[name] = torch.zeros(ctx.num_tokens, dtype=torch.bool)
+        rows[name][: owned.shape[0]] = owned
+    return ctx.select(rows)
+
+
 def smallest_bucket(buckets: Sequence[int], n: int, what: str) -> int:
     fitting = [b for b in sorted(buckets) if b >= n]
     if not fitting:
@@ -279,8 +292,8 @@ class Runner:
                 mask4d = step_mask[:, None, None, :].repeat(1, 1, width, 1)
                 mask4d[:, 0, :, write : write + width] = causal
                 held[:, write : write + width] = slot_pos
-                ctx = self._context([g.req_id for g in gens], slot_pos.flatten(), False, width, replace)
-                logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx, held=held)
+                with self._context([g.req_id for g in gens], slot_pos.flatten(), False, width, replace) as ctx:
+                    logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx, held=held)
                 # the host reads each step once for all requests (a wave holds a blame round's copies); the
                 # rows kept are the requests' only, not the padding's
                 picks, kept = logits.argmax(-1).tolist(), logits[: len(gens)].to("cpu", torch.float32, copy=True)
@@ -320,15 +333,15 @@ class Runner:
         mask4d = torch.zeros(rows, 1, bucket, self.cfg.max_len, dtype=torch.bool)
         mask4d[:, 0, :, :bucket] = torch.ones(bucket, bucket, dtype=torch.bool).tril()
         req_ids = [g.req_id for g in gens]
-        ctx = (self._context(req_ids, positions[0], True, 1, replace) if rows == 1
-               else self._context(req_ids, positions.flatten(), False, bucket, replace))
         # only each row's last position is read: the model computes the vocabulary there alone (row r's at
         # index r of a [rows]-long logits_to_keep, a static shape) unless that is no smaller than the bucket
         last = [len(g.prompt) - 1 for g in gens] + [0] * (rows - len(gens))
         keep = torch.tensor(last) if self._keeps_logits and rows < bucket else None
         prefill_held = torch.zeros(rows, self.cfg.max_len, dtype=torch.long)
         prefill_held[:, :bucket] = positions
-        logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx, keep=keep, held=prefill_held)
+        with (self._context(req_ids, positions[0], True, 1, replace) if rows == 1
+              else self._context(req_ids, positions.flatten(), False, bucket, replace)) as ctx:
+            logits, seen = self._forward(inputs, positions, mask4d, cache, 0, ctx, keep=keep, held=prefill_held)
         for r, g in enumerate(gens):
             n = len(g.prompt)
             for name, values in seen.items():
@@ -351,25 +364,27 @@ class Runner:
         slot = torch.arange(valid.shape[1])
         valid[mine] = (slot >= write - lengths[:, None]) & (slot < write)
 
+    @contextmanager
     def _context(self, req_ids, positions, is_prefill, tokens_per_req, replace):
+        """The context of one forward (None without a replacer), for the ``with`` block that runs
+        it; a built context goes back to the replacer after it, so the next forward's build writes
+        into its buffers instead of allocating."""
         if self.replacer is None:
-            return None
+            yield None
+            return
         # the rows of the names replaced only, unless compiled: graphs take every name's tensor as an input,
         # so a context of other names would build other graphs
         names = (None if self.compiled or replace is True else () if replace is False
                  else set().union(*replace) if isinstance(replace, PerRequest) else replace)
         if replace is False:
-            return self.replacer.warmup_context(positions.shape[0], device=self.device, names=names)
+            yield self.replacer.warmup_context(positions.shape[0], device=self.device, names=names)
+            return
         ctx = self.replacer.build_context(req_ids, positions, is_prefill, device=self.device, tokens_per_req=tokens_per_req,
                                           names=names)
-        if isinstance(replace, PerRequest):  # request i owns slots i*tokens_per_req ...; the rest is padding
-            rows = {}
-            for name in set().union(*replace):
-                owned = torch.tensor([name in s for s in replace]).repeat_interleave(tokens_per_req)
-                rows[name] = torch.zeros(ctx.num_tokens, dtype=torch.bool)
-                rows[name][: owned.shape[0]] = owned
-            return ctx.select(rows)
-        return ctx if replace is True else ctx.select(replace)
+        try:
+            yield ctx if replace is True else _selected(ctx, replace, tokens_per_req)
+        finally:
+            self.replacer.release(ctx)
 
     def _forward(self, inputs, positions, mask_bool, cache: StaticCache, write: int, ctx, keep=None, held=None):
         """Logits ``[batch, slots, vocab]`` (``[batch, len(keep), vocab]``: only the slots ``keep`` indexes) and

@@ -35,7 +35,7 @@ import logging
 import os
 
 from ...matching import PromptIndex
-from ...replacer import reference_capture_names, reference_token_ids
+from ...replacer.sources import reference_capture_names, reference_token_ids
 from . import internals
 from ..vllm_neuron import internals as neuron_internals
 from .config import NEURON_KEYS, ConfigError, parse_config, refuse_unsupported, wrap_in_place

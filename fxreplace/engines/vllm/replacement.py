@@ -15,7 +15,7 @@ import torch
 
 from ...config import ReplacementConfig
 from ...context import ReplacementContext
-from ..protocol import StepHooks
+from ..protocol import StepHooks, StepLayout
 from ..replacement import Replacement, selection_of
 
 logger = logging.getLogger("fxreplace.vllm")
@@ -48,33 +48,31 @@ class VllmReplacement(Replacement):
         """Fill the buffers for this forward from the batch vLLM actually runs: every
         row it reads, the padding after the scheduled tokens included (mask off there).
 
-        One build per step: a steady decode step (the same requests as the last step, one
-        token each) is the replacer's :meth:`~fxreplace.TensorReplacer.decode_into` into the
-        bound buffers' leading rows, anything else its general build."""
+        One call into the replacer per step, with the step's layout: its
+        :meth:`~fxreplace.TensorReplacer.step_into` writes a steady decode step (the same
+        requests as the last step, one token each) with ``decode_into`` into the bound
+        buffers' leading rows, anything else with its general build."""
         try:
-            self._fill(self.side.batch_requests(), scheduler_output, positions)
+            self._fill(scheduler_output, positions)
         except Exception as exc:
             self.errors += 1
             self.clear()
             logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
 
-    def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
-        """Fill the buffers for ``req_ids``; returns the batch's scheduled token counts and
-        the rows written (padding included), or None when nothing is replaced."""
-        out = self._views.get(len(req_ids))
-        if out is not None and self.replacer.decode_into(req_ids, positions, out):  # a steady decode step
-            self._count(out)
-            return [1] * len(req_ids), len(req_ids)
-        if not self.replacer.any_matched(req_ids):  # nothing to replace: buffers off
-            self.clear()
-            return None
-        layout = self.side.layout(scheduler_output, positions, req_ids)
+    def _fill(self, scheduler_output, positions) -> StepLayout | None:
+        """Fill the buffers for this forward; returns its layout, or None when nothing is
+        replaced (no request of the batch matched: buffers off)."""
+        layout = self.side.layout(scheduler_output, positions)
         rows = layout.num_slots
         out = self._views.get(rows)
         if out is None:
             out = self._new_view(rows)
-        self._count(layout.build(self.replacer, out))
-        return layout.counts, rows
+        filled = self.replacer.step_into(layout, out)
+        if filled is None:
+            self.clear()
+            return None
+        self._count(filled)
+        return layout
 
     def _new_view(self, n: int) -> ReplacementContext:
         """The bound buffers' first ``n`` rows as an ``out=`` context, kept for the next forward of ``n`` rows."""
@@ -125,19 +123,19 @@ class SelectingReplacement(VllmReplacement):
             self.selections[new.req_id] = torch.tensor([name in wanted for name in self.capture_names])
         super().update_requests(scheduler_output)
 
-    def _fill(self, req_ids: list[str], scheduler_output, positions) -> tuple[list[int], int] | None:
-        filled = super()._fill(req_ids, scheduler_output, positions)
-        if filled is None:
+    def _fill(self, scheduler_output, positions) -> StepLayout | None:
+        layout = super()._fill(scheduler_output, positions)
+        if layout is None:
             return None
-        counts, rows = filled
+        counts, rows = layout.counts, layout.num_slots
         total = sum(counts)
         # per token, whether its request selected each capture (padding rows: none)
-        chosen = torch.stack([self.selections.get(r, self.all_selected) for r in req_ids] + [self.none_selected], 1)
+        chosen = torch.stack([self.selections.get(r, self.all_selected) for r in layout.req_ids] + [self.none_selected], 1)
         per_token = chosen.repeat_interleave(torch.tensor(counts + [rows - total]), dim=1).to(self.device)
         batch_mask = self.feed.mask[:rows]
         for mask, selected in zip(self.masks, per_token):
             torch.logical_and(batch_mask, selected, out=mask[:rows])
-        return filled
+        return layout
 
     def clear(self) -> None:
         if self.armed:

@@ -28,14 +28,10 @@ class VllmRunner:
     def split_by_stage(self, targets: list) -> tuple[list, list]:
         return internals.split_by_stage(self.model, targets)
 
-    def batch_requests(self) -> list[str]:
-        return internals.batch_requests(self.runner)
-
-    def layout(self, scheduler_output, positions, req_ids: list[str] | None = None) -> StepLayout:
+    def layout(self, scheduler_output, positions) -> StepLayout:
         """Request ``i`` of the persistent batch computes its scheduled tokens in the next slots;
         vLLM pads only after the last request. Device positions are recomputed on the host."""
-        if req_ids is None:
-            req_ids = self.batch_requests()
+        req_ids = internals.batch_requests(self.runner)
         if scheduler_output.total_num_scheduled_tokens == len(req_ids):  # one token each: a decode step
             counts = [1] * len(req_ids)
         else:

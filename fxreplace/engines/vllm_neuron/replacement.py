@@ -37,17 +37,16 @@ class StepInputReplacement(Replacement):
         batch is in the reference, or when the build fails (logged, counted: the step is served)."""
         num_tokens = int(positions.shape[0])
         try:
-            req_ids = self.side.batch_requests()
-            if not self.replacer.any_matched(req_ids):
-                return self.off(num_tokens)
-            layout = self.side.layout(scheduler_output, positions, req_ids)
+            layout = self.side.layout(scheduler_output, positions)
             out = self.contexts.get(num_tokens)
             if out is None:
                 out = self.contexts[num_tokens] = self.replacer.warmup_context(num_tokens, device=self.device)
-            context = layout.build(self.replacer, out)
+            context = self.replacer.step_into(layout, out)
         except Exception as exc:
             self.errors += 1
             logger.error("fxreplace: step served without replacement: %s: %s", type(exc).__name__, exc)
+            return self.off(num_tokens)
+        if context is None:
             return self.off(num_tokens)
         self._count(context)
         return context

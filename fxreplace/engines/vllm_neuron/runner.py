@@ -58,16 +58,12 @@ class NeuronRunner:
         """vllm-neuron shards each model over tensor parallelism inside its graphs: every target is this runner's."""
         return list(targets), []
 
-    def batch_requests(self) -> list[str]:
-        return internals.batch_requests(self.runner)
-
-    def layout(self, scheduler_output, positions, req_ids: list[str] | None = None) -> StepLayout:
+    def layout(self, scheduler_output, positions) -> StepLayout:
         """Request ``i`` computes ``num_scheduled_tokens`` tokens followed by the padding up to its
         ``num_scheduled_tokens_padded`` (a prefill's bucket); every slot after the last request's
         is padding (decode batch buckets, data-parallel padding). The counts are read at the
         forward, after the runner dropped any speculative tokens from the scheduler output."""
-        if req_ids is None:
-            req_ids = self.batch_requests()
+        req_ids = internals.batch_requests(self.runner)
         counts = [int(scheduler_output.num_scheduled_tokens[r]) for r in req_ids]
         padded = internals.padded_counts(scheduler_output, req_ids)
         padding = None if padded is None else [p - c for p, c in zip(padded, counts)]
