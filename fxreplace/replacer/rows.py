@@ -131,7 +131,8 @@ class RowPlanner:
 
 def _padded(batch: BatchRows, counts: list[int], padding: list[int]) -> tuple[BatchRows, list[int]]:
     """``batch`` and ``counts`` with the padding after each request as a run of slots of no prompt,
-    which the plans then treat as any slot without a row."""
+    which the plans then treat as any slot without a row (the plans read prompts and counts only:
+    the per-request offsets, stored positions and shards stay the requests')."""
     prompts = [x for p in batch.prompts[:-1] for x in (p, -1)] + [-1]
     counts = [x for c, pad in zip(counts, padding) for x in (c, pad)]
     return batch._replace(prompts=prompts, prompt_array=np.array(prompts, dtype=np.int64)), counts
