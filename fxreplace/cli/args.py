@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..dtypes import LOW_PRECISION
-from ..engines.registry import ALIASES, BUILTIN, engine_names
+from ..engines.registry import ALIASES, BUILTIN, engine_name
 from ..loading import SetupError, check_model_dir, one_line
 
 EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -177,13 +177,13 @@ def gate_condition(text: str) -> str:
     return text
 
 
-def engine_name(text: str) -> str:
+def engine_arg(text: str) -> str:
     """``--engine``: an engine there is (built-in, registered, or declared by an installed package),
     by its name; checked without loading it."""
-    name = ALIASES.get(text, text)
-    if name not in engine_names():
-        raise argparse.ArgumentTypeError(f"no engine {text!r}; engines: {', '.join(engine_names())}")
-    return name
+    try:
+        return engine_name(text)
+    except KeyError as e:
+        raise argparse.ArgumentTypeError(e.args[0]) from None
 
 
 def add_engine_arguments(parser, default: str | None, what: str) -> None:
@@ -192,7 +192,7 @@ def add_engine_arguments(parser, default: str | None, what: str) -> None:
     unset meaning ``default`` and the engine's own choice. ``what``: the default, in words."""
     names = ", ".join([*BUILTIN, *(f"{old} (= {new})" for old, new in ALIASES.items())])
     unset = "" if default else f" (default: {what})"  # a set default is stated by the formatter
-    parser.add_argument("--engine", type=engine_name, default=default, metavar="NAME",
+    parser.add_argument("--engine", type=engine_arg, default=default, metavar="NAME",
                         help=f"what runs the model: {names}, or an engine an installed package registers{unset}; "
                              "runner: the Hugging Face model in this process; vllm: a vLLM engine with the fxreplace "
                              "plugin (MODEL: a checkpoint directory)")

@@ -21,19 +21,19 @@ def run(args) -> int:
     """Search for the components that explain the divergence (see :mod:`fxreplace.blame`)."""
     program_of_validation(args)
     dispatch_args(args)  # its mistakes before anything loads
-    spec, engine = engine_run(args, "blame")
-    reference = engine.reference = load_reference_arg(args.reference)
+    spec, request = engine_run(args, "blame")
+    reference = request.reference = load_reference_arg(args.reference)
     reference_caveat(args, reference)  # refused here; blame() states the caveat
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: blame_state(args)
     floor = noise_floor(args, reference)  # the clean model, if measured, is gone before the target loads
-    opened = spec.open_blame(engine)
+    opened = spec.open_blame(request)
     try:
         target = opened.engine
         if isinstance(target, nn.Module):  # blame instruments the model itself, and captures from --clean on demand
             result = blame(target, args.reference, clean=_clean_loader(args, reference),
                            components=components_arg(args.component) if args.component else None,
-                           dtype=torch_dtype(args.dtype), compile="inductor" if spec.compiled(engine) else None,
+                           dtype=torch_dtype(args.dtype), compile="inductor" if spec.compiled(request) else None,
                            budget=args.budget, floor=floor,
                            allow_low_precision_reference=args.allow_low_precision_reference)
         else:
@@ -43,7 +43,7 @@ def run(args) -> int:
         raise UsageError(str(e)) from None
     finally:
         opened.close()
-    result.program = {"engine": spec.name, "compile": spec.compiled(engine), "dtype": args.dtype}
+    result.program = {"engine": spec.name, "compile": spec.compiled(request), "dtype": args.dtype}
     _say(result, args)
     return EXIT_OK
 

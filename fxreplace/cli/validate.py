@@ -14,13 +14,13 @@ from .running import decoder, engine_run, noise_floor, reference_caveat
 
 def run(args) -> int:
     dispatch_args(args)  # its mistakes before anything loads
-    spec, engine = engine_run(args, "validate")
-    reference = engine.reference = load_reference_arg(args.reference)
+    spec, request = engine_run(args, "validate")
+    reference = request.reference = load_reference_arg(args.reference)
     caveat = reference_caveat(args, reference)
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: f"no report written ({folder_state(args.report_dir, '--report-dir')})"
     floor = noise_floor(args, reference)  # the clean model, if measured, is gone before the target loads
-    opened = spec.open_validation(engine)
+    opened = spec.open_validation(request)
     try:
         if opened.description:
             print(opened.description)
@@ -28,7 +28,7 @@ def run(args) -> int:
                                   tokenizer=decoder(args.model, reference))
     finally:
         opened.close()
-    compiled = spec.compiled(engine)
+    compiled = spec.compiled(request)
     result.replaced = _targets_label(opened.replaced)
     result.floor, result.caveat = floor, caveat
     result.program = {"engine": spec.name, "compile": compiled, "dtype": args.dtype}

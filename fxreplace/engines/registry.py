@@ -101,17 +101,26 @@ def register_engine(spec: EngineSpec) -> EngineSpec:
     return spec
 
 
+def engine_name(name: str) -> str:
+    """The name of the engine ``name`` (or an older name of it) names, checked without loading
+    it; KeyError names the engines there are."""
+    canonical = ALIASES.get(name, name)
+    if canonical not in engine_names():
+        raise KeyError(f"no engine {name!r}; engines: {', '.join(engine_names())}")
+    return canonical
+
+
 def get_engine(name: str) -> EngineSpec:
     """The engine registered as ``name`` (or an older name of it); a built-in one or one declared
     in the entry-point group is loaded on first use. KeyError names the engines there are."""
-    name = ALIASES.get(name, name)
+    name = engine_name(name)
     if name not in _ENGINES:
         if name in BUILTIN:
             importlib.import_module(BUILTIN[name])
         else:
             _load_entry_point(name)
     if name not in _ENGINES:
-        raise KeyError(f"no engine {name!r}; engines: {', '.join(engine_names())}")
+        raise KeyError(f"the engine {name!r} declared in {ENTRY_POINT_GROUP} registered no engine of that name")
     return _ENGINES[name]
 
 

@@ -20,9 +20,7 @@ def open_validation(run: EngineRun) -> Opened:
     check_checkpoint_matches(reference, run.reference_dir, run.model)
     replacement = ReplacementConfig(targets=run.targets, tensors_path=run.reference_dir)
     engine = VllmEngine(run.model, replacement, dtype=run.dtype, logprobs=run.logprobs,
-                        enforce_eager=not ENGINE.compiled(run),
-                        **{"max_model_len": max(longest_sequence(reference) + 8, 128),
-                           "max_num_seqs": min(8, reference.num_prompts), **run.options})
+                        enforce_eager=not ENGINE.compiled(run), **_llm_options(run, max_num_seqs=min(8, reference.num_prompts)))
     opened = Opened(engine, "", config_json(run.model).get("num_experts_per_tok"),
                     run.targets or reference.metadata.get("targets") or [])
     try:
@@ -39,10 +37,16 @@ def open_blame(run: EngineRun) -> Opened:
 
     check_checkpoint_dir(run.model, ENGINE.name)
     check_checkpoint_matches(run.reference, run.reference_dir, run.model)
-    options = {"max_model_len": max(longest_sequence(run.reference) + 8, 128),
-               "max_num_seqs": min(64, run.reference.num_prompts * 5), **run.options}
+    options = _llm_options(run, max_num_seqs=min(64, run.reference.num_prompts * 5))
     return Opened(VllmBlameEngine(run.model, run.reference_dir, dtype=run.dtype, logprobs=-1,
                                   enforce_eager=not ENGINE.compiled(run), **options))
+
+
+def _llm_options(run: EngineRun, max_num_seqs: int) -> dict:
+    """``vllm.LLM``'s keyword arguments for ``run`` beside the compile switch: room for the longest
+    reference sequence and a retry's few more tokens, ``max_num_seqs`` requests; ``--engine-args`` last."""
+    return {"max_model_len": max(longest_sequence(run.reference) + 8, 128), "max_num_seqs": max_num_seqs,
+            **run.options}
 
 
 ENGINE = register_engine(EngineSpec(
