@@ -52,6 +52,24 @@ def load_model(spec: str, dtype=None, dispatch: dict | None = None, device: str 
     return model if dispatch or device is None else model.to(device)
 
 
+def recorded_model(spec: str) -> str:
+    """A model as a reference records it: ``builtin:ARCH``, or its directory as an absolute path
+    (hints built from it, ``--clean ...``, are run from other directories)."""
+    return spec if spec.startswith("builtin:") else str(Path(spec).resolve())
+
+
+def checked_prompts(ids: list, vocab_size: int, source: str) -> list[list[int]]:
+    """Prompts' token ids checked against a model's vocabulary, each given once
+    (:func:`fxreplace.capture.check_prompts`); a :class:`SetupError` names ``source``."""
+    from .capture import check_prompts  # capture loads torch; read when the command line parses
+
+    try:
+        return check_prompts(ids, vocab_size)
+    except ValueError as e:
+        raise SetupError(f"{source}: {e}", f"give each prompt once, as token ids below the model's vocab_size "
+                         f"({vocab_size}) or as text") from None
+
+
 def check_model_dir(spec: str) -> None:
     """A local model directory must at least hold a Hugging Face ``config.json``."""
     path = Path(spec)

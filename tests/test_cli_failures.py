@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import fxreplace.cli
-import fxreplace.cli.capture
 import fxreplace.cli.common
+import fxreplace.engines.embedded.spec
 from fxreplace.cli import main as cli
 from fxreplace.store import ReferenceStore
 
@@ -95,7 +95,7 @@ def test_an_internal_error_is_one_line_exit_3_naming_what_was_written_and_debug_
     def broken(*args, **kwargs):
         raise RuntimeError("shape mismatch\nin two lines")
 
-    monkeypatch.setattr(fxreplace.cli.capture, "capture_reference", broken)  # a bug in fxreplace's capture
+    monkeypatch.setattr(fxreplace.engines.embedded.spec, "capture_reference", broken)  # a bug in fxreplace's capture
     argv = ["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "r")]
     assert exit_code(argv) == 3
     err = one_error_line(capsys)
@@ -189,9 +189,9 @@ def test_a_store_whose_writer_died_says_so_in_the_line(tmp_path, capsys, monkeyp
     writer = StoreWriter(tmp_path / "ref")
     writer.add([1, 2], {"m": torch.zeros(2, 3)})
     writer.sync()  # then the process dies: the marker stays
-    assert fxreplace.cli.common.store_state(tmp_path / "ref") == ("an unfinished store: the 1 prompt written so far load, "
+    assert fxreplace.store.describe_store(tmp_path / "ref") == ("an unfinished store: the 1 prompt written so far load, "
                                                           "the later ones are missing")
-    assert fxreplace.cli.common.store_state(tmp_path / "empty") == "nothing"
+    assert fxreplace.store.describe_store(tmp_path / "empty") == "nothing"
 
 
 def test_hints_point_at_the_actual_fix(tmp_path, capsys, monkeypatch):

@@ -14,6 +14,7 @@ import torch
 from fxreplace.cli import main as cli
 from fxreplace.engines import registry
 from fxreplace.models import tiny_model
+from fxreplace.reference import load_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCH = "Qwen3MoeForCausalLM"
@@ -40,6 +41,61 @@ def test_an_option_the_engine_does_not_take_is_refused_before_anything_loads(tmp
         assert exit_.value.code == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: {option} is not an option of --engine "), err
+
+
+def test_a_capture_option_the_engine_does_not_take_is_refused_before_anything_loads(tmp_path, capsys, no_model_loads):
+    (tmp_path / "config.json").write_text("{}")  # a model directory, never loaded
+    (tmp_path / "p.json").write_text("[[1, 2, 3]]")
+    for argv, option, engine, takers in (
+            (["--engine", "vllm", "--noise-floor", "bfloat16"], "--noise-floor", "vllm", "--engine runner"),
+            (["--engine", "vllm", "--device-map", "auto"], "--device-map", "vllm", "--engine runner"),
+            (["--engine-args", '{"a": 1}'], "--engine-args", "runner", "--engine vllm")):
+        with pytest.raises(SystemExit) as exit_:
+            cli(["capture", str(tmp_path), "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "ref"), *argv])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: {option} is not a capture option of --engine {engine}; hint: engines that capture "
+                       f"with it: {takers}"), err
+    assert not (tmp_path / "ref").exists()
+
+
+def test_a_registered_engine_captures_through_its_capture_spec(tmp_path, capsys):
+    """`fxreplace capture --engine NAME` hands the engine one CaptureRun (prompts as ids, what the
+    reference records) and prints what it did; an engine that does not replace a store refuses
+    an --out holding one before it runs."""
+    runner = registry.get_engine("runner").capture
+    given = []
+
+    def spy(run):
+        given.append(copy.deepcopy(run))
+        return runner.run(run)
+
+    registry.register_engine(registry.EngineSpec(name="spy", summary="the runner's capture, watched",
+                                                 open_validation=None, open_blame=None,
+                                                 capture=registry.CaptureSpec(spy)))
+    try:
+        (tmp_path / "p.json").write_text("[[5, 6, 7], [8, 9]]")
+        out = tmp_path / "ref"
+        argv = ["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "p.json"), "--max-new-tokens", "3",
+                "--engine", "spy", "--out", str(out)]
+        assert cli(argv) == 0
+        (run,) = given
+        assert run.prompts == [[5, 6, 7], [8, 9]] and run.out == str(out) and run.max_new_tokens == 3
+        assert run.metadata == {"source_model": f"builtin:{ARCH}", "prompt_texts": [None, None]}
+        assert capsys.readouterr().out.strip().endswith(f"captured 2 prompts x 3 tokens at 2 targets -> {out}")
+        reference = load_reference(out)
+        assert reference.store.prompt_token_ids == [[5, 6, 7], [8, 9]]
+
+        with pytest.raises(SystemExit) as exit_:
+            cli(argv)
+        assert exit_.value.code == 2 and len(given) == 1
+        assert "holds a loadable store of 2 prompts; the capture would fail at its end" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            cli(["capture", f"builtin:{ARCH}", "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "r2"),
+                 "--engine", "recompute-like"])
+        assert "no engine 'recompute-like'" in capsys.readouterr().err
+    finally:
+        registry._ENGINES.pop("spy", None)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +136,12 @@ def test_the_example_engine_runs_validate_and_blame(recompute, tmp_path, capsys)
     assert summaries["recompute"]["off"]["mean_kl"] > 1e-3  # the fault shows
 
     capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:  # it registers no capture
+        cli(["capture", str(tmp_path / "clean"), "--prompts", str(tmp_path / "prompts.json"), "--engine", "recompute",
+             "--out", str(tmp_path / "ref2")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: --engine recompute cannot capture a reference; hint: capture "
+                                               "with --engine runner or --engine vllm")
     assert cli(["blame", tgt, "--reference", ref, "--engine", "recompute", "--dtype", "float32", "--report-dir",
                 str(tmp_path / "blame")]) == 0
     assert "program examined: engine recompute, eager, float32" in capsys.readouterr().out

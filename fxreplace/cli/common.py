@@ -1,6 +1,5 @@
-"""What the commands share once the command line is parsed: what a run has left on disk (said
-when it stops early), the reference it reads, the folders it writes, the reference model's
-placement and the blame components a command line names."""
+"""What the commands share once the command line is parsed: the reference it reads, the
+folders it writes, the reference model's placement and the blame components a command line names."""
 
 from __future__ import annotations
 
@@ -10,32 +9,11 @@ from pathlib import Path
 
 from ..dtypes import as_dtype
 from ..engines import registry
-from ..loading import one_line
-from ..metrics import plural
 from ..reference import load_reference
-from ..store import CaptureError, ReferenceStore, unfinished
+from ..store import CaptureError, describe_store, unfinished
 from ..store.format import foreign_entries
 from ..targets import Target
 from .args import UsageError, say_interrupted
-
-
-def store_state(path) -> str:
-    """What a store folder holds, in a few words: nothing, a loadable store of N prompts, or
-    one that does not load (and why)."""
-
-    directory = Path(path)
-    if not directory.is_dir() or not any(directory.iterdir()):
-        return "nothing"
-    try:
-        store = ReferenceStore.load(directory)
-    except Exception as e:  # noqa: BLE001 - any reason it does not load is what to report
-        if unfinished(directory):
-            return "an unfinished store with no prompt written yet"
-        return f"a store that does not load ({one_line(e, 160)})"
-    if unfinished(directory):
-        return (f"an unfinished store: the {plural(store.num_prompts, 'prompt')} written so far load, "
-                "the later ones are missing")
-    return f"a loadable store of {plural(store.num_prompts, 'prompt')}"
 
 
 def folder_state(path, option: str) -> str:
@@ -89,7 +67,7 @@ def check_capture_out(path: str, *, replace: bool) -> None:
     if directory.is_dir() and any(directory.iterdir()):
         foreign = foreign_entries(directory)
         if foreign or not replace:
-            what = f"holds files that are not a store's ({foreign[:3]})" if foreign else f"holds {store_state(path)}"
+            what = f"holds files that are not a store's ({foreign[:3]})" if foreign else f"holds {describe_store(path)}"
             raise UsageError(f"--out {path} {what}; the capture would fail at its end",
                              "give a new or empty --out, or delete it first")
     check_writable_dir(path, "--out")

@@ -11,11 +11,10 @@ from ..instrument import instrument
 from ..liveness import check_live
 from ..loading import default_targets, load_model, one_line
 from ..points import locate_injection_point
-from ..store import CaptureError, ReferenceStore, repack_store
+from ..store import CaptureError, ReferenceStore, describe_store, repack_store
 from ..store.format import DERIVED_DIRS
 from ..targets import Target
 from .args import EXIT_GATE_FAILED, EXIT_OK, UsageError
-from .common import store_state
 
 
 def inspect(args) -> int:
@@ -64,7 +63,7 @@ def _check_live(model, specs: list[str], tokens: int) -> int:
 
 def repack(args) -> int:
     """Rewrite a store into shards of another size, every source shard checked against its digests."""
-    args.produced.describe = lambda: (f"--out {Path(args.out).resolve()} holds {store_state(args.out)} (a repack "
+    args.produced.describe = lambda: (f"--out {Path(args.out).resolve()} holds {describe_store(args.out)} (a repack "
                                       f"appears whole or not at all); {args.reference} unchanged")
     try:
         before = len(ReferenceStore.load(args.reference).shards)

@@ -1,7 +1,8 @@
 """Engines by name, as families are: the built-in ones (imported the first time they are asked
 for) and those other packages declare in the ``fxreplace.engines`` entry-point group (a module
 that registers when imported, or a callable). ``fxreplace validate/blame --engine NAME`` and the
-Python API open an engine through its :class:`EngineSpec`, so a new engine is one package and
+Python API open an engine through its :class:`EngineSpec` (``fxreplace capture --engine NAME``
+captures through its :class:`CaptureSpec`), so a new engine is one package and
 one :func:`register_engine` call (docs: "Adding an engine")."""
 
 from __future__ import annotations
@@ -39,6 +40,63 @@ class EngineRun:
     logprobs: int = -1
 
 
+@dataclass
+class CaptureRun:
+    """What ``fxreplace capture`` asks of an engine: greedy generation of ``max_new_tokens`` per
+    prompt from ``model``, writing the reference into ``out`` (new or empty). ``prompts``: token
+    ids, checked by the engine against its vocabulary (:func:`fxreplace.loading.checked_prompts`,
+    naming ``prompts_source``). ``metadata``: what the reference records beside the captures.
+    ``components`` (``{kind: Target}``), ``family_components`` (the family's), ``noise_floor``
+    (a dtype) and ``dispatch`` (the model's placement) are for the engines that take them."""
+
+    model: str
+    prompts: list
+    prompts_source: str
+    out: str
+    max_new_tokens: int
+    targets: list | None = None
+    dtype: str = "float32"
+    compile: bool | None = None
+    device: str | None = None
+    options: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)
+    components: dict | None = None
+    family_components: bool = False
+    noise_floor: str | None = None
+    dispatch: dict | None = None
+
+
+@dataclass
+class Captured:
+    """What a capture did: ``summary`` (the command adds where it went), more ``lines`` to print,
+    and ``error``: it did not capture every prompt (why, and what it left)."""
+
+    summary: str
+    lines: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """How an engine captures a reference (``fxreplace capture --engine NAME``).
+
+    * ``run(capture_run)``: the capture, a :class:`Captured`;
+    * ``takes``: the capture options it understands, by option name (``--component``,
+      ``--components``, ``--noise-floor``, ``--device-map``, ``--max-memory``, ``--offload-folder``,
+      ``--engine-args``); any other given is refused before anything loads;
+    * ``check(capture_run)``: refuses, before ``out`` is made, a model or prompts it cannot capture;
+    * ``replaces``: a store already at ``out`` may be replaced (the command captures beside it and
+      renames the new one into place at the end); else ``out`` must be new or empty;
+    * ``left(out)``: what an interrupted capture left in ``out``, in words (None: the store's state).
+    """
+
+    run: Callable[[CaptureRun], Captured]
+    takes: frozenset = frozenset()
+    check: Callable[[CaptureRun], None] | None = None
+    replaces: bool = False
+    left: Callable[[str], str] | None = None
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine fxreplace can validate and blame through.
@@ -54,7 +112,8 @@ class EngineSpec:
       ``--bucket``, ``--logprobs``, ``--engine-args``; ``--clean`` for blame: components captured
       from the clean model as the search needs them); any other given is refused before anything loads;
     * ``check_options(options)``: refuses, before anything loads, engine options (``--engine-args``)
-      with which the engine cannot start here.
+      with which the engine cannot start here;
+    * ``capture``: how it captures a reference (:class:`CaptureSpec`; None: it cannot).
     """
 
     name: str
@@ -64,6 +123,7 @@ class EngineSpec:
     compiles: bool = False
     takes: frozenset = frozenset()
     check_options: Callable[[dict], None] | None = None
+    capture: CaptureSpec | None = None
 
     def compiled(self, run: EngineRun) -> bool:
         """Whether ``run`` compiles the target."""

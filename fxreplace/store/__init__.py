@@ -21,7 +21,7 @@ headers and the per-prompt tables only (O(index)) and memory-maps the groups; th
 index is validated against the tensors' metadata, never by reading the rows.
 :class:`StoreWriter` streams prompts into shards as they finish; :func:`merge_stores`
 combines stores captured by several engines; :func:`repack_store` joins a store's small
-shards into fewer.
+shards into fewer; :func:`describe_store` says what a folder holds.
 """
 
 from .format import (FORMAT_NAME, FORMAT_VERSION, GENERATED_LOGITS, GENERATED_TOKENS, INDEX_FILE, PER_PROMPT_METADATA,
@@ -29,10 +29,11 @@ from .format import (FORMAT_NAME, FORMAT_VERSION, GENERATED_LOGITS, GENERATED_TO
 from .legacy import load_captures, load_legacy, load_token_ids
 from .merge import merge_stores, repack_store
 from .reference_store import ReferenceStore
+from .state import describe_store
 from .writer import StoreWriter, unfinished
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "GENERATED_LOGITS", "GENERATED_TOKENS", "PER_PROMPT_METADATA", "INDEX_FILE", "SHARD_PATTERN", "TENSORS_FILE", "WRITER_MARKER",
     "CaptureColumns", "CaptureError", "Group", "Shard", "StoreError", "ReferenceStore", "StoreWriter",
-    "unfinished", "merge_stores", "repack_store", "load_captures", "load_legacy", "load_token_ids",
+    "unfinished", "describe_store", "merge_stores", "repack_store", "load_captures", "load_legacy", "load_token_ids",
 ]

@@ -1,15 +1,20 @@
 """The embedded engine's registration (``--engine runner``): the target loaded in this process,
-instrumented, and run by fxreplace's static-shape runner; blame instruments it itself."""
+instrumented, and run by fxreplace's static-shape runner; blame instruments it itself. It
+captures a reference from the Hugging Face model's own eager forwards."""
 
 from __future__ import annotations
 
+from ...blame import BlameError, family_components
+from ...capture import capture_reference
 from ...config import ReplacementConfig
 from ...dtypes import as_dtype
+from ...floor import measure_floor, save_floor
 from ...instrument import instrument
-from ...loading import (SetupError, check_layer_count, check_reference_matches, check_vocab, default_targets,
-                        load_model, longest_sequence)
+from ...loading import (SetupError, check_layer_count, check_reference_matches, check_vocab, checked_prompts,
+                        default_targets, load_model, longest_sequence)
 from ...models import architecture
-from ..registry import EngineRun, EngineSpec, Opened, register_engine
+from ...reference import load_reference
+from ..registry import CaptureRun, CaptureSpec, Captured, EngineRun, EngineSpec, Opened, register_engine
 from .runner import Runner, RunnerConfig
 
 
@@ -59,6 +64,59 @@ def open_blame(run: EngineRun) -> Opened:
     return Opened(model)
 
 
+def capture(run: CaptureRun) -> Captured:
+    """The model's own eager forwards in this process, in float32 (or placed by ``run.dispatch``):
+    the family's targets (or ``run.targets``), the blame components asked for, then the noise
+    floor of ``run.noise_floor`` measured against what was captured."""
+    if run.compile:
+        raise SetupError("--compile: the runner captures the model's own eager forwards (the reference)",
+                         "leave --compile out, or capture with --engine vllm")
+    model = load_model(run.model, dispatch=run.dispatch, device=run.device)
+    prompts = checked_prompts(run.prompts, model.config.vocab_size, run.prompts_source)
+    components = run.components
+    targets = run.targets or _capture_targets(run, model)
+    if run.family_components and not components:
+        try:
+            components = family_components(model)
+        except BlameError as e:
+            raise SetupError(str(e).partition("; ")[0], "name them with --component KIND=PATTERN[@POINT] (repeatable; "
+                             f"`fxreplace inspect {run.model}` lists the modules)") from None
+    metadata = dict(run.metadata)
+    if run.components:  # blame reuses them: --component need not be repeated there
+        metadata["component_targets"] = {kind: {"pattern": t.pattern, "point": t.point}
+                                         for kind, t in run.components.items()}
+    reference = capture_reference(model, prompts, targets, run.max_new_tokens, components=components, out=run.out,
+                                  metadata=metadata)
+    captured = Captured(f"captured {reference.num_prompts} prompts x {run.max_new_tokens} tokens at "
+                        f"{len(reference.store.capture_names)} targets")
+    if run.noise_floor:
+        del model  # the floor's model is loaded in its dtype, as validate and blame load the target
+        dtype = as_dtype(run.noise_floor)
+        floor = measure_floor(load_model(run.model, dtype, run.dispatch, run.device), load_reference(run.out), dtype,
+                              progress=True)
+        save_floor(floor, run.out)
+        whole = floor.aggregate(range(reference.num_prompts))
+        captured.lines.append(
+            f"noise floor (the model in {floor.dtype}, {floor.seconds:.1f} s): mean KL {whole['mean_kl']:.3g}, mean "
+            f"top-5 error {whole['mean_top5_error']:.3g}, {whole['prompts_diverged']} of {reference.num_prompts} "
+            "prompts diverge")
+    return captured
+
+
+def _capture_targets(run: CaptureRun, model) -> list:
+    """The family's targets; for a family fxreplace does not register, none when components
+    name what to capture, else an error naming --target."""
+    try:
+        return default_targets(model)
+    except KeyError:
+        if run.components:
+            return []
+        raise SetupError(f"{run.model} is a {architecture(model.config, type(model).__name__)}, a family fxreplace "
+                         "does not register, so it knows no default targets",
+                         f"name them with --target PATTERN (e.g. model.layers.*.mlp.gate; `fxreplace inspect "
+                         f"{run.model}` lists the modules), or --component KIND=PATTERN[@POINT] for blame") from None
+
+
 ENGINE = register_engine(EngineSpec(
     name="runner",
     summary="the Hugging Face model in this process (capture: its own forwards; validate, blame: fxreplace's "
@@ -67,4 +125,6 @@ ENGINE = register_engine(EngineSpec(
     open_blame=open_blame,
     compiles=False,
     takes=frozenset({"--clean", "--component", "--bucket"}),
+    capture=CaptureSpec(capture, takes=frozenset({"--component", "--components", "--noise-floor", "--device-map",
+                                                  "--max-memory", "--offload-folder"}), replaces=True),
 ))

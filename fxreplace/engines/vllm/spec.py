@@ -1,11 +1,16 @@
 """The vLLM engine's registration (``--engine vllm``): a vLLM engine started on the checkpoint
-directory with the fxreplace plugin configured from the reference."""
+directory with the fxreplace plugin configured from the reference, or capturing one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ...config import ReplacementConfig
-from ...loading import SetupError, check_checkpoint_dir, check_checkpoint_matches, check_vocab, config_json, longest_sequence
-from ..registry import EngineRun, EngineSpec, Opened, register_engine
+from ...loading import (SetupError, check_checkpoint_dir, check_checkpoint_matches, check_vocab, checked_prompts,
+                        config_json, longest_sequence, recorded_model)
+from ...store import describe_store
+from ..registry import CaptureRun, CaptureSpec, Captured, EngineRun, EngineSpec, Opened, register_engine
+from . import capture as vllm_capture
 from .preflight import check_engine_start
 
 
@@ -49,6 +54,41 @@ def _llm_options(run: EngineRun, max_num_seqs: int) -> dict:
             **run.options}
 
 
+def capture(run: CaptureRun) -> Captured:
+    """A vLLM engine in capture mode (:mod:`fxreplace.engines.vllm.capture`) generating greedily,
+    with room for the longest prompt and its tokens unless ``--engine-args`` sizes it."""
+    prompts = _checked_prompts(run)
+    options = {"max_model_len": max(max(len(p) for p in prompts) + run.max_new_tokens, 128), **run.options}
+    counts = vllm_capture.capture_with_vllm(recorded_model(run.model), prompts, run.out, max_new_tokens=run.max_new_tokens,
+                               targets=run.targets, dtype=run.dtype, enforce_eager=run.compile is False, **options)
+    completed = counts.get("completed", 0)
+    captured = Captured(f"captured {completed} prompts x {run.max_new_tokens} tokens with vLLM "
+                        f"({counts.get('dropped', 0)} dropped)")
+    if completed != len(prompts):
+        captured.error = f"the engine completed {completed} of {len(prompts)} prompts; {stores_state(run.out)}"
+    return captured
+
+
+def _checked_prompts(run: CaptureRun) -> list:
+    """The prompts as token id lists, checked against the checkpoint's vocabulary before vLLM starts."""
+    check_checkpoint_dir(run.model, ENGINE.name)
+    return checked_prompts(run.prompts, config_json(run.model)["vocab_size"], run.prompts_source)
+
+
+def stores_state(out) -> str:
+    """What a vLLM capture left in ``out``: one store, or (pipeline parallel) one per stage."""
+    stages = vllm_capture.stage_dirs(out)
+    if not stages:
+        return f"--out {Path(out).resolve()} holds {describe_store(out)}"
+    merged = Path(out) / vllm_capture.MERGED_DIR
+    return (f"--out {Path(out).resolve()} holds the stages' stores "
+            f"({', '.join(f'{p.name}: {describe_store(p)}' for p in stages)}) and {merged.name}: {describe_store(merged)}")
+
+
+def _left(out) -> str:
+    return f"{stores_state(out)}; the requests in flight were not written: capture again into a new --out for every prompt"
+
+
 ENGINE = register_engine(EngineSpec(
     name="vllm",
     summary="a vLLM engine with the fxreplace plugin (MODEL: a checkpoint directory; options: --engine-args, "
@@ -58,4 +98,6 @@ ENGINE = register_engine(EngineSpec(
     compiles=True,
     takes=frozenset({"--logprobs", "--engine-args"}),
     check_options=check_engine_start,
+    capture=CaptureSpec(capture, takes=frozenset({"--engine-args"}),
+                        check=_checked_prompts, left=_left),
 ))

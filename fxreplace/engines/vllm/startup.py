@@ -22,8 +22,6 @@ from contextlib import contextmanager
 from .. import registry
 from . import shm
 
-EXIT_INTERRUPTED = 130
-
 
 def _say_stopped() -> None:
     print("interrupted: the vLLM engine was starting; its processes are stopped", file=sys.stderr, flush=True)
@@ -83,4 +81,4 @@ def _quietly(action) -> None:
 def _exit_interrupted(signum, frame) -> None:
     """The KeyboardInterrupt was dropped inside the engine's wait: say what was left and exit."""
     (registry.last_words or _say_stopped)()
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(128 + signal.SIGINT)  # the status of a process a SIGINT stopped, as the command line's own exit
