@@ -25,22 +25,22 @@ CAPTURE_OPTIONS = {"--component": ("component", None), "--components": ("compone
 def run(args) -> int:
     spec = get_engine(args.engine)
     capture = _capture_spec(spec, args)
-    run = CaptureRun(model=args.model, prompts=[], prompts_source=args.prompts, out=args.out,
+    request = CaptureRun(model=args.model, prompts=[], prompts_source=args.prompts, out=args.out,
                      max_new_tokens=args.max_new_tokens, targets=args.target, dtype=args.dtype, compile=args.compile,
                      device=args.device, dispatch=dispatch_args(args), options=engine_options(args, spec),
                      components=components_arg(args.component) if args.component else None,
                      family_components=args.components, noise_floor=args.noise_floor)
-    run.prompts, texts = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)
-    run.metadata = {"source_model": recorded_model(args.model), "prompt_texts": texts}
+    request.prompts, texts = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)
+    request.metadata = {"source_model": recorded_model(args.model), "prompt_texts": texts}
     if capture.check is not None:
-        capture.check(run)
+        capture.check(request)
     check_capture_out(args.out, replace=capture.replaces)
     # prompts stream into the store as they complete; an earlier store at --out is replaced
     # whole at the end (captured beside it, then renamed into place)
     out = Path(args.out)
     replacing = any(out.iterdir())
     into = staging_directory(out) if replacing else out
-    run.out = str(into)
+    request.out = str(into)
     if replacing:
         before = describe_store(out)
         args.produced.describe = lambda: (f"--out {out.resolve()} unchanged: it holds {before} (the new capture, "
@@ -50,7 +50,7 @@ def run(args) -> int:
             f"--out {out.resolve()} holds {describe_store(out)}; capture again into a new --out (or delete this one) "
             "for every prompt")
     try:
-        captured = capture.run(run)
+        captured = capture.run(request)
         if replacing:
             publish_directory(into, out, replace=True)
     except FileExistsError as e:
