@@ -21,6 +21,7 @@ from .components import resolve_components
 from .dtypes import dtype_name
 from .devices import input_device
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
+from .loading import SetupError
 from .models import architecture
 from .reference import Reference, load_reference
 from .store import StoreWriter
@@ -251,6 +252,16 @@ def _conversation(prompt) -> list | None:
     if not all(isinstance(m, Mapping) for m in prompt):
         return None
     return list(prompt)
+
+
+def checked_prompts(ids: list, vocab_size: int, source: str) -> list[list[int]]:
+    """:func:`check_prompts` for prompts a user gave: a :class:`~fxreplace.loading.SetupError`
+    names ``source`` (the prompts file) and how to fix it."""
+    try:
+        return check_prompts(ids, vocab_size)
+    except ValueError as e:
+        raise SetupError(f"{source}: {e}", f"give each prompt once, as token ids below the model's vocab_size "
+                         f"({vocab_size}) or as text") from None
 
 
 def check_prompts(prompt_token_ids: Sequence, vocab_size: int) -> list[list[int]]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .words import one_line
+
 #: Files that make a directory hold a tokenizer (transformers 5 builds an empty one from a bare config).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -17,12 +19,6 @@ class SetupError(ValueError):
     def __init__(self, problem: str, hint: str | None = None):
         super().__init__(problem if hint is None else f"{problem}; hint: {hint}")
         self.problem, self.hint = problem, hint
-
-
-def one_line(text, limit: int = 600) -> str:
-    """``text`` (an exception's message may span lines) as one line of at most ``limit`` characters."""
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_model(spec: str, dtype=None, dispatch: dict | None = None, device: str | None = None):
@@ -56,18 +52,6 @@ def recorded_model(spec: str) -> str:
     """A model as a reference records it: ``builtin:ARCH``, or its directory as an absolute path
     (hints built from it, ``--clean ...``, are run from other directories)."""
     return spec if spec.startswith("builtin:") else str(Path(spec).resolve())
-
-
-def checked_prompts(ids: list, vocab_size: int, source: str) -> list[list[int]]:
-    """Prompts' token ids checked against a model's vocabulary, each given once
-    (:func:`fxreplace.capture.check_prompts`); a :class:`SetupError` names ``source``."""
-    from .capture import check_prompts  # capture loads torch; read when the command line parses
-
-    try:
-        return check_prompts(ids, vocab_size)
-    except ValueError as e:
-        raise SetupError(f"{source}: {e}", f"give each prompt once, as token ids below the model's vocab_size "
-                         f"({vocab_size}) or as text") from None
 
 
 def check_model_dir(spec: str) -> None:

@@ -19,7 +19,8 @@ import importlib
 import sys
 import traceback
 
-from ..loading import SetupError, one_line
+from ..loading import SetupError
+from ..words import one_line
 from .args import EXIT_INTERNAL, EXIT_INTERRUPTED, Produced, UsageError, say_interrupted
 from .parser import build_parser
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from ..dtypes import LOW_PRECISION
 from ..engines.registry import ALIASES, BUILTIN, engine_name
-from ..loading import SetupError, check_model_dir, one_line
+from ..loading import SetupError, check_model_dir
+from ..words import one_line
 
 EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DTYPES = ["float32", *LOW_PRECISION]  # --dtype: the reference's float32, or below it (a noise floor's precisions)

@@ -9,7 +9,8 @@ import torch
 
 from ..instrument import instrument
 from ..liveness import check_live
-from ..loading import default_targets, load_model, one_line
+from ..loading import default_targets, load_model
+from ..words import one_line
 from ..points import locate_injection_point
 from ..store import CaptureError, ReferenceStore, describe_store, repack_store
 from ..store.format import DERIVED_DIRS

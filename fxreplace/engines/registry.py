@@ -44,7 +44,7 @@ class EngineRun:
 class CaptureRun:
     """What ``fxreplace capture`` asks of an engine: greedy generation of ``max_new_tokens`` per
     prompt from ``model``, writing the reference into ``out`` (new or empty). ``prompts``: token
-    ids, checked by the engine against its vocabulary (:func:`fxreplace.loading.checked_prompts`,
+    ids, checked by the engine against its vocabulary (:func:`fxreplace.capture.checked_prompts`,
     naming ``prompts_source``). ``metadata``: what the reference records beside the captures.
     ``components`` (``{kind: Target}``), ``family_components`` (the family's), ``noise_floor``
     (a dtype) and ``dispatch`` (the model's placement) are for the engines that take them."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..loading import one_line
 from ..metrics import plural
+from ..words import one_line
 from .reference_store import ReferenceStore
 from .writer import unfinished
 

@@ -5,13 +5,13 @@ captures a reference from the Hugging Face model's own eager forwards."""
 from __future__ import annotations
 
 from ...blame import BlameError, family_components
-from ...capture import capture_reference
+from ...capture import capture_reference, checked_prompts
 from ...config import ReplacementConfig
 from ...dtypes import as_dtype
 from ...floor import measure_floor, save_floor
 from ...instrument import instrument
-from ...loading import (SetupError, check_layer_count, check_reference_matches, check_vocab, checked_prompts,
-                        default_targets, load_model, longest_sequence)
+from ...loading import (SetupError, check_layer_count, check_reference_matches, check_vocab, default_targets,
+                        load_model, longest_sequence)
 from ...models import architecture
 from ...reference import load_reference
 from ..registry import CaptureRun, CaptureSpec, Captured, EngineRun, EngineSpec, Opened, register_engine

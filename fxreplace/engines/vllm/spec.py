@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...config import ReplacementConfig
-from ...loading import (SetupError, check_checkpoint_dir, check_checkpoint_matches, check_vocab, checked_prompts,
-                        config_json, longest_sequence, recorded_model)
+from ...capture import checked_prompts
+from ...loading import (SetupError, check_checkpoint_dir, check_checkpoint_matches, check_vocab, config_json,
+                        longest_sequence, recorded_model)
 from ...store import describe_store
 from ..registry import CaptureRun, CaptureSpec, Captured, EngineRun, EngineSpec, Opened, register_engine
 from . import capture as vllm_capture
