@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..engines.registry import BUILTIN, CaptureRun, CaptureSpec, get_engine
@@ -12,7 +13,7 @@ from ..loading import recorded_model
 from ..store import describe_store
 from ..store.format import publish_directory, staging_directory
 from .args import EXIT_INTERNAL, EXIT_OK, UsageError
-from .common import check_capture_out, components_arg, dispatch_args, engine_options
+from .common import check_capture_out, components_arg, dispatch_args, engine_options, refuse_untaken
 from .prompts import read_prompts, tokenize_args
 
 #: Each option only some engines capture with: its attribute on the parsed arguments and the value meaning "not given".
@@ -25,13 +26,14 @@ CAPTURE_OPTIONS = {"--component": ("component", None), "--components": ("compone
 def run(args) -> int:
     spec = get_engine(args.engine)
     capture = _capture_spec(spec, args)
-    request = CaptureRun(model=args.model, prompts=[], prompts_source=args.prompts, out=args.out,
-                     max_new_tokens=args.max_new_tokens, targets=args.target, dtype=args.dtype, compile=args.compile,
-                     device=args.device, dispatch=dispatch_args(args), options=engine_options(args, spec),
-                     components=components_arg(args.component) if args.component else None,
-                     family_components=args.components, noise_floor=args.noise_floor)
-    request.prompts, texts = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)
-    request.metadata = {"source_model": recorded_model(args.model), "prompt_texts": texts}
+    dispatch, options = dispatch_args(args), engine_options(args, spec)
+    prompts, texts = tokenize_args(read_prompts(args.prompts), args.model, args.prompts, args.chat)
+    request = CaptureRun(model=args.model, prompts=prompts, prompts_source=args.prompts, out=args.out,
+                         max_new_tokens=args.max_new_tokens, targets=args.target, dtype=args.dtype,
+                         compile=args.compile, device=args.device, dispatch=dispatch, options=options,
+                         metadata={"source_model": recorded_model(args.model), "prompt_texts": texts},
+                         components=components_arg(args.component) if args.component else None,
+                         family_components=args.components, noise_floor=args.noise_floor)
     if capture.check is not None:
         capture.check(request)
     check_capture_out(args.out, replace=capture.replaces)
@@ -40,7 +42,6 @@ def run(args) -> int:
     out = Path(args.out)
     replacing = any(out.iterdir())
     into = staging_directory(out) if replacing else out
-    request.out = str(into)
     if replacing:
         before = describe_store(out)
         args.produced.describe = lambda: (f"--out {out.resolve()} unchanged: it holds {before} (the new capture, "
@@ -50,7 +51,7 @@ def run(args) -> int:
             f"--out {out.resolve()} holds {describe_store(out)}; capture again into a new --out (or delete this one) "
             "for every prompt")
     try:
-        captured = capture.run(request)
+        captured = capture.run(replace(request, out=str(into)))
         if replacing:
             publish_directory(into, out, replace=True)
     except FileExistsError as e:
@@ -74,10 +75,6 @@ def _capture_spec(spec, args) -> CaptureSpec:
         capturing = [name for name in BUILTIN if get_engine(name).capture is not None]
         raise UsageError(f"--engine {spec.name} cannot capture a reference",
                          f"capture with {' or '.join(f'--engine {n}' for n in capturing)}")
-    for option, (attribute, unset) in CAPTURE_OPTIONS.items():
-        if getattr(args, attribute, unset) not in (unset, None) and option not in spec.capture.takes:
-            takers = [f"--engine {name}" for name in BUILTIN
-                      if (other := get_engine(name).capture) is not None and option in other.takes]
-            raise UsageError(f"{option} is not a capture option of --engine {spec.name}",
-                             f"engines that capture with it: {', '.join(takers) or 'none built in'}")
+    refuse_untaken(args, CAPTURE_OPTIONS, spec, takes=lambda engine: engine.capture.takes if engine.capture else (),
+                   what="a capture option", takers="engines that capture with it")
     return spec.capture

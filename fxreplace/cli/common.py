@@ -102,6 +102,18 @@ def components_arg(specs: list[str]) -> dict:
     return out
 
 
+def refuse_untaken(args, options: dict, spec: registry.EngineSpec, takes=lambda engine: engine.takes,
+                   what: str = "an option", takers: str = "engines that take it") -> None:
+    """Refuse, before anything loads, each of ``options`` (option -> its attribute on the parsed
+    arguments and the value meaning "not given") given for an engine whose ``takes(spec)`` lacks
+    it; the hint names the built-in engines that take it."""
+    for option, (attribute, unset) in options.items():
+        if getattr(args, attribute, unset) not in (unset, None) and option not in takes(spec):
+            names = [f"--engine {name}" for name in registry.BUILTIN if option in takes(registry.get_engine(name))]
+            raise UsageError(f"{option} is not {what} of --engine {spec.name}",
+                             f"{takers}: {', '.join(names) or 'none built in'}")
+
+
 def engine_options(args, spec: registry.EngineSpec | None = None) -> dict:
     """``--engine-args``: a JSON object of the engine's own options, checked by the engine against
     what this machine can start (vLLM: :mod:`fxreplace.engines.vllm.preflight`) before any engine

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..dtypes import is_full_precision
-from ..engines.registry import BUILTIN, EngineRun, EngineSpec, get_engine
+from ..engines.registry import EngineRun, EngineSpec, get_engine
 from ..floor import FloorFileError, check_reference_precision, floor_for
 from ..loading import check_reference_matches, check_vocab, load_model, load_tokenizer, model_architecture
 from .args import UsageError
-from .common import dispatch_args, engine_options, torch_dtype
+from .common import dispatch_args, engine_options, refuse_untaken, torch_dtype
 
 #: Each engine-specific option: its attribute on the parsed arguments and the value meaning "not given".
 ENGINE_OPTIONS = {"--component": ("component", None), "--bucket": ("bucket", None), "--logprobs": ("logprobs", -1),
@@ -22,23 +22,13 @@ def engine_run(args, command: str) -> tuple[EngineSpec, EngineRun]:
     option the engine does not take is refused here, before anything loads (``--clean`` only
     for blame: validate's clean model measures the noise floor, whatever the engine)."""
     spec = get_engine(args.engine)
-    for option, (attribute, unset) in ENGINE_OPTIONS.items():
-        if option == "--clean" and command != "blame":
-            continue
-        if getattr(args, attribute, unset) not in (unset, None) and option not in spec.takes:
-            raise UsageError(f"{option} is not an option of --engine {spec.name}",
-                             f"engines that take it: {engine_hint(option)}")
+    refuse_untaken(args, {option: given for option, given in ENGINE_OPTIONS.items()
+                          if option != "--clean" or command == "blame"}, spec)
     run = EngineRun(model=args.model, reference=None, reference_dir=args.reference, dtype=args.dtype,
                     compile=args.compile, targets=getattr(args, "target", None), device=args.device,
                     options=engine_options(args, spec), bucket=getattr(args, "bucket", None),
                     logprobs=getattr(args, "logprobs", -1))
     return spec, run
-
-
-def engine_hint(option: str) -> str:
-    """The built-in engines that take ``option``, in words."""
-    names = [name for name in BUILTIN if option in get_engine(name).takes]
-    return ", ".join(f"--engine {n}" for n in names) or "none built in"
 
 
 def reference_caveat(args, reference) -> str:

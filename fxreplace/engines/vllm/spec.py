@@ -60,8 +60,9 @@ def capture(run: CaptureRun) -> Captured:
     with room for the longest prompt and its tokens unless ``--engine-args`` sizes it."""
     prompts = _checked_prompts(run)
     options = {"max_model_len": max(max(len(p) for p in prompts) + run.max_new_tokens, 128), **run.options}
-    counts = vllm_capture.capture_with_vllm(recorded_model(run.model), prompts, run.out, max_new_tokens=run.max_new_tokens,
-                               targets=run.targets, dtype=run.dtype, enforce_eager=run.compile is False, **options)
+    counts = vllm_capture.capture_with_vllm(recorded_model(run.model), prompts, run.out,
+                                            max_new_tokens=run.max_new_tokens, targets=run.targets, dtype=run.dtype,
+                                            enforce_eager=run.compile is False, **options)
     completed = counts.get("completed", 0)
     captured = Captured(f"captured {completed} prompts x {run.max_new_tokens} tokens with vLLM "
                         f"({counts.get('dropped', 0)} dropped)")
@@ -99,6 +100,5 @@ ENGINE = register_engine(EngineSpec(
     compiles=True,
     takes=frozenset({"--logprobs", "--engine-args"}),
     check_options=check_engine_start,
-    capture=CaptureSpec(capture, takes=frozenset({"--engine-args"}),
-                        check=_checked_prompts, left=_left),
+    capture=CaptureSpec(capture, takes=frozenset({"--engine-args"}), check=_checked_prompts, left=_left),
 ))
