@@ -24,6 +24,7 @@ _LAZY = {
     "export": "fxreplace.export", "export_input_name": "fxreplace.export", "export_inputs": "fxreplace.export",
     "TargetNotHitError": "fxreplace.instrument", "instrument": "fxreplace.instrument",
     "observe": "fxreplace.instrument", "uninstrument": "fxreplace.instrument",
+    "InstrumentationChangedError": "fxreplace.instrument", "check_unchanged": "fxreplace.instrument",
     "check_live": "fxreplace.liveness",
     "TargetNotLiveError": "fxreplace.points",
     "TensorReplacer": "fxreplace.replacer",
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
     from .config import ConfigError, ReplacementConfig, TensorReplacementConfig
     from .context import ReplacementContext
     from .export import export, export_input_name, export_inputs
-    from .instrument import TargetNotHitError, instrument, observe, uninstrument
+    from .instrument import (InstrumentationChangedError, TargetNotHitError, check_unchanged, instrument, observe,
+                             uninstrument)
     from .liveness import check_live
     from .points import TargetNotLiveError
     from .replacer import TensorReplacer
@@ -84,6 +86,7 @@ sys.modules[__name__].__class__ = _Package
 __all__ = [
     "CaptureError",
     "ConfigError",
+    "InstrumentationChangedError",
     "ReferenceStore",
     "ReplacementConfig",
     "ReplacementContext",
@@ -102,6 +105,7 @@ __all__ = [
     "blame",
     "capture_reference",
     "check_live",
+    "check_unchanged",
     "export",
     "export_input_name",
     "export_inputs",

@@ -31,8 +31,9 @@ from .context import ReplacementContext
 from .devices import computes_on
 from .injection import Injection, recording, with_element
 from .passes import InjectionSpec, insert_replacements
-from .points import (InjectionPoint, TargetNotLiveError, check_adapter_fits, check_output_point_read,
-                     computes_linear_output, locate_injection_point, working_point)
+from .points import (GIVEN_FORWARD, WRAPPED_FORWARD, InjectionPoint, TargetNotLiveError, check_adapter_fits, check_output_point_read,
+                     computes_linear_output, describe_forward, forward_attribute, instance_forward,
+                     locate_injection_point, working_point)
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
@@ -97,10 +98,11 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
     of a kind, bound to each module, reading everything target-specific from the slot. Dynamo
     guards on the function a module calls, so a function per target would recompile a frame
     resumed after a graph break inside a layer once per layer."""
-    attribute = _forward_attribute(module)
+    attribute = forward_attribute(module)
+    module.__dict__[GIVEN_FORWARD] = module.__dict__.get(attribute)  # what :func:`_unbind` puts back
     original = getattr(module, attribute)
     own = isinstance(original, types.MethodType) and original.__self__ is module
-    # the class's function (shared by every module of the class) rather than a method bound to this one
+    # a method's function (the class's is shared by every module of the class) rather than a method bound to this one
     slot.original, slot.passes_self = (original.__func__, True) if own else (original, False)
     slot.injection, slot.point = injection, point
     if point.graph_module is not None:
@@ -112,31 +114,23 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
 
 _SLOT = "_fxreplace_slot"
 _SHARED_FORWARDS: dict[tuple, Callable] = {}
-# accelerate's hooks (a model loaded with from_pretrained(device_map=...)) give a module a forward
-# that loads its offloaded weights and moves its inputs to where it runs, then calls this attribute:
-# the forward the module had at dispatch
-_WRAPPED_FORWARD = "_old_forward"
-
-
-def _forward_attribute(module: nn.Module) -> str:
-    """Where a module's own forward is called from: inside accelerate's wrapper when it has one."""
-    return _WRAPPED_FORWARD if _WRAPPED_FORWARD in module.__dict__ else "forward"
 
 
 def _follow_class(module: nn.Module) -> None:
-    """Point accelerate's wrapper, where ``module`` has one, at its class's forward: it calls the
+    """Point accelerate's wrapper, where the model has one, at its class's forward: it calls the
     forward bound at dispatch, which would bypass the instrumented class :func:`instrument` gives
-    the model (and keep it after :func:`uninstrument`); a target's own after :func:`_unbind`."""
-    if _WRAPPED_FORWARD in module.__dict__:
-        module.__dict__[_WRAPPED_FORWARD] = types.MethodType(type(module).forward, module)
+    the model (and keep it after :func:`uninstrument`)."""
+    if WRAPPED_FORWARD in module.__dict__:
+        module.__dict__[WRAPPED_FORWARD] = types.MethodType(type(module).forward, module)
 
 
 def _unbind(module: nn.Module) -> None:
-    """Undo :func:`_bind`: the module's own forward again."""
-    if _forward_attribute(module) == "forward":
-        del module.__dict__["forward"]
+    """Undo :func:`_bind`: the forward the module was given (its class's, or the instance's own)."""
+    attribute, given = forward_attribute(module), module.__dict__.pop(GIVEN_FORWARD)
+    if given is None:
+        del module.__dict__[attribute]
     else:
-        _follow_class(module)
+        module.__dict__[attribute] = given
     module.__dict__.pop(_SLOT, None)
 
 
@@ -629,6 +623,10 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
     """
     if isinstance(model, InstrumentedModel):
         raise ValueError("model is already instrumented")
+    if instance_forward(model) is not None:
+        raise TargetError(f"the model ({type(model).__name__}): {describe_forward(model)}, which would bypass the "
+                          "forward taking replacements= that instrument() gives the model's class; define that forward "
+                          "on a subclass of the model instead")
     resolved = resolve_targets(model, targets)
     if not resolved:
         raise ValueError("instrument() needs at least one target: a model instrumented at none would ignore every "
@@ -684,6 +682,73 @@ def _refuse_replacements(model: nn.Module, args, kwargs):
     if "replacements" in kwargs:
         raise TypeError(f"{type(model).__name__} is no longer instrumented (uninstrument() was called): it would "
                         "ignore replacements=; instrument() it again to replace")
+
+
+class InstrumentationChangedError(TargetError):
+    """Instrumenting changed what a target computes with nothing replaced: a verdict on this model
+    would judge another program than the one the user gave."""
+
+
+@torch.no_grad()
+def check_unchanged(model: nn.Module, input_ids: torch.Tensor) -> None:
+    """Prove on one input (``[1, T]`` token ids, a forward without a cache) that the instrumented
+    ``model`` with nothing replaced computes, bit for bit, what the model as given computes: every
+    target's outputs from its instrumented forward against those of the forward it had (which the
+    targets run while no instrumented forward arms them), and the logits. Raises
+    :class:`InstrumentationChangedError` naming the first target, in forward order, that differs."""
+    if not isinstance(model, InstrumentedModel):
+        raise ValueError("check_unchanged() needs an instrumented model")
+    names = [t.module_name for t in model._fxreplace.targets]
+    given, instrumented = {}, {}
+    for seen, forward in ((given, super(InstrumentedModel, model).forward),
+                          (instrumented, functools.partial(model.forward, replacements={}))):
+        hooks = [model.get_submodule(name).register_forward_hook(
+            lambda module, args, output, name=name, seen=seen: seen.setdefault(name, []).append(_leaves(output)))
+            for name in names]
+        try:
+            seen[""] = [_leaves(forward(input_ids=input_ids, use_cache=False).logits)]
+        finally:
+            for hook in hooks:
+                hook.remove()
+    for name in dict.fromkeys([*given, *instrumented]):  # forward order (their first calls), the logits last
+        difference = _difference(given.get(name), instrumented.get(name))
+        if difference is None:
+            continue
+        module = model.get_submodule(name) if name else model
+        what = f"{name!r}" if name else "the model's output (no target's)"
+        raise InstrumentationChangedError(
+            f"instrumenting {what} changed what it computes with nothing replaced ({difference}); "
+            f"{describe_forward(module)}: a verdict would judge another model than the one given, so none is "
+            "given; please report this with the module's forward")
+
+
+def _leaves(value) -> list[torch.Tensor]:
+    return [leaf.detach().clone() for leaf in torch.utils._pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, NaN where NaN is."""
+    if torch.equal(a, b):
+        return True
+    nan = a.isnan() if a.is_floating_point() else None
+    return nan is not None and torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+
+
+def _difference(given, instrumented) -> str | None:
+    """How two recordings of a module's calls differ, in words; None when they are bit-equal."""
+    if given is None or instrumented is None or len(given) != len(instrumented):
+        return (f"called {len(given or [])} time(s) as given, {len(instrumented or [])} instrumented"
+                if (given or instrumented) else None)
+    for call_given, call_instrumented in zip(given, instrumented):
+        if len(call_given) != len(call_instrumented):
+            return f"{len(call_given)} output tensor(s) as given, {len(call_instrumented)} instrumented"
+        for a, b in zip(call_given, call_instrumented):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return f"an output {a.dtype} {tuple(a.shape)} as given, {b.dtype} {tuple(b.shape)} instrumented"
+            if not _bit_equal(a, b):
+                gap = (a.double() - b.double()).abs().nan_to_num(0).max().item()
+                return f"max |diff| {gap:.3g}"
+    return None
 
 
 @contextmanager

@@ -18,8 +18,12 @@ whole-model graph (torch.export, Dynamo).
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import operator
 import re
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +33,7 @@ from torch import fx, nn
 
 from .adapters import routing_adapter_name
 from .targets import Point, TargetError, closest_names
+from .words import one_line
 
 _aten = torch.ops.aten
 LINEAR_FUNCTIONS = {
@@ -143,9 +148,88 @@ class InjectionPoint:
     output_index: int | None = None
 
 
+#: where accelerate's hooks (``from_pretrained(device_map=...)``, ``add_hook_to_module``) keep the forward
+#: the module had at dispatch: their wrapper, set as the instance's ``forward``, calls it
+WRAPPED_FORWARD = "_old_forward"
+
+
+def forward_attribute(module: nn.Module) -> str:
+    """Where a module's own forward is called from: inside accelerate's wrapper when it has one."""
+    return WRAPPED_FORWARD if WRAPPED_FORWARD in module.__dict__ else "forward"
+
+
+#: where :func:`~fxreplace.instrument` keeps a target's forward attribute as it was given (None: its class's)
+GIVEN_FORWARD = "_fxreplace_given_forward"
+
+
+def instance_forward(module: nn.Module) -> Callable | None:
+    """The forward a call of ``module`` runs as given when the instance defines it (a bound method, a
+    ``functools.partial`` or a plain function set on it, or the one accelerate's wrapper calls);
+    None when its class's ``forward`` runs (a subclass's included). For an instrumented target, the
+    forward it had before."""
+    if GIVEN_FORWARD in module.__dict__:
+        own = module.__dict__[GIVEN_FORWARD]
+    else:
+        own = module.__dict__.get(forward_attribute(module))
+    if own is None:
+        return None
+    if (isinstance(own, types.MethodType) and own.__self__ is module
+            and own.__func__ is getattr(type(module).forward, "__func__", type(module).forward)):
+        return None  # the class's forward bound to the instance (what accelerate keeps for an unchanged module)
+    return own
+
+
+def describe_forward(module: nn.Module) -> str:
+    """What defines ``module``'s forward, in words an error message can show."""
+    own = instance_forward(module)
+    if own is None:
+        return f"its class {type(module).__name__}'s forward"
+    if isinstance(own, types.MethodType):
+        what = f"method {own.__func__.__qualname__} bound to it"
+    elif isinstance(own, functools.partial):
+        what = f"functools.partial of {getattr(own.func, '__qualname__', type(own.func).__name__)}"
+    else:
+        what = f"{'function' if isinstance(own, types.FunctionType) else type(own).__name__} " \
+               f"{getattr(own, '__qualname__', '')}".rstrip()
+    wrapped = " (the forward accelerate's hook wraps)" if forward_attribute(module) == WRAPPED_FORWARD else ""
+    return f"its forward is an instance attribute ({what}){wrapped}"
+
+
+def _as_method(forward: Callable) -> Callable:
+    """``forward`` (a callable the instance holds) as a function of ``(self, <its parameters>)``
+    calling it, for torch.fx, which traces a module's forward from its class and makes one graph
+    input per named parameter (so they are spelled out, their defaults kept)."""
+    if isinstance(forward, types.MethodType) and isinstance(forward.__self__, nn.Module):
+        return forward.__func__  # self is the traced twin, which holds what the module holds
+    kind = inspect.Parameter
+    params = [p.replace(annotation=kind.empty) for p in inspect.signature(forward).parameters.values()]
+    passed = ["*" + p.name if p.kind is kind.VAR_POSITIONAL else "**" + p.name if p.kind is kind.VAR_KEYWORD
+              else f"{p.name}={p.name}" if p.kind is kind.KEYWORD_ONLY else p.name for p in params]
+    bare = inspect.Signature([kind("self", kind.POSITIONAL_ONLY)] + [p.replace(default=kind.empty) for p in params])
+    namespace = {"_forward": forward}
+    exec(f"def forward{bare}:\n    return _forward({', '.join(passed)})\n", namespace)  # noqa: S102 - our own source
+    function = namespace["forward"]
+    positional = [p.default for p in params if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)]
+    function.__defaults__ = tuple(d for d in positional if d is not kind.empty) or None
+    function.__kwdefaults__ = {p.name: p.default for p in params
+                               if p.kind is kind.KEYWORD_ONLY and p.default is not kind.empty} or None
+    return function
+
+
 def trace_alone(module: nn.Module) -> fx.GraphModule:
-    """``torch.fx`` trace of one module; parameters are shared, not copied."""
-    return fx.symbolic_trace(module)
+    """``torch.fx`` trace of the forward a call of ``module`` runs (its class's, or the one the instance
+    holds); parameters are shared, not copied."""
+    own = instance_forward(module)
+    if own is None:
+        return fx.symbolic_trace(module)
+    # fx traces a module's forward from its class: a shallow twin (the same parameters, buffers and children)
+    # of a class whose forward is the instance's
+    twin = copy.copy(module)
+    for name in ("forward", WRAPPED_FORWARD, GIVEN_FORWARD):
+        twin.__dict__.pop(name, None)
+    cls = type(module)
+    twin.__class__ = type(cls.__name__, (cls,), {"forward": _as_method(own), "__module__": cls.__module__})
+    return fx.GraphModule(twin, fx.Tracer().trace(twin), cls.__name__)
 
 
 def check_adapter_fits(module_name: str, point: Point, adapter, computes_logits: Callable[[], bool]) -> None:
@@ -248,6 +332,16 @@ def working_point(module: nn.Module, point: Point) -> str:
     return "target a value the model reads on the way to its output (another point, or the module that consumes it)"
 
 
+def _class_point_inside(module: nn.Module) -> bool:
+    """Whether the module's class computes its ``"auto"`` point inside (router logits), not as its output."""
+    try:
+        gm = fx.symbolic_trace(module)
+        node = find_injection_node(gm, "", "auto")
+    except Exception:
+        return False
+    return node is not next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+
 def locate_injection_point(module: nn.Module, module_name: str, point: Point = "auto") -> InjectionPoint:
     """Resolve ``point`` for ``module`` without changing anything."""
     check_point(point)
@@ -257,9 +351,13 @@ def locate_injection_point(module: nn.Module, module_name: str, point: Point = "
     try:
         gm = trace_alone(module)
     except Exception as exc:
-        if point == "auto":  # the output, checked to be a tensor when the module runs
+        own = instance_forward(module) is not None
+        if point == "auto" and not (own and _class_point_inside(module)):  # the output, checked when the module runs
             return InjectionPoint(module_name, "auto")
-        raise TargetError(f"cannot trace {module_name!r} alone to apply point {point!r}: {exc}") from exc
+        inside = " ('auto': the logits its class computes inside)" if point == "auto" else ""
+        raise TargetError(f"{module_name!r}: {describe_forward(module)}, which torch.fx cannot trace alone to find "
+                          f"point {point!r}{inside}: {one_line(exc)}; make that forward traceable, or target a point "
+                          "of its output ('output' / 'output[i]')") from exc
     try:
         node = find_injection_node(gm, "", point)
     except TargetError as exc:

@@ -120,6 +120,14 @@ def closest_names(query: str, names: Iterable[str], n: int = 5) -> list[str]:
     return difflib.get_close_matches(probe, list(names), n=n, cutoff=0.4)
 
 
+def _computing(modules: dict, name: str) -> str:
+    """The module that computes for ``name``: the one ``torch.compile(module)`` wrapped, when the model holds
+    that wrapper (its ``_orig_mod``; the wrapper's compiled call runs the inner module's forward)."""
+    while isinstance(getattr(modules[name], "_orig_mod", None), nn.Module):
+        name = f"{name}._orig_mod"
+    return name
+
+
 def resolve_targets(model: nn.Module, targets: Iterable[TargetLike] | TargetLike) -> list[ResolvedTarget]:
     """Expand patterns over ``model.named_modules()``, in model order.
 
@@ -128,7 +136,8 @@ def resolve_targets(model: nn.Module, targets: Iterable[TargetLike] | TargetLike
     """
     if isinstance(targets, (str, Target)):
         targets = [targets]  # one pattern, not its characters
-    names = [name for name, _ in model.named_modules() if name]
+    modules = dict(model.named_modules())
+    names = [name for name in modules if name]
     resolved: dict[str, ResolvedTarget] = {}
     for i, target in enumerate(targets):
         if isinstance(target, str):
@@ -145,7 +154,8 @@ def resolve_targets(model: nn.Module, targets: Iterable[TargetLike] | TargetLike
             if name in resolved:
                 raise TargetError(f"module {name!r} is matched by more than one target")
             capture_name = target.name.format(*m.groups()) if target.name else name
-            resolved[name] = ResolvedTarget(name, capture_name, target.point, target.adapter, target.shard)
+            resolved[name] = ResolvedTarget(_computing(modules, name), capture_name, target.point, target.adapter,
+                                            target.shard)
         if not matched:
             raise TargetError(
                 f"target {target.pattern!r} matches no module; closest qualified names: "

@@ -37,7 +37,7 @@ from transformers import StaticCache
 
 from ...devices import input_device
 from ...dtypes import as_dtype
-from ...instrument import observe
+from ...instrument import InstrumentedModel, check_unchanged, observe
 from ...config import ReplacementConfig
 from ...context import PerRequest
 from ..protocol import Generation
@@ -190,6 +190,8 @@ class Runner:
         self.compiled = compile is not None
         self._keeps_logits = takes_logits_to_keep(model)
         self._eager = model if isinstance(model, torch.nn.Module) else None  # probed for its cache's shapes
+        # an instrumented model proves on the first prompt that, with nothing replaced, it is the model given
+        self._unproven = isinstance(model, InstrumentedModel)
         self._kv_shapes: list[tuple[int, int, int]] | None = None
         if compile is not None:
             backend = torch._dynamo.lookup_backend(compile)  # no public lookup; the wrapper counts its graphs
@@ -243,6 +245,9 @@ class Runner:
             replace = bool(replace)
         if replace is not False and self.replacer is None:
             raise ValueError("replace=True needs a Runner built with a replacer")
+        if self._unproven and prompts:
+            check_unchanged(self._eager, torch.tensor([list(map(int, prompts[0]))], device=self.device))
+            self._unproven = False
         hints = list(prompt_hints) if prompt_hints is not None else [None] * len(prompts)
         wave = max(self.cfg.batch_buckets)
         results = []
