@@ -12,7 +12,10 @@ from ...loading import (SetupError, check_checkpoint_dir, check_checkpoint_match
 from ...store import describe_store
 from ..registry import CaptureRun, CaptureSpec, Captured, EngineRun, EngineSpec, Opened, register_engine
 from . import capture as vllm_capture
-from .preflight import check_engine_start
+from .preflight import check_engine_start, with_kv_cache
+
+#: the most requests a capture runs at once (its KV cache is sized for them)
+CAPTURE_SEQS = 64
 
 
 def open_validation(run: EngineRun) -> Opened:
@@ -51,15 +54,18 @@ def open_blame(run: EngineRun) -> Opened:
 def _llm_options(run: EngineRun, max_num_seqs: int) -> dict:
     """``vllm.LLM``'s keyword arguments for ``run`` beside the compile switch: room for the longest
     reference sequence and a retry's few more tokens, ``max_num_seqs`` requests; ``--engine-args`` last."""
-    return {"max_model_len": max(longest_sequence(run.reference) + 8, 128), "max_num_seqs": max_num_seqs,
-            **run.options}
+    max_model_len = max(longest_sequence(run.reference) + 8, 128)
+    options = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, **run.options}
+    return with_kv_cache(run.model, options, options["max_num_seqs"] * options["max_model_len"], run.dtype)
 
 
 def capture(run: CaptureRun) -> Captured:
     """A vLLM engine in capture mode (:mod:`fxreplace.engines.vllm.capture`) generating greedily,
     with room for the longest prompt and its tokens unless ``--engine-args`` sizes it."""
     prompts = _checked_prompts(run)
-    options = {"max_model_len": max(max(len(p) for p in prompts) + run.max_new_tokens, 128), **run.options}
+    options = {"max_model_len": max(max(len(p) for p in prompts) + run.max_new_tokens, 128),
+               "max_num_seqs": min(len(prompts), CAPTURE_SEQS), **run.options}
+    options = with_kv_cache(run.model, options, options["max_num_seqs"] * options["max_model_len"], run.dtype)
     counts = vllm_capture.capture_with_vllm(recorded_model(run.model), prompts, run.out,
                                             max_new_tokens=run.max_new_tokens, targets=run.targets, dtype=run.dtype,
                                             enforce_eager=run.compile is False, **options)
