@@ -271,3 +271,16 @@ def test_every_vllm_command_takes_engine_args_and_checks_the_memory_they_ask_for
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: vLLM would reserve 1 of this machine's memory") and "GiB are free" in line, line
     assert "hint: --engine-args '{\"gpu_memory_utilization\": 0." in line
+
+
+def test_vllm_blame_on_a_reference_without_components_is_one_line_before_the_engine(vllm_ready):
+    """vLLM's blame replays the components a reference recorded: a reference of router logits alone is the
+    user's to capture again (exit 2, the command that does), refused before any engine starts."""
+    captured = _fxreplace(["capture", "ckpt", "--prompts", "p.json", "--out", "routers", "--max-new-tokens", "2"],
+                          vllm_ready)
+    assert captured.returncode == 0, captured.stderr
+    done = _fxreplace(["blame", "ckpt", "--engine", "vllm", "--reference", "routers"], vllm_ready)
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: the reference routers records no components: capture them with `fxreplace "), line
+    assert "--components --out NEW_REFERENCE" in line and "Starting to load model" not in done.stderr

@@ -324,21 +324,34 @@ def test_a_generation_longer_than_its_first_logits_allocation_keeps_every_row():
     assert np.shares_memory(record.generated_logits(8), record.logits)  # full: no copy
 
 
-def test_ctrl_c_while_the_vllm_engine_starts_exits_130_within_seconds_leaving_nothing(setup, tmp_path):
-    """A terminal's Ctrl-C while `fxreplace capture --engine vllm` starts its engine (the worker
-    loading the model, the command waiting for the engine core in a zmq poll that drops the
+@pytest.fixture(scope="module")
+def hf_reference(setup):
+    """A reference of the checkpoint, with blame's components, captured by the runner engine (the HF model's
+    own forwards)."""
+    out = setup.dir / "hf_reference"
+    subprocess.run([sys.executable, "-m", "fxreplace", "capture", setup.ckpt, "--prompts", str(setup.prompts_path),
+                    "--out", str(out), "--max-new-tokens", "4", "--components"], check=True, capture_output=True,
+                   timeout=TIMEOUT_S)
+    return out
+
+
+@pytest.mark.parametrize("command", ["capture", "validate", "blame"])
+def test_ctrl_c_while_the_vllm_engine_starts_exits_130_within_seconds_leaving_nothing(setup, hf_reference, tmp_path,
+                                                                                    command):
+    """A terminal's Ctrl-C while `fxreplace capture|validate|blame --engine vllm` starts its engine (the
+    worker loading the model, the command waiting for the engine core in a zmq poll that drops the
     KeyboardInterrupt): exit 130 within seconds with the command's one line, the engine's processes
-    and shared memory gone."""
+    and shared memory (its queues and its processes' semaphores) gone."""
     out = tmp_path / "out"
-    # as a user runs it: vLLM's default multiprocessing engine (the engine core in a process of its own), its
-    # memory given by --engine-args
+    what = {"capture": ["--prompts", str(setup.prompts_path), "--out", str(out), "--max-new-tokens", "4"],
+            "validate": ["--reference", str(hf_reference), "--report-dir", str(out)],
+            "blame": ["--reference", str(hf_reference), "--report-dir", str(out)]}[command]
+    # as a user runs it: vLLM's default multiprocessing engine (the engine core in a process of its own) and memory
     env = {k: v for k, v in engine_env().items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
     remove_leaked_shm()
     segments_before = shm.segments()
-    proc = subprocess.Popen([sys.executable, "-m", "fxreplace", "capture", setup.ckpt, "--engine", "vllm", "--eager",
-                             "--prompts", str(setup.prompts_path), "--out", str(out), "--max-new-tokens", "4",
-                             "--engine-args", '{"kv_cache_memory_bytes": 1073741824}'],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "fxreplace", command, setup.ckpt, "--engine", "vllm", "--eager",
+                             *what], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True, preexec_fn=sigint_as_at_a_terminal)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
@@ -357,7 +370,7 @@ def test_ctrl_c_while_the_vllm_engine_starts_exits_130_within_seconds_leaving_no
             os.killpg(proc.pid, signal.SIGKILL)
     reader.join(timeout=10)
     text = "".join(lines)
-    assert "Timed out" not in text and lines[-1].startswith("interrupted: --out "), text[-3000:]
+    assert "Timed out" not in text and lines[-1].startswith("interrupted: "), text[-3000:]
     assert not out.exists() or not any(out.iterdir())
     assert group_gone(proc.pid, within_s=10)  # the engine core and its worker went with the command
     assert shm.unused(shm.segments() - segments_before) == []

@@ -60,7 +60,10 @@ def validated(tmp_path_factory):
         tokens.append(t)
         logits.append(lg)
     reference_dir = tmp / "reference"
-    Reference.from_parts(captures, prompts, tokens, logits, metadata={"source_model": ref.ckpt}).save(reference_dir)
+    # what a capture with --components records beside the routers: the engine replaces the routers alone
+    recorded = ["model.embed_tokens", "model.layers.*.self_attn", "model.layers.*.mlp.gate", "model.layers.*"]
+    Reference.from_parts(captures, prompts, tokens, logits,
+                         metadata={"source_model": ref.ckpt, "targets": recorded}).save(reference_dir)
     report = tmp / "report"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
     # vLLM's memory as a user leaves it (fxreplace sizes the KV cache for the run); in-process for speed
@@ -89,6 +92,14 @@ def test_validate_vllm_with_replacement_matches_but_the_swapped_step(validated):
     assert all(p["divergences"] == 1 and p["first_divergence"] == SWAP and p["retries"] == 1
                for p in summary["prompts"].values())
     assert "report:" in stdout
+
+
+def test_validate_vllm_names_what_it_replaced(validated):
+    """The verdict names the targets the engine replaced (the family's in vLLM's code), not every capture
+    the reference holds."""
+    result, stdout = validated
+    assert "the targets (model.layers.*.mlp.gate)" in stdout, stdout
+    assert "model.embed_tokens" not in stdout and "self_attn" not in stdout
 
 
 def test_validate_vllm_without_replacement_diverges(validated):

@@ -27,7 +27,10 @@ def run(args) -> int:
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: blame_state(args)
     floor = noise_floor(args, reference)  # the clean model, if measured, is gone before the target loads
-    opened = spec.open_blame(request)
+    try:
+        opened = spec.open_blame(request)  # an engine may refuse the reference (e.g. vLLM: no components recorded)
+    except BlameError as e:
+        raise UsageError(str(e)) from None
     try:
         target = opened.engine
         if isinstance(target, nn.Module):  # blame instruments the model itself, and captures from --clean on demand

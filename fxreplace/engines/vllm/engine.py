@@ -140,7 +140,9 @@ class VllmBlameEngine:
             target = Target(module, point=declared.point, adapter=declared.adapter, name=name)
             self.components.append(Component(info["kind"], info["layer"], module, name, target))
         if not self.components:
-            raise ValueError(f"no component of the reference maps to vLLM's modules (kinds {sorted(vllm_components)})")
+            raise BlameError(f"no component of the reference {reference_dir} maps to vLLM's modules (it records kinds "
+                             f"{sorted({i['kind'] for i in recorded.values()})}; vLLM's code declares "
+                             f"{sorted(vllm_components)})")
         replacement = ReplacementConfig(tensors_path=str(reference_dir), targets=[c.target for c in self.components],
                                         select_captures=True)
         self.engine: VllmEngine | None = VllmEngine(model, replacement, dtype=dtype, **llm_kwargs)

@@ -5,7 +5,9 @@ end, engine core and workers (Python ``SharedMemory`` segments, ``psm_*``, ~250 
 and, for a CPU TP/PP group, one segment per rank (``<port>-<group>-cpushm_<rank>``). A
 segment is unlinked only when its creator exits normally; a torn-down or killed engine
 leaves them behind, filling ``/dev/shm`` (and a later engine whose rendezvous port repeats
-a ``cpushm`` name fails at start-up with "create shm in SHMManager failed. errno: 17").
+a ``cpushm`` name fails at start-up with "create shm in SHMManager failed. errno: 17"). Its
+processes' locks are named semaphores (``sem.mp-*``, 32 bytes each) that multiprocessing's resource
+tracker unlinks at its exit: an interrupted start kills the tracker with the engine, and they stay.
 A segment in use is mapped or held open by a process from its creation on, so the ones no
 process maps or holds open are leftovers.
 """
@@ -17,7 +19,7 @@ import time
 from pathlib import Path
 
 SHM = Path("/dev/shm")
-PATTERNS = ("psm_*", "*-cpushm_*")
+PATTERNS = ("psm_*", "*-cpushm_*", "sem.mp-*")
 
 
 def segments(shm: Path = SHM) -> set[str]:

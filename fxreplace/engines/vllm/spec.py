@@ -9,6 +9,7 @@ from ...config import ReplacementConfig
 from ...capture import checked_prompts
 from ...loading import (SetupError, check_checkpoint_dir, check_checkpoint_matches, check_vocab, config_json,
                         longest_sequence, recorded_model)
+from ...models import architecture, get_family
 from ...store import describe_store
 from ..registry import CaptureRun, CaptureSpec, Captured, EngineRun, EngineSpec, Opened, register_engine
 from . import capture as vllm_capture
@@ -28,16 +29,30 @@ def open_validation(run: EngineRun) -> Opened:
     reference = run.reference
     check_checkpoint_matches(reference, run.reference_dir, run.model)
     replacement = ReplacementConfig(targets=run.targets, tensors_path=run.reference_dir)
+    replaced = run.targets or list(vllm_targets(run.model))
     engine = VllmEngine(run.model, replacement, dtype=run.dtype, logprobs=run.logprobs,
                         enforce_eager=not ENGINE.compiled(run), **_llm_options(run, max_num_seqs=min(8, reference.num_prompts)))
-    opened = Opened(engine, "", config_json(run.model).get("num_experts_per_tok"),
-                    run.targets or reference.metadata.get("targets") or [])
+    opened = Opened(engine, "", config_json(run.model).get("num_experts_per_tok"), replaced)
     try:
         check_vocab(reference, run.model, engine.vocab_size)
     except SetupError:
         opened.close()
         raise
     return opened
+
+
+def vllm_targets(model_dir: str) -> tuple:
+    """What the plugin's workers instrument when no targets are given: the family's targets in vLLM's
+    model code (a reference may hold more captures, e.g. blame's components, which it leaves alone)."""
+    arch = architecture(config_json(model_dir), "?")
+    try:
+        targets = get_family(arch).targets_for(ENGINE.name)
+    except KeyError as e:
+        raise SetupError(e.args[0], "give --target patterns of vLLM's model code") from None
+    if not targets:
+        raise SetupError(f"the {arch} family declares no targets in vLLM's model code",
+                         "give --target patterns of vLLM's model code")
+    return targets
 
 
 def open_blame(run: EngineRun) -> Opened:
