@@ -37,10 +37,11 @@ def write_report(result, directory: str | Path) -> Path:
 PAGES = {"report.html": "validation report", "blame.html": "blame report"}
 _NAV = re.compile(r"<nav id='fxreplace-pages'>.*?</nav>", re.S)
 STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"
-         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}td.text{text-align:left}"
+         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}td{white-space:nowrap}"
+         "td.text{text-align:left;white-space:normal}"
          ".verdict{font-size:1.15em;padding:.8em 1em;border-left:6px solid #555;background:#f4f4f4}"
          ".diverged{background:#fdd}.within_tolerance{background:#ffd}.matched{background:#dfd}"
-         "nav{margin-bottom:1em}.wide{overflow-x:auto}</style>")  # .wide: a table wider than the window scrolls itself
+         "nav{margin-bottom:1em}.wide{overflow-x:auto}</style>")  # numbers never break; a table wider than the window scrolls in its .wide box
 
 
 def _link_pages(directory: Path) -> None:
