@@ -16,6 +16,7 @@ import fxreplace
 from fxreplace.blame import blame
 from fxreplace.capture import capture_reference
 from fxreplace.engines.embedded import Runner, RunnerConfig
+from fxreplace.floor import measure_floor
 from fxreplace.metrics import DIVERGED, MATCHED, Verdict
 from fxreplace.models import get_family, tiny_model
 from fxreplace.report import DPI, blame_figure, errors_figure, repro_step, router_figure, write_blame_report
@@ -122,25 +123,28 @@ def planted(model):
 
 @pytest.fixture(scope="module")
 def investigations(tmp_path_factory):
-    """Real reports of a tiny Qwen3-MoE with two planted faults (validation of its routers, then blame),
-    for one prompt (one row of panels) and for five: ``{prompts: (directory, validation, blame)}``."""
+    """Real reports of a tiny Qwen3-MoE with two planted faults (validation of its routers, then blame):
+    for one prompt (one row of panels) in float32, and for five in bfloat16 against its noise floor:
+    ``{prompts: (directory, validation, blame)}``."""
     clean = tiny_model(ARCH, num_hidden_layers=4)
     target, routers = planted(clean), ["model.layers.*.mlp.gate"]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 128, (n,), generator=g).tolist() for n in (6, 9, 5, 7, 8)]
     out = {}
-    for n in (1, 5):
+    for n, dtype in ((1, torch.float32), (5, torch.bfloat16)):
         directory = tmp_path_factory.mktemp(f"prompts{n}")
         reference = capture_reference(clean, prompts[:n], routers, 6, components=get_family(ARCH).components,
                                       progress=False)
         reference.save(directory / "ref")
-        model = fxreplace.instrument(copy.deepcopy(target), routers)
+        floor = measure_floor(clean, reference, dtype) if dtype != torch.float32 else None
+        model = fxreplace.instrument(copy.deepcopy(target).to(dtype), routers)
         runner = Runner(model, clean.config, fxreplace.ReplacementConfig(tensors_path=str(directory / "ref")),
-                        RunnerConfig(prefill_buckets=(16,), batch_buckets=(8,), max_len=32), dtype=torch.float32,
+                        RunnerConfig(prefill_buckets=(16,), batch_buckets=(8,), max_len=32), dtype=dtype,
                         observed=model, compile=None)
         validated = logit_validation(runner, reference, router_topk=2, progress=False)
+        validated.floor = floor
         validated.write_report(directory)
-        blamed = blame(target, reference, progress=False)
+        blamed = blame(target, reference, dtype=dtype, floor=floor, progress=False)
         write_blame_report(blamed, directory, repro_step("ckpt", "ref", directory / "blame.json"))
         out[n] = directory, validated, blamed
     return out
