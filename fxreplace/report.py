@@ -33,7 +33,8 @@ def write_report(result, directory: str | Path) -> Path:
     return directory / "report.html"
 
 
-#: The pages one investigation writes into one folder, each linking to the others present.
+#: The pages one investigation writes into one folder, each linking to the others present. In their
+#: style numbers never break across lines, and a table wider than the window scrolls in its .wide box.
 PAGES = {"report.html": "validation report", "blame.html": "blame report"}
 _NAV = re.compile(r"<nav id='fxreplace-pages'>.*?</nav>", re.S)
 STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"
@@ -41,7 +42,7 @@ STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{b
          "td.text{text-align:left;white-space:normal}"
          ".verdict{font-size:1.15em;padding:.8em 1em;border-left:6px solid #555;background:#f4f4f4}"
          ".diverged{background:#fdd}.within_tolerance{background:#ffd}.matched{background:#dfd}"
-         "nav{margin-bottom:1em}.wide{overflow-x:auto}</style>")  # numbers never break; a table wider than the window scrolls in its .wide box
+         "nav{margin-bottom:1em}.wide{overflow-x:auto}</style>")
 
 
 def _link_pages(directory: Path) -> None:
@@ -181,7 +182,8 @@ def _html(result, has_router: bool) -> str:
         cells = "".join(f"<td>{_divergence(result, summary[m]['prompts'].get(p, {}))}</td>" for m in summary)
         parts.append(f"<tr><td>{p}</td><td class='text'>{_snippet(text)}</td>{cells}</tr>")
     parts.append(f"</table></div><details id='per-token'><summary>Per-token table ({len(result.steps)} rows)</summary>"
-                 "<div class='wide'><table><tr><th>mode</th><th>prompt</th><th>step</th><th>retry</th><th>ref token</th><th>target token</th>"
+                 "<div class='wide'><table><tr><th>mode</th><th>prompt</th><th>step</th><th>retry</th><th>ref token</th>"
+                 "<th>target token</th>"
                  "<th>top-5 err</th><th>top-50 err</th><th>KL</th><th>status</th></tr>")
     for s in result.steps:
         parts.append(

@@ -216,6 +216,7 @@ class BlameResult:
 
     def below_zero(self) -> bool:
         """Whether a part the reports show (a component's or a layer's explained or share) reads below 0."""
-        parts = [v for b in self.ranking for v in (b.explained, b.share)] + [v for s in self.layer_shares for v in (s.explained, s.share)]
+        rows = [*self.ranking, *self.layer_shares]
+        parts = [v for row in rows for v in (row.explained, row.share)]
         return any(part(v).endswith(BELOW_ZERO) for v in parts)
 
