@@ -256,31 +256,40 @@ def _conversation(prompt) -> list | None:
 
 def checked_prompts(ids: list, vocab_size: int, source: str) -> list[list[int]]:
     """:func:`check_prompts` for prompts a user gave: a :class:`~fxreplace.loading.SetupError`
-    names ``source`` (the prompts file) and how to fix it."""
+    names ``source`` (the prompts file) and how to fix what is wrong."""
     try:
         return check_prompts(ids, vocab_size)
-    except ValueError as e:
-        raise SetupError(f"{source}: {e}", f"give each prompt once, as token ids below the model's vocab_size "
-                         f"({vocab_size}) or as text") from None
+    except PromptError as e:
+        raise SetupError(f"{source}: {e}", e.hint) from None
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be captured; ``hint``: how to fix it."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.hint = hint
 
 
 def check_prompts(prompt_token_ids: Sequence, vocab_size: int) -> list[list[int]]:
-    """Token id lists (or tensors) as plain lists; a ValueError names the first bad prompt.
+    """Token id lists (or tensors) as plain lists; a :class:`PromptError` names the first bad prompt.
     A prompt given twice is refused here, before a model runs: a request with its tokens
     could only ever be matched to one of them."""
     prompts, first_seen = [], {}
     for i, prompt in enumerate(prompt_token_ids):
         ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
         if not ids:
-            raise ValueError(f"prompt {i} is empty")
+            raise PromptError(f"prompt {i} is empty", "give every prompt at least one token")
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+            raise PromptError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}",
+                              f"this model's token ids are below its vocab_size ({vocab_size}): give ids of its "
+                              "tokenizer, or the prompt as text")
         seen = first_seen.setdefault(tuple(ids), i)
         if seen != i:
-            raise ValueError(f"prompt {i} has the same token ids as prompt {seen}: a request with these tokens could "
-                             "only ever get one of them; capture each prompt once")
+            raise PromptError(f"prompt {i} has the same token ids as prompt {seen}: a request with these tokens could "
+                              "only ever get one of them", "give each prompt once")
         prompts.append(ids)
     if not prompts:
-        raise ValueError("no prompts to capture")
+        raise PromptError("no prompts to capture", "give at least one prompt")
     return prompts

@@ -30,7 +30,7 @@ from .floor import measure_floor, save_floor
 from .instrument import instrument
 from .models import get_family, tiny_model
 from .replacer import TensorReplacer
-from .report import print_summary
+from .report import print_summary, write_blame_report
 from .repro import write_repro
 from .engines.embedded import Runner, RunnerConfig
 from .validation import ValidationResult, logit_validation
@@ -129,14 +129,15 @@ def _blame_and_repro(cfg: DemoConfig, reference_model, reference_dir: Path, prog
     print("blame: the bf16 target with two planted faults (layer 0 attention, last layer's router) on its drift")
     found = blame(planted, reference_dir, clean=reference_model, dtype=torch.bfloat16, prompts=blame_prompts,
                   progress=progress)
-    found.write_report(Path(cfg.report_dir) / "blame-planted")
+    folder = (Path(cfg.report_dir) / "repro").resolve()
+    repro = f"the first origin alone, as a ticket for the compiler team: {folder} (run it: fxreplace repro run {folder} " \
+            "--backend inductor)"
+    write_blame_report(found, Path(cfg.report_dir) / "blame-planted", repro)  # the page names the repro written below
     print(found.table(limit=6))
     print(f"blame verdict (planted): {found.verdict}")
     print()
-    folder = write_repro(planted, reference_model, reference_dir, found, Path(cfg.report_dir) / "repro", inputs=2,
-                         prompts=blame_prompts)
-    print(f"repro: the first origin alone, as a ticket for the compiler team ({folder}; "
-          f"`fxreplace repro run {folder} --backend inductor`); in eager:")
+    write_repro(planted, reference_model, reference_dir, found, folder, inputs=2, prompts=blame_prompts)
+    print(f"repro: {repro}; in eager:")
     repro_run.run(folder)
 
 

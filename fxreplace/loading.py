@@ -74,7 +74,10 @@ def check_model_dir(spec: str) -> None:
 def check_checkpoint_dir(spec: str, engine: str) -> None:
     """An engine that loads the checkpoint itself (vLLM) needs a local directory, not ``builtin:``."""
     if spec.startswith("builtin:"):
-        raise SetupError(f"--engine {engine} needs a local checkpoint directory, got {spec!r}")
+        arch = spec.removeprefix("builtin:")
+        raise SetupError(f"--engine {engine} loads the checkpoint itself and needs a local directory, got {spec!r}",
+                         f"save the tiny model with its tokenizer as one: python -c \"from fxreplace.vllm.testing import "
+                         f"save_tiny_checkpoint; save_tiny_checkpoint('{arch}', 'tiny-{arch}')\", then give tiny-{arch}")
     check_model_dir(spec)
 
 

@@ -252,3 +252,27 @@ def pct(v) -> str:
 def plural(n: int, noun: str) -> str:
     """``1 round``, ``2 rounds``; ``pass`` -> ``passes``."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
+#: The mark of a part below zero (a blame share or explained part), and what it means: the
+#: tables, the heat map and the pages show it with this note, never a bare "-5%".
+BELOW_ZERO = "*"
+BELOW_ZERO_NOTE = ("* below 0: with it replaced more of the divergence remained than without it (for a layer's "
+                   "stream: than with the stream before it replaced); replacing it made the target worse by that "
+                   "part, so it explains none of the divergence")
+
+
+def part(v) -> str:
+    """:func:`pct` of a part of the divergence, marked with :data:`BELOW_ZERO` where it is below 0."""
+    text = pct(v)
+    return text + BELOW_ZERO if text.startswith("-") else text
+
+
+#: What the ranking's columns mean and its order, under the table.
+EXPLAINED_NOTE = ("explained: the part of the divergence gone with the component replaced (the smaller of the mean KL "
+                  "and the mean top-5 error removed; with the origins above it replaced too); share: the part it "
+                  "accounts for itself. Order: the origins first, then the rest, each by share.")
+#: Said instead of an empty ranking.
+NOTHING_RANKED = "no component ranked: none was measured alone (the verdict says why)"
+#: The per-layer shares' heading.
+LAYERS_HEAD = "arising per layer (the residual stream after the layer replaced)"

@@ -1,11 +1,14 @@
 """Screenshot fxreplace's HTML pages in headless Chromium, to look at them as a reader will.
 
-    python scripts/check_report_in_browser.py REPORT_DIR [--out SHOTS_DIR]
+    python scripts/check_report_in_browser.py REPORT_DIR [--out SHOTS_DIR] [--width PX ...]
 
-Writes one PNG per page found (report.html, blame.html) and fails when Chromium is
-missing, a page is absent, or a screenshot comes back empty. What to look for: the
-verdict at the top, the links between the pages, the plots' legends beside the data,
-the per-token table folded. Chromium on Debian: ``apt-get install -y chromium``.
+Writes one PNG per page found (report.html, blame.html) and window width (default 1300
+and 800 px: a wide and a narrow window), and fails when Chromium is missing, a page is
+absent, or a screenshot comes back empty. What to look for: the verdict at the top, the
+links between the pages, the plots' legends beside the data and their text legible at
+800 px, a wide table scrolling in its own box, the repro command where blame names an
+origin, the per-token table folded. Chromium on Debian: ``apt-get install -y chromium``.
+The test suite checks the same without a browser (tests/test_report.py).
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from pathlib import Path
 PAGES = ("report.html", "blame.html")
 
 
-def screenshot(browser: str, page: Path, png: Path) -> None:
+def screenshot(browser: str, page: Path, png: Path, width: int) -> None:
     with tempfile.TemporaryDirectory() as profile:  # a fresh profile: no first-run state, nothing kept
         subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
-                        "--window-size=1280,2000", f"--screenshot={png}", page.resolve().as_uri()],
+                        "--hide-scrollbars", f"--window-size={width},2400", f"--screenshot={png}", page.resolve().as_uri()],
                        check=True, capture_output=True, timeout=120)
     if not png.is_file() or png.stat().st_size < 10_000:
         raise SystemExit(f"error: the screenshot of {page} is empty")
@@ -33,6 +36,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("report_dir", type=Path)
     parser.add_argument("--out", type=Path, help="folder for the PNGs (default: REPORT_DIR)")
+    parser.add_argument("--width", type=int, action="append", help="window width in px, repeatable (default: 1300 and 800)")
     args = parser.parse_args()
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
@@ -43,9 +47,10 @@ def main() -> int:
     out = args.out or args.report_dir
     out.mkdir(parents=True, exist_ok=True)
     for page in pages:
-        png = out / f"{page.stem}.screenshot.png"
-        screenshot(browser, page, png)
-        print(f"{page} -> {png}")
+        for width in args.width or (1300, 800):
+            png = out / f"{page.stem}.{width}px.png"
+            screenshot(browser, page, png, width)
+            print(f"{page} at {width} px -> {png}")
     return 0
 
 

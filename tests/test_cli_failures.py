@@ -151,7 +151,7 @@ def test_a_prompt_given_twice_is_refused_before_the_engine_starts(tmp_path, caps
                       "--out", str(tmp_path / "ref"), *FITTING]) == 2
     err = one_error_line(capsys)
     assert err.startswith(f"error: {tmp_path / 'p.json'}: prompt {len(prompts) - 1} has the same token ids as prompt 0")
-    assert err.endswith("hint: give each prompt once, as token ids below the model's vocab_size (128) or as text"), err
+    assert err.endswith("hint: give each prompt once"), err
     assert not (tmp_path / "ref").exists()
 
 

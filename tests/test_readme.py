@@ -56,3 +56,13 @@ def resolve(dotted: str):
 @pytest.mark.parametrize("name", NAMES)
 def test_names_exist(name):
     resolve(name)
+
+
+def test_the_getting_started_pages_run_one_after_the_other_in_one_folder(tmp_path, monkeypatch):
+    """A reader runs the quick start's examples, then those of "Use it on your own model", in one folder:
+    no example writes where an earlier one wrote (two stores at ref/ failed with FileExistsError)."""
+    monkeypatch.chdir(tmp_path)
+    for page in ("quickstart.md", "own-model.md"):
+        for index, code in enumerate(python_blocks(ROOT / "docs" / page)):
+            exec(compile(code, f"docs/{page} python block {index}", "exec"), {"__name__": f"docs_block_{index}"})
+    assert (tmp_path / "ref" / "index.json").is_file() and (tmp_path / "big-ref" / "index.json").is_file()

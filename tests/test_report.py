@@ -1,14 +1,26 @@
 """The validation page: verdict first, tolerances as a table, the long table folded, plots readable."""
 
+import copy
+import itertools
 import json
 import re
+import struct
 from html.parser import HTMLParser
 
 import matplotlib.pyplot as plt
+import pytest
+import torch
+from matplotlib.text import Text
 
+import fxreplace
+from fxreplace.blame import blame
+from fxreplace.capture import capture_reference
+from fxreplace.engines.embedded import Runner, RunnerConfig
+from fxreplace.floor import measure_floor
 from fxreplace.metrics import DIVERGED, MATCHED, Verdict
-from fxreplace.report import router_figure, write_blame_report
-from fxreplace.validation import StepRecord, ValidationResult
+from fxreplace.models import get_family, tiny_model
+from fxreplace.report import DPI, blame_figure, errors_figure, repro_step, router_figure, write_blame_report
+from fxreplace.validation import StepRecord, ValidationResult, logit_validation
 
 
 def step(mode, prompt, s, agree=True, kl=1e-3):
@@ -46,21 +58,13 @@ def test_verdict_tolerances_details_and_texts(tmp_path):
     order = [attrs.get("id") or tag for tag, attrs in outline.tags]
     assert order.index("verdict") < order.index("h2"), "the verdict comes before every section"
     assert "tolerances" in order and "per-token" in order
-    assert re.search(r"<details id='per-token'><summary>Per-token table \(6 rows\)</summary><table>", page)
+    assert re.search(r"<details id='per-token'><summary>Per-token table \(6 rows\)</summary><div class='wide'><table>", page)
     assert "<td class='text'>diverged: KL above</td><td>0.05</td>" in page and "{'match_atol'" not in page
     assert "the &lt;router&gt;" in page and "<i>token ids</i>" in page
     assert "1 (5 <code>&#x27; red&#x27;</code> &rarr; 7 <code>&#x27; blue&#x27;</code>)" in page
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["verdict"] == r.verdict.to_dict() and saved["summary"]["off"]["prompts"]["0"]["tokens_at_divergence"] == [5, 7]
     assert "<nav id='fxreplace-pages'><b>validation report</b></nav>" in page
-
-
-def test_router_legend_sits_beside_the_bars():
-    fig = router_figure(result())
-    ax = fig.axes[0]
-    renderer = fig.canvas.get_renderer()
-    assert not ax.get_legend().get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
-    plt.close(fig)
 
 
 def blamed():
@@ -96,7 +100,190 @@ def test_the_blame_page_reads_cleanly(tmp_path):
     assert Origin(layer=1, share=-0.002, component=None, kind=None).describe().startswith("layer 1 (0%)")
     fig = blame_figure(blame)
     assert {t.get_text() for t in fig.axes[0].texts} == {"100%", "0%"}
-    renderer = fig.canvas.get_renderer()
-    title, figure = fig.axes[0].title.get_window_extent(renderer), fig.bbox
-    assert figure.x0 <= title.x0 and title.x1 <= figure.x1 and title.y1 <= figure.y1, (title, figure)
+    assert layout_faults(fig) == []
     plt.close(fig)
+
+
+# The reports as a reader sees them, in a window 1300 and 800 px wide: the pages' own CSS gives each figure
+# the width of the page's column (body margin 2em, at most 1200 px), scaled down to fit, never up.
+WIDTHS = (1300, 800)
+MARGIN, COLUMN, SMALLEST_TEXT_PX = 32, 1200, 8
+ARCH = "Qwen3MoeForCausalLM"
+
+
+def planted(model):
+    """``model`` with two faults: layer 0's attention output scaled, the last router's logits negated
+    (its top-k then agrees with the reference's on no token: a router at 0)."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.mul_(1.5)
+        model.model.layers[-1].mlp.gate.weight.mul_(-1.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def investigations(tmp_path_factory):
+    """Real reports of a tiny Qwen3-MoE with two planted faults (validation of its routers, then blame):
+    for one prompt (one row of panels) in float32, and for five in bfloat16 against its noise floor:
+    ``{prompts: (directory, validation, blame)}``."""
+    clean = tiny_model(ARCH, num_hidden_layers=4)
+    target, routers = planted(clean), ["model.layers.*.mlp.gate"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 128, (n,), generator=g).tolist() for n in (6, 9, 5, 7, 8)]
+    out = {}
+    for n, dtype in ((1, torch.float32), (5, torch.bfloat16)):
+        directory = tmp_path_factory.mktemp(f"prompts{n}")
+        reference = capture_reference(clean, prompts[:n], routers, 6, components=get_family(ARCH).components,
+                                      progress=False)
+        reference.save(directory / "ref")
+        floor = measure_floor(clean, reference, dtype) if dtype != torch.float32 else None
+        model = fxreplace.instrument(copy.deepcopy(target).to(dtype), routers)
+        runner = Runner(model, clean.config, fxreplace.ReplacementConfig(tensors_path=str(directory / "ref")),
+                        RunnerConfig(prefill_buckets=(16,), batch_buckets=(8,), max_len=32), dtype=dtype,
+                        observed=model, compile=None)
+        validated = logit_validation(runner, reference, router_topk=2, progress=False)
+        validated.floor = floor
+        validated.write_report(directory)
+        blamed = blame(target, reference, dtype=dtype, floor=floor, progress=False)
+        write_blame_report(blamed, directory, repro_step("ckpt", "ref", directory / "blame.json"))
+        out[n] = directory, validated, blamed
+    return out
+
+
+def drawn_texts(fig) -> list:
+    """Every text a figure draws: its own (title, shared label), each shown axes' title, labels, tick
+    labels within the view and annotations, the legends' entries."""
+    texts = list(fig.texts)
+    for ax in fig.axes:
+        if not ax.axison:
+            continue
+        texts += [t for t in ax.get_children() if isinstance(t, Text)] + [ax.xaxis.label, ax.yaxis.label]
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            texts += [t.label1 for t in axis.get_major_ticks() + axis.get_minor_ticks() if lo <= t.get_loc() <= hi]
+    for legend in legends(fig):
+        texts += legend.get_texts()
+    return [t for t in texts if t.get_visible() and t.get_text().strip()]
+
+
+def legends(fig) -> list:
+    return fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+
+
+def layout_faults(fig) -> list[str]:
+    """What a reader would see cut off or covered: a text not wholly inside the figure, two texts
+    overlapping, a legend over an axes (its data, ticks or labels)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in drawn_texts(fig)]
+    faults = [f"{text!r} is cut off" for text, box in boxes
+              if box.x0 < -0.5 or box.y0 < -0.5 or box.x1 > fig.bbox.x1 + 0.5 or box.y1 > fig.bbox.y1 + 0.5]
+    faults += [f"{a!r} overlaps {b!r}" for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2)
+               if box_a.overlaps(box_b)]
+    faults += [f"a legend covers the axes {ax.get_title()!r}" for legend in legends(fig) for ax in fig.axes
+               if ax.axison and legend.get_window_extent(renderer).overlaps(ax.get_tightbbox(renderer))]
+    return faults
+
+
+def test_layout_faults_finds_a_clipped_title_and_a_legend_on_a_label():
+    """The check below fails on what the issue saw: a title wider than its figure, a legend drawn over an axis label."""
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.bar([0, 1], [0.5, 1.0], label="bars")
+    ax.set_title("Target's own top-k routing equals the reference's, cut off on both sides")
+    ax.set_xlabel("generated step")
+    fig.legend(loc="lower center")
+    faults = layout_faults(fig)
+    assert any("is cut off" in f and "Target's own" in f for f in faults), faults
+    assert any(f.startswith("a legend covers the axes") for f in faults), faults
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("prompts", [1, 5])
+def test_figures_cut_off_nothing_and_no_legend_covers_an_axis(investigations, prompts):
+    _, validated, blamed = investigations[prompts]
+    for figure in (errors_figure(validated), router_figure(validated), blame_figure(blamed)):
+        assert layout_faults(figure) == [], figure.texts[0].get_text() if figure.texts else figure.axes[0].get_title()
+        plt.close(figure)
+
+
+def test_every_router_has_a_bar_or_a_label_zero_included(investigations):
+    """The flipped router agrees on no token: no bar to see, so its label says 0%."""
+    _, validated, _ = investigations[5]
+    last = "model.layers.3.mlp.gate"
+    assert validated.router["off"][last][0] == 0, "the planted router flip routes every token elsewhere"
+    fig = router_figure(validated)
+    ax = fig.axes[0]
+    bars = [bar for container in ax.containers for bar in container]
+    labels = [t.get_text() for t in ax.texts]
+    assert len(bars) == len(labels) == 2 * 4  # two modes x four routers, each bar labelled
+    expected = [f"{a / n:.0%}" for mode in ("off", "on") for a, n in
+                (validated.router[mode][f"model.layers.{k}.mlp.gate"] for k in range(4))]
+    assert labels == expected and labels[3] == "0%" and bars[3].get_height() == 0
+    plt.close(fig)
+
+
+class Page(HTMLParser):
+    """A page's tables (each with its rows, its columns and whether it sits in a box that scrolls
+    sideways), images and text."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.open, self.tables, self.images, self.words = [], [], [], []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table":
+            self.tables.append({"id": attrs.get("id"), "scrolls": "wide" in self.open, "rows": 0, "columns": 0})
+        if tag == "tr" and self.tables:
+            self.tables[-1]["rows"] += 1
+        if tag in ("th", "td") and self.tables and self.tables[-1]["rows"] == 1:
+            self.tables[-1]["columns"] += 1
+        if tag == "img":
+            self.images.append(attrs)
+        if tag not in ("img", "br", "meta"):
+            self.open.append(attrs.get("class") or tag)
+
+    def handle_endtag(self, tag):
+        if self.open:
+            self.open.pop()
+
+    def handle_data(self, data):
+        self.words.append(data)
+
+    @property
+    def text(self) -> str:
+        return " ".join(" ".join(self.words).split())
+
+
+def png_width(path) -> int:
+    with open(path, "rb") as f:
+        return struct.unpack(">I", f.read(24)[16:20])[0]  # the IHDR chunk's width
+
+
+@pytest.mark.parametrize("window", WIDTHS)
+@pytest.mark.parametrize("prompts", [1, 5])
+def test_both_pages_read_at_both_widths(investigations, prompts, window):
+    """What a screenshot of each page at the window's width shows: every figure within the column and
+    its smallest text at least 8 px high; a table wider than the window scrolls in its own box rather
+    than pushing the page sideways; the repro command beside the origin it reproduces."""
+    directory, validated, blamed = investigations[prompts]
+    column = min(window - 2 * MARGIN, COLUMN)
+    figures = {"error_per_step.png": errors_figure(validated), "router_agreement.png": router_figure(validated),
+               "blame_heatmap.png": blame_figure(blamed)}
+    for name in ("report.html", "blame.html"):
+        page = Page((directory / name).read_text())
+        assert page.images and all(image["style"] == "max-width:100%" and image["alt"] for image in page.images)
+        assert all(table["scrolls"] for table in page.tables if table["columns"] > 3), name  # three fit in 800 px
+        for image in page.images:
+            fig = figures[image["src"]]
+            width = png_width(directory / image["src"])
+            assert width == round(fig.get_figwidth() * DPI)
+            scale = min(1.0, column / width)
+            smallest = min(t.get_fontsize() for t in drawn_texts(fig)) * DPI / 72 * scale
+            assert smallest >= SMALLEST_TEXT_PX, (image["src"], window, smallest)
+    blame_page = Page((directory / "blame.html").read_text())
+    assert blamed.origins and f"Next: the first origin alone, for the compiler team: fxreplace repro write ckpt " \
+                              f"--reference ref --blame {directory / 'blame.json'}" in blame_page.text
+    for fig in figures.values():
+        plt.close(fig)

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..components import layer_of
-from ..metrics import EXPLAINS, fmt, pct, plural, times
+from ..metrics import (BELOW_ZERO, BELOW_ZERO_NOTE, EXPLAINED_NOTE, EXPLAINS, LAYERS_HEAD, NOTHING_RANKED, fmt, part,
+                       pct, plural, times)
 
 #: A part of the divergence that matters: more than what a replacement that explains it may leave.
 #: An origin adds at least this much; the layers holding no origin hold less together, or the
@@ -189,23 +190,33 @@ class BlameResult:
         return write_blame_report(self, directory)
 
     def table(self, limit: int | None = 12) -> str:
-        """The ranking, the per-layer shares and what the columns mean, as text."""
-
-        head = (f"{'#':>3} {'component':<28} {'kind':<9} {'layer':>5} {'KL off':>9} {'KL on':>9} {'top-5 off':>9} "
-                f"{'top-5 on':>9} {'explained':>9} {'share':>6}  origin")
-        lines = [head, "-" * len(head)]
-        for i, b in enumerate(self.ranking[:limit], 1):
-            lines.append(f"{i:>3} {b.component:<28} {b.kind:<9} {fmt(b.layer):>5} {fmt(b.kl_off):>9} {fmt(b.kl_on):>9} "
-                         f"{fmt(b.top5_off):>9} {fmt(b.top5_on):>9} {pct(b.explained):>9} {pct(b.share):>6}  "
-                         f"{'yes' if b.origin else ''}")
-        lines.append(f"explained: the part of the divergence gone with the component replaced (the smaller of the mean KL "
-                     f"and the mean top-5 error removed; with the origins above it replaced too); share: the part it "
-                     f"accounts for itself. Order: the origins first, then the rest, each by share.")
+        """The ranking, the per-layer shares and what the columns mean, as text (what ``blame.html``
+        shows: no table when nothing was ranked, a part below 0 marked and explained)."""
+        lines = []
+        if self.ranking:
+            head = (f"{'#':>3} {'component':<28} {'kind':<9} {'layer':>5} {'KL off':>9} {'KL on':>9} {'top-5 off':>9} "
+                    f"{'top-5 on':>9} {'explained':>9} {'share':>6}  origin")
+            lines += [head, "-" * len(head)]
+            for i, b in enumerate(self.ranking[:limit], 1):
+                lines.append(f"{i:>3} {b.component:<28} {b.kind:<9} {fmt(b.layer):>5} {fmt(b.kl_off):>9} "
+                             f"{fmt(b.kl_on):>9} {fmt(b.top5_off):>9} {fmt(b.top5_on):>9} {part(b.explained):>9} "
+                             f"{part(b.share):>6}  {'yes' if b.origin else ''}")
+            if limit is not None and len(self.ranking) > limit:
+                lines.append(f"... {len(self.ranking) - limit} more in blame.html")
+            lines.append(EXPLAINED_NOTE)
+        else:
+            lines.append(NOTHING_RANKED)
         if self.layer_shares:
-            lines.append("arising per layer (the residual stream after the layer replaced): " + ", ".join(
-                f"{s.layer}: {pct(s.share)}" for s in self.layer_shares))
+            lines.append(f"{LAYERS_HEAD}: " + ", ".join(f"{s.layer}: {part(s.share)}" for s in self.layer_shares))
+        if self.below_zero():
+            lines.append(BELOW_ZERO_NOTE)
         lines.append(f"{plural(len(self.passes), 'validation pass')} in {plural(self.rounds, 'round')} (budget {self.budget}), "
                      f"{len(self.captured)} components captured on demand, {self.seconds:.1f} s")
         return "\n".join(lines)
 
+    def below_zero(self) -> bool:
+        """Whether a part the reports show (a component's or a layer's explained or share) reads below 0."""
+        rows = [*self.ranking, *self.layer_shares]
+        parts = [v for row in rows for v in (row.explained, row.share)]
+        return any(part(v).endswith(BELOW_ZERO) for v in parts)
 

@@ -87,10 +87,12 @@ def device_arg(text: str) -> str:
     return text
 
 
-def add_device_argument(parser) -> None:
+def add_device_argument(parser, engines: bool = False) -> None:
+    """``--device``; ``engines``: the command takes ``--engine``, and vLLM refuses it."""
+    vllm = "; not with --engine vllm, which places the model itself (CUDA_VISIBLE_DEVICES)" if engines else ""
     parser.add_argument("--device", type=device_arg, metavar="DEVICE",
                         help="where the models run, e.g. cuda or cuda:1 (default: where they load, the CPU); a reference "
-                             "larger than one device: --device-map auto")
+                             f"larger than one device: --device-map auto{vllm}")
 
 
 def device_map_arg(text: str) -> str:

@@ -10,7 +10,7 @@ from torch import nn
 from ..blame import BlameError, blame
 from ..junit import write_blame_junit
 from ..loading import check_reference_matches, check_vocab, load_model, model_architecture
-from ..report import describe_program
+from ..report import describe_program, repro_step, write_blame_report
 from ..store.format import BLAME_COMPONENTS_DIR
 from .args import EXIT_OK, UsageError
 from .common import check_writable_dir, components_arg, dispatch_args, folder_state, load_reference_arg, torch_dtype
@@ -66,18 +66,20 @@ def _clean_loader(args, reference):
 
 
 def _say(result, args) -> None:
-    """Write the report and print the ranking, the program examined, the verdict and what to do next."""
-    report = result.write_report(args.report_dir)
+    """Write the report and print the ranking, the program examined, the verdict and what to do
+    next: the terminal says what blame.html says."""
+    ranking = Path(args.report_dir).resolve() / "blame.json"
+    next_step = (repro_step(args.model, args.reference, ranking)
+                 if any(o.component for o in result.origins) else "")  # repro takes a component, not a layer
+    report = write_blame_report(result, args.report_dir, next_step)
     print()
     print(result.table())
     validated = "" if args.from_validation else " (no validation given: --from-validation DIR examines the program it ran)"
     print(f"program examined: {describe_program(result.program)}{validated}")
     print(f"verdict: {result.verdict}")
-    ranking = Path(args.report_dir).resolve() / "blame.json"
     print(f"report: {report.resolve()}   ranking: {ranking}")
-    if result.origins:
-        print(f"next: the first origin alone, for the compiler team: fxreplace repro write {args.model} --reference "
-              f"{args.reference} --blame {ranking} --out repro/ (then fxreplace repro run repro/ --backend inductor)")
+    if next_step:
+        print(f"next: {next_step}")
     if args.junit:
         print(f"junit: {write_blame_junit(result, args.junit).resolve()}")
 

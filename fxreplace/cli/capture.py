@@ -20,7 +20,7 @@ from .prompts import read_prompts, tokenize_args
 CAPTURE_OPTIONS = {"--component": ("component", None), "--components": ("components", False),
                    "--noise-floor": ("noise_floor", None), "--device-map": ("device_map", None),
                    "--max-memory": ("max_memory", None), "--offload-folder": ("offload_folder", None),
-                   "--engine-args": ("engine_args", "{}")}
+                   "--engine-args": ("engine_args", "{}"), "--device": ("device", None)}
 
 
 def run(args) -> int:
@@ -36,10 +36,11 @@ def run(args) -> int:
                          family_components=args.components, noise_floor=args.noise_floor)
     if capture.check is not None:
         capture.check(request)
+    out = Path(args.out)
+    made = not out.exists()  # then a capture that fails before it writes leaves no empty folder behind
     check_capture_out(args.out, replace=capture.replaces)
     # prompts stream into the store as they complete; an earlier store at --out is replaced
     # whole at the end (captured beside it, then renamed into place)
-    out = Path(args.out)
     replacing = any(out.iterdir())
     into = staging_directory(out) if replacing else out
     if replacing:
@@ -59,6 +60,8 @@ def run(args) -> int:
     finally:
         if replacing:
             shutil.rmtree(into, ignore_errors=True)
+        if made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
     print(f"{captured.summary} -> {args.out}")
     for line in captured.lines:
         print(line)

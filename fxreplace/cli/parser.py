@@ -72,7 +72,7 @@ def _add_capture(command) -> None:
     add_dispatch_arguments(capture, "the reference (and --noise-floor's model)")
     add_engine_arguments(capture, "runner", "runner: the HF model in this process, in float32")
     capture.add_argument("--dtype", choices=DTYPES, default="float32", help="--engine vllm: the engine's dtype")
-    add_device_argument(capture)
+    add_device_argument(capture, engines=True)
     capture.set_defaults(handler="fxreplace.cli.capture:run")
 
 
@@ -105,7 +105,7 @@ def _add_validate(command) -> None:
                                "of every measure); the verdict says so")
     validate.add_argument("--junit", type=junit_path, metavar="FILE",
                           help="write JUnit XML: one test case per prompt, failed by --fail-on")
-    add_device_argument(validate)
+    add_device_argument(validate, engines=True)
     validate.set_defaults(handler="fxreplace.cli.validate:run")
 
 
@@ -138,7 +138,7 @@ def _add_blame(command) -> None:
     blame.add_argument("--junit", type=junit_path, metavar="FILE",
                        help="write JUnit XML: one test case per ranked component, failed when it accounts for a share "
                             "of the divergence")
-    add_device_argument(blame)
+    add_device_argument(blame, engines=True)
     blame.set_defaults(handler="fxreplace.cli.blame:run")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..capture import check_prompts, tokenize_prompts
+from ..capture import tokenize_prompts
 from ..loading import load_tokenizer
 from .args import UsageError
 
@@ -83,10 +83,3 @@ def tokenize_args(prompts: list, model_spec: str, path: str, chat: bool = False)
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None
 
-
-def checked_ids(ids: list, vocab_size: int, path: str) -> list[list[int]]:
-    try:
-        return check_prompts(ids, vocab_size)
-    except ValueError as e:
-        raise UsageError(f"{path}: {e}", f"give each prompt once, as token ids below the model's vocab_size "
-                         f"({vocab_size}) or as text") from None

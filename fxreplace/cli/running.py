@@ -9,12 +9,13 @@ from ..dtypes import is_full_precision
 from ..engines.registry import EngineRun, EngineSpec, get_engine
 from ..floor import FloorFileError, check_reference_precision, floor_for
 from ..loading import check_reference_matches, check_vocab, load_model, load_tokenizer, model_architecture
+from ..store.format import FLOOR_FILE
 from .args import UsageError
 from .common import dispatch_args, engine_options, refuse_untaken, torch_dtype
 
 #: Each engine-specific option: its attribute on the parsed arguments and the value meaning "not given".
 ENGINE_OPTIONS = {"--component": ("component", None), "--bucket": ("bucket", None), "--logprobs": ("logprobs", -1),
-                  "--engine-args": ("engine_args", "{}"), "--clean": ("clean", None)}
+                  "--engine-args": ("engine_args", "{}"), "--clean": ("clean", None), "--device": ("device", None)}
 
 
 def engine_run(args, command: str) -> tuple[EngineSpec, EngineRun]:
@@ -46,9 +47,10 @@ def gates_on_floor(args) -> bool:
 
 
 def noise_floor(args, reference):
-    """The noise floor for ``args.dtype``: stored in the reference (``capture --noise-floor``), else
-    measured from ``--clean``; None for a float32 target or when neither is at hand (a
-    ``--fail-on floor=K`` then refuses before any pass)."""
+    """The noise floor for ``args.dtype``: stored in the reference (``capture --noise-floor``) when it
+    covers its prompts, else measured from ``--clean``; None for a float32 target or when neither is
+    at hand (a ``--fail-on floor=K`` then refuses before any pass). A stored floor that cannot be read,
+    or that covers other prompts while no ``--clean`` can measure one, is refused before the target loads."""
     if is_full_precision(args.dtype):
         if gates_on_floor(args):
             raise UsageError(f"--fail-on floor=K scores a target below float32 against its noise floor; this target "
@@ -69,6 +71,11 @@ def noise_floor(args, reference):
         raise UsageError(str(e), f"capture the reference again with `--noise-floor {args.dtype}`") from None
     if floor is not None and floor.covers(range(reference.num_prompts)):
         return floor
+    if floor is not None:  # stored, for other prompts (given --clean, floor_for measured one on these)
+        raise UsageError(f"the noise floor stored with {args.reference} ({FLOOR_FILE}) covers prompts "
+                         f"{sorted(floor.prompts)[:5]} but the reference holds {reference.num_prompts}: it was measured "
+                         "on another capture", f"give the clean model as --clean MODEL to measure it on these prompts, "
+                         f"or capture the reference again with `--noise-floor {args.dtype}`")
     if gates_on_floor(args):
         raise UsageError(f"--fail-on floor=K needs the noise floor in {args.dtype}, and {args.reference} holds none",
                          f"capture the reference with `--noise-floor {args.dtype}`, or give the clean model as "

@@ -124,7 +124,7 @@ ENGINE = register_engine(EngineSpec(
     open_validation=open_validation,
     open_blame=open_blame,
     compiles=False,
-    takes=frozenset({"--clean", "--component", "--bucket"}),
+    takes=frozenset({"--clean", "--component", "--bucket", "--device"}),
     capture=CaptureSpec(capture, takes=frozenset({"--component", "--components", "--noise-floor", "--device-map",
-                                                  "--max-memory", "--offload-folder"}), replaces=True),
+                                                  "--max-memory", "--offload-folder", "--device"}), replaces=True),
 ))
