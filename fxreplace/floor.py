@@ -44,12 +44,22 @@ class NoiseFloor:
     top5_per_step: dict[int, list[float]] = field(default_factory=dict)  # per prompt, for the reports' plots
     program: str = "the reference model in its dtype, eager, fxreplace's runner"
     seconds: float = 0.0
+    compile: str | None = None  # the torch.compile backend of the program it was measured on (None: eager)
 
     @classmethod
     def from_dict(cls, data: dict) -> "NoiseFloor":
         return cls(data["dtype"], {int(p): v for p, v in data["prompts"].items()},
                    {int(p): v for p, v in data.get("top5_per_step", {}).items()}, data.get("program", ""),
-                   data.get("seconds", 0.0))
+                   data.get("seconds", 0.0), data.get("compile"))
+
+    @property
+    def key(self) -> str:
+        return floor_key(self.dtype, self.compile)
+
+    @property
+    def programme(self) -> str:
+        """The program in words: "the reference in bfloat16" (eager), "... compiled with inductor"."""
+        return f"the reference in {self.dtype}" + (f" compiled with {self.compile}" if self.compile else "")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,9 +88,24 @@ class NoiseFloor:
                 "top5": _ratio(summary["mean_top5_error"], floor["mean_top5_error"]),
                 "first_divergence": _ratio(floor["steps_to_divergence"], _steps_to_divergence(rows))}
 
+    def counted(self, summary: dict) -> dict:
+        """The multiples that decide, the one rule the verdict, the ``floor=K`` gate and blame read: mean KL
+        and mean top-5 error always; the first divergence only where the floor diverged on one of the
+        prompts at least. Where it never did, the floor's steps to its first divergence are only the
+        prompts' lengths (4 tokens make 5 steps), so a target diverging at once would read "5x sooner"
+        from a handful of tokens: too little evidence to decide on."""
+        m = self.multiples(summary)
+        if not self.aggregate([int(p) for p in summary["prompts"]])["prompts_diverged"]:
+            del m["first_divergence"]
+        return m
+
     def within(self, summary: dict, margin: float = FLOOR_MARGIN) -> bool:
-        """Every measure within ``margin`` times the floor: precision noise."""
-        return all(m is not None and m <= margin for m in self.multiples(summary).values())
+        """Every measure that counts (:meth:`counted`) within ``margin`` times the floor: precision noise."""
+        return not self.beyond(summary, margin)
+
+    def beyond(self, summary: dict, margin: float) -> dict:
+        """The multiples that count (:meth:`counted`) beyond ``margin`` times the floor (None: unknown)."""
+        return {key: m for key, m in self.counted(summary).items() if m is None or m > margin}
 
     def describe(self, summary: dict, margin: float = FLOOR_MARGIN) -> str:
         """"beyond precision noise: 12x its noise floor in mean KL, 4.1x in mean top-5 error, first
@@ -88,18 +113,26 @@ class NoiseFloor:
         m = self.multiples(summary)
         where = "within precision noise" if self.within(summary, margin) else "beyond precision noise"
         floor = self.aggregate([int(p) for p in summary["prompts"]])
+        first = (f"first divergence {times(m['first_divergence'])} sooner" if "first_divergence" in self.counted(summary)
+                 else f"first divergence not scored (the floor never diverged in these {len(summary['prompts'])} "
+                      "prompts' steps: too few to tell)")
         return (f"{where}: {times(m['kl'])} its noise floor in mean KL, {times(m['top5'])} in mean top-5 error, "
-                f"first divergence {times(m['first_divergence'])} sooner (the floor: the reference in {self.dtype}, "
-                f"mean KL {_g(floor['mean_kl'])}, mean top-5 error {_g(floor['mean_top5_error'])}; up to "
-                f"{margin:g}x is precision noise)")
+                f"{first} (the floor: {self.programme}, mean KL {_g(floor['mean_kl'])}, mean top-5 error "
+                f"{_g(floor['mean_top5_error'])}; up to {margin:g}x is precision noise)")
+
+
+def floor_key(dtype: str, compile: str | None = None) -> str:
+    """Where a floor is stored: by its dtype, and the compile backend of its program when compiled."""
+    return dtype if compile is None else f"{dtype}+{compile}"
 
 
 def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prompts: Sequence[int] | None = None,
-                  progress: bool = False) -> NoiseFloor:
+                  progress: bool = False, compile: str | None = None) -> NoiseFloor:
     """The reference model ``clean`` in ``dtype`` (cast when it is not: build it the way the target
     is built, e.g. loaded in ``dtype`` as the CLI loads both, for the floor to be the target's
     program), teacher-forced against ``reference`` on its prompts with nothing replaced: the
-    precision noise floor."""
+    precision noise floor. ``compile``: the torch.compile backend the target runs under (its kernels
+    round differently from eager ones, so a compiled target's floor is the compiled reference's)."""
     started = time.perf_counter()
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
     longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in indices)
@@ -109,14 +142,15 @@ def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prom
     model = clean if next(clean.parameters()).dtype == dtype else copy.deepcopy(clean).to(dtype)
     runner = Runner(model, clean.config, runner_config=RunnerConfig(
         prefill_buckets=(bucket,), batch_buckets=(min(64, len(indices)),), max_len=2 * bucket, batched_prefill=True,
-        teacher_forcing=True), dtype=dtype)
+        teacher_forcing=True), dtype=dtype, compile=compile)
     result = logit_validation(runner, reference, modes=("off",), prompts=indices, progress=progress)
     summary = result.summary()["off"]
     rows = {p: {"mean_kl": s["mean_kl"], "mean_top5_error": s["mean_top5_error"],
                 "first_divergence": s["first_divergence"], "steps": reference.num_generated(p)}
             for p, s in summary["prompts"].items()}
     per_step = {p: [s.top5_error for s in result.steps if s.prompt == p] for p in indices}
-    return NoiseFloor(dtype_name(dtype), rows, per_step, seconds=time.perf_counter() - started)
+    program = f"the reference model in its dtype, {f'compiled ({compile})' if compile else 'eager'}, fxreplace's runner"
+    return NoiseFloor(dtype_name(dtype), rows, per_step, program, time.perf_counter() - started, compile)
 
 
 def check_reference_precision(reference, allow: bool = False, option: str = "allow_low_precision_reference=True") -> str:
@@ -135,10 +169,10 @@ def check_reference_precision(reference, allow: bool = False, option: str = "all
 
 
 def save_floor(floor: NoiseFloor, directory) -> Path:
-    """Store ``floor`` in the reference directory ``directory`` (beside floors of other dtypes)."""
+    """Store ``floor`` in the reference directory ``directory`` (beside floors of other dtypes and programs)."""
     path = Path(directory) / FLOOR_FILE
     floors = json.loads(path.read_text()) if path.is_file() else {}
-    floors[floor.dtype] = floor.to_dict()
+    floors[floor.key] = floor.to_dict()
     path.write_text(json.dumps(floors))
     return path
 
@@ -148,25 +182,26 @@ class FloorFileError(ValueError):
 
 
 def floor_for(reference, dtype: torch.dtype, directory=None, prompts: Sequence[int] | None = None, clean=None,
-              progress: bool = False) -> tuple[NoiseFloor | None, float]:
-    """The noise floor a target in ``dtype`` is read against, and the seconds spent measuring it: none in
-    full precision; the one stored with ``reference`` (``capture --noise-floor``) when it covers
-    ``prompts`` (default: all); else measured from ``clean`` (the clean model in ``dtype``, or a function
-    loading it) when given; else none. A stored floor that cannot be read raises :class:`FloorFileError`."""
+              progress: bool = False, compile: str | None = None) -> tuple[NoiseFloor | None, float]:
+    """The noise floor a target in ``dtype`` (compiled with the backend ``compile``) is read against, and
+    the seconds spent measuring it: none in full precision; the one of that program stored with
+    ``reference`` (``capture --noise-floor``) when it covers ``prompts`` (default: all); else measured
+    from ``clean`` (the clean model in ``dtype``, or a function loading it) when given; else none. A
+    stored floor that cannot be read raises :class:`FloorFileError`."""
     if is_full_precision(dtype):
         return None, 0.0
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
-    floor = stored_floor(reference, dtype_name(dtype), directory)
+    floor = stored_floors(reference, directory).get(floor_key(dtype_name(dtype), compile))
     if (floor is None or not floor.covers(indices)) and clean is not None:
         floor = measure_floor(clean if isinstance(clean, torch.nn.Module) else clean(), reference, dtype,
-                              prompts=indices, progress=progress)
+                              prompts=indices, progress=progress, compile=compile)
         return floor, floor.seconds
     return floor, 0.0
 
 
-def stored_floor(reference, dtype: str, directory=None) -> NoiseFloor | None:
-    """The floor for ``dtype`` stored with ``reference``: in its directory (``capture --noise-floor``),
-    or in its metadata's ``"noise_floors"`` (a reference built in memory); None when there is none."""
+def stored_floors(reference, directory=None) -> dict[str, NoiseFloor]:
+    """The floors stored with ``reference`` by :func:`floor_key`: in its directory (``capture
+    --noise-floor``), or in its metadata's ``"noise_floors"`` (a reference built in memory)."""
     floors = dict(reference.metadata.get("noise_floors") or {})
     path = Path(directory) / FLOOR_FILE if directory is not None else None
     if path is not None and path.is_file():
@@ -174,8 +209,7 @@ def stored_floor(reference, dtype: str, directory=None) -> NoiseFloor | None:
             floors.update(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError) as e:
             raise FloorFileError(f"cannot read the noise floor {path}: {e}") from None
-    stored = floors.get(dtype)
-    return NoiseFloor.from_dict(stored) if stored else None
+    return {key: NoiseFloor.from_dict(stored) for key, stored in floors.items()}
 
 
 def _steps_to_divergence(rows) -> float:

@@ -143,9 +143,10 @@ class Gate:
     """A pass/fail rule for CI, checked on the target *without* replacement (mode "off": the
     compiled model as it runs). Per prompt: ``diverged`` fails a prompt whose top-1 token differs
     from the reference at any step (or gives NaN), ``kl`` one whose mean KL exceeds it, ``top5``
-    one whose mean top-5 log-prob error exceeds it. ``floor=K`` fails the validation when the
-    target's mean KL or mean top-5 error over every validated prompt exceeds K times its noise
-    floor's: the scale the verdict states and blame searches on, so the three agree (the
+    one whose mean top-5 log-prob error exceeds it. ``floor=K`` fails the validation when a measure
+    that counts (:meth:`fxreplace.floor.NoiseFloor.counted`: mean KL, mean top-5 error, and the first
+    divergence where the floor diverged) over every validated prompt exceeds K times its noise floor's:
+    the measures and the scale the verdict states and blame searches on, so the three agree (the
     validation needs a floor: :mod:`fxreplace.floor`)."""
 
     diverged: bool = False
@@ -191,9 +192,10 @@ class Gate:
         if self.floor is None:
             return []
         summary = self._off(result)
-        m = result.floor.multiples(summary)
-        above = [f"{label} {_fmt(m[key])}x the floor" for key, label in (("kl", "mean KL"), ("top5", "mean top-5 error"))
-                 if m[key] is None or m[key] > self.floor]
+        labels = {"kl": "mean KL {}x the floor", "top5": "mean top-5 error {}x the floor",
+                  "first_divergence": "first divergence {}x sooner"}
+        # the measures the verdict and blame count (NoiseFloor.counted), on the scale they state
+        above = [labels[key].format(_fmt(m)) for key, m in result.floor.beyond(summary, self.floor).items()]
         return [f"{', '.join(above)} > {self.floor:g}x over the {len(summary['prompts'])} validated prompts"] if above else []
 
     def outcome(self, result: ValidationResult, conditions: Sequence[str]) -> dict:

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -340,3 +344,76 @@ def test_the_cli_says_a_replacement_makes_the_target_worse(setups, tmp_path, cap
     assert cli(["blame", str(tmp_path / "port"), "--reference", str(tmp_path / "ref"), "--dtype", "float32",
                 "--clean", str(tmp_path / "clean"), "--report-dir", str(tmp_path / "blame")]) == 0
     assert "does not diverge from the reference" in capsys.readouterr().out
+
+
+def test_the_readme_gate_scales_a_compiled_target_by_the_compiled_floor(tmp_path, monkeypatch):
+    """The README's flow on docs/own-model.md's stand-in checkpoint, each command in a subprocess as a user
+    runs it: the compiled target is gated against the reference compiled the same way, so the unmodified
+    checkpoint passes and a planted router fault fails; a reference holding only the eager program's floor
+    is refused for a compiled gate in one line naming the command that measures the right one."""
+    block = re.findall(r"```python\n(.*?)```", (Path(__file__).parents[1] / "docs" / "own-model.md").read_text(), re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "docs/own-model.md", "exec"), {"__name__": "own_model"})  # my-checkpoint, prompts.jsonl
+    faulty = AutoModelForCausalLM.from_pretrained(tmp_path / "my-checkpoint")
+    with torch.no_grad():
+        faulty.model.layers[1].mlp.gate.weight.mul_(3.0)  # a router that routes otherwise: the port's fault
+    faulty.save_pretrained(tmp_path / "faulty")
+
+    def fxreplace(*args):
+        return subprocess.run([sys.executable, "-m", "fxreplace", *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=900)
+
+    done = fxreplace("capture", "my-checkpoint", "--prompts", "prompts.jsonl", "--components", "--noise-floor",
+                     "bfloat16", "--compile", "--max-new-tokens", "12", "--out", "ref/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "noise floor (the model in bfloat16 compiled with inductor" in done.stdout
+    floors = json.loads((tmp_path / "ref" / "noise_floors.json").read_text())
+    assert sorted(floors) == ["bfloat16", "bfloat16+inductor"]
+    gate = ["--reference", "ref/", "--compile", "--fail-on", "floor=3"]
+    clean = fxreplace("validate", "my-checkpoint", *gate, "--junit", "accuracy.xml", "--report-dir", "out/")
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-2000:]
+    assert "gate passed (--fail-on floor=3)" in clean.stdout
+    assert "(the floor: the reference in bfloat16 compiled with inductor" in clean.stdout
+    bad = fxreplace("validate", "faulty", *gate, "--report-dir", "bad/")
+    assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-2000:]
+    assert "gate failed (--fail-on floor=3)" in bad.stdout
+    # a reference whose floor is the eager program's: refused for a compiled gate, before the target loads
+    del floors["bfloat16+inductor"]
+    (tmp_path / "ref" / "noise_floors.json").write_text(json.dumps(floors))
+    other = fxreplace("validate", "my-checkpoint", *gate, "--report-dir", "other/")
+    assert other.returncode == 2, other.stderr[-3000:]
+    line = other.stderr.strip().splitlines()[-1]
+    assert ("needs the noise floor of the program gated (the reference in bfloat16, compiled with inductor), and ref/ "
+            "holds the reference in bfloat16: a floor of another program does not scale this one") in line, line
+    assert "hint: capture the reference with `--noise-floor bfloat16 --compile`" in line, line
+
+
+def test_gate_verdict_and_blame_read_one_rule_at_the_border(monkeypatch):
+    """A 4-token prompt where the floor never diverged and the target diverges at once, at ~1x the floor in KL
+    and top-5 error: the first-divergence multiple alone would read "5x sooner" from a handful of tokens. It does
+    not count (too little evidence; the verdict says so), so the verdict, the floor=K gate and blame's test
+    (NoiseFloor.within, which its search reads) all say within. Where the floor diverged too, it counts for all."""
+    from fxreplace.validation import Gate, ValidationResult
+
+    def off(first):
+        prompt = {"mean_kl": 0.011, "mean_top5_error": 0.13, "first_divergence": first}
+        return {"mean_kl": 0.011, "mean_top5_error": 0.13, "top1_agreement": 0.75, "prompts_diverged": 1,
+                "status_counts": {"matched": 3, "within_tolerance": 0, "diverged": 1}, "prompts": {"0": prompt}}
+
+    def judged(floor_first, target_first, k):
+        floor = NoiseFloor("bfloat16", {0: {"mean_kl": 0.01, "mean_top5_error": 0.1, "first_divergence": floor_first,
+                                            "steps": 4}})
+        summary = off(target_first)
+        said = verdict({"off": summary}, floor=floor)
+        result = ValidationResult(floor=floor)
+        monkeypatch.setattr(result, "summary", lambda: {"off": summary})
+        return floor.multiples(summary)["first_divergence"], said, Gate(floor=k).overall(result), floor.within(summary)
+
+    multiple, said, failed, within = judged(None, 0, 3)
+    assert multiple == 5.0  # (4 steps + 1) / 1: what the verdict used to decide on
+    assert said.within_floor is True and within is True and failed == []
+    assert "first divergence not scored (the floor never diverged" in said.sentence
+    multiple, said, failed, within = judged(2, 0, 2)  # the floor diverged at step 2: a measured rate
+    assert multiple == 3.0 and said.within_floor is False and within is False
+    assert failed == ["first divergence 3x sooner > 2x over the 1 validated prompts"]
+    assert "first divergence 3.0x sooner" in said.sentence

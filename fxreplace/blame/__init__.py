@@ -22,7 +22,7 @@ from torch import nn
 
 from ..dtypes import dtype_name, is_full_precision
 from ..engines.embedded import Runner, RunnerConfig
-from ..floor import check_reference_precision, floor_for, stored_floor
+from ..floor import check_reference_precision, floor_for, stored_floors
 from ..instrument import instrument, uninstrument
 from ..metrics import Tolerances, no_scale
 from ..models import architecture, get_family
@@ -177,7 +177,7 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
         engine_dtype = getattr(target, "dtype", None)
         return search(target, reference, target.components, tolerances=tolerances, prompts=prompts, budget=budget,
                       probes=probes, progress=progress, dtype=engine_dtype,
-                      floor=floor if floor is not None else stored_floor(reference, engine_dtype or "", directory))
+                      floor=floor if floor is not None else stored_floors(reference, directory).get(engine_dtype or ""))
     arch = architecture(target.config, type(target).__name__)
     indices = check_inputs(reference, architecture=arch, vocab_size=target.config.vocab_size,
                            what=f"the target ({type(target).__name__})", prompts=prompts, label=label)
@@ -220,7 +220,7 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
 
         name = dtype_name(dtype)
         floor, floor_seconds = ((floor, 0.0) if floor is not None else
-                                floor_for(reference, dtype, directory, indices, clean))
+                                floor_for(reference, dtype, directory, indices, clean, compile=compile))
         drift_of = None
         if clean is not None and floor is not None:
             def drift_of(names):

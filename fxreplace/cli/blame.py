@@ -26,7 +26,8 @@ def run(args) -> int:
     reference_caveat(args, reference)  # refused here; blame() states the caveat
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: blame_state(args)
-    floor = noise_floor(args, reference)  # the clean model, if measured, is gone before the target loads
+    # the clean model, if measured, is gone before the target loads
+    floor = noise_floor(args, reference, spec.floor_program(request))
     try:
         opened = spec.open_blame(request)  # an engine may refuse the reference (e.g. vLLM: no components recorded)
     except BlameError as e:

@@ -68,7 +68,8 @@ def _add_capture(command) -> None:
                          help="record this component instead of the family's (repeatable)")
     capture.add_argument("--noise-floor", choices=LOW_PRECISION, metavar="DTYPE",
                          help="also measure the noise floor: the model in DTYPE (bfloat16, float16) teacher-forced "
-                              "against this reference; stored in it, it gives validate's and blame's verdicts a scale")
+                              "against this reference; stored in it, it gives validate's and blame's verdicts a scale "
+                              "(with --compile also the floor of the compiled program, which validate --compile reads)")
     add_dispatch_arguments(capture, "the reference (and --noise-floor's model)")
     add_engine_arguments(capture, "runner", "runner: the HF model in this process, in float32")
     capture.add_argument("--dtype", choices=DTYPES, default="float32", help="--engine vllm: the engine's dtype")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..dtypes import is_full_precision
 from ..engines.registry import EngineRun, EngineSpec, get_engine
-from ..floor import FloorFileError, check_reference_precision, floor_for
+from ..floor import FloorFileError, check_reference_precision, floor_for, stored_floors
 from ..loading import check_reference_matches, check_vocab, load_model, load_tokenizer, model_architecture
 from ..store.format import FLOOR_FILE
 from .args import UsageError
@@ -46,11 +46,13 @@ def gates_on_floor(args) -> bool:
     return any(c.startswith("floor=") for c in getattr(args, "fail_on", None) or [])
 
 
-def noise_floor(args, reference):
-    """The noise floor for ``args.dtype``: stored in the reference (``capture --noise-floor``) when it
-    covers its prompts, else measured from ``--clean``; None for a float32 target or when neither is
-    at hand (a ``--fail-on floor=K`` then refuses before any pass). A stored floor that cannot be read,
-    or that covers other prompts while no ``--clean`` can measure one, is refused before the target loads."""
+def noise_floor(args, reference, compile: str | None = None):
+    """The noise floor for ``args.dtype`` of the program the target runs (``compile``: the torch.compile
+    backend of the runner's compiled program, None: eager): stored in the reference (``capture
+    --noise-floor``) when it covers its prompts, else measured from ``--clean``; None for a float32
+    target or when neither is at hand (a ``--fail-on floor=K`` then refuses before any pass). A stored
+    floor that cannot be read, that covers other prompts while no ``--clean`` can measure one, or that
+    is another program's while the gate needs this one's, is refused before the target loads."""
     if is_full_precision(args.dtype):
         if gates_on_floor(args):
             raise UsageError(f"--fail-on floor=K scores a target below float32 against its noise floor; this target "
@@ -66,7 +68,8 @@ def noise_floor(args, reference):
         return model
     try:
         floor, _ = floor_for(reference, torch_dtype(args.dtype), args.reference,
-                             clean=clean if getattr(args, "clean", None) else None, progress=True)
+                             clean=clean if getattr(args, "clean", None) else None, progress=True, compile=compile)
+        others = [f for f in stored_floors(reference, args.reference).values() if f.dtype == args.dtype]
     except FloorFileError as e:
         raise UsageError(str(e), f"capture the reference again with `--noise-floor {args.dtype}`") from None
     if floor is not None and floor.covers(range(reference.num_prompts)):
@@ -76,6 +79,17 @@ def noise_floor(args, reference):
                          f"{sorted(floor.prompts)[:5]} but the reference holds {reference.num_prompts}: it was measured "
                          "on another capture", f"give the clean model as --clean MODEL to measure it on these prompts, "
                          f"or capture the reference again with `--noise-floor {args.dtype}`")
+    if others:  # of another program: its kernels round otherwise, so it does not scale this target
+        program = f"compiled with {compile}" if compile else "eager"
+        held = ", ".join(f.programme for f in others)
+        if gates_on_floor(args):
+            raise UsageError(f"--fail-on floor=K needs the noise floor of the program gated (the reference in "
+                             f"{args.dtype}, {program}), and {args.reference} holds {held}: a floor of another program "
+                             "does not scale this one", f"capture the reference with `--noise-floor {args.dtype}"
+                             f"{' --compile' if compile else ''}`, or give the clean model as --clean MODEL")
+        print(f"noise floor: none of this program ({args.dtype}, {program}) in {args.reference}, which holds {held}: "
+              "the verdict has no scale")
+        return None
     if gates_on_floor(args):
         raise UsageError(f"--fail-on floor=K needs the noise floor in {args.dtype}, and {args.reference} holds none",
                          f"capture the reference with `--noise-floor {args.dtype}`, or give the clean model as "

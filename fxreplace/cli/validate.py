@@ -19,7 +19,8 @@ def run(args) -> int:
     caveat = reference_caveat(args, reference)
     check_writable_dir(args.report_dir, "--report-dir")
     args.produced.describe = lambda: f"no report written ({folder_state(args.report_dir, '--report-dir')})"
-    floor = noise_floor(args, reference)  # the clean model, if measured, is gone before the target loads
+    # the clean model, if measured, is gone before the target loads
+    floor = noise_floor(args, reference, spec.floor_program(request))
     opened = spec.open_validation(request)
     try:
         if opened.description:

@@ -113,7 +113,11 @@ class EngineSpec:
       from the clean model as the search needs them); any other given is refused before anything loads;
     * ``check_options(options)``: refuses, before anything loads, engine options (``--engine-args``)
       with which the engine cannot start here;
-    * ``capture``: how it captures a reference (:class:`CaptureSpec`; None: it cannot).
+    * ``capture``: how it captures a reference (:class:`CaptureSpec`; None: it cannot);
+    * ``floor_compile``: whether the noise floor (:mod:`fxreplace.floor`, the reference model in the
+      target's dtype on fxreplace's runner) that scales a target of this engine is the runner's compiled
+      program: its torch.compile backend when ``run`` compiles the target, the eager floor when None
+      (e.g. vLLM: its kernels are not the runner's either way).
     """
 
     name: str
@@ -124,10 +128,15 @@ class EngineSpec:
     takes: frozenset = frozenset()
     check_options: Callable[[dict], None] | None = None
     capture: CaptureSpec | None = None
+    floor_compile: str | None = None
 
     def compiled(self, run: EngineRun) -> bool:
         """Whether ``run`` compiles the target."""
         return self.compiles if run.compile is None else bool(run.compile)
+
+    def floor_program(self, run: EngineRun) -> str | None:
+        """The torch.compile backend of the noise floor that scales ``run``'s target (None: the eager floor)."""
+        return self.floor_compile if self.compiled(run) else None
 
 
 @dataclass

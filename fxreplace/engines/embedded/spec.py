@@ -18,6 +18,10 @@ from ..registry import CaptureRun, CaptureSpec, Captured, EngineRun, EngineSpec,
 from .runner import Runner, RunnerConfig
 
 
+#: the torch.compile backend a compiled target runs under (validate, blame; its noise floor's program)
+BACKEND = "inductor"
+
+
 def open_validation(run: EngineRun) -> Opened:
     """The target in ``run.dtype`` with its targets instrumented, teacher-forced by one runner
     whose prefill bucket holds the longest reference sequence."""
@@ -48,9 +52,9 @@ def open_validation(run: EngineRun) -> Opened:
                                    max_len=2 * bucket, teacher_forcing=True),
         dtype=as_dtype(run.dtype),
         observed=target,
-        compile="inductor" if compiled else None,
+        compile=BACKEND if compiled else None,
     )
-    description = (f"target: {run.model} in {run.dtype}, {'compiled (inductor)' if compiled else 'eager'}, "
+    description = (f"target: {run.model} in {run.dtype}, {f'compiled ({BACKEND})' if compiled else 'eager'}, "
                    f"prefill bucket {bucket} tokens, decode batch {runner.cfg.batch_buckets[0]}; "
                    f"{reference.num_prompts} prompts")
     return Opened(runner, description, getattr(model.config, "num_experts_per_tok", None), targets)
@@ -68,9 +72,10 @@ def capture(run: CaptureRun) -> Captured:
     """The model's own eager forwards in this process, in float32 (or placed by ``run.dispatch``):
     the family's targets (or ``run.targets``), the blame components asked for, then the noise
     floor of ``run.noise_floor`` measured against what was captured."""
-    if run.compile:
-        raise SetupError("--compile: the runner captures the model's own eager forwards (the reference)",
-                         "leave --compile out, or capture with --engine vllm")
+    if run.compile and not run.noise_floor:
+        raise SetupError("--compile: the runner captures the model's own eager forwards (the reference); --compile "
+                         "says which program's noise floor --noise-floor measures beside the eager one",
+                         "leave --compile out, give --noise-floor DTYPE with it, or capture with --engine vllm")
     model = load_model(run.model, dispatch=run.dispatch, device=run.device)
     prompts = checked_prompts(run.prompts, model.config.vocab_size, run.prompts_source)
     components = run.components
@@ -92,14 +97,16 @@ def capture(run: CaptureRun) -> Captured:
     if run.noise_floor:
         del model  # the floor's model is loaded in its dtype, as validate and blame load the target
         dtype = as_dtype(run.noise_floor)
-        floor = measure_floor(load_model(run.model, dtype, run.dispatch, run.device), load_reference(run.out), dtype,
-                              progress=True)
-        save_floor(floor, run.out)
-        whole = floor.aggregate(range(reference.num_prompts))
-        captured.lines.append(
-            f"noise floor (the model in {floor.dtype}, {floor.seconds:.1f} s): mean KL {whole['mean_kl']:.3g}, mean "
-            f"top-5 error {whole['mean_top5_error']:.3g}, {whole['prompts_diverged']} of {reference.num_prompts} "
-            "prompts diverge")
+        clean, stored = load_model(run.model, dtype, run.dispatch, run.device), load_reference(run.out)
+        # the eager program's floor, and with --compile the compiled one's (validate --compile gates on that)
+        for backend in (None, BACKEND) if run.compile else (None,):
+            floor = measure_floor(clean, stored, dtype, progress=True, compile=backend)
+            save_floor(floor, run.out)
+            whole = floor.aggregate(range(reference.num_prompts))
+            captured.lines.append(
+                f"noise floor ({floor.programme.replace('the reference', 'the model')}, {floor.seconds:.1f} s): mean KL "
+                f"{whole['mean_kl']:.3g}, mean top-5 error {whole['mean_top5_error']:.3g}, {whole['prompts_diverged']} "
+                f"of {reference.num_prompts} prompts diverge")
     return captured
 
 
@@ -124,6 +131,7 @@ ENGINE = register_engine(EngineSpec(
     open_validation=open_validation,
     open_blame=open_blame,
     compiles=False,
+    floor_compile=BACKEND,
     takes=frozenset({"--clean", "--component", "--bucket", "--device"}),
     capture=CaptureSpec(capture, takes=frozenset({"--component", "--components", "--noise-floor", "--device-map",
                                                   "--max-memory", "--offload-folder", "--device"}), replaces=True),
