@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 MATCHED, WITHIN_TOLERANCE, DIVERGED = "matched", "within_tolerance", "diverged"
+#: Which forward computed a step's logits: a request's prefill (its first step) or a decode step with the KV cache.
+PREFILL, DECODE = "prefill", "decode"
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,56 @@ def topk_agreement(reference: torch.Tensor, target: torch.Tensor, k: int) -> tor
     ref = reference.float().topk(k, dim=-1).indices.sort(-1).values
     tgt = target.float().topk(k, dim=-1).indices.sort(-1).values
     return (ref == tgt).all(-1)
+
+
+def phase_counts(steps) -> dict:
+    """Per phase of the ``steps`` (each with ``phase`` and ``status``): ``{"steps", "diverged"}``."""
+    out = {}
+    for s in steps:
+        counts = out.setdefault(s.phase, {"steps": 0, "diverged": 0})
+        counts["steps"] += 1
+        counts["diverged"] += s.status == DIVERGED
+    return out
+
+
+def diverging_phase(phases: dict) -> str | None:
+    """The one phase whose steps diverge while every step of the other does not (``decode``: the
+    prefill matches and only decode diverges, or the reverse); None when both or neither do."""
+    if set(phases) != {PREFILL, DECODE}:
+        return None
+    diverged = [p for p in (PREFILL, DECODE) if phases[p]["diverged"]]
+    return diverged[0] if len(diverged) == 1 else None
+
+
+#: What a divergence confined to one phase says about where the fault is.
+PHASE_MEANING = {
+    DECODE: "a fault that arises only in decode, with the KV cache (the positions of cached tokens, the cached keys "
+            "and values, the window): a forward without a cache does not show it",
+    PREFILL: "a fault that arises only in the prefill (the prompt at once), or one the decode steps do not reach (an "
+             "expert none of their tokens is routed to)",
+}
+
+
+def phase_clue(mode_summary: dict) -> str:
+    """One sentence naming, per prompt of one mode's validation summary, those whose prefill steps
+    match while only their decode steps diverge, or the reverse ("" when no prompt is so): the clue
+    to a fault in incremental decoding. Validation's verdict says it; blame's can (its summaries
+    are validation summaries)."""
+    parts = []
+    for phase, other in ((DECODE, PREFILL), (PREFILL, DECODE)):
+        prompts = {p: s["phases"] for p, s in mode_summary["prompts"].items() if s.get("diverges_in") == phase}
+        if not prompts:
+            continue
+        steps = sum(ph[other]["steps"] for ph in prompts.values())
+        diverged = sum(ph[phase]["diverged"] for ph in prompts.values())
+        total = sum(ph[phase]["steps"] for ph in prompts.values())
+        parts.append(f"on {plural(len(prompts), 'prompt')} ({', '.join(map(str, prompts))}) the {other} steps match "
+                     f"({steps} of {steps} within tolerance) and only the {phase} steps diverge ({diverged} of {total}): "
+                     f"{PHASE_MEANING[phase]}")
+    if not parts:
+        return ""
+    text = "; ".join(parts) + "."
+    return text[0].upper() + text[1:]
 
 
 #: A replacement *explains* a divergence when it removes at least EXPLAINS of both the mean

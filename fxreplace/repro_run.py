@@ -175,7 +175,8 @@ def worst(outputs, references, compared) -> list[float]:
 
 #: Where a fault in one kind of call only arises, as the verdict says it.
 ARISES = {DECODE: "decode, with the cache of earlier positions (the cached keys and values it reads, their positions)",
-          PREFILL: "the prefill, over the prompt at once with an empty cache"}
+          PREFILL: "the prefill, over the prompt at once with an empty cache, or the decode calls held do not reach it "
+                   "(an expert none of their tokens is routed to)"}
 
 
 def verdict(eager: list[float], backend: list[float] | None, kinds: list[str], name: str, tolerance: float,
