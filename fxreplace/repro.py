@@ -180,7 +180,8 @@ def _cache_state(cache, layers_read: list[int], module_name: str, decoding: bool
     for i in layers_read:
         layer = cache.layers[i] if i < len(cache.layers) else None
         if layer is None or not isinstance(getattr(layer, "keys", None), torch.Tensor):
-            return CacheState({}, f"its cache layer {i} ({type(layer).__name__}) holds no keys and values")
+            return CacheState({}, f"its cache layer {i} is a {type(layer).__name__}, not keys and values (the "
+                                  "only state a repro rebuilds)")
         layers[i] = (_detach(layer.keys), _detach(layer.values))
     return CacheState(layers)
 

@@ -210,7 +210,7 @@ def verdict(eager: list[float], backend: list[float] | None, kinds: list[str], n
     where = "eager" if backend is None else f"eager and {name}"
     calls = " and ".join(held)
     if missing:
-        return (f"not conclusive: {where} match the reference within {tolerance:.3g} on every {calls} call held"
+        return (f"not conclusive: the {calls} calls held match the reference within {tolerance:.3g} in {where}"
                 f"{missing}: this folder cannot say whether the component is at fault there"), EXIT_INCOMPLETE
     return f"agrees: {where} match the reference within {tolerance:.3g} on every input ({calls} calls)", EXIT_AGREES
 

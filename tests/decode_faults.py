@@ -1,11 +1,14 @@
-"""Faults that arise only in incremental decoding, planted as code in the attention classes of
-Llama and Qwen3-MoE: a full forward (prefill, or one without a cache) never sees them.
+"""Faults that arise in one phase only, planted as code in the attention classes of Llama and
+Qwen3-MoE. The decode faults arise only in incremental decoding: a full forward (a prefill, or
+one without a cache) never sees them. The prefill fault is the reverse: it scales the attention's
+output in a prefill only, so the cached keys and values stay right and decode steps stay exact.
 
-The fault a model carries is named by its config (``planted_decode_fault``, saved in its
+The fault a model carries is named by its config (``planted_phase_fault``, saved in its
 config.json with the checkpoint), so a checkpoint directory keeps it: any process that imports
 this module (:func:`install`) and loads that directory runs the faulty attention; the clean
 model, without the attribute, runs HF's own code. A fault is active only in the layer
-``planted_decode_layer`` and only when the cache already holds earlier positions of it.
+``planted_phase_fault_layer``: a decode fault when the cache already holds earlier positions of it, the
+prefill fault when it holds none.
 """
 
 from __future__ import annotations
@@ -18,16 +21,19 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 #: position_off_by_one: the new token's query and key rotated as the next position's;
 #: rope_again: every key read from the cache rotated once more, by the new token's angle.
-FAULTS = ("position_off_by_one", "rope_again")
+DECODE_FAULTS = ("position_off_by_one", "rope_again")
+#: prefill_output_scaled: the attention's output 1.5x in a prefill (what it caches is right).
+PREFILL_FAULT = "prefill_output_scaled"
+FAULTS = (*DECODE_FAULTS, PREFILL_FAULT)
 ATTENTIONS = (modeling_llama.LlamaAttention, modeling_qwen3_moe.Qwen3MoeAttention)
 
 
 def plant(model, fault: str, layer: int):
     """``model`` with ``fault`` in layer ``layer``'s attention (in its config, which a checkpoint saves)."""
     if fault not in FAULTS:
-        raise ValueError(f"unknown decode fault {fault!r}; one of {FAULTS}")
+        raise ValueError(f"unknown planted fault {fault!r}; one of {FAULTS}")
     install()
-    model.config.planted_decode_fault, model.config.planted_decode_layer = fault, layer
+    model.config.planted_phase_fault, model.config.planted_phase_fault_layer = fault, layer
     return model
 
 
@@ -41,13 +47,16 @@ def install() -> None:
 def _faulty(forward):
     @functools.wraps(forward)
     def patched(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        fault = getattr(self.config, "planted_decode_fault", None)
-        if fault and self.layer_idx == self.config.planted_decode_layer and _holds_earlier(past_key_values, self.layer_idx):
-            if fault == "position_off_by_one":
-                position_embeddings = _one_position_later(self.config, self.head_dim, *position_embeddings)
-            else:
-                past_key_values = _RotatingCache(past_key_values, *position_embeddings)
-        return forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        fault = getattr(self.config, "planted_phase_fault", None)
+        if not fault or self.layer_idx != self.config.planted_phase_fault_layer:
+            return forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        decoding = _holds_earlier(past_key_values, self.layer_idx)
+        if fault == "position_off_by_one" and decoding:
+            position_embeddings = _one_position_later(self.config, self.head_dim, *position_embeddings)
+        elif fault == "rope_again" and decoding:
+            past_key_values = _RotatingCache(past_key_values, *position_embeddings)
+        output, weights = forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        return (output * 1.5 if fault == PREFILL_FAULT and not decoding else output), weights
 
     patched.planted = True
     return patched
