@@ -320,9 +320,9 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
             except ReproError as e:
                 why = str(e)
         if why:
-            unrecorded[kind] = f"its {len(mine)} {kind} calls cannot be replayed: {why}"
+            unrecorded[kind] = why
     if not programs:
-        raise ReproError(f"{component.module_name}: " + "; ".join(unrecorded.values()))
+        raise ReproError(f"{component.module_name}: no call can be replayed: " + "; ".join(unrecorded.values()))
     out = _fresh_dir(Path(out))  # a previous repro there goes only now, once this one can be written
     for kind, program in programs.items():
         program.example_inputs = None  # torch.export would store them as a pickle
@@ -419,7 +419,7 @@ def _readme(meta: dict) -> str:
                  "it before loading them.\n") if meta["op_libraries"] else ""
     kept = {kind: sum(i["call"] == kind for i in meta["inputs"]) for kind in meta["programs"]}
     calls = "; ".join([f"{n} of its {meta['calls'][kind]} {kind} calls" for kind, n in kept.items()]
-                      + [f"not its {kind} calls: {why.split(': ', 1)[1]}" for kind, why in meta["unrecorded"].items()])
+                      + repro_run.unrecorded(meta))
     return f"""# Repro: {meta['component']}
 
 The target's `{meta['module_name']}` ({meta['module']}, {meta['kind']}, layer {meta['layer']}) in

@@ -179,12 +179,18 @@ ARISES = {DECODE: "decode, with the cache of earlier positions (the cached keys 
                    "(an expert none of their tokens is routed to)"}
 
 
+def unrecorded(meta: dict) -> list[str]:
+    """Per kind of call the folder could not record, one line saying so and why."""
+    return [f"its {meta['calls'][kind]} {kind} calls cannot be replayed: {why}" for kind, why in meta["unrecorded"].items()]
+
+
 def verdict(eager: list[float], backend: list[float] | None, kinds: list[str], name: str, tolerance: float,
-            unrecorded: dict[str, str] | None = None) -> tuple[str, int]:
+            missing: list[str] = ()) -> tuple[str, int]:
     """The first thing to fix and in which kinds of call (``kinds``: each input's), and the exit
-    status. A kind of call the folder could not record (``unrecorded``: why) keeps it from "agrees"."""
+    status. A kind of call the folder could not record (``missing``: :func:`unrecorded`'s lines)
+    keeps it from "agrees"."""
     held = list(dict.fromkeys(kinds))
-    missing = "".join(f"; {why}" for why in (unrecorded or {}).values())
+    missing = "".join(f"; {line}" for line in missing)
 
     def by_kind(errors):
         return {kind: max(e for e, k in zip(errors, kinds) if k == kind) for kind in held}
@@ -249,8 +255,8 @@ def run(directory: str | Path, backend: str = "eager", bisect_stages: bool = Fal
     print(f"{meta['component']} ({meta.get('kind') or 'component'}, {meta['module']}) of {meta.get('target')}, "
           f"{meta['dtype']}: {held} calls from the reference run of {meta.get('model')}; "
           f"compared: {', '.join(meta['outputs'][k]['name'] for k in repro.compared)}")
-    for why in meta["unrecorded"].values():
-        print(f"not recorded: {why}")
+    for line in unrecorded(meta):
+        print(f"not recorded: {line}")
     eager_out = repro.run("eager")
     eager = worst(eager_out, repro.outputs, repro.compared)
     compiled = against_eager = None
@@ -265,7 +271,7 @@ def run(directory: str | Path, backend: str = "eager", bisect_stages: bool = Fal
     for i, item in enumerate(meta["inputs"]):
         line = f"{i:>5} {item['prompt']:>6} {item['call']:>7} {item['cached']:>6} {item['tokens']:>6} {eager[i]:>13.3g}"
         print(line + (f" {compiled[i]:>{wide}.3g} {against_eager[i]:>{wider}.3g}" if compiled is not None else ""))
-    text, status = verdict(eager, against_eager, repro.kinds, name, tolerance, meta["unrecorded"])
+    text, status = verdict(eager, against_eager, repro.kinds, name, tolerance, unrecorded(meta))
     print(f"verdict: {text}")
     if bisect_stages:
         if max(against_eager) <= tolerance:

@@ -178,11 +178,20 @@ def test_a_call_whose_cache_cannot_be_recorded_is_named_never_agrees(tmp_path, c
                              layer_types=["linear_attention", "full_attention"], initializer_range=0.2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    reference = capture_reference(model, [[5, 9, 33, 17, 8, 90], [4, 8, 15, 16, 23, 42, 7]],
-                                  [Target("model.layers.*.mlp.gate")], 4, progress=False)
-    out = write_repro(model, model, reference, "model.layers.0.linear_attn", tmp_path / "repro", inputs=2)
+    model.save_pretrained(tmp_path / "model")
+    capture_reference(model, [[5, 9, 33, 17, 8, 90], [4, 8, 15, 16, 23, 42, 7]], [Target("model.layers.*.mlp.gate")], 4,
+                      progress=False).save(tmp_path / "ref")
+    out = tmp_path / "repro"
+    capsys.readouterr()
+    assert cli(["repro", "write", str(tmp_path / "model"), "--reference", str(tmp_path / "ref"), "--clean",
+                str(tmp_path / "model"), "--component", "model.layers.0.linear_attn", "--dtype", "float32",
+                "--inputs", "2", "--out", str(out)]) == 0
+    written = capsys.readouterr().out
+    assert "(2 prefill calls)" in written and "not recorded: its 6 decode calls cannot be replayed" in written, written
     meta = json.loads((out / repro_run.META).read_text())
-    assert list(meta["programs"]) == [PREFILL] and "its 6 decode calls cannot be replayed" in meta["unrecorded"][DECODE]
+    assert list(meta["programs"]) == [PREFILL] and meta["calls"] == {PREFILL: 2, DECODE: 6}
+    assert meta["unrecorded"][DECODE].startswith("its cache layer 0 is a LinearAttentionLayer, not keys and values")
+    assert "its 6 decode calls cannot be replayed: its cache layer 0" in (out / "README.md").read_text()
     capsys.readouterr()
     assert repro_run.run(out) == repro_run.EXIT_INCOMPLETE
     printed = capsys.readouterr().out

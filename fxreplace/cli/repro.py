@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..loading import load_model
 from ..repro import README, ReproError, blamed_component, check_out_dir, write_repro
-from ..repro_run import META
+from ..repro_run import META, unrecorded
 from ..repro_run import ReproError as RunError
 from ..repro_run import run as run_repro
 from .args import UsageError
@@ -49,8 +49,8 @@ def write(args) -> int:
     held = " and ".join(f"{sum(i['call'] == kind for i in meta['inputs'])} {kind}" for kind in meta["programs"])
     print(f"repro of {component} ({held} calls) -> {out}; run it: fxreplace repro run {out} --backend inductor "
           f"(or python {out / 'run.py'} --backend inductor)")
-    for why in meta["unrecorded"].values():
-        print(f"not recorded: {why}")
+    for line in unrecorded(meta):
+        print(f"not recorded: {line}")
     return 0
 
 
