@@ -105,23 +105,35 @@ def topk_agreement(reference: torch.Tensor, target: torch.Tensor, k: int) -> tor
     return (ref == tgt).all(-1)
 
 
+#: A divergence is confined to one phase only when that phase's mean top-5 error is at least
+#: PHASE_CONTRAST times the other phase's largest: a precision drift (bf16) alone leaves both alike,
+#: and one prefill step per prompt within tolerance beside a few diverged decode steps says nothing.
+PHASE_CONTRAST = 10.0
+
+
 def phase_counts(steps) -> dict:
-    """Per phase of the ``steps`` (each with ``phase`` and ``status``): ``{"steps", "diverged"}``."""
+    """Per phase of the ``steps`` (each with ``phase``, ``status``, ``top5_error``, ``nan``):
+    ``{"steps", "diverged", "mean_top5_error", "max_top5_error"}`` (NaN logits count as an infinite error)."""
     out = {}
-    for s in steps:
-        counts = out.setdefault(s.phase, {"steps": 0, "diverged": 0})
-        counts["steps"] += 1
-        counts["diverged"] += s.status == DIVERGED
+    for phase in dict.fromkeys(s.phase for s in steps):
+        errors = [float("inf") if s.nan else s.top5_error for s in steps if s.phase == phase]
+        out[phase] = {"steps": len(errors), "diverged": sum(s.status == DIVERGED for s in steps if s.phase == phase),
+                      "mean_top5_error": sum(errors) / len(errors), "max_top5_error": max(errors)}
     return out
 
 
 def diverging_phase(phases: dict) -> str | None:
-    """The one phase whose steps diverge while every step of the other does not (``decode``: the
-    prefill matches and only decode diverges, or the reverse); None when both or neither do."""
+    """The one phase whose steps diverge while no step of the other does, by far (``decode``: the
+    prefill matches and only decode diverges, or the reverse; see :data:`PHASE_CONTRAST`); None
+    when both or neither do, or when the two phases' errors are alike."""
     if set(phases) != {PREFILL, DECODE}:
         return None
     diverged = [p for p in (PREFILL, DECODE) if phases[p]["diverged"]]
-    return diverged[0] if len(diverged) == 1 else None
+    if len(diverged) != 1:
+        return None
+    other = DECODE if diverged[0] == PREFILL else PREFILL
+    far = phases[diverged[0]]["mean_top5_error"] >= PHASE_CONTRAST * phases[other]["max_top5_error"]
+    return diverged[0] if far else None
 
 
 #: What a divergence confined to one phase says about where the fault is.
@@ -143,11 +155,14 @@ def phase_clue(mode_summary: dict) -> str:
         prompts = {p: s["phases"] for p, s in mode_summary["prompts"].items() if s.get("diverges_in") == phase}
         if not prompts:
             continue
-        steps = sum(ph[other]["steps"] for ph in prompts.values())
-        diverged = sum(ph[phase]["diverged"] for ph in prompts.values())
-        total = sum(ph[phase]["steps"] for ph in prompts.values())
+        matching = [ph[other] for ph in prompts.values()]
+        diverging = [ph[phase] for ph in prompts.values()]
+        total = sum(ph["steps"] for ph in diverging)
+        mean = sum(ph["mean_top5_error"] * ph["steps"] for ph in diverging) / total
         parts.append(f"on {plural(len(prompts), 'prompt')} ({', '.join(map(str, prompts))}) the {other} steps match "
-                     f"({steps} of {steps} within tolerance) and only the {phase} steps diverge ({diverged} of {total}): "
+                     f"({sum(ph['steps'] for ph in matching)} steps, top-5 error at most "
+                     f"{max(ph['max_top5_error'] for ph in matching):.3g}) and only the {phase} steps diverge "
+                     f"({sum(ph['diverged'] for ph in diverging)} of {total}, mean top-5 error {mean:.3g}): "
                      f"{PHASE_MEANING[phase]}")
     if not parts:
         return ""

@@ -68,7 +68,8 @@ def test_validate_says_the_prefill_matches_and_only_decode_diverges(case, tmp_pa
     prompts = result["summary"]["off"]["prompts"]
     assert all(p["diverges_in"] == DECODE and p["phases"][DECODE]["diverged"] > 0 for p in prompts.values()), prompts
     verdict = printed.split("verdict: ", 1)[1]
-    assert "On 3 prompts (0, 1, 2) the prefill steps match (3 of 3 within tolerance) and only the decode steps" in verdict
+    assert "On 3 prompts (0, 1, 2) the prefill steps match (3 steps, top-5 error at most " in verdict
+    assert "and only the decode steps diverge (" in verdict
     assert "a fault that arises only in decode, with the KV cache" in verdict
     assert "only the decode steps diverge" in result["verdict"]["sentence"]
 
@@ -145,7 +146,8 @@ def test_a_prefill_only_fault_is_named_the_reverse_way(tmp_path, capsys):
     result, printed = validate(tmp_path / "target", reference, tmp_path / "report", capsys)
     prompts = result["summary"]["off"]["prompts"]
     assert all(p["diverges_in"] == PREFILL for p in prompts.values()), prompts
-    assert "the decode steps match (15 of 15 within tolerance) and only the prefill steps diverge (3 of 3)" in printed
+    assert "On 3 prompts (0, 1, 2) the decode steps match (15 steps, top-5 error at most " in printed
+    assert "and only the prefill steps diverge (3 of 3, mean top-5 error " in printed
     out = write_repro(target, clean, reference, ATTENTION, tmp_path / "repro", inputs=2)
     capsys.readouterr()
     assert repro_run.run(out) == repro_run.EXIT_DISAGREES
@@ -164,6 +166,24 @@ def test_a_fault_in_both_phases_names_neither(tmp_path, capsys):
     prompts = result["summary"]["off"]["prompts"]
     assert all(p["phases"][PREFILL]["diverged"] and p["diverges_in"] is None for p in prompts.values()), prompts
     assert "steps match" not in printed and "arises only" not in printed
+
+
+def test_precision_drift_names_no_phase(tmp_path, capsys):
+    """A bf16 target drifts in prefill and decode alike: a prefill step within tolerance beside
+    diverged decode steps is not a decode fault (the phase's errors must differ by PHASE_CONTRAST)."""
+    clean = tiny_model("Qwen3MoeForCausalLM")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 128, (n,), generator=g).tolist() for n in (6, 9, 12, 7, 10, 8)]
+    capture_reference(clean, prompts, get_family("Qwen3MoeForCausalLM").targets, 12, progress=False).save(tmp_path / "ref")
+    clean.save_pretrained(tmp_path / "target")
+    capsys.readouterr()
+    assert cli(["validate", str(tmp_path / "target"), "--reference", str(tmp_path / "ref"), "--dtype", "bfloat16",
+                "--report-dir", str(tmp_path / "report")]) == 0
+    printed = capsys.readouterr().out
+    prompts = json.loads((tmp_path / "report" / "result.json").read_text())["summary"]["off"]["prompts"]
+    decode_alone = [p for p in prompts.values() if p["phases"][DECODE]["diverged"] and not p["phases"][PREFILL]["diverged"]]
+    assert decode_alone, prompts  # what a rule on the diverged counts alone would call a decode fault
+    assert all(p["diverges_in"] is None for p in prompts.values()) and "steps match" not in printed
 
 
 def test_a_call_whose_cache_cannot_be_recorded_is_named_never_agrees(tmp_path, capsys):
