@@ -330,8 +330,8 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
         repro_run.check_no_pickle(out / repro_run.PROGRAMS[kind])
     save_file({f"{i}.{j}": t.contiguous() for i, (c, _) in enumerate(kept) for j, t in enumerate(_tensors(c, dtype))},
               out / repro_run.INPUTS)
-    save_file({f"{i}.{k}": x.contiguous() for i, (c, _) in enumerate(kept) for k, (_, x) in enumerate(_outputs(c.output))},
-              out / repro_run.OUTPUTS)
+    save_file({f"{i}.{k}": x.contiguous() for i, (c, _) in enumerate(kept)
+               for k, (_, x) in enumerate(_outputs(c.output))}, out / repro_run.OUTPUTS)
     source = dict(source or {})
     tokens = {p: list(ids) + list(forced) for p, (ids, forced) in zip(indices, runs)}
     meta = {

@@ -75,7 +75,8 @@ class Repro:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         if not (self.directory / META).is_file():
-            raise ReproError(f"{self.directory} is not a repro folder: it lacks {META} (written by `fxreplace repro write`)")
+            raise ReproError(f"{self.directory} is not a repro folder: it lacks {META} "
+                             "(written by `fxreplace repro write`)")
         self.meta = json.loads((self.directory / META).read_text())
         if self.meta.get("format") != FORMAT:
             raise ReproError(f"{self.directory} was written by another fxreplace (repro format "
@@ -181,7 +182,8 @@ ARISES = {DECODE: "decode, with the cache of earlier positions (the cached keys 
 
 def unrecorded(meta: dict) -> list[str]:
     """Per kind of call the folder could not record, one line saying so and why."""
-    return [f"its {meta['calls'][kind]} {kind} calls cannot be replayed: {why}" for kind, why in meta["unrecorded"].items()]
+    return [f"its {meta['calls'][kind]} {kind} calls cannot be replayed: {why}"
+            for kind, why in meta["unrecorded"].items()]
 
 
 def verdict(eager: list[float], backend: list[float] | None, kinds: list[str], name: str, tolerance: float,

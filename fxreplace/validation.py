@@ -310,8 +310,9 @@ def _validate_mode(engine: Engine, reference: Reference, result: ValidationResul
             retry = rounds  # forced steps after a divergence count as the retry that would compute them
             for j, m in enumerate(compared):
                 step = start + j
+                phase = PREFILL if j == 0 else DECODE  # a request's first step: its prefill computed it
                 result.steps.append(StepRecord(**vars(m), mode=mode, prompt=p, step=step, round=retry, req_id=gen.req_id,
-                                               phase=PREFILL if j == 0 else DECODE))  # a request's first step: its prefill
+                                               phase=phase))
                 covered[p] = step + 1
                 if m.nan:
                     stopped.add(p)

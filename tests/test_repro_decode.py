@@ -63,7 +63,8 @@ def test_validate_says_the_prefill_matches_and_only_decode_diverges(case, tmp_pa
     _, reference, _, target_dir = case
     result, printed = validate(target_dir, reference, tmp_path, capsys)
     off = [s for s in result["steps"] if s["mode"] == "off"]
-    assert {s["phase"] for s in off if s["step"] == 0} == {PREFILL} and {s["phase"] for s in off if s["step"]} == {DECODE}
+    assert {s["phase"] for s in off if s["step"] == 0} == {PREFILL}
+    assert {s["phase"] for s in off if s["step"]} == {DECODE}
     assert all(s["status"] == MATCHED for s in off if s["phase"] == PREFILL)  # the planted code never runs there
     prompts = result["summary"]["off"]["prompts"]
     assert all(p["diverges_in"] == DECODE and p["phases"][DECODE]["diverged"] > 0 for p in prompts.values()), prompts
@@ -77,8 +78,9 @@ def test_validate_says_the_prefill_matches_and_only_decode_diverges(case, tmp_pa
 def test_repro_of_a_decode_fault_disagrees_in_its_decode_calls(case, tmp_path, capsys):
     clean, reference, target, _ = case
     out = write_repro(target, clean, reference, ATTENTION, tmp_path / "repro", inputs=2)
-    assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", "decode.pt2", "prefill.pt2", "inputs.safetensors",
-                                                           "reference_outputs.safetensors", "repro.json", "run.py"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["README.md", "decode.pt2", "prefill.pt2", "inputs.safetensors", "reference_outputs.safetensors", "repro.json",
+         "run.py"])
     capsys.readouterr()
     assert repro_run.run(out) == repro_run.EXIT_DISAGREES
     printed = capsys.readouterr().out
@@ -104,13 +106,20 @@ def test_a_clean_component_agrees_in_prefill_and_decode_under_aot_eager(case, tm
     printed = capsys.readouterr().out
     assert "verdict: agrees: eager and aot_eager match the reference within 0.001 on every input (prefill and decode " \
            "calls)" in printed
+    meta = json.loads((out / repro_run.META).read_text())  # a folder of the one-program layout: its own run.py runs it
+    (out / repro_run.META).write_text(json.dumps({**meta, "format": 1}))
+    with pytest.raises(SystemExit) as raised:
+        cli(["repro", "run", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert raised.value.code == 2 and "was written by another fxreplace (repro format 1" in err and "\n" not in err
 
 
 def fxreplace_process(*args: str, faults: bool) -> subprocess.CompletedProcess:
     """`python -m fxreplace ARGS` in a new process, as a user runs it; with ``faults``, the planted
     faults' code is installed first (the checkpoint's config names which one its attention runs)."""
     plant_them = "import decode_faults; decode_faults.install(); " if faults else ""
-    script = f"{plant_them}import runpy, sys; sys.argv[0] = 'fxreplace'; runpy.run_module('fxreplace', run_name='__main__')"
+    script = (f"{plant_them}import runpy, sys; sys.argv[0] = 'fxreplace'; "
+              "runpy.run_module('fxreplace', run_name='__main__')")
     path = os.pathsep.join(p for p in (str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
@@ -174,14 +183,16 @@ def test_precision_drift_names_no_phase(tmp_path, capsys):
     clean = tiny_model("Qwen3MoeForCausalLM")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 128, (n,), generator=g).tolist() for n in (6, 9, 12, 7, 10, 8)]
-    capture_reference(clean, prompts, get_family("Qwen3MoeForCausalLM").targets, 12, progress=False).save(tmp_path / "ref")
+    reference = capture_reference(clean, prompts, get_family("Qwen3MoeForCausalLM").targets, 12, progress=False)
+    reference.save(tmp_path / "ref")
     clean.save_pretrained(tmp_path / "target")
     capsys.readouterr()
     assert cli(["validate", str(tmp_path / "target"), "--reference", str(tmp_path / "ref"), "--dtype", "bfloat16",
                 "--report-dir", str(tmp_path / "report")]) == 0
     printed = capsys.readouterr().out
     prompts = json.loads((tmp_path / "report" / "result.json").read_text())["summary"]["off"]["prompts"]
-    decode_alone = [p for p in prompts.values() if p["phases"][DECODE]["diverged"] and not p["phases"][PREFILL]["diverged"]]
+    decode_alone = [p for p in prompts.values()
+                    if p["phases"][DECODE]["diverged"] and not p["phases"][PREFILL]["diverged"]]
     assert decode_alone, prompts  # what a rule on the diverged counts alone would call a decode fault
     assert all(p["diverges_in"] is None for p in prompts.values()) and "steps match" not in printed
 
