@@ -24,11 +24,12 @@ reference store or vLLM: a fault that arises only in decode shows in the decode 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -120,52 +121,63 @@ def blamed_component(blame_result) -> str:
 
 
 @torch.no_grad()
-def capture_calls(model: nn.Module, module_name: str, prompts: Sequence[tuple[Sequence[int], Sequence[int]]]
-                  ) -> list[Call]:
-    """The module's calls (arguments and output) as an engine makes them: per ``(prompt, forced)``
-    the prompt's prefill, then one decode step per forced token with the model's KV cache
+def capture_calls(model: nn.Module, module_name: str, runs: Sequence[tuple[int, Sequence[int], Sequence[int]]]
+                  ) -> Iterator[Call]:
+    """The module's calls (arguments and output) as an engine makes them: per ``(prompt number, prompt
+    ids, forced ids)`` the prompt's prefill, then one decode step per forced token with the model's KV cache
     (teacher-forced on the reference's tokens). A full forward without a cache would hide every
-    fault that arises only in decode (positions with a cache, RoPE on cached keys, the window)."""
+    fault that arises only in decode (positions with a cache, RoPE on cached keys, the window).
+    Yielded after each forward: a decode call holds a copy of the cache it read, so a caller keeps
+    only the calls it needs (a module called outside the model's forwards, meanwhile, is not recorded)."""
     from transformers import Cache, DynamicCache  # the hf extra: a repro is written from HF models
 
     module = model.get_submodule(module_name)
     layers_read = sorted({m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)})
     calls: list[Call] = []
     pending: list[tuple] = []
-    step = {}  # the forward running now: its kind, the positions cached before it, its tokens
+    step = {"recording": False}  # the forward running now: its kind, the positions cached before it, its tokens
 
     def before(_, args, kwargs):
         def state(x):
             return (_cache_state(x, layers_read, module_name, step["kind"] == repro_run.DECODE)
                     if isinstance(x, Cache) else x)
 
-        pending.append(pytree.tree_map(state, (args, kwargs), is_leaf=lambda x: isinstance(x, Cache)))
+        if step["recording"]:
+            pending.append(pytree.tree_map(state, (args, kwargs), is_leaf=lambda x: isinstance(x, Cache)))
 
     def after(_, args, kwargs, output):
-        a, k = pending.pop()
-        calls.append(Call(prompt, step["kind"], step["cached"], step["tokens"], a, k, pytree.tree_map(_detach, output)))
+        if step["recording"]:
+            a, k = pending.pop()
+            calls.append(Call(prompt, step["kind"], step["cached"], step["tokens"], a, k,
+                              pytree.tree_map(_detach, output)))
 
     hooks = [module.register_forward_pre_hook(before, with_kwargs=True),
              module.register_forward_hook(after, with_kwargs=True)]
     device = input_device(model)
     try:
-        for prompt, (ids, forced) in enumerate(prompts):
+        for prompt, ids, forced in runs:
             cache = DynamicCache(config=model.config)
-            step.update(kind=repro_run.PREFILL, cached=0, tokens=len(ids))
-            model(input_ids=torch.tensor([list(ids)], device=device), past_key_values=cache, use_cache=True)
-            for n, token in enumerate(forced):
-                step.update(kind=repro_run.DECODE, cached=len(ids) + n, tokens=1)
-                model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+            forwards = [(repro_run.PREFILL, 0, list(ids))]
+            forwards += [(repro_run.DECODE, len(ids) + n, [token]) for n, token in enumerate(forced)]
+            for kind, cached, tokens in forwards:
+                step.update(kind=kind, cached=cached, tokens=len(tokens), recording=True)
+                model(input_ids=torch.tensor([tokens], device=device), past_key_values=cache, use_cache=True)
+                step["recording"] = False
+                for call in calls:
+                    _check_plain(call, module_name)
+                    yield call
+                calls.clear()
     finally:
         for h in hooks:
             h.remove()
-    for call in calls:
-        bad = [type(x).__name__ for x in pytree.tree_leaves((call.args, call.kwargs))
-               if not isinstance(x, (torch.Tensor, CacheState, bool, int, float, str, type(None)))]
-        if bad:
-            raise ReproError(f"{module_name} is called with {bad[0]} arguments; a repro takes tensors and plain "
-                             "values only: name a module whose forward takes tensors")
-    return calls
+
+
+def _check_plain(call: Call, module_name: str) -> None:
+    bad = [type(x).__name__ for x in pytree.tree_leaves((call.args, call.kwargs))
+           if not isinstance(x, (torch.Tensor, CacheState, bool, int, float, str, type(None)))]
+    if bad:
+        raise ReproError(f"{module_name} is called with {bad[0]} arguments; a repro takes tensors and plain "
+                         "values only: name a module whose forward takes tensors")
 
 
 def _cache_state(cache, layers_read: list[int], module_name: str, decoding: bool) -> CacheState:
@@ -298,29 +310,27 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
     if inputs < 1 or not indices:
         raise ReproError(f"a repro needs at least one input (inputs={inputs}, prompts={indices})")
     check_out_dir(out)
-    runs = [(reference.prompt_tokens(p), reference.tokens(p)[:-1]) for p in indices]
-    calls = capture_calls(clean, component.module_name, runs)
-    for call in calls:
-        call.prompt = indices[call.prompt]
+    runs = [(p, reference.prompt_tokens(p), reference.tokens(p)[:-1]) for p in indices]
     module = target.get_submodule(component.module_name)
     if dtype is not None:
         module = copy.deepcopy(module).to(dtype)
     dtype = next(module.parameters(), torch.empty(0)).dtype
-    names = [n for n, _ in _outputs(calls[0].output)]
-    compared = _compared(names, component.target.point, isinstance(calls[0].output, (tuple, list)))
-    kept, programs, unrecorded = [], {}, {}
-    for kind in repro_run.KINDS:
-        mine = [c for c in calls if c.kind == kind]
-        why = next((w for w in map(_unrecorded, mine) if w), "")
-        if mine and not why:
-            chosen = _most_departing(module, mine, compared, dtype, target.config, inputs)
-            try:
-                programs[kind] = _export(module, [c for c, _ in chosen], dtype, component.module_name, target.config)
-                kept += chosen
-            except ReproError as e:
-                why = str(e)
-        if why:
-            unrecorded[kind] = why
+    recorded = capture_calls(clean, component.module_name, runs)
+    first = next(recorded, None)  # the first prompt's prefill: the outputs every call returns
+    if first is None:
+        raise ReproError(f"{component.module_name} is never called in the reference model's forward: name a module "
+                         "on its path")
+    names = [n for n, _ in _outputs(first.output)]
+    compared = _compared(names, component.target.point, isinstance(first.output, (tuple, list)))
+    best, calls, unrecorded = _most_departing(
+        itertools.chain([first], recorded), inputs, lambda call: _departure(module, call, compared, dtype, target.config))
+    chosen, programs = [], {}
+    for kind, kept in best.items():
+        try:
+            programs[kind] = _export(module, [c for c, _ in kept], dtype, component.module_name, target.config)
+            chosen += kept
+        except ReproError as e:
+            unrecorded[kind] = str(e)
     if not programs:
         raise ReproError(f"{component.module_name}: no call can be replayed: " + "; ".join(unrecorded.values()))
     out = _fresh_dir(Path(out))  # a previous repro there goes only now, once this one can be written
@@ -328,12 +338,12 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
         program.example_inputs = None  # torch.export would store them as a pickle
         torch.export.save(program, out / repro_run.PROGRAMS[kind])
         repro_run.check_no_pickle(out / repro_run.PROGRAMS[kind])
-    save_file({f"{i}.{j}": t.contiguous() for i, (c, _) in enumerate(kept) for j, t in enumerate(_tensors(c, dtype))},
+    save_file({f"{i}.{j}": t.contiguous() for i, (c, _) in enumerate(chosen) for j, t in enumerate(_tensors(c, dtype))},
               out / repro_run.INPUTS)
-    save_file({f"{i}.{k}": x.contiguous() for i, (c, _) in enumerate(kept)
+    save_file({f"{i}.{k}": x.contiguous() for i, (c, _) in enumerate(chosen)
                for k, (_, x) in enumerate(_outputs(c.output))}, out / repro_run.OUTPUTS)
     source = dict(source or {})
-    tokens = {p: list(ids) + list(forced) for p, (ids, forced) in zip(indices, runs)}
+    tokens = {p: list(ids) + list(forced) for p, ids, forced in runs}
     meta = {
         "format": repro_run.FORMAT,
         "component": component.capture_name, "kind": component.kind, "layer": component.layer,
@@ -343,12 +353,12 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
         "dtype": dtype_name(dtype), "tolerance": TOLERANCE.get(dtype, 1e-3),
         "outputs": [{"name": n, "compared": c} for n, c in zip(names, compared)],
         "programs": {kind: repro_run.PROGRAMS[kind] for kind in programs},
-        "calls": {kind: sum(c.kind == kind for c in calls) for kind in repro_run.KINDS},
+        "calls": calls,
         "unrecorded": unrecorded,
         "inputs": [{"prompt": c.prompt, "call": c.kind, "cached": c.cached, "tokens": c.tokens,
                     "tensors": len(_tensors(c)), "shapes": [list(t.shape) for t in _tensors(c)],
-                    "error_at_write": d} for c, d in kept],
-        "prompt_tokens": {str(p): tokens[p] for p in dict.fromkeys(c.prompt for c, _ in kept)},
+                    "error_at_write": d} for c, d in chosen],
+        "prompt_tokens": {str(p): tokens[p] for p in dict.fromkeys(c.prompt for c, _ in chosen)},
         "op_libraries": list(dict.fromkeys(lib for program in programs.values() for lib in _op_libraries(program))),
         "command": command, "torch": torch.__version__,
     }
@@ -358,16 +368,32 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
     return out
 
 
-def _most_departing(module: nn.Module, calls: list[Call], compared: list[bool], dtype, config,
-                    count: int) -> list[tuple[Call, float]]:
-    """The ``count`` calls where the target's module departs most from the reference's outputs
-    (ties: in run order), each with that departure, in run order."""
+def _most_departing(calls: Iterator[Call], count: int, departure) -> tuple[dict, dict, dict]:
+    """Per kind of call, the ``count`` calls where ``departure(call)`` is largest (ties: in run order)
+    with it, in run order (only those are held, with the cache each read); how many calls of each kind
+    ran; and per kind whose calls cannot be replayed, why."""
+    ran = dict.fromkeys(repro_run.KINDS, 0)
+    best: dict[str, list] = {kind: [] for kind in repro_run.KINDS}  # (departure, order, call), largest first
+    unrecorded: dict[str, str] = {}
+    for order, call in enumerate(calls):
+        ran[call.kind] += 1
+        why = _unrecorded(call)
+        if why or call.kind in unrecorded:  # one call of a kind that cannot be replayed: its kind cannot be
+            unrecorded.setdefault(call.kind, why)
+            best[call.kind] = []
+            continue
+        best[call.kind].append((departure(call), order, call))
+        best[call.kind].sort(key=lambda b: (-b[0], b[1]))
+        del best[call.kind][count:]
+    kept = {kind: [(call, d) for d, _, call in sorted(held, key=lambda b: b[1])] for kind, held in best.items() if held}
+    return kept, ran, unrecorded
+
+
+def _departure(module: nn.Module, call: Call, compared: list[bool], dtype, config) -> float:
+    """How far the target's module departs from the reference's outputs on ``call`` (compared outputs)."""
     with torch.no_grad():
-        departs = [max(repro_run.error(got, want) for got, (_, want), use in
-                       zip(_Positional(module, c, config)(*_tensors(c, dtype)), _outputs(c.output), compared) if use)
-                   for c in calls]
-    kept = sorted(sorted(range(len(calls)), key=lambda i: -departs[i])[:count])
-    return [(calls[i], departs[i]) for i in kept]
+        got = _Positional(module, call, config)(*_tensors(call, dtype))
+    return max(repro_run.error(g, want) for g, (_, want), use in zip(got, _outputs(call.output), compared) if use)
 
 
 def check_out_dir(out: str | Path) -> None:

@@ -105,7 +105,7 @@ class ValidationResult:
                     "mean_kl": _mean([s.kl for s in mine]),
                     # the tokens at the first divergence: what the reference and the target picked
                     "tokens_at_divergence": [first.reference_token, first.target_token] if first else None,
-                    # per phase (prefill, decode) its steps and diverged steps, and the one phase that alone diverges
+                    # per phase (prefill, decode): steps, diverged steps, top-5 errors; the one phase that alone diverges
                     "phases": phases,
                     "diverges_in": diverging_phase(phases),
                 }
