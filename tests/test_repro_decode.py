@@ -114,6 +114,18 @@ def test_a_clean_component_agrees_in_prefill_and_decode_under_aot_eager(case, tm
     assert raised.value.code == 2 and "was written by another fxreplace (repro format 1" in err and "\n" not in err
 
 
+def test_a_sliding_window_layers_decode_calls_replay_its_window(tmp_path, capsys):
+    """GPT-OSS's layer 0 attends a window of 4: past it, its cache holds the last 3 positions, and the
+    decode program rebuilds that cache (of the model's layer types) from them exactly."""
+    clean = tiny_model("GptOssForCausalLM", sliding_window=4)
+    out = write_repro(clean, clean, reference_of(clean, tmp_path / "ref"), "model.layers.0.self_attn", tmp_path / "r",
+                      inputs=2)
+    decode = [i for i in json.loads((out / repro_run.META).read_text())["inputs"] if i["call"] == DECODE]
+    assert decode and all(i["cached"] >= 6 and [1, 1, 3, 32] in i["shapes"] for i in decode), decode
+    capsys.readouterr()
+    assert repro_run.run(out) == repro_run.EXIT_AGREES, capsys.readouterr().out
+
+
 def fxreplace_process(*args: str, faults: bool) -> subprocess.CompletedProcess:
     """`python -m fxreplace ARGS` in a new process, as a user runs it; with ``faults``, the planted
     faults' code is installed first (the checkpoint's config names which one its attention runs)."""
