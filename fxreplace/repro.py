@@ -194,7 +194,7 @@ def _cache_state(cache, layers_read: list[int], module_name: str, decoding: bool
         if layer is None or not isinstance(getattr(layer, "keys", None), torch.Tensor):
             return CacheState({}, f"its cache layer {i} is a {type(layer).__name__}, not keys and values (the "
                                   "only state a repro rebuilds)")
-        layers[i] = (_detach(layer.keys), _detach(layer.values))
+        layers[i] = (layer.keys.detach().clone(), layer.values.detach().clone())  # where the call's other inputs are
     return CacheState(layers)
 
 
