@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 MATCHED, WITHIN_TOLERANCE, DIVERGED = "matched", "within_tolerance", "diverged"
+#: Which forward computed a step's logits: a request's prefill (its first step) or a decode step with the KV cache.
+PREFILL, DECODE = "prefill", "decode"
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,71 @@ def topk_agreement(reference: torch.Tensor, target: torch.Tensor, k: int) -> tor
     ref = reference.float().topk(k, dim=-1).indices.sort(-1).values
     tgt = target.float().topk(k, dim=-1).indices.sort(-1).values
     return (ref == tgt).all(-1)
+
+
+#: A divergence is confined to one phase only when that phase's mean top-5 error is at least
+#: PHASE_CONTRAST times the other phase's largest: a precision drift (bf16) alone leaves both alike,
+#: and one prefill step per prompt within tolerance beside a few diverged decode steps says nothing.
+PHASE_CONTRAST = 10.0
+
+
+def phase_counts(steps) -> dict:
+    """Per phase of the ``steps`` (each with ``phase``, ``status``, ``top5_error``, ``nan``):
+    ``{"steps", "diverged", "mean_top5_error", "max_top5_error"}`` (NaN logits count as an infinite error)."""
+    out = {}
+    for phase in dict.fromkeys(s.phase for s in steps):
+        errors = [float("inf") if s.nan else s.top5_error for s in steps if s.phase == phase]
+        out[phase] = {"steps": len(errors), "diverged": sum(s.status == DIVERGED for s in steps if s.phase == phase),
+                      "mean_top5_error": sum(errors) / len(errors), "max_top5_error": max(errors)}
+    return out
+
+
+def diverging_phase(phases: dict) -> str | None:
+    """The one phase whose steps diverge while no step of the other does, by far (``decode``: the
+    prefill matches and only decode diverges, or the reverse; see :data:`PHASE_CONTRAST`); None
+    when both or neither do, or when the two phases' errors are alike."""
+    if set(phases) != {PREFILL, DECODE}:
+        return None
+    diverged = [p for p in (PREFILL, DECODE) if phases[p]["diverged"]]
+    if len(diverged) != 1:
+        return None
+    other = DECODE if diverged[0] == PREFILL else PREFILL
+    far = phases[diverged[0]]["mean_top5_error"] >= PHASE_CONTRAST * phases[other]["max_top5_error"]
+    return diverged[0] if far else None
+
+
+#: What a divergence confined to one phase says about where the fault is.
+PHASE_MEANING = {
+    DECODE: "a fault that arises only in decode, with the KV cache (the positions of cached tokens, the cached keys "
+            "and values, the window): a forward without a cache does not show it",
+    PREFILL: "a fault that arises only in the prefill (the prompt at once), or one the decode steps do not reach (an "
+             "expert none of their tokens is routed to)",
+}
+
+
+def phase_clue(mode_summary: dict) -> str:
+    """One sentence naming, per prompt of one mode's validation summary, those whose prefill steps
+    match while only their decode steps diverge, or the reverse ("" when no prompt is so): the clue
+    to a fault in incremental decoding. Validation's verdict says it; blame's can (its summaries
+    are validation summaries)."""
+    parts = []
+    for phase, other in ((DECODE, PREFILL), (PREFILL, DECODE)):
+        prompts = {p: s["phases"] for p, s in mode_summary["prompts"].items() if s.get("diverges_in") == phase}
+        if not prompts:
+            continue
+        matching = [ph[other] for ph in prompts.values()]
+        diverging = [ph[phase] for ph in prompts.values()]
+        total = sum(ph["steps"] for ph in diverging)
+        mean = sum(ph["mean_top5_error"] * ph["steps"] for ph in diverging) / total
+        parts.append(f"on {plural(len(prompts), 'prompt')} ({', '.join(map(str, prompts))}) the {other} steps match "
+                     f"({sum(ph['steps'] for ph in matching)} steps, top-5 error at most "
+                     f"{max(ph['max_top5_error'] for ph in matching):.3g}) and only the {phase} steps diverge "
+                     f"({sum(ph['diverged'] for ph in diverging)} of {total}, mean top-5 error {mean:.3g}): "
+                     f"{PHASE_MEANING[phase]}")
+    if not parts:
+        return ""
+    text = "; ".join(parts) + "."
+    return text[0].upper() + text[1:]
 
 
 #: A replacement *explains* a divergence when it removes at least EXPLAINS of both the mean

@@ -182,12 +182,13 @@ def _html(result, has_router: bool) -> str:
         cells = "".join(f"<td>{_divergence(result, summary[m]['prompts'].get(p, {}))}</td>" for m in summary)
         parts.append(f"<tr><td>{p}</td><td class='text'>{_snippet(text)}</td>{cells}</tr>")
     parts.append(f"</table></div><details id='per-token'><summary>Per-token table ({len(result.steps)} rows)</summary>"
-                 "<div class='wide'><table><tr><th>mode</th><th>prompt</th><th>step</th><th>retry</th><th>ref token</th>"
-                 "<th>target token</th>"
+                 "<div class='wide'><table><tr><th>mode</th><th>prompt</th><th>step</th><th>computed by</th><th>retry</th>"
+                 "<th>ref token</th><th>target token</th>"
                  "<th>top-5 err</th><th>top-50 err</th><th>KL</th><th>status</th></tr>")
     for s in result.steps:
         parts.append(
-            f"<tr class='{s.status}'><td>{s.mode}</td><td>{s.prompt}</td><td>{s.step}</td><td>{s.round}</td>"
+            f"<tr class='{s.status}'><td>{s.mode}</td><td>{s.prompt}</td><td>{s.step}</td><td>{s.phase}</td>"
+            f"<td>{s.round}</td>"
             f"<td>{s.reference_token}</td><td>{s.target_token}</td><td>{fmt(s.top5_error)}</td><td>{fmt(s.top50_error)}</td>"
             f"<td>{fmt(s.kl)}</td><td>{s.status}{' (NaN)' if s.nan else ''}</td></tr>"
         )

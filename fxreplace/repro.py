@@ -1,31 +1,35 @@
 """``fxreplace repro``: the guilty component as a standalone ticket for the compiler team.
 
 From a blame verdict (or a component named by the user), the reference model and the
-target: the component's inputs are captured in the reference run (its forward's
-arguments, one teacher-forced forward per prompt over the prompt and the reference's
-generated tokens), and a folder is written holding
+target: the component's calls are recorded in the reference run as an engine makes them
+(per prompt its prefill, then one decode step per generated token with the KV cache,
+teacher-forced on the reference's tokens; a decode call's cache recorded as the keys and
+values it read), and a folder is written holding
 
-- ``component.pt2``: the *target's* component as a ``torch.export`` program with its
-  weights (stored as raw bytes; no sample inputs, so nothing in it is a pickle),
-- ``inputs.safetensors`` / ``reference_outputs.safetensors``: a handful of those inputs
-  (the prompts where the target's component departs most from the reference's) and the
+- ``prefill.pt2`` / ``decode.pt2``: the *target's* component as a ``torch.export`` program
+  per kind of call, with its weights (stored as raw bytes; no sample inputs, so nothing in
+  it is a pickle); the decode program rebuilds the cache from its keys and values inputs,
+- ``inputs.safetensors`` / ``reference_outputs.safetensors``: a handful of calls of each
+  kind (those where the target's component departs most from the reference's) and the
   reference component's outputs on them,
-- ``repro.json`` (what it came from, the tolerance), ``README.md`` (the command that wrote
-  it and how to run it) and ``run.py`` (:mod:`fxreplace.repro_run`, which needs only torch
-  and safetensors).
+- ``repro.json`` (what it came from, the tolerance, a kind of call that could not be
+  recorded and why), ``README.md`` (the command that wrote it and how to run it) and
+  ``run.py`` (:mod:`fxreplace.repro_run`, which needs only torch and safetensors).
 
 ``fxreplace repro run DIR --backend inductor`` (or ``python DIR/run.py``) then says whether
-the port or the compiler is wrong, without the model, the reference store or vLLM.
+the port or the compiler is wrong, and in which kind of call, without the model, the
+reference store or vLLM: a fault that arises only in decode shows in the decode calls alone.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -44,8 +48,8 @@ from .targets import Target, TargetLike, resolve_targets
 #: Relative error a component may show against the reference, by the target's dtype: rounding
 #: to bf16 alone leaves ~1e-2 in an attention block; a planted or compiler fault leaves far more.
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-#: Op namespaces torch itself provides (no library to import before loading the program).
 README = "README.md"
+#: Op namespaces torch itself provides (no library to import before loading the program).
 BUILTIN_NAMESPACES = {"aten", "prims", "_operator", "higher_order", "quantized", "_c10d_functional"}
 
 
@@ -56,12 +60,30 @@ class ReproError(ValueError):
 
 @dataclass
 class Call:
-    """One call of the component in the reference run: its arguments, and what it returned."""
+    """One call of the component in the reference run: its arguments (a cache it read as the
+    :class:`CacheState` it held before the call), what it returned, and when it ran: in the
+    prompt's prefill or a decode step, after ``cached`` positions, computing ``tokens`` of them."""
 
     prompt: int
+    kind: str  # repro_run.PREFILL or repro_run.DECODE
+    cached: int
+    tokens: int
     args: tuple
     kwargs: dict
     output: object
+
+
+@dataclass
+class CacheState:
+    """The layers of a KV cache that a call read, as they were before it: ``{layer index: (keys,
+    values)}`` (empty in a prefill). ``unrecorded``: why the state cannot be recorded (a cache
+    layer holding something other than keys and values), in which case the call cannot be replayed."""
+
+    layers: dict
+    unrecorded: str = ""
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for kv in self.layers.values() for t in kv]
 
 
 def find_component(model: nn.Module, name: str, components: Mapping[str, TargetLike] | None = None) -> Component:
@@ -99,35 +121,81 @@ def blamed_component(blame_result) -> str:
 
 
 @torch.no_grad()
-def capture_calls(model: nn.Module, module_name: str, sequences: Sequence[Sequence[int]]) -> list[Call]:
-    """The module's calls (arguments and output) in one teacher-forced forward per sequence."""
+def capture_calls(model: nn.Module, module_name: str, runs: Sequence[tuple[int, Sequence[int], Sequence[int]]]
+                  ) -> Iterator[Call]:
+    """The module's calls (arguments and output) as an engine makes them: per ``(prompt number, prompt
+    ids, forced ids)`` the prompt's prefill, then one decode step per forced token with the model's KV cache
+    (teacher-forced on the reference's tokens). A full forward without a cache would hide every
+    fault that arises only in decode (positions with a cache, RoPE on cached keys, the window).
+    Yielded after each forward: a decode call holds a copy of the cache it read, so a caller keeps
+    only the calls it needs (a module called outside the model's forwards, meanwhile, is not recorded)."""
+    from transformers import Cache, DynamicCache  # the hf extra: a repro is written from HF models
+
     module = model.get_submodule(module_name)
+    layers_read = sorted({m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)})
     calls: list[Call] = []
     pending: list[tuple] = []
+    step = {"recording": False}  # the forward running now: its kind, the positions cached before it, its tokens
 
     def before(_, args, kwargs):
-        pending.append((args, kwargs))
+        def state(x):
+            return (_cache_state(x, layers_read, module_name, step["kind"] == repro_run.DECODE)
+                    if isinstance(x, Cache) else x)
+
+        if step["recording"]:
+            pending.append(pytree.tree_map(state, (args, kwargs), is_leaf=lambda x: isinstance(x, Cache)))
 
     def after(_, args, kwargs, output):
-        a, k = pending.pop()
-        calls.append(Call(prompt, a, k, pytree.tree_map(_detach, output)))
+        if step["recording"]:
+            a, k = pending.pop()
+            calls.append(Call(prompt, step["kind"], step["cached"], step["tokens"], a, k,
+                              pytree.tree_map(_detach, output)))
 
     hooks = [module.register_forward_pre_hook(before, with_kwargs=True),
              module.register_forward_hook(after, with_kwargs=True)]
     device = input_device(model)
     try:
-        for prompt, ids in enumerate(sequences):
-            model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False)
+        for prompt, ids, forced in runs:
+            cache = DynamicCache(config=model.config)
+            forwards = [(repro_run.PREFILL, 0, list(ids))]
+            forwards += [(repro_run.DECODE, len(ids) + n, [token]) for n, token in enumerate(forced)]
+            for kind, cached, tokens in forwards:
+                step.update(kind=kind, cached=cached, tokens=len(tokens), recording=True)
+                model(input_ids=torch.tensor([tokens], device=device), past_key_values=cache, use_cache=True)
+                step["recording"] = False
+                for call in calls:
+                    _check_plain(call, module_name)
+                    yield call
+                calls.clear()
     finally:
         for h in hooks:
             h.remove()
-    for call in calls:
-        bad = [type(x).__name__ for x in pytree.tree_leaves((call.args, call.kwargs))
-               if not isinstance(x, (torch.Tensor, bool, int, float, str, type(None)))]
-        if bad:
-            raise ReproError(f"{module_name} is called with {bad[0]} arguments; a repro takes tensors and plain "
-                             "values only: name a module whose forward takes tensors")
-    return calls
+
+
+def _check_plain(call: Call, module_name: str) -> None:
+    bad = [type(x).__name__ for x in pytree.tree_leaves((call.args, call.kwargs))
+           if not isinstance(x, (torch.Tensor, CacheState, bool, int, float, str, type(None)))]
+    if bad:
+        raise ReproError(f"{module_name} is called with {bad[0]} arguments; a repro takes tensors and plain "
+                         "values only: name a module whose forward takes tensors")
+
+
+def _cache_state(cache, layers_read: list[int], module_name: str, decoding: bool) -> CacheState:
+    """What the module reads of ``cache``, copied before its call changes it: the keys and values of
+    the cache layers its attention modules index (``layer_idx``); nothing in a prefill."""
+    if not decoding:
+        return CacheState({})
+    if not layers_read:
+        return CacheState({}, f"{module_name} reads a KV cache but holds no attention module naming the cache layer "
+                              "it reads (layer_idx)")
+    layers = {}
+    for i in layers_read:
+        layer = cache.layers[i] if i < len(cache.layers) else None
+        if layer is None or not isinstance(getattr(layer, "keys", None), torch.Tensor):
+            return CacheState({}, f"its cache layer {i} is a {type(layer).__name__}, not keys and values (the "
+                                  "only state a repro rebuilds)")
+        layers[i] = (layer.keys.detach().clone(), layer.values.detach().clone())  # where the call's other inputs are
+    return CacheState(layers)
 
 
 def _detach(x):
@@ -136,27 +204,48 @@ def _detach(x):
 
 class _Positional(nn.Module):
     """The component with its inputs' tensors as positional arguments (the other arguments, such as
-    ``use_cache=False`` or a None mask, fixed as captured) and its output's tensors as a tuple: the
-    exported program then takes and returns plain tensors, which is all the runner knows."""
+    ``use_cache=True`` or a None mask, fixed as captured) and its output's tensors as a tuple: the
+    exported program then takes and returns plain tensors, which is all the runner knows. A KV cache
+    the call read comes in as its layers' keys and values, rebuilt into a fresh ``DynamicCache``
+    of the model's ``config`` inside the forward (an exported program cannot take a Cache object)."""
 
-    def __init__(self, component: nn.Module, call: Call):
+    def __init__(self, component: nn.Module, call: Call, config):
         super().__init__()
-        self.component = component
+        self.component, self.config = component, config
         leaves, self.spec = pytree.tree_flatten((call.args, call.kwargs))
-        self.fixed = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        self.slots = [isinstance(x, torch.Tensor) for x in leaves]
+        self.fixed = [None if isinstance(x, (torch.Tensor, CacheState)) else x for x in leaves]
+        # per leaf: None (fixed), "tensor", or the cache layers it rebuilds from two tensors each
+        self.slots = ["tensor" if isinstance(x, torch.Tensor) else list(x.layers) if isinstance(x, CacheState) else None
+                      for x in leaves]
 
     def forward(self, *tensors):
         given = iter(tensors)
-        leaves = [next(given) if slot else fixed for slot, fixed in zip(self.slots, self.fixed)]
+        leaves = [fixed if slot is None else next(given) if slot == "tensor" else self._cache(slot, given)
+                  for slot, fixed in zip(self.slots, self.fixed)]
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return tuple(x for x in pytree.tree_leaves(self.component(*args, **kwargs)) if isinstance(x, torch.Tensor))
 
+    def _cache(self, layers: list[int], given):
+        from transformers import DynamicCache  # the hf extra: only a call that read a cache rebuilds one
+
+        cache = DynamicCache(config=self.config)
+        for i in layers:
+            cache.update(next(given), next(given), i)
+        return cache
+
 
 def _tensors(call: Call, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """The call's input tensors in order, floating ones in ``dtype``."""
-    return [x.to(dtype) if dtype is not None and x.is_floating_point() else x
-            for x in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(x, torch.Tensor)]
+    """The call's input tensors in order (a cache's keys and values where it was), floating ones in ``dtype``."""
+    flat = []
+    for x in pytree.tree_leaves((call.args, call.kwargs)):
+        flat += x.tensors() if isinstance(x, CacheState) else [x] if isinstance(x, torch.Tensor) else []
+    return [x.to(dtype) if dtype is not None and x.is_floating_point() else x for x in flat]
+
+
+def _unrecorded(call: Call) -> str:
+    """Why the call cannot be replayed ("" when it can)."""
+    return next((x.unrecorded for x in pytree.tree_leaves((call.args, call.kwargs))
+                 if isinstance(x, CacheState) and x.unrecorded), "")
 
 
 def _outputs(output) -> list[tuple[str, torch.Tensor]]:
@@ -206,8 +295,10 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
     ``clean``: the reference model; ``reference``: the reference (or its directory) whose
     prompts and generated tokens the inputs come from (``prompts``: which; default all);
     ``component``: a capture name, a :class:`Component`, or a blame result naming it;
-    ``inputs``: how many calls to keep (those whose target output departs most from the
-    reference's); ``source``: ``{"model": ..., "target": ...}`` as the README names them.
+    ``inputs``: how many calls of each kind (prefill, decode) to keep (those whose target output
+    departs most from the reference's); ``source``: ``{"model": ..., "target": ...}`` as the
+    README names them. A kind of call that cannot be recorded or exported is named in the folder
+    (``repro.json``'s ``unrecorded``) and the runner says so instead of "agrees".
     """
     if isinstance(reference, (str, Path)):
         reference = load_reference(reference)
@@ -219,53 +310,90 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
     if inputs < 1 or not indices:
         raise ReproError(f"a repro needs at least one input (inputs={inputs}, prompts={indices})")
     check_out_dir(out)
-    sequences = [reference.prompt_tokens(p) + reference.tokens(p)[:-1] for p in indices]
-    calls = capture_calls(clean, component.module_name, sequences)
-    for call in calls:
-        call.prompt = indices[call.prompt]
+    runs = [(p, reference.prompt_tokens(p), reference.tokens(p)[:-1]) for p in indices]
     module = target.get_submodule(component.module_name)
     if dtype is not None:
         module = copy.deepcopy(module).to(dtype)
     dtype = next(module.parameters(), torch.empty(0)).dtype
-    names = [n for n, _ in _outputs(calls[0].output)]
-    compared = _compared(names, component.target.point, isinstance(calls[0].output, (tuple, list)))
-    references = [[x for _, x in _outputs(c.output)] for c in calls]
-    with torch.no_grad():
-        departs = [max(repro_run.error(got, want) for got, want, use in
-                       zip(_Positional(module, c)(*_tensors(c, dtype)), ref, compared) if use)
-                   for c, ref in zip(calls, references)]
-    # the calls where the target departs most (ties: in prompt order), then in prompt order
-    kept = sorted(sorted(range(len(calls)), key=lambda i: -departs[i])[:inputs])
-    calls, references, departs = [calls[i] for i in kept], [references[i] for i in kept], [departs[i] for i in kept]
-    program = _export(module, calls, dtype, component.module_name)
-    program.example_inputs = None  # torch.export would store them as a pickle
+    recorded = capture_calls(clean, component.module_name, runs)
+    first = next(recorded, None)  # the first prompt's prefill: the outputs every call returns
+    if first is None:
+        raise ReproError(f"{component.module_name} is never called in the reference model's forward: name a module "
+                         "on its path")
+    names = [n for n, _ in _outputs(first.output)]
+    compared = _compared(names, component.target.point, isinstance(first.output, (tuple, list)))
+    best, calls, unrecorded = _most_departing(
+        itertools.chain([first], recorded), inputs, lambda call: _departure(module, call, compared, dtype, target.config))
+    chosen, programs = [], {}
+    for kind, kept in best.items():
+        try:
+            programs[kind] = _export(module, [c for c, _ in kept], dtype, component.module_name, target.config)
+            chosen += kept
+        except ReproError as e:
+            unrecorded[kind] = str(e)
+    if not programs:
+        raise ReproError(f"{component.module_name}: no call can be replayed: " + "; ".join(unrecorded.values()))
     out = _fresh_dir(Path(out))  # a previous repro there goes only now, once this one can be written
-    torch.export.save(program, out / repro_run.PROGRAM)
-    repro_run.check_no_pickle(out / repro_run.PROGRAM)
-    save_file({f"{i}.{j}": t.contiguous() for i, c in enumerate(calls) for j, t in enumerate(_tensors(c, dtype))},
+    for kind, program in programs.items():
+        program.example_inputs = None  # torch.export would store them as a pickle
+        torch.export.save(program, out / repro_run.PROGRAMS[kind])
+        repro_run.check_no_pickle(out / repro_run.PROGRAMS[kind])
+    save_file({f"{i}.{j}": t.contiguous() for i, (c, _) in enumerate(chosen) for j, t in enumerate(_tensors(c, dtype))},
               out / repro_run.INPUTS)
-    save_file({f"{i}.{k}": t.contiguous() for i, ref in enumerate(references) for k, t in enumerate(ref)},
-              out / repro_run.OUTPUTS)
+    save_file({f"{i}.{k}": x.contiguous() for i, (c, _) in enumerate(chosen)
+               for k, (_, x) in enumerate(_outputs(c.output))}, out / repro_run.OUTPUTS)
     source = dict(source or {})
+    tokens = {p: list(ids) + list(forced) for p, ids, forced in runs}
     meta = {
-        "format": 1,
+        "format": repro_run.FORMAT,
         "component": component.capture_name, "kind": component.kind, "layer": component.layer,
         "module_name": component.module_name, "module": type(module).__name__, "point": component.target.point,
         "model": source.get("model") or reference.metadata.get("source_model") or type(clean).__name__,
         "target": source.get("target") or type(target).__name__,
         "dtype": dtype_name(dtype), "tolerance": TOLERANCE.get(dtype, 1e-3),
         "outputs": [{"name": n, "compared": c} for n, c in zip(names, compared)],
-        "inputs": [{"prompt": c.prompt, "tokens": len(sequences[indices.index(c.prompt)]),
+        "programs": {kind: repro_run.PROGRAMS[kind] for kind in programs},
+        "calls": calls,
+        "unrecorded": unrecorded,
+        "inputs": [{"prompt": c.prompt, "call": c.kind, "cached": c.cached, "tokens": c.tokens,
                     "tensors": len(_tensors(c)), "shapes": [list(t.shape) for t in _tensors(c)],
-                    "error_at_write": d} for c, d in zip(calls, departs)],
-        "prompt_tokens": {str(c.prompt): sequences[indices.index(c.prompt)] for c in calls},
-        "op_libraries": _op_libraries(program),
+                    "error_at_write": d} for c, d in chosen],
+        "prompt_tokens": {str(p): tokens[p] for p in dict.fromkeys(c.prompt for c, _ in chosen)},
+        "op_libraries": list(dict.fromkeys(lib for program in programs.values() for lib in _op_libraries(program))),
         "command": command, "torch": torch.__version__,
     }
     (out / repro_run.META).write_text(json.dumps(meta, indent=1))
     shutil.copyfile(repro_run.__file__, out / "run.py")
     (out / README).write_text(_readme(meta))  # last: a folder holding it is complete
     return out
+
+
+def _most_departing(calls: Iterator[Call], count: int, departure) -> tuple[dict, dict, dict]:
+    """Per kind of call, the ``count`` calls where ``departure(call)`` is largest (ties: in run order)
+    with it, in run order (only those are held, with the cache each read); how many calls of each kind
+    ran; and per kind whose calls cannot be replayed, why."""
+    ran = dict.fromkeys(repro_run.KINDS, 0)
+    best: dict[str, list] = {kind: [] for kind in repro_run.KINDS}  # (departure, order, call), largest first
+    unrecorded: dict[str, str] = {}
+    for order, call in enumerate(calls):
+        ran[call.kind] += 1
+        why = _unrecorded(call)
+        if why or call.kind in unrecorded:  # one call of a kind that cannot be replayed: its kind cannot be
+            unrecorded.setdefault(call.kind, why)
+            best[call.kind] = []
+            continue
+        best[call.kind].append((departure(call), order, call))
+        best[call.kind].sort(key=lambda b: (-b[0], b[1]))
+        del best[call.kind][count:]
+    kept = {kind: [(call, d) for d, _, call in sorted(held, key=lambda b: b[1])] for kind, held in best.items() if held}
+    return kept, ran, unrecorded
+
+
+def _departure(module: nn.Module, call: Call, compared: list[bool], dtype, config) -> float:
+    """How far the target's module departs from the reference's outputs on ``call`` (compared outputs)."""
+    with torch.no_grad():
+        got = _Positional(module, call, config)(*_tensors(call, dtype))
+    return max(repro_run.error(g, want) for g, (_, want), use in zip(got, _outputs(call.output), compared) if use)
 
 
 def check_out_dir(out: str | Path) -> None:
@@ -284,19 +412,21 @@ def _fresh_dir(out: Path) -> Path:
     return out
 
 
-def _export(module: nn.Module, calls: list[Call], dtype, name: str):
-    """The component as an exported program over every call's shapes (dimensions that vary
-    between the calls dynamic), checked against the module on each call."""
+def _export(module: nn.Module, calls: list[Call], dtype, name: str, config):
+    """The component as an exported program over the shapes of one kind's calls (dimensions that
+    vary between them dynamic: the prompt's length in prefill, the cached positions in decode),
+    checked against the module on each call."""
     first = _tensors(calls[0], dtype)
-    wrapper = _Positional(module, calls[0]).eval()
+    wrapper = _Positional(module, calls[0], config).eval()
     sizes = [[t.shape for t in _tensors(c)] for c in calls]
     varying = [{d: Dim.AUTO for d in range(t.dim()) if len({s[j][d] for s in sizes}) > 1} or None
-               for j, t in enumerate(first)]  # the sequence length, when the prompts' lengths differ
+               for j, t in enumerate(first)]
     shapes = (tuple(varying),)
     try:
         program = torch.export.export(wrapper, tuple(first), dynamic_shapes=shapes, strict=False)
     except Exception as e:  # export's errors are many kinds; the message says which
-        raise ReproError(f"torch.export cannot export {name} ({type(module).__name__}): {str(e).splitlines()[0]}") from e
+        raise ReproError(f"torch.export cannot export {name} ({type(module).__name__}) for its {calls[0].kind} calls: "
+                         f"{str(e).strip().splitlines()[0]}") from e
     exported = program.module()
     with torch.no_grad():
         for call in calls:
@@ -304,14 +434,18 @@ def _export(module: nn.Module, calls: list[Call], dtype, name: str):
             for got, want in zip(exported(*args), wrapper(*args)):
                 if repro_run.error(got, want) > 1e-6:
                     raise ReproError(f"the exported {name} does not reproduce the module on prompt {call.prompt}'s "
-                                     f"input (shapes {[list(t.shape) for t in args]}): torch.export specialised it")
+                                     f"{call.kind} call (shapes {[list(t.shape) for t in args]}): torch.export "
+                                     "specialised it")
     return program
 
 
 def _readme(meta: dict) -> str:
     prompts = ", ".join(f"{p} ({len(ids)} tokens)" for p, ids in meta["prompt_tokens"].items())
-    libraries = (f"\nThe program calls custom ops of {', '.join(meta['op_libraries'])}: the runner imports "
-                 "it before loading the program.\n") if meta["op_libraries"] else ""
+    libraries = (f"\nThe programs call custom ops of {', '.join(meta['op_libraries'])}: the runner imports "
+                 "it before loading them.\n") if meta["op_libraries"] else ""
+    kept = {kind: sum(i["call"] == kind for i in meta["inputs"]) for kind in meta["programs"]}
+    calls = "; ".join([f"{n} of its {meta['calls'][kind]} {kind} calls" for kind, n in kept.items()]
+                      + repro_run.unrecorded(meta))
     return f"""# Repro: {meta['component']}
 
 The target's `{meta['module_name']}` ({meta['module']}, {meta['kind']}, layer {meta['layer']}) in
@@ -319,8 +453,10 @@ The target's `{meta['module_name']}` ({meta['module']}, {meta['kind']}, layer {m
 traced to, with the inputs it received in the reference run and the reference's outputs.
 
 - reference model: `{meta['model']}`; target: `{meta['target']}`
-- inputs: {len(meta['inputs'])} calls, from the reference's prompts {prompts} (each the prompt and the
-  reference's generated tokens, teacher-forced: token ids in `repro.json`)
+- inputs: {calls}; from the reference's prompts {prompts}, run as an engine runs them: the prompt's
+  prefill, then one decode step per generated token with the KV cache (teacher-forced on the reference's
+  tokens: ids in `repro.json`). A decode call's inputs hold the cached keys and values it read; its
+  program rebuilds the cache from them.
 - compared: {', '.join(o['name'] for o in meta['outputs'] if o['compared'])} (relative error, tolerance
   {meta['tolerance']:g} for {meta['dtype']})
 - written by: `{meta['command'] or 'fxreplace.repro.write_repro'}` (torch {meta['torch']})
@@ -334,12 +470,13 @@ python run.py --backend inductor --bisect   # the first inductor stage or pass t
 ```
 
 `run.py` needs torch and safetensors only (`fxreplace repro run DIR` is the same). It prints each
-input's error against the reference and a verdict: disagreeing already in eager is the port (weights,
-conversion, code); only the compiled backend disagreeing is the compiler. Exit status 0: agrees, 1: a
-disagreement, 2: the folder cannot be run.
+input's error against the reference and a verdict per kind of call: disagreeing already in eager is the
+port (weights, conversion, code), and disagreeing in decode calls only is a fault that arises with the
+cache; only the compiled backend disagreeing is the compiler. Exit status 0: agrees, 1: a disagreement,
+2: the folder cannot be run, 3: the calls it holds agree but a kind of call could not be recorded.
 
-Files: `component.pt2` (`torch.export.save`: graph as JSON, weights as raw bytes, no pickle: `run.py`
-checks before loading), `inputs.safetensors` (input `i`'s tensors as `i.0`, `i.1`, ...),
-`reference_outputs.safetensors` (`i.k`: output `k` of the reference's component on input `i`),
-`repro.json` (what it came from).
+Files: {', '.join(f"`{f}` (the {kind} calls' program)" for kind, f in meta['programs'].items())}
+(`torch.export.save`: graph as JSON, weights as raw bytes, no pickle: `run.py` checks before loading),
+`inputs.safetensors` (input `i`'s tensors as `i.0`, `i.1`, ...), `reference_outputs.safetensors`
+(`i.k`: output `k` of the reference's component on input `i`), `repro.json` (what it came from).
 """

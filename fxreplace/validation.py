@@ -32,8 +32,8 @@ import torch
 from .context import PerRequest
 from .dtypes import is_full_precision
 from .engines.protocol import Engine
-from .metrics import (DIVERGED, MATCHED, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict, compare_steps, no_scale,
-                      topk_agreement, verdict)
+from .metrics import (DECODE, DIVERGED, MATCHED, PREFILL, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict,
+                      compare_steps, diverging_phase, no_scale, phase_clue, phase_counts, topk_agreement, verdict)
 from .reference import Reference
 
 
@@ -46,6 +46,7 @@ class StepRecord(StepMetrics):
     step: int  # index of the generated token
     round: int  # 0 = first run, n = n-th teacher-forcing retry
     req_id: str
+    phase: str  # PREFILL: the request's first step (its prompt's prefill computed it), else DECODE
 
 
 @dataclass
@@ -70,10 +71,12 @@ class ValidationResult:
         """What this validation concludes (:func:`fxreplace.metrics.verdict`)."""
         dtype = self.program.get("dtype")
         unscaled = no_scale(dtype) if dtype and not is_full_precision(dtype) else ""
-        found = verdict(self.summary(), self.replaced, self.floor, unscaled)
-        if not self.caveat:
-            return found
-        return dataclasses.replace(found, sentence=f"{self.caveat}. {found.sentence}")
+        summary = self.summary()
+        found = verdict(summary, self.replaced, self.floor, unscaled)
+        # where the target as it runs (without replacement, else the one mode) diverges: prefill or decode only
+        clue = phase_clue(summary.get("off") or next(iter(summary.values())))
+        sentence = " ".join(x for x in (f"{self.caveat}." if self.caveat else "", found.sentence, clue) if x)
+        return dataclasses.replace(found, sentence=sentence)
 
     @property
     def modes(self) -> list[str]:
@@ -92,6 +95,7 @@ class ValidationResult:
                 mine = [s for s in rows if s.prompt == p]
                 diverged = [s for s in mine if not s.top1_agree]
                 first = min(diverged, key=lambda s: s.step) if diverged else None
+                phases = phase_counts(mine)
                 prompts[p] = {
                     "first_divergence": first.step if first else None,
                     "divergences": len(diverged),
@@ -101,6 +105,9 @@ class ValidationResult:
                     "mean_kl": _mean([s.kl for s in mine]),
                     # the tokens at the first divergence: what the reference and the target picked
                     "tokens_at_divergence": [first.reference_token, first.target_token] if first else None,
+                    # per phase (prefill, decode): steps, diverged steps, top-5 errors; the one phase that alone diverges
+                    "phases": phases,
+                    "diverges_in": diverging_phase(phases),
                 }
             router = self.router.get(mode, {})
             out[mode] = {
@@ -305,7 +312,9 @@ def _validate_mode(engine: Engine, reference: Reference, result: ValidationResul
             retry = rounds  # forced steps after a divergence count as the retry that would compute them
             for j, m in enumerate(compared):
                 step = start + j
-                result.steps.append(StepRecord(**vars(m), mode=mode, prompt=p, step=step, round=retry, req_id=gen.req_id))
+                phase = PREFILL if j == 0 else DECODE  # a request's first step: its prefill computed it
+                result.steps.append(StepRecord(**vars(m), mode=mode, prompt=p, step=step, round=retry, req_id=gen.req_id,
+                                               phase=phase))
                 covered[p] = step + 1
                 if m.nan:
                     stopped.add(p)

@@ -25,7 +25,7 @@ from fxreplace.validation import StepRecord, ValidationResult, logit_validation
 
 def step(mode, prompt, s, agree=True, kl=1e-3):
     return StepRecord(agree, 5, 5 if agree else 7, kl, 2 * kl, kl, False, MATCHED if agree else DIVERGED,
-                      mode=mode, prompt=prompt, step=s, round=0, req_id="r")
+                      mode=mode, prompt=prompt, step=s, round=0, req_id="r", phase="prefill" if s == 0 else "decode")
 
 
 def result() -> ValidationResult:

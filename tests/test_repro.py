@@ -70,9 +70,16 @@ def run_fresh(directory: Path, *args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def table(stdout: str) -> list[list[float]]:
-    """The runner's per-input rows: input, prompt, tokens, errors."""
-    return [[float(x) for x in line.split()] for line in stdout.splitlines() if line[:5].strip().isdigit()]
+def table(stdout: str) -> list[dict]:
+    """The runner's per-input rows: input, prompt, call (prefill or decode), cached, tokens, then the
+    errors: eager vs the reference, and the backend's vs the reference and vs eager when it ran one."""
+    rows = []
+    for line in stdout.splitlines():
+        if line[:5].strip().isdigit():
+            i, prompt, call, cached, tokens, *errors = line.split()
+            rows.append({"call": call, "cached": int(cached), "tokens": int(tokens), "eager": float(errors[0]),
+                         **({"backend": float(errors[1]), "vs_eager": float(errors[2])} if len(errors) > 1 else {})})
+    return rows
 
 
 @pytest.mark.parametrize("component, backend", list(zip(FAULTS, ["aot_eager", "eager", "eager"])))
@@ -81,13 +88,16 @@ def test_a_fault_in_the_targets_weights_shows_in_eager_the_port(clean, reference
     done = run_fresh(out, "--backend", backend)
     assert done.returncode == repro_run.EXIT_DISAGREES, done.stderr
     assert "verdict: the port: the target's component disagrees with the reference already in eager" in done.stdout
-    rows = table(done.stdout)
-    assert len(rows) == 2 and all(r[3] > 0.05 for r in rows), done.stdout
+    rows = table(done.stdout)  # two calls of each kind: the prompt's prefill, a decode step with the cache
+    assert [r["call"] for r in rows] == ["prefill"] * 2 + ["decode"] * 2, done.stdout
+    assert all(r["eager"] > 0.05 for r in rows[:2]), done.stdout
+    if component != "model.layers.1.mlp":  # one token per decode step need not reach expert 0: the others must show
+        assert all(r["eager"] > 0.05 for r in rows) and "in its prefill and decode calls alike" in done.stdout
     if backend != "eager":  # the backend computes what eager computes: nothing for the compiler team
-        assert all(r[5] == 0.0 for r in rows), done.stdout
+        assert all(r["vs_eager"] == 0.0 for r in rows), done.stdout
     meta = json.loads((out / repro_run.META).read_text())
-    assert meta["component"] == component and len(meta["inputs"]) == 2
-    assert all(i["error_at_write"] > 0.05 for i in meta["inputs"])
+    assert meta["component"] == component and len(meta["inputs"]) == 4
+    assert all(i["error_at_write"] > 0.05 for i in meta["inputs"] if i["call"] == "prefill")
 
 
 def test_a_fault_in_the_compiler_leaves_eager_agreeing(clean, reference, tmp_path):
@@ -97,7 +107,7 @@ def test_a_fault_in_the_compiler_leaves_eager_agreeing(clean, reference, tmp_pat
     assert "verdict: the compiler: eager agrees with the reference" in done.stdout
     assert "but perturb_last_linear differs from eager by up to 0.1" in done.stdout
     rows = table(done.stdout)
-    assert len(rows) == 2 and all(r[3] < 1e-5 and r[5] > 0.05 for r in rows), done.stdout
+    assert len(rows) == 4 and all(r["eager"] < 1e-5 and r["vs_eager"] > 0.05 for r in rows), done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +149,13 @@ def test_the_folder_holds_no_pickle_and_a_pickled_program_is_refused(clean_route
                     assert not info.filename.endswith((".pkl", "data.pkl")), info.filename
     assert sum(p.stat().st_size for p in clean_router.iterdir()) < 200_000  # a handful of inputs, one component
     # the same program saved by torch.export with its sample inputs (a pickle): the runner refuses it
-    program = torch.export.load(clean_router / repro_run.PROGRAM)
+    program = torch.export.load(clean_router / repro_run.PROGRAMS["decode"])
     program.example_inputs = ((torch.zeros(3, 64),), {})
     tampered = tmp_path / "tampered"
     tampered.mkdir()
     for path in clean_router.iterdir():
         (tampered / path.name).write_bytes(path.read_bytes())
-    torch.export.save(program, tampered / repro_run.PROGRAM)
+    torch.export.save(program, tampered / repro_run.PROGRAMS["decode"])
     done = run_fresh(tampered)
     assert done.returncode == repro_run.EXIT_UNUSABLE and "holds sample inputs (a pickle): refusing" in done.stderr
 
@@ -207,4 +217,4 @@ def test_xla_on_the_cpu_runs_the_folder(clean, reference, tmp_path):
     out = write_repro(planted(clean, component), clean, reference, component, tmp_path / "flipped", inputs=2)
     done = run_fresh(out, "--backend", "xla")
     assert done.returncode == repro_run.EXIT_DISAGREES and "verdict: the port" in done.stdout, done.stderr
-    assert all(r[5] < 1e-5 for r in table(done.stdout)), done.stdout
+    assert all(r["vs_eager"] < 1e-5 for r in table(done.stdout)), done.stdout

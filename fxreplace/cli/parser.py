@@ -159,7 +159,8 @@ def _add_repro(command, common) -> None:
     write.add_argument("--component", metavar="NAME", help="the component instead (a capture name or module path)")
     write.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the target's dtype (as blamed)")
     write.add_argument("--inputs", type=positive_int, default=4,
-                       help="calls kept: the prompts where the target's component departs most from the reference's")
+                       help="calls kept of each kind (prefill, decode with the KV cache): those where the target's "
+                            "component departs most from the reference's")
     write.add_argument("--out", required=True, help="the repro folder to write")
     add_device_argument(write)
     write.set_defaults(handler="fxreplace.cli.repro:write")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..loading import load_model
 from ..repro import README, ReproError, blamed_component, check_out_dir, write_repro
+from ..repro_run import META, unrecorded
 from ..repro_run import ReproError as RunError
 from ..repro_run import run as run_repro
 from .args import UsageError
@@ -43,8 +45,12 @@ def write(args) -> int:
                           command=command, source={"model": args.clean, "target": args.model})
     except ReproError as e:
         raise UsageError(str(e)) from None
-    print(f"repro of {component} -> {out}; run it: fxreplace repro run {out} --backend inductor "
+    meta = json.loads((out / META).read_text())
+    held = " and ".join(f"{sum(i['call'] == kind for i in meta['inputs'])} {kind}" for kind in meta["programs"])
+    print(f"repro of {component} ({held} calls) -> {out}; run it: fxreplace repro run {out} --backend inductor "
           f"(or python {out / 'run.py'} --backend inductor)")
+    for line in unrecorded(meta):
+        print(f"not recorded: {line}")
     return 0
 
 
