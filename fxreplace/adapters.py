@@ -88,6 +88,20 @@ def _scatter(weights: torch.Tensor, indices: torch.Tensor, num_experts: int) -> 
     return dense.scatter(1, indices, weights)
 
 
+def routing_matrix(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Top-k routing ``(weights [T, k], expert ids [T, k])`` as the dense ``[T, E]`` matrix the experts
+    apply: each token's weight at its chosen experts, zero elsewhere (the form a routing capture holds)."""
+    return _scatter(weights, ids, num_experts)
+
+
+def routing_pair(dense: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`routing_matrix`: each row's ``k`` non-zero entries (largest magnitude first)
+    as ``(weights [T, k], expert ids [T, k])``. A chosen expert of weight exactly zero comes back as
+    some expert of weight zero, which the experts' weighted sum cannot tell apart."""
+    ids = torch.topk(dense.abs(), k, dim=-1).indices
+    return dense.gather(-1, ids), ids
+
+
 def _routed(route: Callable, pairs: bool) -> Adapter:
     """``route(logits, module) -> (weights, ids)`` as a dense or a pair adapter."""
 
