@@ -463,7 +463,7 @@ def test_the_deciding_round_carries_the_origin_layers_kinds():
     """At 16 layers the first round narrows an attention fault in layer 9 to layers 8-9; the round
     deciding between them also replaces their kinds (they fit beside its stream), so the search
     needs no third round. At 32 layers the first round leaves four layers (16-19): their three
-    streams and twelve kinds still fit one batch of the runner, so two rounds again."""
+    streams and sixteen kinds still fit one batch of the runner, so two rounds again."""
     for layers, fault, left in ((16, 9, 2), (32, 19, 4)):
         clean = tiny_model(ARCH, num_hidden_layers=layers)
         reference = capture_reference(clean, prompts(), get_family(ARCH).targets, NEW, progress=False)  # routers only
