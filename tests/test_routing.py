@@ -126,6 +126,35 @@ def test_one_compiled_graph_for_routing_off_on_and_new_values():
     assert not torch.allclose(outputs[2], plain[0], atol=1e-3) and torch.equal(outputs[3], plain[1])
 
 
+def test_the_runner_selects_routing_per_request_in_one_compiled_graph():
+    """Blame's embedded runner: every component instrumented, compiled; requests side by side, one replacing
+    the faulty layer's routing from the reference, get the reference's tokens and logits, the others the
+    target's, from one graph per bucket."""
+    from fxreplace.components import resolve_components
+    from fxreplace.context import PerRequest
+    from fxreplace.engines.embedded.runner import Runner, RunnerConfig
+    from fxreplace.replacer import TensorReplacer
+
+    arch = "Qwen3MoeForCausalLM"
+    clean = tiny_model(arch, num_hidden_layers=2)
+    components = get_family(arch).components
+    reference = capture_reference(clean, prompts(), [], 3, components=components, progress=False)
+    target = copy.deepcopy(clean)
+    target.model.layers[1].mlp.gate.forward = types.MethodType(skip_renorm, target.model.layers[1].mlp.gate)
+    model = fxreplace.instrument(target, [c.target for c in resolve_components(target, components)])
+    runner = Runner(model, clean.config, TensorReplacer(reference.store),
+                    RunnerConfig(prefill_buckets=(16,), batch_buckets=(4,), max_len=32), compile="eager")
+    ids = reference.store.prompt_token_ids
+    n = len(ids)
+    out = runner.generate(list(ids) * 2, 3, replace=PerRequest([()] * n + [("model.layers.1.mlp.experts",)] * n))
+    assert runner.graphs_compiled == 2  # the prefill bucket and the decode bucket
+    for p in range(n):
+        fixed, broken = torch.stack(out[n + p].logits), torch.stack(out[p].logits)
+        assert out[n + p].tokens == reference.tokens(p)
+        torch.testing.assert_close(fixed, reference.logits(p), rtol=0, atol=1e-4)
+        assert (broken - reference.logits(p)).abs().max() > 1e-2
+
+
 def test_routing_computed_inline_in_the_block_is_found_as_its_dense_matrix():
     """The Neuron-style stand-in's block scatters the top-k affinities itself and hands its experts
     the dense [T, E] matrix: that argument is the point, found by the same tracing."""
