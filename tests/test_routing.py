@@ -93,12 +93,18 @@ def test_the_reference_routing_undoes_a_routing_bug_bit_for_bit():
     gate.forward = types.MethodType(skip_renorm, gate)
     broken = target(input_ids=ids(), use_cache=False).logits
     assert (broken - want).abs().max() > 0.1
-    fxreplace.instrument(target, targets)
+    fxreplace.instrument(target, targets, max_tokens=16)
     fxreplace.check_unchanged(target, ids())  # the bug stays: instrumenting traced the forward that runs
     with torch.no_grad():
         run = lambda names: target(input_ids=ids(), use_cache=False, replacements={n: reference[n] for n in names}).logits
         assert torch.equal(run(["model.layers.1.mlp.gate"]), broken)
         assert torch.equal(run(["model.layers.1.mlp.experts"]), want)
+        # an engine that owns the forward: the fed buffers, then cleared
+        target.feed(fxreplace.ReplacementContext(reference, torch.tensor([False] * 8 + [True])))
+        fed = target(input_ids=ids(), use_cache=False).logits
+        assert torch.equal(fed[0, :8], broken[0, :8]) and not torch.equal(fed[0, 8], broken[0, 8])
+        target.clear()
+        assert torch.equal(target(input_ids=ids(), use_cache=False).logits, broken)
 
 
 def test_one_compiled_graph_for_routing_off_on_and_new_values():
