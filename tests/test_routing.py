@@ -20,6 +20,7 @@ from fxreplace.adapters import routing_matrix
 from fxreplace.blame import blame
 from fxreplace.capture import capture_reference
 from fxreplace.models import get_family, tiny_model
+from fxreplace.models.nxd import NeuronConfig, NxDQwen3MoeModel
 from fxreplace.targets import Target, TargetError
 
 #: family -> (its router's attribute in the MoE block, a MoE layer)
@@ -190,6 +191,12 @@ def test_a_family_that_does_not_expose_the_routing_step_is_refused_in_one_line()
     assert "routing" not in get_family("GptOssForCausalLM+fused_topk").components
     with pytest.raises(TargetError, match="point 'routing' is the routing the module is called with"):
         fxreplace.export(tiny_model("Qwen3MoeForCausalLM"), {"input_ids": ids(), "use_cache": False}, [ROUTING])
+    # NxD's experts take every expert's affinities and the ids: only the ids come from the top-k
+    nxd = NxDQwen3MoeModel.from_hf(tiny_model("Qwen3MoeForCausalLM"), NeuronConfig(batch_size=1, buckets=(8,)))
+    fxreplace.instrument(nxd, [Target("layers.*.mlp.expert_mlps", point="routing")])
+    with pytest.raises(TargetError, match=r"^'layers\.0\.mlp\.expert_mlps': point 'routing': the one argument computed "
+                                          r"from a top-k is torch\.int64 \(8, 2\), expert ids without their weights"):
+        nxd(ids(tokens=8), torch.arange(8)[None], replacements={})
 
 
 def test_a_routing_replacement_of_the_wrong_width_names_the_module():
