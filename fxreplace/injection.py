@@ -134,9 +134,10 @@ def inject_routing(injection: Injection, values: list[torch.Tensor], num_experts
     the others keep the pair as computed, bit for bit and in its order."""
     if len(values) == 1:
         if not values[0].is_floating_point():
-            raise TargetError(f"{injection.module_name!r}: point 'routing': the one argument computed from a top-k is "
-                              f"{values[0].dtype} {tuple(values[0].shape)}, expert ids without their weights (the module "
-                              "takes weights from elsewhere and picks the chosen ones itself); target the router instead")
+            raise TargetError(f"{injection.module_name!r}: point 'routing': the one argument computed from a top-k "
+                              f"is {values[0].dtype} {tuple(values[0].shape)}, expert ids without their weights (the "
+                              "module takes weights from elsewhere and picks the chosen ones itself); target the router "
+                              "instead")
         return [injection(values[0], replacement, mask, None, leading_rows)]
     floats = [v.is_floating_point() for v in values]
     if floats.count(True) != 1 or values[0].shape != values[1].shape:

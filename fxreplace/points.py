@@ -443,9 +443,9 @@ def locate_routing(module: nn.Module, module_name: str, parent: nn.Module | None
     inputs = tuple([i for i, a in enumerate(call.args) if a in routed] +
                    [k for k, a in call.kwargs.items() if a in routed])
     if not inputs:
-        raise TargetError(f"{module_name!r}: point 'routing': no argument of its call in {parent_name!r} is computed "
-                          "from a top-k, so the routing step is not exposed there (e.g. one kernel computes it with the "
-                          "logits); target the router instead")
+        raise TargetError(f"{module_name!r}: point 'routing': no argument of its call in {parent_name!r} is "
+                          "computed from a top-k, so the routing step is not exposed there (e.g. one kernel computes it "
+                          "with the logits); target the router instead")
     if len(inputs) > 2:
         raise TargetError(f"{module_name!r}: point 'routing': {len(inputs)} arguments of its call in {parent_name!r} "
                           f"come from a top-k ({inputs}); a routing point takes dense [T, E] weights or one (weights, "

@@ -29,7 +29,8 @@ register_family(Family(
     tiny_config=tiny_config,
     model_kwargs={"attn_implementation": "eager"},
     components=decoder_components(router=Target("model.layers.*.mlp.router"),
-                                  routing=Target("model.layers.*.mlp.experts", point="routing"), block_point="output[0]"),
+                                  routing=Target("model.layers.*.mlp.experts", point="routing"),
+                                  block_point="output[0]"),
     vllm_components=decoder_components(router=Target("model.layers.*.mlp.router", point="output"), attention="attn",
                                        vllm=True),
 ))
