@@ -6,7 +6,7 @@ captured from the clean model on demand (``blame(..., clean=...)``). Targets: th
 weights with one attention output projection scaled in layer ``0.6 L``, and with two
 faults (attention in layer ``L/4``, router in layer ``3L/4``). Per run: validation passes,
 rounds (batched validations: the passes of one round run side by side as copies of the
-prompts), components captured on demand (of 4L), wall time of the search with and without
+prompts), components captured on demand (of 5L: the family's kinds per layer), wall time of the search with and without
 completing the reference (the captures), and that time divided by one validation pass of the target with nothing
 replaced (measured on an equal runner in the same run, median of 3, before and after the
 search: their mean divides, and the two give the spread).
@@ -19,7 +19,7 @@ and router in layer ``L/2``), found by trying the layer's kinds together.
 
 Goals: a single-fault search in <= 3 validation passes of wall time at L = 16 and L = 32, two
 faults in <= 5 at L = 16 (completing the reference excluded: its cost is paid once), and
-passes and captures growing as log L, not as L (one by one: 1 + 4L passes, 4L captures).
+passes and captures growing as log L, not as L (one by one: 1 + 5L passes, 5L captures).
 
 Prints a table and a final JSON line {"passes": {fault: {L: n}}, "rounds": ..., "captured": ...,
 "seconds": ..., "per_pass": {fault: {L: search seconds / one pass}}, "found": ..., "goal_met": bool,
@@ -46,6 +46,8 @@ from fxreplace.models import get_family, tiny_model
 from fxreplace.validation import logit_validation
 
 ARCH = "Qwen3MoeForCausalLM"
+#: the components the family declares in every layer (attention, router, routing, experts, the stream)
+PER_LAYER = sum("*" in t.pattern for t in get_family(ARCH).components.values())
 
 
 FAULTS = ("one", "two", "same")
@@ -133,8 +135,8 @@ def main():
             for n in args.layers:
                 r = run(n, which, prompts, new_tokens, Path(tmp))
                 rows.append(r)
-                print(f"{r['fault']:>5} {r['layers']:>4} {r['passes']:>7} {1 + 4 * r['layers']:>7} {r['rounds']:>7} "
-                      f"{r['captured']:>9} {4 * r['layers']:>5} {r['seconds']:>8.1f} {r['search_seconds']:>9.1f} "
+                print(f"{r['fault']:>5} {r['layers']:>4} {r['passes']:>7} {1 + PER_LAYER * r['layers']:>7} {r['rounds']:>7} "
+                      f"{r['captured']:>9} {PER_LAYER * r['layers']:>5} {r['seconds']:>8.1f} {r['search_seconds']:>9.1f} "
                       f"{r['one_pass']:>9.2f} {r['per_pass']:>7.2f} {r['floor_per_pass']:>8.2f}  {r['found']}", flush=True)
     for r in rows:
         if not r["found"]:

@@ -83,9 +83,20 @@ def _module_attr(module: nn.Module, value, attr: str, adapter: str):
     return getattr(module, attr)
 
 
-def _scatter(weights: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+def routing_matrix(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Top-k routing ``(weights [T, k], expert ids [T, k])`` as the dense ``[T, E]`` matrix the experts
+    apply: each token's weight at its chosen experts, zero elsewhere (what the dense routing adapters
+    return, and the form a routing capture holds)."""
     dense = torch.zeros(weights.shape[0], num_experts, dtype=weights.dtype, device=weights.device)
-    return dense.scatter(1, indices, weights)
+    return dense.scatter(1, ids, weights)
+
+
+def routing_pair(dense: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`routing_matrix`: each row's ``k`` non-zero entries (largest magnitude first)
+    as ``(weights [T, k], expert ids [T, k])``. A chosen expert of weight exactly zero comes back as
+    some expert of weight zero, which the experts' weighted sum cannot tell apart."""
+    ids = torch.topk(dense.abs(), k, dim=-1).indices
+    return dense.gather(-1, ids), ids
 
 
 def _routed(route: Callable, pairs: bool) -> Adapter:
@@ -93,7 +104,7 @@ def _routed(route: Callable, pairs: bool) -> Adapter:
 
     def adapter(logits, module):
         weights, indices = route(logits, module)
-        return (weights, indices) if pairs else _scatter(weights, indices, logits.shape[-1])
+        return (weights, indices) if pairs else routing_matrix(weights, indices, logits.shape[-1])
 
     return adapter
 

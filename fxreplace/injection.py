@@ -18,7 +18,7 @@ from torch import nn
 from torch._C import _len_torch_dispatch_stack as _dispatch_modes  # no public way to ask (make_fx, export)
 from torch.compiler import is_dynamo_compiling
 
-from .adapters import Adapter, get_adapter, identity
+from .adapters import Adapter, get_adapter, identity, routing_matrix, routing_pair
 from .sharding import ShapeError, ShardSpec, layout_hint, require, rows_before_sharding, shard_columns, shard_rows
 from .targets import TargetError
 
@@ -123,6 +123,41 @@ class Injection:
             )
             out.append(torch.where(mask, value.to(flat.dtype), flat).reshape(part.shape))
         return rebuild(computed, out) if isinstance(computed, (tuple, list)) else out[0]
+
+
+def inject_routing(injection: Injection, values: list[torch.Tensor], num_experts: int | None, replacement, mask,
+                   leading_rows=False) -> list[torch.Tensor]:
+    """The routing a module is called with (point ``"routing"``), replaced. One value is a dense
+    ``[T, E]`` matrix and goes through ``injection`` as it is. A (top-k weights, expert ids) pair, in
+    either order, goes through it as the dense matrix it stands for (so a capture records, and a
+    replacement holds, ``[T, E]`` rows); rows the injection changed are read back as their top-k,
+    the others keep the pair as computed, bit for bit and in its order."""
+    if len(values) == 1:
+        if not values[0].is_floating_point():
+            raise TargetError(f"{injection.module_name!r}: point 'routing': the one argument computed from a top-k "
+                              f"is {values[0].dtype} {tuple(values[0].shape)}, expert ids without their weights (the "
+                              "module takes weights from elsewhere and picks the chosen ones itself); target the router "
+                              "instead")
+        return [injection(values[0], replacement, mask, None, leading_rows)]
+    floats = [v.is_floating_point() for v in values]
+    if floats.count(True) != 1 or values[0].shape != values[1].shape:
+        raise TargetError(f"{injection.module_name!r}: point 'routing' is called with "
+                          f"{', '.join(f'{v.dtype} {tuple(v.shape)}' for v in values)}; a routing pair is float "
+                          "weights and integer expert ids of one shape [T, k]")
+    w, i = (0, 1) if floats[0] else (1, 0)
+    weights, ids = values[w], values[i]
+    k = weights.shape[-1]
+    flat_weights, flat_ids = weights.reshape(-1, k), ids.reshape(-1, k)
+    dense = routing_matrix(flat_weights, flat_ids, num_experts)
+    injected = injection(dense, replacement, mask, None, leading_rows)
+    if injected is dense:  # nothing replaced: the pair as computed
+        return values
+    changed = ((injected != dense) & ~(injected.isnan() & dense.isnan())).any(-1, keepdim=True)
+    new_weights, new_ids = routing_pair(injected, k)
+    out = [None, None]
+    out[w] = torch.where(changed, new_weights.to(weights.dtype), flat_weights).reshape(weights.shape)
+    out[i] = torch.where(changed, new_ids.to(ids.dtype), flat_ids).reshape(ids.shape)
+    return out
 
 
 def rebuild(like: tuple | list, parts: list):

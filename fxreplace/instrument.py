@@ -29,11 +29,11 @@ from torch.compiler import is_dynamo_compiling
 
 from .context import ReplacementContext
 from .devices import computes_on
-from .injection import Injection, recording, with_element
+from .injection import Injection, inject_routing, recording, with_element
 from .passes import InjectionSpec, insert_replacements
-from .points import (GIVEN_FORWARD, WRAPPED_FORWARD, InjectionPoint, TargetNotLiveError, check_adapter_fits, check_output_point_read,
-                     computes_linear_output, describe_forward, forward_attribute, instance_forward,
-                     locate_injection_point, working_point)
+from .points import (GIVEN_FORWARD, ROUTING, WRAPPED_FORWARD, InjectionPoint, TargetNotLiveError, check_adapter_fits,
+                     check_output_point_read, computes_linear_output, describe_forward, forward_attribute,
+                     instance_forward, locate_injection_point, working_point)
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
@@ -108,7 +108,8 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
     if point.graph_module is not None:
         slot.graph_forward = _shared_graph_forward(point, injection)
     module.__dict__[_SLOT] = slot
-    forward = _output_point_forward if point.graph_module is None else _graph_point_forward
+    forward = (_graph_point_forward if point.graph_module is not None else
+               _routing_point_forward if point.routing_inputs is not None else _output_point_forward)
     module.__dict__[attribute] = types.MethodType(forward, module)
 
 
@@ -173,6 +174,24 @@ def _graph_point_forward(self, *args, **kwargs):
         fxreplace_replacement=slot.replacement, fxreplace_mask=slot.mask,
         fxreplace_leading_rows=slot.leading_rows, fxreplace_injection=slot.injection,
     )
+
+
+def _routing_point_forward(self, *args, **kwargs):
+    """The forward of a target whose point is the routing it is called with (see
+    :func:`~fxreplace.injection.inject_routing`): the module runs on the replaced arguments."""
+    slot = self._fxreplace_slot
+    if not slot.take():
+        return _call_original(self, slot, args, kwargs)
+    point = slot.point
+    args, kwargs = list(args), dict(kwargs)
+    given = [args[key] if isinstance(key, int) else kwargs[key] for key in point.routing_inputs]
+    routed = inject_routing(slot.injection, given, point.num_experts, slot.replacement, slot.mask, slot.leading_rows)
+    for key, value in zip(point.routing_inputs, routed):
+        if isinstance(key, int):
+            args[key] = value
+        else:
+            kwargs[key] = value
+    return _call_original(self, slot, tuple(args), kwargs)
 
 
 def _output_point_forward(self, *args, **kwargs):
@@ -640,7 +659,11 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
     for target in resolved:
         module = model.get_submodule(target.module_name)
         proven = check_output_point_read(model, target.module_name, target.point)
-        point = locate_injection_point(module, target.module_name, target.point)
+        parent = model.get_submodule(target.module_name.rpartition(".")[0])
+        point = locate_injection_point(module, target.module_name, target.point, parent=parent)
+        if point.point == ROUTING and target.shard is not None and target.shard.mode == "expert":
+            raise TargetError(f"{target.module_name!r}: point 'routing' takes every expert's column (its expert ids "
+                              "are global); give this rank the full routing (no expert shard)")
         injection = Injection(target.module_name, module, target.adapter, target.shard)
         check_adapter_fits(target.module_name, target.point, target.adapter,
                            lambda: computes_linear_output(module, point))

@@ -9,6 +9,9 @@ capture, :func:`~fxreplace.export.export` and the vLLM plugin all use it:
   tuple whose logits their MoE block ignores, so only the inner node matters).
   A module that cannot be traced alone falls back to ``"output"``, which is then
   checked to be a tensor when the module first runs;
+- ``"routing"``: the routing a module is *called with*: the arguments of its call that its parent
+  computes from a top-k (the experts' top-k weights and expert ids, or their dense ``[T, E]``
+  matrix), found by tracing the parent with the module kept whole (see :func:`locate_routing`);
 - a callable ``fn(nodes) -> Node`` picking the node among the module's FX nodes.
 
 Nodes are attributed to modules either because the graph was traced from the
@@ -41,14 +44,16 @@ LINEAR_FUNCTIONS = {
     _aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.matmul.default,
 }
 LINEAR_METHODS = {"matmul", "mm", "addmm", "__matmul__"}
+#: the point of the routing a module is called with (see :func:`locate_routing`)
+ROUTING = "routing"
 _CALL_OPS = ("call_function", "call_method", "call_module")
 
 
 def check_point(point) -> None:
     """Reject a point that is neither a known string nor a callable (before any model is seen)."""
-    if callable(point) or point == "auto" or parse_output_point(point)[0]:
+    if callable(point) or point in ("auto", ROUTING) or parse_output_point(point)[0]:
         return
-    raise TargetError(f"unknown point {point!r}; use 'auto', 'output', 'output[i]' or a callable")
+    raise TargetError(f"unknown point {point!r}; use 'auto', 'output', 'output[i]', 'routing' or a callable")
 
 
 def parse_output_point(point) -> tuple[bool, int | None]:
@@ -115,6 +120,9 @@ def find_injection_node(gm: fx.GraphModule, module_name: str, point: Point) -> f
             raise TargetError(f"point callable for {where} returned {node!r}, which is not one of its nodes")
         return node
     check_point(point)
+    if point == ROUTING:
+        raise TargetError(f"{where}: point 'routing' is the routing the module is called with, which instrument() "
+                          "replaces at the call; a graph pass cannot (target the router's logits here instead)")
     _, index = parse_output_point(point)
     outputs = _module_outputs(gm, module_name, nodes)
     if point == "auto":  # the output when it is one tensor (or nothing is linear), else the logits
@@ -136,16 +144,20 @@ class InjectionPoint:
     """Where one module's replacement goes.
 
     ``graph_module`` is set when the point is a node inside the module: the
-    module traced alone, and ``point`` selects the node in it. Otherwise the
-    point is the module output (``output_index`` picks ``output[i]``), checked
-    to be a tensor at run time (an untraceable module with ``"auto"`` lands here,
-    keeping ``point="auto"`` so errors can say why).
+    module traced alone, and ``point`` selects the node in it. ``routing_inputs`` is set
+    for point ``"routing"``: where the module's call passes its routing (argument positions,
+    keyword names), and ``num_experts`` the width of the dense matrix a (weights, ids) pair
+    stands for. Otherwise the point is the module output (``output_index`` picks
+    ``output[i]``), checked to be a tensor at run time (an untraceable module with
+    ``"auto"`` lands here, keeping ``point="auto"`` so errors can say why).
     """
 
     module_name: str
     point: Point
     graph_module: fx.GraphModule | None = None
     output_index: int | None = None
+    routing_inputs: tuple[int | str, ...] | None = None
+    num_experts: int | None = None
 
 
 #: where accelerate's hooks (``from_pretrained(device_map=...)``, ``add_hook_to_module``) keep the forward
@@ -216,20 +228,26 @@ def _as_method(forward: Callable) -> Callable:
     return function
 
 
-def trace_alone(module: nn.Module) -> fx.GraphModule:
-    """``torch.fx`` trace of the forward a call of ``module`` runs (its class's, or the one the instance
-    holds); parameters are shared, not copied."""
+def _traced_root(module: nn.Module) -> nn.Module:
+    """What torch.fx traces for the forward a call of ``module`` runs: the module when its class's forward
+    runs; else (fx traces a module's forward from its class) a shallow twin (the same parameters, buffers
+    and children) of a class whose forward is the instance's."""
     own = instance_forward(module)
     if own is None:
-        return fx.symbolic_trace(module)
-    # fx traces a module's forward from its class: a shallow twin (the same parameters, buffers and children)
-    # of a class whose forward is the instance's
+        return module
     twin = copy.copy(module)
     for name in ("forward", WRAPPED_FORWARD, GIVEN_FORWARD):
         twin.__dict__.pop(name, None)
     cls = type(module)
     twin.__class__ = type(cls.__name__, (cls,), {"forward": _as_method(own), "__module__": cls.__module__})
-    return fx.GraphModule(twin, fx.Tracer().trace(twin), cls.__name__)
+    return twin
+
+
+def trace_alone(module: nn.Module) -> fx.GraphModule:
+    """``torch.fx`` trace of the forward a call of ``module`` runs (its class's, or the one the instance
+    holds); parameters are shared, not copied."""
+    root = _traced_root(module)
+    return fx.GraphModule(root, fx.Tracer().trace(root), type(module).__name__)
 
 
 def check_adapter_fits(module_name: str, point: Point, adapter, computes_logits: Callable[[], bool]) -> None:
@@ -342,9 +360,13 @@ def _class_point_inside(module: nn.Module) -> bool:
     return node is not next(n for n in gm.graph.nodes if n.op == "output").args[0]
 
 
-def locate_injection_point(module: nn.Module, module_name: str, point: Point = "auto") -> InjectionPoint:
-    """Resolve ``point`` for ``module`` without changing anything."""
+def locate_injection_point(module: nn.Module, module_name: str, point: Point = "auto", *,
+                            parent: nn.Module | None = None) -> InjectionPoint:
+    """Resolve ``point`` for ``module`` without changing anything; point ``"routing"`` needs the module's
+    ``parent``."""
     check_point(point)
+    if point == ROUTING:
+        return locate_routing(module, module_name, parent)
     is_output, index = parse_output_point(point)
     if is_output:
         return InjectionPoint(module_name, point, output_index=index)
@@ -368,3 +390,68 @@ def locate_injection_point(module: nn.Module, module_name: str, point: Point = "
     if node is output:
         return InjectionPoint(module_name, "output")
     return InjectionPoint(module_name, point, graph_module=gm)
+
+
+def _is_topk(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in (torch.topk, _aten.topk.default)
+            or node.op == "call_method" and node.target == "topk")
+
+
+class _Reached(Exception):
+    """Ends a trace at the call it looked for (see :class:`_UntilCall`)."""
+
+    def __init__(self, node: fx.Node):
+        super().__init__(node.name)
+        self.node = node
+
+
+class _UntilCall(_KeepLeaf):
+    """Traces a module up to its first call of one child, kept whole: that call's node is raised in a
+    :class:`_Reached`, so what the forward does after it (which fx may not trace) is never read."""
+
+    def call_module(self, m, forward, args, kwargs):
+        proxy = super().call_module(m, forward, args, kwargs)
+        if m is self.leaf:
+            raise _Reached(proxy.node)
+        return proxy
+
+
+def locate_routing(module: nn.Module, module_name: str, parent: nn.Module | None) -> InjectionPoint:
+    """Point ``"routing"`` of ``module`` (the experts of an MoE block): the arguments of its call that
+    its parent computes from a top-k, whatever computes that top-k (a router module, or the block's own
+    forward), found by tracing the forward the parent runs up to that call, with ``module`` kept whole.
+    One such argument is a dense ``[T, E]`` routing matrix; two are a (top-k weights, expert ids) pair,
+    which stands for the dense matrix of ``module.num_experts`` columns. Nothing is changed."""
+    parent_name = module_name.rpartition(".")[0]
+    if parent is None:
+        raise TargetError(f"{module_name!r}: point 'routing' is the routing its parent passes it, but it has no parent")
+    try:
+        _UntilCall(module).trace(_traced_root(parent))
+    except _Reached as reached:
+        call = reached.node
+    except Exception as exc:
+        raise TargetError(f"{module_name!r}: point 'routing' is found by tracing its parent {parent_name!r} "
+                          f"({describe_forward(parent)}) up to its call, which torch.fx cannot: {one_line(exc)}; "
+                          "make that forward traceable, or target the router's logits") from exc
+    else:
+        raise TargetError(f"{module_name!r}: point 'routing' is the routing its parent {parent_name!r} passes it, but "
+                          "the parent's forward does not call it")
+    routed: set[fx.Node] = set()
+    for node in call.graph.nodes:
+        if _is_topk(node) or any(n in routed for n in node.all_input_nodes):
+            routed.add(node)
+    inputs = tuple([i for i, a in enumerate(call.args) if a in routed] +
+                   [k for k, a in call.kwargs.items() if a in routed])
+    if not inputs:
+        raise TargetError(f"{module_name!r}: point 'routing': no argument of its call in {parent_name!r} is "
+                          "computed from a top-k, so the routing step is not exposed there (e.g. one kernel computes it "
+                          "with the logits); target the router instead")
+    if len(inputs) > 2:
+        raise TargetError(f"{module_name!r}: point 'routing': {len(inputs)} arguments of its call in {parent_name!r} "
+                          f"come from a top-k ({inputs}); a routing point takes dense [T, E] weights or one (weights, "
+                          "expert ids) pair")
+    experts = getattr(module, "num_experts", None) if len(inputs) == 2 else None
+    if len(inputs) == 2 and not isinstance(experts, int):
+        raise TargetError(f"{module_name!r}: point 'routing' receives (weights, expert ids), which it replaces as the "
+                          "dense [T, E] matrix they stand for, but the module has no int num_experts (E)")
+    return InjectionPoint(module_name, ROUTING, routing_inputs=inputs, num_experts=experts)

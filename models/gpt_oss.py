@@ -28,7 +28,9 @@ register_family(Family(
     vllm_targets=(Target("model.layers.*.mlp.router", point="output"),),
     tiny_config=tiny_config,
     model_kwargs={"attn_implementation": "eager"},
-    components=decoder_components(router=Target("model.layers.*.mlp.router"), block_point="output[0]"),
+    components=decoder_components(router=Target("model.layers.*.mlp.router"),
+                                  routing=Target("model.layers.*.mlp.experts", point="routing"),
+                                  block_point="output[0]"),
     vllm_components=decoder_components(router=Target("model.layers.*.mlp.router", point="output"), attention="attn",
                                        vllm=True),
 ))

@@ -15,6 +15,8 @@ from .registry import Family, decoder_components, register_family
 from .nxd import nxd_router_targets
 
 ROUTER = Target("model.layers.*.mlp.gate")
+#: the routing the experts are called with (top-k weights and expert ids), which the block's gate computes
+ROUTING = Target("model.layers.*.mlp.experts", point="routing")
 
 
 def tiny_config(**overrides):
@@ -32,6 +34,6 @@ register_family(Family(
     vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
     vllm_neuron_targets=nxd_router_targets(ROUTER),
     tiny_config=tiny_config,
-    components=decoder_components(router=ROUTER),
+    components=decoder_components(router=ROUTER, routing=ROUTING),
     vllm_components=decoder_components(router=Target("model.layers.*.mlp.gate", point="output[0]"), vllm=True),
 ))

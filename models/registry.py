@@ -36,7 +36,7 @@ class Family:
     ``transform``: turns the HF model into the family's variant (e.g. a fused router).
     ``build``: makes the model from its config when it is not a transformers model.
     ``components`` / ``vllm_components``: the candidates ``fxreplace blame`` replaces, by
-    kind (``attention``, ``router``, ``experts`` or ``mlp``, ``layer``), in the order
+    kind (``attention``, ``router``, ``routing``, ``experts`` or ``mlp``, ``layer``), in the order
     they run inside a decoder layer; ``*`` in each pattern is the layer index (see
     :func:`decoder_components`). vLLM's captures are named as in the HF reference.
     """
@@ -119,12 +119,14 @@ def families() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def decoder_components(*, router: Target | None = None, attention: str = "self_attn", block: str = "mlp",
-                       block_kind: str = "experts", block_point: str = "output", vllm: bool = False) -> dict[str, Target]:
+def decoder_components(*, router: Target | None = None, routing: Target | None = None, attention: str = "self_attn",
+                       block: str = "mlp", block_kind: str = "experts", block_point: str = "output",
+                       vllm: bool = False) -> dict[str, Target]:
     """Components of a ``model.layers.N`` decoder stack, in forward order: the token
     embedding's output (HF; the first layer's input), the attention block's output, the
-    router logits (MoE), the MLP/MoE block's output, and the residual stream after the
-    layer. ``attention`` and ``block`` name the layer's attention and MLP/MoE submodules.
+    router logits (MoE), the routing the experts are called with (MoE: point ``"routing"``,
+    their top-k weights and expert ids), the MLP/MoE block's output, and the residual stream
+    after the layer. ``attention`` and ``block`` name the layer's attention and MLP/MoE submodules.
 
     HF attention returns ``(output, weights)``; vLLM's returns the output. vLLM's
     decoder layer returns ``(block output, residual)`` and leaves the add to the next
@@ -138,6 +140,8 @@ def decoder_components(*, router: Target | None = None, attention: str = "self_a
     out["attention"] = Target(f"model.layers.*.{attention}", point="output" if vllm else "output[0]")
     if router is not None:
         out["router"] = router
+    if routing is not None:
+        out["routing"] = routing
     out[block_kind] = Target(f"model.layers.*.{block}", point=block_point)
     out["layer"] = Target("model.layers.*", point="output", adapter="residual_stream_pair" if vllm else None)
     return out

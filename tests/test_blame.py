@@ -32,7 +32,7 @@ ARCH = "Qwen3MoeForCausalLM"
 DENSE = "LlamaForCausalLM"
 LAYERS = 4
 NEW = 6
-KINDS = ["attention", "router", "experts", "layer"]
+KINDS = ["attention", "router", "routing", "experts", "layer"]
 
 
 def prompts(n=2):
@@ -133,7 +133,7 @@ def test_store_holds_every_kind_as_rows_per_layer(cleans, references):
     for name, info in components.items():
         assert info["kind"] in KINDS and 0 <= info["layer"] < LAYERS
         rows = reference.store.rows(0, name)
-        assert rows.shape == (len(prompts()[0]) + NEW - 1, experts_ if info["kind"] == "router" else hidden), name
+        assert rows.shape == (len(prompts()[0]) + NEW - 1, experts_ if info["kind"] in ("router", "routing") else hidden), name
     # the stream after the last layer, normed and projected, gives the reference's logits
     stream = reference.store.rows(0, f"model.layers.{LAYERS - 1}")
     with torch.no_grad():
@@ -338,7 +338,7 @@ def routers_only(cleans, tmp_path_factory):
 
 def test_reference_without_components_is_refused(cleans, routers_only, tmp_path, capsys):
     target = plant(cleans[ARCH], router(2))
-    with pytest.raises(BlameError, match="lacks 13 of the 17 components .*kinds attention, embedding, experts, layer.*"
+    with pytest.raises(BlameError, match="lacks 17 of the 21 components .*kinds attention, embedding, experts, layer, routing.*"
                                          "`fxreplace capture .* --components"):
         blame(target, routers_only, progress=False)
     target.save_pretrained(tmp_path / "target")
@@ -351,13 +351,17 @@ def test_clean_captures_on_demand_and_reuses(cleans, references, routers_only, b
     target = plant(cleans[ARCH], router(2))
     result = blame(target, routers_only, clean=cleans[ARCH], progress=False)
     full = blamed("router")
-    assert result.verdict == full.verdict and [b.component for b in result.ranking] == [b.component for b in full.ranking]
+    assert result.verdict == full.verdict and result.ranking[0].component == full.ranking[0].component
+    # the same rows and shares (routing and experts both explain all of a router fault: their order is rounding's)
+    shares = lambda r: {b.component: b.share for b in r.ranking}
+    assert shares(result).keys() == shares(full).keys()
+    assert all(abs(shares(result)[c] - shares(full)[c]) < 1e-6 for c in shares(full)), (result.table(), full.table())
     # the streams the localisation probes (log_5 L rounds of PROBES) plus the origin layer's kinds (its router
-    # is in the reference already), of 16
+    # is in the reference already), of 20
     kinds = len(result.kinds)
     assert len(result.captured) == LAYERS + kinds - 1 <= PROBES * math.ceil(math.log(LAYERS, PROBES + 1)) + kinds
     assert set(result.captured) == {f"model.layers.{k}" for k in range(LAYERS)} | {
-        "model.layers.2.self_attn", "model.layers.2.mlp"}  # the router is in the reference already
+        "model.layers.2.self_attn", "model.layers.2.mlp.experts", "model.layers.2.mlp"}  # the router: in the reference
     # appended under the reference as stores of their own, read back next time instead of captured
     comps = resolve_components(cleans[ARCH], get_family(ARCH).components)
     again = OnDemand(cleans[ARCH], load_reference(routers_only), comps, routers_only)
@@ -459,7 +463,7 @@ def test_the_deciding_round_carries_the_origin_layers_kinds():
     """At 16 layers the first round narrows an attention fault in layer 9 to layers 8-9; the round
     deciding between them also replaces their kinds (they fit beside its stream), so the search
     needs no third round. At 32 layers the first round leaves four layers (16-19): their three
-    streams and twelve kinds still fit one batch of the runner, so two rounds again."""
+    streams and sixteen kinds still fit one batch of the runner, so two rounds again."""
     for layers, fault, left in ((16, 9, 2), (32, 19, 4)):
         clean = tiny_model(ARCH, num_hidden_layers=layers)
         reference = capture_reference(clean, prompts(), get_family(ARCH).targets, NEW, progress=False)  # routers only

@@ -35,6 +35,7 @@ def test_the_family_example_registers_a_working_family(monkeypatch):
 
     import fxreplace
     import fxreplace.models
+    from fxreplace.components import resolve_components
     from fxreplace.models import get_family, tiny_model
 
     # registered for this test only (tests/test_readme.py runs the same example from docs/extending.md)
@@ -46,4 +47,5 @@ def test_the_family_example_registers_a_working_family(monkeypatch):
     assert model.targets == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     with torch.no_grad():
         model(input_ids=torch.tensor([[1, 2, 3]]))
-    assert set(family.components) == {"embedding", "attention", "router", "experts", "layer"}
+    assert list(family.components) == ["embedding", "attention", "router", "routing", "experts", "layer"]
+    assert len(resolve_components(tiny_model("MyMoeForCausalLM"), family.components)) == 1 + 2 * 5  # 2 layers

@@ -10,6 +10,7 @@ from fxreplace.models import Family, decoder_components, register_family
 from fxreplace.targets import Target
 
 ROUTER = Target("model.layers.*.mlp.gate")  # router logits: the gate's first linear (point "auto")
+ROUTING = Target("model.layers.*.mlp.experts", point="routing")  # the top-k weights and ids the experts are called with
 
 
 def tiny_config():
@@ -24,5 +25,5 @@ FAMILY = register_family(Family(
     targets=(ROUTER,),
     vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),  # vLLM's gate returns (logits, bias)
     tiny_config=tiny_config,
-    components=decoder_components(router=ROUTER),  # what `fxreplace blame` replaces, in forward order
+    components=decoder_components(router=ROUTER, routing=ROUTING),  # what `fxreplace blame` replaces, in forward order
 ))
