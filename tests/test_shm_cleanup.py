@@ -48,3 +48,29 @@ def test_another_live_engines_segment_is_kept(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+LEAKED = """
+import sys
+from multiprocessing import shared_memory
+from pathlib import Path
+from fxreplace.vllm.shm import Cleanup
+
+cleanup = Cleanup()
+segment = shared_memory.SharedMemory(create=True, size=4096)  # registered with this process's resource tracker
+segment.close()  # closed, not unlinked: what a torn-down engine process leaves
+if sys.argv[1] == "cleanup":
+    assert cleanup.after_teardown(wait_s=1, own_wait_s=1) == [segment.name.lstrip("/")]
+else:
+    (Path("/dev/shm") / segment.name.lstrip("/")).unlink()  # removed without telling the tracker
+"""
+
+
+def test_a_removed_segment_is_not_reported_leaked_after_the_commands_last_line():
+    """The engine's processes register their queues with the resource tracker they share with the command;
+    a segment the cleanup removes is forgotten there, so the tracker does not warn at exit that it leaked
+    and then fail to unlink it."""
+    told = subprocess.run([sys.executable, "-c", LEAKED, "cleanup"], capture_output=True, text=True, timeout=60)
+    assert told.returncode == 0 and "resource_tracker" not in told.stderr, told.stderr
+    untold = subprocess.run([sys.executable, "-c", LEAKED, "unlink"], capture_output=True, text=True, timeout=60)
+    assert "leaked shared_memory objects" in untold.stderr and "No such file" in untold.stderr, untold.stderr

@@ -97,8 +97,23 @@ class Cleanup:
             users = set().union(*_users(created, self.shm).values()) - {os.getpid()}  # waiting frees no mapping of ours
             limit = own_wait_s if any(map(_in_our_group, users)) else wait_s
             if not users or time.monotonic() - started > limit:
-                return remove_unused(created, self.shm)
+                removed = remove_unused(created, self.shm)
+                _forget(removed)
+                return removed
             time.sleep(0.1)
+
+
+def _forget(names) -> None:
+    """Have this process's multiprocessing resource tracker forget the ``psm_*`` segments removed here:
+    the engine's processes (spawned, they share it) registered them, and at exit it would warn of each
+    as leaked, then fail to unlink it ("No such file or directory") after the command's last line. A
+    registration before the removal makes it forget a name it never held, too (it keeps a set)."""
+    from multiprocessing import resource_tracker
+
+    for name in names:
+        if name.startswith("psm_"):
+            resource_tracker.register(f"/{name}", "shared_memory")
+            resource_tracker.unregister(f"/{name}", "shared_memory")
 
 
 def _link_target(fd: Path) -> str:
