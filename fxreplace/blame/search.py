@@ -397,12 +397,15 @@ class Search:
             self.floor is not None and self.floor.within(left))
 
     def _repeated_kind(self, origins: list[Origin]) -> str | None:
-        """The kind holding origins in two or more layers (the most layers; the earliest kind on a tie), else None.
-        None for a drifting target without a floor: no scale tells a kind's precision drift from its fault."""
+        """The kind holding origins in two or more layers, or in one beside a layer no kind explained (the same fault
+        upstream of that layer can hide its kind there: replacing the kind in it removes only what arises in it, its
+        stream all the rest); the most layers, the earliest kind on a tie; else None. None for a drifting target
+        without a floor: no scale tells a kind's precision drift from its fault."""
         if self.drifts and self.floor is None:
             return None
         layers = {kind: {o.layer for o in origins if o.component and o.kind == kind} for kind in self.kinds}
-        repeated = [kind for kind in self.kinds if len(layers[kind]) >= 2]
+        least = 1 if any(o.component is None for o in origins) else 2
+        repeated = [kind for kind in self.kinds if len(layers[kind]) >= least]
         return max(repeated, key=lambda kind: len(layers[kind])) if repeated else None
 
     def _places(self, origins: list[Origin]) -> int:
@@ -412,8 +415,9 @@ class Search:
 
     def _kind_wide(self, kind: str, origins: list[Origin]) -> list[str]:
         """``kind`` replaced in every layer holding it, beside the origins of other kinds; not where such an origin
-        lies inside it (a router inside the MoE block): replacing the block there would hide it."""
-        others = [o.component or self.streams[o.layer].capture_name for o in origins if o.kind != kind]
+        lies inside it (a router inside the MoE block): replacing the block there would hide it. A layer no kind
+        explained is not replaced: its stream would make everything upstream of it the reference's."""
+        others = [o.component for o in origins if o.kind != kind and o.component]
         return others + [c.capture_name for c in self._of_kind(kind) if not any(self._inside(n, c) for n in others)]
 
     def _of_kind(self, kind: str) -> list:
@@ -428,7 +432,7 @@ class Search:
         """The first round telling whether ``kind`` is one systematic fault: it replaced in every layer holding it, its
         origins together (beside the others), each alone and each origin left out of the kind-wide replacement."""
         wide = self._kind_wide(kind, origins)
-        names = [o.component or self.streams[o.layer].capture_name for o in origins]
+        names = [o.component for o in origins if o.component]
         return [wide, names] + [[o.component] for o in origins if o.kind == kind] + [
             [n for n in wide if n != name] for name in names]
 
@@ -449,7 +453,7 @@ class Search:
         wide = self._kind_wide(kind, origins)
         least = max(MEMBER, self.noise)
         group = {o.component: o for o in origins if o.kind == kind}
-        others = {o.component or self.streams[o.layer].capture_name: o for o in origins if o.kind != kind}
+        others = {o.component: o for o in origins if o.kind != kind and o.component}  # a layer no kind explained: the kind's
         found = list(others) + list(group)
 
         def without(name, *instead):
