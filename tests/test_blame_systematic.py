@@ -210,3 +210,21 @@ def test_a_systematic_fault_beside_a_fault_of_another_kind_are_independent_sourc
     assert sorted(named(result)) == sorted([("attention", k) for k in range(LAYERS)] + [("router", 2)])
     assert result.verdict.startswith("2 independent sources: attention (model.layers.N.self_attn) in every layer: ")
     assert "layer 2 router model.layers.2.mlp.gate (" in result.verdict and result.confident
+
+
+def test_a_router_fault_in_a_layer_the_search_passed_over_is_the_routers(setups):
+    """The router ported wrong in layers 0 and 2 and layer 3's router weights flipped (two rows): the MoE block
+    replaced in every layer hides the flipped rows too, and the search stops there. Leaving layer 3's block out of
+    that replacement leaves a part, which replacing its router instead removes: layer 3's fault is its router's,
+    named beside the two-layer fault as an independent source, not as a third layer of it."""
+    clean, reference = setups(MIXTRAL, {})
+    target = no_topk_renorm(clean, [0, 2])
+    with torch.no_grad():
+        gate = target.model.layers[3].mlp.gate.weight
+        gate[[1, 5]] = -1.5 * gate[[1, 5]]
+    result = blame(target, reference, progress=False)
+    assert result.systematic is not None and result.systematic.layers == [0, 2], result.verdict
+    assert named(result) == [("experts", 0), ("experts", 2), ("router", 3)] and result.confident
+    assert result.verdict.startswith("2 independent sources: experts (model.layers.N.mlp) in layers 0 and 2 (2 of 4): ")
+    router = result.origins[2]
+    assert f"layer 3 router model.layers.3.mlp.gate ({pct(router.share)})" in result.verdict and router.share >= SIGNIFICANT

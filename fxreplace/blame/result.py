@@ -245,10 +245,14 @@ class BlameResult:
                          f"{'yes' if b.origin else ''}")
         lines.append(f"explained: the part of the divergence gone with the component replaced (the smaller of the mean KL "
                      f"and the mean top-5 error removed; with the origins above it replaced too); share: the part it "
-                     f"accounts for itself. Order: the origins first, then the rest, each by share.")
+                     f"accounts for itself. Order: the origins first"
+                     f"{' (the systematic fault in layer order, then the others by share)' if self.systematic else ''}, "
+                     f"then the rest, each by share.")
         if self.layer_shares:
             lines.append("arising per layer (the residual stream after the layer replaced): " + ", ".join(
                 f"{s.layer}: {pct(s.share)}" for s in self.layer_shares))
+        if self.systematic:
+            lines.append(f"systematic: {self.systematic.describe()}")
         lines.append(f"{plural(len(self.passes), 'validation pass')} in {plural(self.rounds, 'round')} (budget {self.budget}), "
                      f"{len(self.captured)} components captured on demand, {self.seconds:.1f} s")
         return "\n".join(lines)

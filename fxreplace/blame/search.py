@@ -58,12 +58,11 @@ def default_budget(layers: int, kinds: int, probes: int = PROBES) -> int:
     """Passes enough for MAX_ORIGINS + 1 origins (each localised twice: after the last origin, then
     from the first layer; its kinds tried twice: alone, then above the stream below; then together)
     plus the diffuse heat map. Kinds carried by a localisation round fit in its probes + 1 passes, no more
-    than its probes and one layer's kinds."""
+    than its probes and one layer's kinds. A systematic fault's passes (its kind everywhere, each layer
+    alone and left out) fit in what it leaves: it stops the search early and needs no heat map."""
     localise = probes * max(1, math.ceil(math.log(max(layers, 2), probes + 1)))
     together = kinds * (kinds - 1) // 2 + 1  # a layer's kinds tried together: the pairs, then all
-    # a kind replaced everywhere, then each layer alone and left out of it, the other origins left out, the faulty together
-    systematic = 2 * layers + MAX_ORIGINS + 3
-    return 1 + (MAX_ORIGINS + 1) * (2 * (localise + kinds) + together + 1) + layers * (kinds + 1) + systematic
+    return 1 + (MAX_ORIGINS + 1) * (2 * (localise + kinds) + together + 1) + layers * (kinds + 1)
 
 
 class BudgetSpent(Exception):
@@ -421,6 +420,7 @@ class Search:
         return others + [c.capture_name for c in self._of_kind(kind) if not any(self._inside(n, c) for n in others)]
 
     def _of_kind(self, kind: str) -> list:
+        """The components of ``kind`` in the layers, in layer order."""
         return [c for c in self.components if c.kind == kind and c not in self.feeders]
 
     def _inside(self, name: str, outer) -> bool:
@@ -429,8 +429,8 @@ class Search:
         return inner is not None and inner.module_name.startswith(outer.module_name + ".")
 
     def _kind_round(self, kind: str, origins: list[Origin]) -> list[list[str]]:
-        """The first round telling whether ``kind`` is one systematic fault: it replaced in every layer holding it, its
-        origins together (beside the others), each alone and each origin left out of the kind-wide replacement."""
+        """The first round telling whether ``kind`` is one systematic fault: it replaced in every layer holding it, the
+        origins together, each of the kind's alone and each origin left out of the kind-wide replacement."""
         wide = self._kind_wide(kind, origins)
         names = [o.component for o in origins if o.component]
         return [wide, names] + [[o.component] for o in origins if o.kind == kind] + [
@@ -438,62 +438,69 @@ class Search:
 
     def _systematic(self, origins: list[Origin]) -> list[Origin]:
         """The origins, with a kind holding origins in several layers made one systematic fault when replacing it in
-        every layer holding it (beside the other origins) explains the divergence.
+        every layer holding it (beside the other origins) explains the divergence. Sets ``self.systematic``.
 
-        Its faulty layers: those that, left out of that replacement, leave at least MEMBER of the divergence (with the
-        kind replaced in the others, a sound layer computes the reference's values and leaves ~0); an origin of the
-        kind leaving less is dropped (it hid an upstream error), an origin of another kind leaving less than a
-        significant part too (the kind's replacement explains it). When the kind's origins leave part of what the
-        kind-wide replacement removes, every other layer is left out in turn (a layer the search passed over, its
-        part below SIGNIFICANT), and a component inside the kind there (its router) that explains that layer's part
-        is an origin of its own. Each faulty layer's share is its replacement alone. Sets ``self.systematic``."""
+        Its faulty layers leave at least MEMBER of the divergence when left out of that replacement: with the kind
+        replaced in the others, a sound layer computes the reference's values and leaves ~0. So an origin of the kind
+        leaving less is dropped (it hid an upstream error), and when its origins leave part of what the kind-wide
+        replacement removes, every other layer holding it is left out in turn (one the search passed over, its part
+        below SIGNIFICANT); there, a component inside the kind's (its router) explaining what the layer leaves is an
+        origin of its own, as the search would name it. An origin of another kind stays when leaving it out leaves a
+        significant part, and a layer no kind explained goes (the kind explains it). Each faulty layer's share is
+        its replacement alone."""
         kind = self._repeated_kind(origins)
         if kind is None:
             return origins
         wide = self._kind_wide(kind, origins)
         least = max(MEMBER, self.noise)
         group = {o.component: o for o in origins if o.kind == kind}
-        others = {o.component: o for o in origins if o.kind != kind and o.component}  # a layer no kind explained: the kind's
-        found = list(others) + list(group)
+        others = {o.component: o for o in origins if o.kind != kind and o.component}
 
         def without(name, *instead):
             return [n for n in wide if n != name] + list(instead)
 
-        def left(name, *instead):  # what leaving ``name`` out of the kind-wide replacement leaves
+        def left(name, *instead):  # what leaving ``name`` out of the kind-wide replacement (``instead`` in) leaves
             return self.E(wide) - self.E(without(name, *instead))
 
         self.measure(self._kind_round(kind, origins))
         if not self._explains(wide):
             return origins  # the kind is not the whole story: its origins stand as found
-        passed = []  # the other layers holding the kind, when its origins leave part of what it removes everywhere
-        if self.E(wide) - self.E(found) >= least:
+        passed = []
+        if self.E(wide) - self.E([*others, *group]) >= least:
             passed = [c for c in self._of_kind(kind) if c.capture_name in wide and c.capture_name not in group]
-        # in a passed layer, a component inside the kind's (its router) may be what the layer leaves: tried instead
         inner = {c.capture_name: [x for x in self.components if x.layer == c.layer and self._inside(x.capture_name, c)]
                  for c in passed}
         self.measure([without(c.capture_name) for c in passed] + [[c.capture_name] for c in passed]
                      + [without(name, x.capture_name) for name, xs in inner.items() for x in xs])
-        leaving = [c for c in self._of_kind(kind) if (c.capture_name in group or c in passed) and left(c.capture_name) >= least]
-        within = {c.capture_name: next(x for x in inner[c.capture_name] if left(c.capture_name, x.capture_name) < least)
-                  for c in leaving if any(left(c.capture_name, x.capture_name) < least for x in inner.get(c.capture_name, []))}
+        leaving = [c for c in self._of_kind(kind)
+                   if (c.capture_name in group or c in passed) and left(c.capture_name) >= least]
+        within = {}  # a passed layer's component inside the kind's that explains what the layer leaves
+        for c in leaving:
+            explaining = [x for x in inner.get(c.capture_name, []) if left(c.capture_name, x.capture_name) < least]
+            if explaining:
+                within[c.capture_name] = explaining[0]
         faulty = [c for c in leaving if c.capture_name not in within]
-        kept = [name for name in others if left(name) >= self.significant]
         if len(faulty) < 2:
             return origins
+        kept = [name for name in others if left(name) >= self.significant]
         chosen = kept + [x.capture_name for x in within.values()] + [c.capture_name for c in faulty]
-        self.measure([chosen] + [[x.capture_name] for x in within.values()])
+        self.measure([chosen] + [[n for n in chosen if n != x.capture_name] for x in within.values()])
+
+        def beside_all(x) -> Origin:
+            """``x`` as an origin sharing what the others replaced beside it leave without it."""
+            beside = [n for n in chosen if n != x.capture_name]
+            return Origin(x.layer, self.E(chosen) - self.E(beside), x.capture_name, x.kind,
+                          [k.kind for k in self._kinds(x.layer)], sorted(beside))
+
         members = [dataclasses.replace(group[c.capture_name], share=self.E([c.capture_name]), beside=[])
-                   if c.capture_name in group else
-                   Origin(c.layer, self.E([c.capture_name]), c.capture_name, kind, [x.kind for x in self._kinds(c.layer)])
-                   for c in faulty]
-        named = [others[name] for name in kept] + [
-            Origin(x.layer, self.E([x.capture_name]), x.capture_name, x.kind, [k.kind for k in self._kinds(x.layer)])
-            for x in within.values()]
+                   if c.capture_name in group else Origin(c.layer, self.E([c.capture_name]), c.capture_name, kind,
+                                                          [k.kind for k in self._kinds(c.layer)])
+                   for c in faulty]  # each sharing what its replacement alone removes
         where, every = self._where(kind, [c.layer for c in faulty])
         self.systematic = Systematic(kind, [c.layer for c in faulty], [c.capture_name for c in faulty], where, every,
                                      self.E(chosen), [o.share for o in members],
                                      [left(c.capture_name) for c in faulty], self.E(wide))
-        return members + named
+        return members + [others[name] for name in kept] + [beside_all(x) for x in within.values()]
 
     def _where(self, kind: str, layers: list[int]) -> tuple[str, bool]:
         """``layers`` in the words of the model's layer groups ("every layer", "every MoE layer", "every sliding
@@ -646,11 +653,10 @@ class Search:
 
     def _result(self, origins, nonfinite, diffuse, spent, started, verdict=None, after_layers=None) -> BlameResult:
         ranking = self._ranking(origins)  # in the order found: each row's attribution had the earlier ones beside it
-        # the largest part first, wherever it arises; a systematic kind's layers first, in layer order (its fix is one)
+        # the largest part first, wherever it arises; a systematic fault's layers first, in layer order (one fix)
         systematic = self.systematic
-        origins = sorted(origins, key=lambda o: (not (systematic and o.component in systematic.components),
-                                                 o.layer if systematic and o.component in systematic.components
-                                                 else -o.share))
+        members = set(systematic.components) if systematic else set()
+        origins = sorted(origins, key=lambda o: (0, o.layer) if o.component in members else (1, -o.share))
         shares = self._layer_shares()
         chosen = self.key(o.component or self.streams[o.layer].capture_name for o in origins)
         together = self.E(chosen) if chosen in self.cache else None
@@ -673,7 +679,7 @@ class Search:
         if self.floor is None and self.unscaled and hasattr(self, "off_summary") and nonfinite is None:
             verdict = verdict.rstrip(".") + f"; {self.unscaled}."
         order = {o.component: i for i, o in enumerate(origins)}
-        ranking.sort(key=lambda b: order.get(b.component, len(order)))  # stable: the origins in their order, then by share
+        ranking.sort(key=lambda b: order.get(b.component, len(order)))  # stable: the origins in order, then by share
         return BlameResult(ranking, shares, origins, self.passes, self.rounds, verdict, confident, diffuse, nonfinite,
                            self.kinds, self.layers, time.perf_counter() - started, self.budget, spent,
                            explained=together, floor=floor, candidates=self.candidates, systematic=systematic)
