@@ -174,6 +174,22 @@ def test_a_faulty_layer_the_search_passed_over_is_named(setups):
     assert "look at the norms" not in result.verdict and "independent" not in result.verdict and result.confident
 
 
+def test_a_faulty_layer_left_over_by_one_origin_is_named(setups):
+    """The attention scale ported wrong in layers 0 and 7 of 8: layer 0's attention alone removes >= 90% of the
+    divergence, where the search stops ("1 source ... 95%", layer 7 left over). What it leaves is more than
+    MEMBER, so its kind is replaced in every layer too: that removes the rest, and leaving layer 7 out leaves it."""
+    clean, reference = setups(QWEN, {"num_attention_heads": 4}, 8)
+    result = blame(scale_from_hidden_size(clean, [0, 7]), reference, progress=False)
+    off = next(p for p in result.passes if not p.replaced)
+    first = next(p for p in result.passes if p.replaced == ("model.layers.0.self_attn",))
+    removed = min(1 - first.mean_kl / off.mean_kl, 1 - first.mean_top5_error / off.mean_top5_error)
+    assert EXPLAINS <= removed < 1 - MEMBER, removed
+    assert result.systematic is not None and result.systematic.layers == [0, 7], result.verdict
+    assert named(result) == [("attention", 0), ("attention", 7)] and result.explained >= 1 - MEMBER
+    assert result.verdict.startswith("1 kind at fault in 2 layers: attention (model.layers.N.self_attn) in layers 0 "
+                                     "and 7 (2 of 8): ")
+
+
 def test_a_fault_in_every_moe_layer_is_named_by_the_models_layers(setups):
     """Layer 0 of this Qwen3-MoE is dense: a router reading norm_topk_prob wrong is in every MoE layer, not every layer."""
     clean, reference = setups(QWEN, {"mlp_only_layers": [0]})

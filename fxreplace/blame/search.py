@@ -20,10 +20,11 @@ origins found so far ``B`` kept replaced, the search
    no later layer adds a significant part, more than :data:`MAX_ORIGINS` origins are needed
    (diffuse drift: then every stream and component is measured for the heat map), or the
    pass budget is spent. Once one kind holds origins in two layers, it is replaced in every
-   layer holding it (one pass) and the search goes on beside that: when that explains the
-   divergence, the kind is one systematic fault (a bug in code every layer runs shows in every
-   layer), its faulty layers those whose leaving out of the replacement leaves a part of the
-   divergence, each with what its replacement removes alone.
+   layer holding it (one pass) and the search goes on beside that; at the end (also for the
+   largest origin's kind when the origins leave MEMBER), when that explains the divergence, the
+   kind is one systematic fault (a bug in code every layer runs shows in every layer), its
+   faulty layers those whose leaving out of the replacement leaves a part of the divergence,
+   each with what its replacement removes alone.
 
 When the target's logits hold NaN/inf, one observing pass finds where they first appear.
 """
@@ -407,6 +408,17 @@ class Search:
         repeated = [kind for kind in self.kinds if len(layers[kind]) >= least]
         return max(repeated, key=lambda kind: len(layers[kind])) if repeated else None
 
+    def _leaving_kind(self, origins: list[Origin]) -> str | None:
+        """The kind of the largest origin when the origins together leave at least MEMBER of the divergence beyond the
+        floor's part: the same fault in other layers, each adding less than SIGNIFICANT, may be what they leave."""
+        if self.drifts and self.floor is None:
+            return None  # no scale tells a kind's precision drift from its fault
+        named = [o for o in origins if o.component and o.kind in self.kinds]
+        together = self.key([o.component or self.streams[o.layer].capture_name for o in origins])
+        if not named or together not in self.cache or 1 - self.E(together) - self.noise < MEMBER:
+            return None
+        return max(named, key=lambda o: o.share).kind
+
     def _places(self, origins: list[Origin]) -> int:
         """The places to fix: the origins, a kind holding origins in several layers counted once."""
         repeated = self._repeated_kind(origins)
@@ -448,7 +460,7 @@ class Search:
         origin of its own, as the search would name it. An origin of another kind stays when leaving it out leaves a
         significant part, and a layer no kind explained goes (the kind explains it). Each faulty layer's share is
         its replacement alone."""
-        kind = self._repeated_kind(origins)
+        kind = self._repeated_kind(origins) or self._leaving_kind(origins)
         if kind is None:
             return origins
         wide = self._kind_wide(kind, origins)
