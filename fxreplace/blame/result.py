@@ -138,11 +138,11 @@ class Systematic:
 
 def _pattern(components: list[str], layers: list[int]) -> str:
     """``model.layers.N.self_attn`` when the components differ only by their layer index, else their names."""
-    parts = [c.split(".") for c in components]
-    for i, part in enumerate(parts[0]):
-        if part == str(layers[0]) and all(len(p) == len(parts[0]) and p[i] == str(k) and p[:i] + p[i + 1:] ==
-                                          parts[0][:i] + parts[0][i + 1:] for p, k in zip(parts, layers)):
-            return ".".join(parts[0][:i] + ["N"] + parts[0][i + 1:])
+    parts = components[0].split(".")
+    for i, part in enumerate(parts):
+        spelled = [".".join(parts[:i] + [str(layer)] + parts[i + 1:]) for layer in layers]
+        if part == str(layers[0]) and spelled == components:
+            return ".".join(parts[:i] + ["N"] + parts[i + 1:])
     return ", ".join(components)
 
 
@@ -196,7 +196,7 @@ class BlameResult:
     program: dict = field(default_factory=dict)  # what was examined: {"engine", "compile", "dtype"}
     thresholds: dict = field(default_factory=lambda: {"explains": EXPLAINS, "significant": SIGNIFICANT,
                                                       "max_origins": MAX_ORIGINS})
-    # one kind at fault in several layers (its origins come first, in layer order); None: no kind is
+    # one kind at fault in several layers (its origins come first, in layer order); None: none is
     systematic: Systematic | None = None
 
     @property
@@ -243,11 +243,11 @@ class BlameResult:
             lines.append(f"{i:>3} {b.component:<28} {b.kind:<9} {fmt(b.layer):>5} {fmt(b.kl_off):>9} {fmt(b.kl_on):>9} "
                          f"{fmt(b.top5_off):>9} {fmt(b.top5_on):>9} {pct(b.explained):>9} {pct(b.share):>6}  "
                          f"{'yes' if b.origin else ''}")
+        systematic = (" (the systematic fault's layers in layer order, each row its layer replaced alone; then the "
+                      "others by share)") if self.systematic else ""
         lines.append(f"explained: the part of the divergence gone with the component replaced (the smaller of the mean KL "
                      f"and the mean top-5 error removed; with the origins above it replaced too); share: the part it "
-                     f"accounts for itself. Order: the origins first"
-                     f"{' (the systematic fault in layer order, then the others by share)' if self.systematic else ''}, "
-                     f"then the rest, each by share.")
+                     f"accounts for itself. Order: the origins first{systematic}, then the rest, each by share.")
         if self.layer_shares:
             lines.append("arising per layer (the residual stream after the layer replaced): " + ", ".join(
                 f"{s.layer}: {pct(s.share)}" for s in self.layer_shares))
