@@ -243,16 +243,14 @@ class BlameResult:
             lines.append(f"{i:>3} {b.component:<28} {b.kind:<9} {fmt(b.layer):>5} {fmt(b.kl_off):>9} {fmt(b.kl_on):>9} "
                          f"{fmt(b.top5_off):>9} {fmt(b.top5_on):>9} {pct(b.explained):>9} {pct(b.share):>6}  "
                          f"{'yes' if b.origin else ''}")
-        systematic = (" (the systematic fault's layers in layer order, each row its layer replaced alone; then the "
-                      "others by share)") if self.systematic else ""
         lines.append(f"explained: the part of the divergence gone with the component replaced (the smaller of the mean KL "
                      f"and the mean top-5 error removed; with the origins above it replaced too); share: the part it "
-                     f"accounts for itself. Order: the origins first{systematic}, then the rest, each by share.")
+                     f"accounts for itself. Order: the origins first, then the rest, each by share.")
         if self.layer_shares:
             lines.append("arising per layer (the residual stream after the layer replaced): " + ", ".join(
                 f"{s.layer}: {pct(s.share)}" for s in self.layer_shares))
         if self.systematic:
-            lines.append(f"systematic: {self.systematic.describe()}")
+            lines.append(f"systematic (the first rows, in layer order, each replaced alone): {self.systematic.describe()}")
         lines.append(f"{plural(len(self.passes), 'validation pass')} in {plural(self.rounds, 'round')} (budget {self.budget}), "
                      f"{len(self.captured)} components captured on demand, {self.seconds:.1f} s")
         return "\n".join(lines)
