@@ -37,7 +37,7 @@ import math
 import time
 from typing import Callable, Collection, Sequence
 
-from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained
+from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained, phase_clue
 from ..validation import ValidationResult, heartbeat, logit_validation
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass, Systematic,
                      pct)
@@ -690,6 +690,9 @@ class Search:
                 verdict = f"{self.floor.describe(self.off_summary)}. " + verdict
         if self.floor is None and self.unscaled and hasattr(self, "off_summary") and nonfinite is None:
             verdict = verdict.rstrip(".") + f"; {self.unscaled}."
+        clue = phase_clue(self.off_summary) if hasattr(self, "off_summary") else ""
+        if clue:  # a fault in incremental decoding (or in prefill alone): the first thing to read for
+            verdict = f"{verdict.rstrip('.')}. {clue}"
         order = {o.component: i for i, o in enumerate(origins)}
         ranking.sort(key=lambda b: order.get(b.component, len(order)))  # stable: the origins in order, then by share
         return BlameResult(ranking, shares, origins, self.passes, self.rounds, verdict, confident, diffuse, nonfinite,
