@@ -38,6 +38,7 @@ import time
 from typing import Callable, Collection, Sequence
 
 from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained, phase_clue
+from ..points import ROUTING as ROUTING_POINT
 from ..validation import ValidationResult, heartbeat, logit_validation
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass, Systematic,
                      pct)
@@ -436,9 +437,11 @@ class Search:
         return [c for c in self.components if c.kind == kind and c not in self.feeders]
 
     def _inside(self, name: str, outer) -> bool:
-        """The component ``name`` is a submodule of the component ``outer``."""
+        """The component ``name`` is a submodule of the component ``outer``, whose replacement hides it; for the
+        routing a module is called with, of the block computing it (its router, whose logits it comes from)."""
         inner = self.by_name.get(name)
-        return inner is not None and inner.module_name.startswith(outer.module_name + ".")
+        where = outer.module_name.rpartition(".")[0] if outer.target.point == ROUTING_POINT else outer.module_name
+        return inner is not None and inner is not outer and inner.module_name.startswith(where + ".")
 
     def _kind_round(self, kind: str, origins: list[Origin]) -> list[list[str]]:
         """The first round telling whether ``kind`` is one systematic fault: it replaced in every layer holding it, the
