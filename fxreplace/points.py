@@ -197,7 +197,8 @@ def describe_forward(module: nn.Module) -> str:
     if own is None:
         return f"its class {type(module).__name__}'s forward"
     if isinstance(own, types.MethodType):
-        what = f"method {own.__func__.__qualname__} bound to it"
+        bound = "it" if own.__self__ is module else f"another {type(own.__self__).__name__}"
+        what = f"method {own.__func__.__qualname__} bound to {bound}"
     elif isinstance(own, functools.partial):
         what = f"functools.partial of {getattr(own.func, '__qualname__', type(own.func).__name__)}"
     else:
@@ -207,11 +208,11 @@ def describe_forward(module: nn.Module) -> str:
     return f"its forward is an instance attribute ({what}){wrapped}"
 
 
-def _as_method(forward: Callable) -> Callable:
-    """``forward`` (a callable the instance holds) as a function of ``(self, <its parameters>)``
-    calling it, for torch.fx, which traces a module's forward from its class and makes one graph
-    input per named parameter (so they are spelled out, their defaults kept)."""
-    if isinstance(forward, types.MethodType) and isinstance(forward.__self__, nn.Module):
+def _as_method(forward: Callable, module: nn.Module) -> Callable:
+    """``forward`` (a callable ``module`` holds) as a function of ``(self, <its parameters>)`` calling
+    it, for torch.fx, which traces a module's forward from its class and makes one graph input per
+    named parameter (so they are spelled out, their defaults kept)."""
+    if isinstance(forward, types.MethodType) and forward.__self__ is module:
         return forward.__func__  # self is the traced twin, which holds what the module holds
     kind = inspect.Parameter
     params = [p.replace(annotation=kind.empty) for p in inspect.signature(forward).parameters.values()]
@@ -239,7 +240,7 @@ def _traced_root(module: nn.Module) -> nn.Module:
     for name in ("forward", WRAPPED_FORWARD, GIVEN_FORWARD):
         twin.__dict__.pop(name, None)
     cls = type(module)
-    twin.__class__ = type(cls.__name__, (cls,), {"forward": _as_method(own), "__module__": cls.__module__})
+    twin.__class__ = type(cls.__name__, (cls,), {"forward": _as_method(own, module), "__module__": cls.__module__})
     return twin
 
 

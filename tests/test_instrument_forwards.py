@@ -147,6 +147,19 @@ def test_a_forward_that_cannot_be_traced_is_refused_naming_what_defines_it(plain
         instrument(buggy, TARGETS)
 
 
+def test_another_modules_forward_set_on_a_target_is_refused_naming_it(plain):
+    """A forward bound to another module (a port swapping in its own router's forward) computes with that
+    module's weights, which the target does not hold: no point in it can be a graph of the target's."""
+    buggy = copy.deepcopy(plain)
+    gate = buggy.get_submodule(GATE)
+    ported = copy.deepcopy(gate)
+    _bound_method(ported, None)
+    gate.forward = ported.forward
+    with pytest.raises(TargetError, match=r"'model.layers.1.mlp.gate': its forward is an instance attribute \(method "
+                                          r"buggy_router bound to another Qwen3MoeTopKRouter\), which torch.fx cannot"):
+        instrument(buggy, TARGETS)
+
+
 def test_a_model_whose_own_forward_is_an_instance_attribute_is_refused(plain):
     model = copy.deepcopy(plain)
 
