@@ -31,12 +31,13 @@ from ..replacer import TensorReplacer
 from ..components import Component, layer_of, resolve_components
 from ..targets import Target, TargetLike
 from .ondemand import OnDemand
-from .result import MAX_ORIGINS, SIGNIFICANT, Blame, BlameError, BlameResult, LayerShare, NonFinite, Origin, Pass
-from .search import LAYER, PROBES, Search, default_budget
+from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameError, BlameResult, LayerShare, NonFinite, Origin, Pass,
+                     Systematic)
+from .search import LAYER, MEMBER, PROBES, Search, default_budget
 
 __all__ = ["blame", "search", "Component", "resolve_components", "family_components", "recorded_components",
-           "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "LAYER",
-           "SIGNIFICANT", "MAX_ORIGINS", "MAX_BATCH", "PROBES", "default_budget", "layer_of", "blame_runner", "recorded_targets"]
+           "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "Systematic", "LAYER",
+           "SIGNIFICANT", "MAX_ORIGINS", "MEMBER", "MAX_BATCH", "PROBES", "default_budget", "layer_of", "blame_runner", "recorded_targets"]
 
 
 def family_components(model: nn.Module) -> dict[str, Target]:
@@ -110,12 +111,13 @@ def refuse_missing(reference, components: Sequence[Component], model_hint: str =
 def search(engine, reference, components: Sequence[Component], *, tolerances: Tolerances = Tolerances(),
            prompts: Sequence[int] | None = None, budget: int | None = None, probes: int = PROBES,
            progress: bool = True, supply=None, observe=None, floor=None, dtype: str | None = None,
-           batch_rows: int | None = None, drift_of=None) -> BlameResult:
+           batch_rows: int | None = None, drift_of=None, layer_types: Sequence[str] | None = None) -> BlameResult:
     """The search of :mod:`fxreplace.blame.search` over ``components`` through ``engine``; ``floor``
     (:class:`fxreplace.floor.NoiseFloor`) scales it, else a target below float32 (``dtype``) is
     told its verdict has no scale. ``batch_rows``: the requests ``engine`` runs in one batch (default:
     a round of ``probes`` streams and "off"). ``drift_of``: each of the given capture names' part of the floor
-    (:func:`precision_drift`)."""
+    (:func:`precision_drift`). ``layer_types``: each layer's type (``config.layer_types``), naming the layers a
+    systematic fault holds ("every sliding attention layer")."""
     if not components:
         raise BlameError("no components to search: give the family's components or your own")
     indices = check_inputs(reference, architecture=None, vocab_size=None, what="the target", prompts=prompts)
@@ -127,7 +129,7 @@ def search(engine, reference, components: Sequence[Component], *, tolerances: To
     unscaled = no_scale(dtype) if dtype and not is_full_precision(dtype) else ""
     result = Search(engine, reference, components, tolerances=tolerances, prompts=indices, budget=budget,
                     probes=probes, progress=progress, supply=supply, observe=observe, floor=floor,
-                    unscaled=unscaled, batch_rows=batch_rows, drift_of=drift_of).run()
+                    unscaled=unscaled, batch_rows=batch_rows, drift_of=drift_of, layer_types=layer_types).run()
     return result
 
 
@@ -228,7 +230,8 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
                                        loaded_in_dtype=same)
         result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
                         progress=progress, supply=supply if on_demand else None, observe=observe, floor=floor,
-                        dtype=name, batch_rows=max(engine.cfg.batch_buckets), drift_of=drift_of)
+                        dtype=name, batch_rows=max(engine.cfg.batch_buckets), drift_of=drift_of,
+                        layer_types=getattr(target.config, "layer_types", None))
     finally:
         if model is target:
             uninstrument(model)

@@ -106,6 +106,48 @@ class Origin:
 
 
 @dataclass
+class Systematic:
+    """One kind at fault in several layers, told by replacing it in all of them at once (one pass): the
+    same bug in every layer is code they share (the module's class, its kernel, how it reads the config)."""
+
+    kind: str
+    layers: list[int]  # the faulty ones: leaving one out of the kind's replacement leaves a part of the divergence
+    components: list[str]  # theirs, in layer order (a repro takes the first)
+    where: str  # "every layer", "every MoE layer", "every sliding attention layer", or "layers 1 and 3 (2 of 8)"
+    every: bool  # the layers are all those of a group the model declares (all, its MoE layers, a layer type)
+    explained: float  # of the divergence: the kind replaced in these layers together (beside the other origins)
+    alone: list[float]  # per layer, in ``layers``' order: the part its replacement removes by itself
+    left_out: list[float]  # per layer: the part left when it alone is left out of the kind-wide replacement
+    kind_wide: float  # of the divergence: the kind replaced in every layer holding it (beside the other origins)
+
+    def describe(self) -> str:
+        each = ", ".join(f"layer {layer} {pct(share)}" for layer, share in zip(self.layers, self.alone))
+        low, high = pct(min(self.left_out)), pct(max(self.left_out))
+        return (f"{self.kind} ({_pattern(self.components, self.layers)}) in {self.where}: replacing it in these "
+                f"{len(self.layers)} layers together removes {pct(self.explained)} of the divergence (each layer's "
+                f"alone: {each}; left out, any one of them leaves {low if low == high else f'{low}-{high}'})")
+
+    def advice(self) -> str:
+        """Where the fix is: code every layer of the group runs, or what only these layers share."""
+        if self.every:
+            return (f"A fault in {self.where} points at code they share (the {self.kind} module's class, its kernel, "
+                    f"how it reads the config), not at one layer's weights; `fxreplace repro write` takes the first, "
+                    f"{self.components[0]}.")
+        return ("The same kind at fault in some layers only points at what these layers share and the others do not "
+                "(their layer type, a per-layer config value), or at each one's weights.")
+
+
+def _pattern(components: list[str], layers: list[int]) -> str:
+    """``model.layers.N.self_attn`` when the components differ only by their layer index, else their names."""
+    parts = components[0].split(".")
+    for i, part in enumerate(parts):
+        spelled = [".".join(parts[:i] + [str(layer)] + parts[i + 1:]) for layer in layers]
+        if part == str(layers[0]) and spelled == components:
+            return ".".join(parts[:i] + ["N"] + parts[i + 1:])
+    return ", ".join(components)
+
+
+@dataclass
 class NonFinite:
     """Where NaN/inf first appear, in forward order: position first, then layer and kind."""
 
@@ -155,6 +197,8 @@ class BlameResult:
     program: dict = field(default_factory=dict)  # what was examined: {"engine", "compile", "dtype"}
     thresholds: dict = field(default_factory=lambda: {"explains": EXPLAINS, "significant": SIGNIFICANT,
                                                       "max_origins": MAX_ORIGINS})
+    # one kind at fault in several layers (its origins come first, in layer order); None: none is
+    systematic: Systematic | None = None
 
     @property
     def guilty(self) -> Blame | None:
@@ -169,6 +213,7 @@ class BlameResult:
         return {"verdict": self.verdict, "confident": self.confident, "diffuse": self.diffuse,
                 "origin_layer": self.origin_layer, "origins": [asdict(o) for o in self.origins],
                 "candidates": [asdict(o) for o in self.candidates],
+                "systematic": asdict(self.systematic) if self.systematic else None,
                 "explained": self.explained, "nonfinite": asdict(self.nonfinite) if self.nonfinite else None,
                 "passes": len(self.passes), "rounds": self.rounds, "budget": self.budget,
                 "budget_spent": self.budget_spent, "captured": self.captured, "seconds": self.seconds,
@@ -203,13 +248,20 @@ class BlameResult:
                              f"{part(b.share):>6}  {'yes' if b.origin else ''}")
             if limit is not None and len(self.ranking) > limit:
                 lines.append(f"... {len(self.ranking) - limit} more in blame.html")
-            lines.append(EXPLAINED_NOTE)
+            if self.systematic:
+                lines.append(EXPLAINED_NOTE.replace(
+                    "the origins first,", "the origins first (the systematic fault's layers in layer order, each row its "
+                    "layer replaced alone; then the others by share),"))
+            else:
+                lines.append(EXPLAINED_NOTE)
         else:
             lines.append(NOTHING_RANKED)
         if self.layer_shares:
             lines.append(f"{LAYERS_HEAD}: " + ", ".join(f"{s.layer}: {part(s.share)}" for s in self.layer_shares))
         if self.below_zero():
             lines.append(BELOW_ZERO_NOTE)
+        if self.systematic:
+            lines.append(f"systematic: {self.systematic.describe()}")
         lines.append(f"{plural(len(self.passes), 'validation pass')} in {plural(self.rounds, 'round')} (budget {self.budget}), "
                      f"{len(self.captured)} components captured on demand, {self.seconds:.1f} s")
         return "\n".join(lines)

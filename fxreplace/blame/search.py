@@ -19,7 +19,12 @@ origins found so far ``B`` kept replaced, the search
 3. keeps that origin replaced and goes on after it, until the rest is below the thresholds,
    no later layer adds a significant part, more than :data:`MAX_ORIGINS` origins are needed
    (diffuse drift: then every stream and component is measured for the heat map), or the
-   pass budget is spent.
+   pass budget is spent. Once one kind holds origins in two layers, it is replaced in every
+   layer holding it (one pass) and the search goes on beside that; at the end (also for the
+   largest origin's kind when the origins leave MEMBER), when that explains the divergence, the
+   kind is one systematic fault (a bug in code every layer runs shows in every layer), its
+   faulty layers those whose leaving out of the replacement leaves a part of the divergence,
+   each with what its replacement removes alone.
 
 When the target's logits hold NaN/inf, one observing pass finds where they first appear.
 """
@@ -34,7 +39,7 @@ from typing import Callable, Collection, Sequence
 
 from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained
 from ..validation import ValidationResult, heartbeat, logit_validation
-from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass,
+from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass, Systematic,
                      pct)
 
 LAYER = "layer"
@@ -42,13 +47,20 @@ LAYER = "layer"
 #: rounds are cheap and rounds are what costs: 8 narrow 16 layers to 2 (32 to 4) in the first round, and
 #: the second decides between them with their kinds beside (two rounds for one fault)
 PROBES = 8
+#: A layer of a systematic kind is at fault when leaving it out of the kind's replacement leaves at least this
+#: part of the divergence (or the floor's part, when larger): with the kind replaced in the others, a sound
+#: layer computes what the reference does, so leaving it out leaves ~0 (rounding), where a fault leaves its part
+MEMBER = 0.01
+#: the kind a family's router logits are declared as: the layers holding one are its MoE layers
+ROUTER = "router"
 
 
 def default_budget(layers: int, kinds: int, probes: int = PROBES) -> int:
     """Passes enough for MAX_ORIGINS + 1 origins (each localised twice: after the last origin, then
     from the first layer; its kinds tried twice: alone, then above the stream below; then together)
     plus the diffuse heat map. Kinds carried by a localisation round fit in its probes + 1 passes, no more
-    than its probes and one layer's kinds."""
+    than its probes and one layer's kinds. A systematic fault's passes (its kind everywhere, each layer
+    alone and left out) fit in what it leaves: it stops the search early and needs no heat map."""
     localise = probes * max(1, math.ceil(math.log(max(layers, 2), probes + 1)))
     together = kinds * (kinds - 1) // 2 + 1  # a layer's kinds tried together: the pairs, then all
     return 1 + (MAX_ORIGINS + 1) * (2 * (localise + kinds) + together + 1) + layers * (kinds + 1)
@@ -94,8 +106,13 @@ class Search:
     def __init__(self, engine, reference, components, *, tolerances: Tolerances, prompts: Sequence[int],
                  budget: int | None, probes: int, progress: bool, supply: Callable[[Collection[str]], None] | None,
                  observe: Callable | None, floor=None, unscaled: str = "", batch_rows: int | None = None,
-                 drift_of: Callable[[list[str]], dict[str, float]] | None = None):
+                 drift_of: Callable[[list[str]], dict[str, float]] | None = None,
+                 layer_types: Sequence[str] | None = None):
         self.engine, self.reference, self.components = engine, reference, list(components)
+        # the model's kind of each layer (config.layer_types: "sliding_attention", ...): names the layers a systematic
+        # fault holds the way the model groups them
+        self.layer_types = list(layer_types) if layer_types else None
+        self.systematic: Systematic | None = None
         # the noise floor (fxreplace.floor): what exceeds it is attributed, what it explains is precision noise
         self.floor, self.unscaled = floor, unscaled
         # a target below float32 drifts by itself: a part of its divergence may be precision drift, not a fault
@@ -110,6 +127,7 @@ class Search:
         self.probes, self.supply, self.observe = probes, supply, observe
         self.streams = {c.layer: c for c in self.components if c.kind == LAYER and c.layer is not None}
         self.stream_layer = {c.capture_name: layer for layer, c in self.streams.items()}
+        self.by_name = {c.capture_name: c for c in self.components}
         # components outside the layers listed before them (resolve_components' order): their output feeds
         # the first layer (the embedding), so they are candidates of its part, and any stream covers them
         first = next((i for i, c in enumerate(self.components) if c.layer is not None), 0)
@@ -212,7 +230,7 @@ class Search:
         try:
             base: list[str] = []
             start = 0  # index into stream_layers
-            while len(origins) <= MAX_ORIGINS:
+            while self._places(origins) <= MAX_ORIGINS:
                 found = self._localise(base, start)
                 if found is None or any(o.layer == found for o in origins):
                     if start == 0:
@@ -223,15 +241,20 @@ class Search:
                 origins += found_here
                 origin = found_here[0]
                 base = base + [o.component or self.streams[o.layer].capture_name for o in found_here]
-                remainder, left = self.measure([base])[0]
-                if remainder.steps_diverged == 0 or self.E(base) >= EXPLAINS or (
-                        self.floor is not None and self.floor.within(left)):  # what is left is precision noise
+                if self._explains(base):
                     break
+                repeated = self._repeated_kind(origins)
+                if repeated is not None:  # one kind at fault in two layers: replaced in every layer (one pass), the
+                    base = self._kind_wide(repeated, origins)  # search goes on beside it
+                    self.measure(self._kind_round(repeated, origins))
+                    if self._explains(base):
+                        break
                 start = (self.stream_layers.index(origin.layer) + 1) % len(self.stream_layers)
             if self.drifts:
                 origins = self._without_drift(origins)
             if self.floor is not None and self.drift_of is not None and not origins:
                 origins = self._beyond_own_drift()
+            origins = self._systematic(origins)
             last = self.stream_layers[-1] if self.stream_layers else None
             if last is not None:  # probed in the first round
                 after_layers = self.E([self.streams[last].capture_name])
@@ -241,9 +264,11 @@ class Search:
                 return self._result([], None, True, False, started, f"within precision noise: the target is "
                                     f"{self.floor.describe(self.off_summary).split(': ', 1)[1]}; no component stands "
                                     "above the floor, so there is nothing to blame beyond the precision itself.")
-            builds_up = bool(origins) and (len(origins) > MAX_ORIGINS or sum(self._spread(origins)) >= SIGNIFICANT)
+            # a systematic kind is one place to fix, however many layers it holds
+            places = len(origins) if self.systematic is None else self._places(origins)
+            builds_up = bool(origins) and (places > MAX_ORIGINS or sum(self._spread(origins)) >= SIGNIFICANT)
             if self.floor is not None:  # nothing stands out from the floor, or too many would have to be fixed
-                diffuse = (not origins and after_layers is None) or len(origins) > MAX_ORIGINS
+                diffuse = (not origins and after_layers is None) or places > MAX_ORIGINS
             elif self.drifts:
                 diffuse = (not origins and after_layers is None) or builds_up
                 if diffuse:  # precision drift builds up beside them: without a floor, no scale to tell them from it
@@ -364,6 +389,148 @@ class Search:
                         for c in guilty]
         return [Origin(layer, self.E(stream) - e_base, None, None, kinds)]
 
+    def _explains(self, selection: list[str]) -> bool:
+        """With ``selection`` replaced, what is left is below the thresholds: no step diverges, it explains
+        EXPLAINS, or what is left is within the floor (precision noise)."""
+        done, left = self.measure([selection])[0]
+        return done.steps_diverged == 0 or self.E(selection) >= EXPLAINS or (
+            self.floor is not None and self.floor.within(left))
+
+    def _repeated_kind(self, origins: list[Origin]) -> str | None:
+        """The kind holding origins in two or more layers, or in one beside a layer no kind explained (the same fault
+        upstream of that layer can hide its kind there: replacing the kind in it removes only what arises in it, its
+        stream all the rest); the most layers, the earliest kind on a tie; else None. None for a drifting target
+        without a floor: no scale tells a kind's precision drift from its fault."""
+        if self.drifts and self.floor is None:
+            return None
+        layers = {kind: {o.layer for o in origins if o.component and o.kind == kind} for kind in self.kinds}
+        least = 1 if any(o.component is None for o in origins) else 2
+        repeated = [kind for kind in self.kinds if len(layers[kind]) >= least]
+        return max(repeated, key=lambda kind: len(layers[kind])) if repeated else None
+
+    def _leaving_kind(self, origins: list[Origin]) -> str | None:
+        """The kind of the largest origin when the origins together leave at least MEMBER of the divergence beyond the
+        floor's part: the same fault in other layers, each adding less than SIGNIFICANT, may be what they leave."""
+        if self.drifts and self.floor is None:
+            return None  # no scale tells a kind's precision drift from its fault
+        named = [o for o in origins if o.component and o.kind in self.kinds]
+        together = self.key([o.component or self.streams[o.layer].capture_name for o in origins])
+        if not named or together not in self.cache or 1 - self.E(together) - self.noise < MEMBER:
+            return None
+        return max(named, key=lambda o: o.share).kind
+
+    def _places(self, origins: list[Origin]) -> int:
+        """The places to fix: the origins, a kind holding origins in several layers counted once."""
+        repeated = self._repeated_kind(origins)
+        return len([o for o in origins if repeated is None or o.kind != repeated]) + (repeated is not None)
+
+    def _kind_wide(self, kind: str, origins: list[Origin]) -> list[str]:
+        """``kind`` replaced in every layer holding it, beside the origins of other kinds; not where such an origin
+        lies inside it (a router inside the MoE block): replacing the block there would hide it. A layer no kind
+        explained is not replaced: its stream would make everything upstream of it the reference's."""
+        others = [o.component for o in origins if o.kind != kind and o.component]
+        return others + [c.capture_name for c in self._of_kind(kind) if not any(self._inside(n, c) for n in others)]
+
+    def _of_kind(self, kind: str) -> list:
+        """The components of ``kind`` in the layers, in layer order."""
+        return [c for c in self.components if c.kind == kind and c not in self.feeders]
+
+    def _inside(self, name: str, outer) -> bool:
+        """The component ``name`` is a submodule of the component ``outer``."""
+        inner = self.by_name.get(name)
+        return inner is not None and inner.module_name.startswith(outer.module_name + ".")
+
+    def _kind_round(self, kind: str, origins: list[Origin]) -> list[list[str]]:
+        """The first round telling whether ``kind`` is one systematic fault: it replaced in every layer holding it, the
+        origins together, each of the kind's alone and each origin left out of the kind-wide replacement."""
+        wide = self._kind_wide(kind, origins)
+        names = [o.component for o in origins if o.component]
+        return [wide, names] + [[o.component] for o in origins if o.kind == kind] + [
+            [n for n in wide if n != name] for name in names]
+
+    def _systematic(self, origins: list[Origin]) -> list[Origin]:
+        """The origins, with a kind holding origins in several layers made one systematic fault when replacing it in
+        every layer holding it (beside the other origins) explains the divergence. Sets ``self.systematic``.
+
+        Its faulty layers leave at least MEMBER of the divergence when left out of that replacement: with the kind
+        replaced in the others, a sound layer computes the reference's values and leaves ~0. So an origin of the kind
+        leaving less is dropped (it hid an upstream error), and when its origins leave part of what the kind-wide
+        replacement removes, every other layer holding it is left out in turn (one the search passed over, its part
+        below SIGNIFICANT); there, a component inside the kind's (its router) explaining what the layer leaves is an
+        origin of its own, as the search would name it. An origin of another kind stays when leaving it out leaves a
+        significant part, and a layer no kind explained goes (the kind explains it). Each faulty layer's share is
+        its replacement alone."""
+        kind = self._repeated_kind(origins) or self._leaving_kind(origins)
+        if kind is None:
+            return origins
+        wide = self._kind_wide(kind, origins)
+        least = max(MEMBER, self.noise)
+        group = {o.component: o for o in origins if o.kind == kind}
+        others = {o.component: o for o in origins if o.kind != kind and o.component}
+
+        def without(name, *instead):
+            return [n for n in wide if n != name] + list(instead)
+
+        def left(name, *instead):  # what leaving ``name`` out of the kind-wide replacement (``instead`` in) leaves
+            return self.E(wide) - self.E(without(name, *instead))
+
+        self.measure(self._kind_round(kind, origins))
+        if not self._explains(wide):
+            return origins  # the kind is not the whole story: its origins stand as found
+        passed = []
+        if self.E(wide) - self.E([*others, *group]) >= least:
+            passed = [c for c in self._of_kind(kind) if c.capture_name in wide and c.capture_name not in group]
+        inner = {c.capture_name: [x for x in self.components if x.layer == c.layer and self._inside(x.capture_name, c)]
+                 for c in passed}
+        self.measure([without(c.capture_name) for c in passed] + [[c.capture_name] for c in passed]
+                     + [without(name, x.capture_name) for name, xs in inner.items() for x in xs])
+        leaving = [c for c in self._of_kind(kind)
+                   if (c.capture_name in group or c in passed) and left(c.capture_name) >= least]
+        within = {}  # a passed layer's component inside the kind's that explains what the layer leaves
+        for c in leaving:
+            explaining = [x for x in inner.get(c.capture_name, []) if left(c.capture_name, x.capture_name) < least]
+            if explaining:
+                within[c.capture_name] = explaining[0]
+        faulty = [c for c in leaving if c.capture_name not in within]
+        if len(faulty) < 2:
+            return origins
+        kept = [name for name in others if left(name) >= self.significant]
+        chosen = kept + [x.capture_name for x in within.values()] + [c.capture_name for c in faulty]
+        self.measure([chosen] + [[n for n in chosen if n != x.capture_name] for x in within.values()])
+
+        def beside_all(x) -> Origin:
+            """``x`` as an origin sharing what the others replaced beside it leave without it."""
+            beside = [n for n in chosen if n != x.capture_name]
+            return Origin(x.layer, self.E(chosen) - self.E(beside), x.capture_name, x.kind,
+                          [k.kind for k in self._kinds(x.layer)], sorted(beside))
+
+        members = [dataclasses.replace(group[c.capture_name], share=self.E([c.capture_name]), beside=[])
+                   if c.capture_name in group else Origin(c.layer, self.E([c.capture_name]), c.capture_name, kind,
+                                                          [k.kind for k in self._kinds(c.layer)])
+                   for c in faulty]  # each sharing what its replacement alone removes
+        where, every = self._where(kind, [c.layer for c in faulty])
+        self.systematic = Systematic(kind, [c.layer for c in faulty], [c.capture_name for c in faulty], where, every,
+                                     self.E(chosen), [o.share for o in members],
+                                     [left(c.capture_name) for c in faulty], self.E(wide))
+        return members + [others[name] for name in kept] + [beside_all(x) for x in within.values()]
+
+    def _where(self, kind: str, layers: list[int]) -> tuple[str, bool]:
+        """``layers`` in the words of the model's layer groups ("every layer", "every MoE layer", "every sliding
+        attention layer"), and whether they are one; else listed ("layers 1 and 3 (2 of 8)")."""
+        groups = {"every layer": self.layers}
+        moe = sorted({c.layer for c in self.components if c.kind == ROUTER and c.layer is not None})
+        groups.setdefault("every MoE layer", moe)
+        for name in dict.fromkeys(self.layer_types or []):
+            groups.setdefault(f"every {name.replace('_', ' ')} layer",
+                              [k for k, t in enumerate(self.layer_types) if t == name])
+        holding = sorted({c.layer for c in self.components if c.kind == kind and c.layer is not None})
+        groups.setdefault(f"every layer holding its {kind}", holding)
+        for name, group in groups.items():
+            if list(group) == layers:
+                return name, True
+        listed = ", ".join(map(str, layers[:-1])) + f" and {layers[-1]}"
+        return f"layers {listed} ({len(layers)} of {len(self.layers)})", False
+
     def _without_drift(self, origins: list[Origin]) -> list[Origin]:
         """The origins of a drifting target that stand out from its precision drift; the others go to
         ``self.drift`` (the verdict lists them, unnamed). A part no component explains is what rounding in
@@ -466,7 +633,6 @@ class Search:
         if self.observe is None:
             return None
         order = {c.capture_name: (c.layer if c.layer is not None else -1, i) for i, c in enumerate(self.components)}
-        by_name = {c.capture_name: c for c in self.components}
         n = max(self.reference.num_generated(p) for p in self.indices)
         gens = self.observe([self.reference.prompt_tokens(p) for p in self.indices], n)
         self.rounds += 1
@@ -492,14 +658,17 @@ class Search:
         _, p, pos, name = best
         plen = len(self.reference.prompt_tokens(p))
         step = pos - plen + 1 if pos >= plen - 1 else None
-        c = by_name.get(name)
+        c = self.by_name.get(name)
         return NonFinite(p, pos, step, name, c.kind if c else None, c.layer if c else None)
 
     # ------------------------------------------------------------------ the result
 
     def _result(self, origins, nonfinite, diffuse, spent, started, verdict=None, after_layers=None) -> BlameResult:
         ranking = self._ranking(origins)  # in the order found: each row's attribution had the earlier ones beside it
-        origins = sorted(origins, key=lambda o: -o.share)  # the largest part first, wherever it arises
+        # the largest part first, wherever it arises; a systematic fault's layers first, in layer order (one fix)
+        systematic = self.systematic
+        members = set(systematic.components) if systematic else set()
+        origins = sorted(origins, key=lambda o: (0, o.layer) if o.component in members else (1, -o.share))
         shares = self._layer_shares()
         chosen = self.key(o.component or self.streams[o.layer].capture_name for o in origins)
         together = self.E(chosen) if chosen in self.cache else None
@@ -515,15 +684,17 @@ class Search:
         if verdict is None:
             verdict = _verdict(origins, together, diffuse, self._spread(origins or self.candidates), spent, self.budget,
                                ranking, shares, after_layers, self.noise if self.floor is not None else None,
-                               self.drifts, self.drift, floor is not None and floor["within"], self.candidates)
+                               self.drifts, self.drift, floor is not None and floor["within"], self.candidates,
+                               systematic)
             if self.floor is not None:
                 verdict = f"{self.floor.describe(self.off_summary)}. " + verdict
         if self.floor is None and self.unscaled and hasattr(self, "off_summary") and nonfinite is None:
             verdict = verdict.rstrip(".") + f"; {self.unscaled}."
-        ranking.sort(key=lambda b: not b.origin)  # stable: the origins first, then by share
+        order = {o.component: i for i, o in enumerate(origins)}
+        ranking.sort(key=lambda b: order.get(b.component, len(order)))  # stable: the origins in order, then by share
         return BlameResult(ranking, shares, origins, self.passes, self.rounds, verdict, confident, diffuse, nonfinite,
                            self.kinds, self.layers, time.perf_counter() - started, self.budget, spent,
-                           explained=together, floor=floor, candidates=self.candidates)
+                           explained=together, floor=floor, candidates=self.candidates, systematic=systematic)
 
     def _ranking(self, origins: list[Origin]) -> list[Blame]:
         """One row per measured component (its most informative pass: the attribution that named it,
@@ -567,11 +738,11 @@ class Search:
 
 
 def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares, after_layers, noise=None,
-             drifts=False, drift=(), within=False, candidates=()) -> str:
+             drifts=False, drift=(), within=False, candidates=(), systematic: Systematic | None = None) -> str:
     """The blame verdict; ``noise``: the floor's part of the divergence (None: no floor); ``drifts``: the
     target is below float32; ``drift``: the parts it replaced on its way that precision drift may explain;
     ``within``: the target as a whole is within its floor; ``candidates``: without a floor, the strongest
-    components beside a diffuse drift."""
+    components beside a diffuse drift; ``systematic``: one kind at fault in several layers (its origins first)."""
     tail = ""
     if drift:
         scale = ("the floor's part" if noise is not None else
@@ -590,8 +761,14 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
     if not origins:
         return ("no layer's residual stream explains a significant part of the divergence (threshold "
                 f"{SIGNIFICANT:.0%})." + tail)
-    independent = len({o.layer for o in origins}) == len(origins)  # a layer's guilty kinds are found together
-    count = "1 source" if len(origins) == 1 else f"{len(origins)} {'independent ' if independent else ''}sources"
+    # a systematic kind's layers are one source: the same fault; the others stand by themselves
+    rest = [o for o in origins if not (systematic and o.component in systematic.components)]
+    sources = len(rest) + (systematic is not None)
+    independent = len({o.layer for o in rest}) == len(rest)
+    if systematic and not rest:
+        count = "1 systematic fault" if systematic.every else f"1 kind at fault in {len(systematic.layers)} layers"
+    else:  # a layer's guilty kinds are found together: not independent
+        count = "1 source" if sources == 1 else f"{sources} {'independent ' if independent else ''}sources"
     if noise is not None and all(o.drift is not None for o in origins):  # told from the clean model's own drift
         count += " standing out from the precision drift arising in it" if len(origins) == 1 else \
             " standing out from the precision drift arising in them"
@@ -599,8 +776,9 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
         count += " the precision noise does not explain"
     elif noise is not None:
         count += " above the precision floor"
-    text = f"{count}: " + "; ".join(o.describe(noise) for o in origins)
-    if together is not None:
+    named = ([systematic.describe()] if systematic else []) + [o.describe(noise) for o in rest]
+    text = f"{count}: " + "; ".join(named)
+    if together is not None and (rest or not systematic):
         text += f"; together they explain {pct(together)} of the divergence" if len(origins) > 1 else \
             f"; replacing it removes {pct(together)} of the divergence"
     if len(origins) == 1 and origins[0].component:
@@ -612,7 +790,7 @@ def _verdict(origins, together, diffuse, spread, spent, budget, ranking, shares,
                  "precision diverges that much by itself)")
     elif together is not None and together < EXPLAINS and not tail and not drifts:
         text += f"; the remaining {pct(1 - together)} arises in no single layer (each adds less than {SIGNIFICANT:.0%})"
-    return text + "." + tail
+    return text + "." + (" " + systematic.advice() if systematic else "") + tail
 
 
 def _diffuse_verdict(origins, spread, shares, after_layers, noise, drifts, candidates) -> str:

@@ -1,0 +1,246 @@
+"""A port's bug is code in a class every layer runs, so it shows in every layer (vLLM PR #24119: DeepSeek's
+routed scaling factor applied twice in every MoE layer). Planted here as code, not weights: the target's
+modules run a subclass of their class (one class for every layer it is planted in) that reads the config
+wrong, drops a step or uses another activation, in float32 tiny models of three families, so precision noise
+is not the explanation. Blame must tell such a fault as one systematic fault of the right kind naming every
+faulty layer (not "diffuse drift", not "independent sources"), name each layer of a fault in some layers
+only, find a layer the search passed over, and keep "independent" for sources of different kinds."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxreplace.blame import MEMBER, SIGNIFICANT, Search, blame, resolve_components
+from fxreplace.capture import capture_reference
+from fxreplace.metrics import EXPLAINS, Tolerances, pct
+from fxreplace.models import get_family, tiny_model
+from fxreplace.repro import blamed_component
+
+QWEN, MIXTRAL, LLAMA = "Qwen3MoeForCausalLM", "MixtralForCausalLM", "LlamaForCausalLM"
+LAYERS = 4
+NEW = 6
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(4, 128, (length,), generator=g).tolist() for length in (6, 9)]
+
+
+def ported(model: nn.Module, path: str, layers=None, **code) -> nn.Module:
+    """A copy of ``model`` whose module at ``path`` in each of ``layers`` (default: every layer) runs one subclass
+    of its class with ``code`` (methods, properties) instead: the port's bug, the weights untouched."""
+    model = copy.deepcopy(model)
+    layers = range(model.config.num_hidden_layers) if layers is None else layers
+    modules = [model.model.layers[k].get_submodule(path) for k in layers]
+    faulty = type(f"Ported{type(modules[0]).__name__}", (type(modules[0]),), code)
+    for module in modules:
+        module.__class__ = faulty
+    return model
+
+
+def scale_from_hidden_size(model, layers=None):
+    """Attention scaled by (hidden_size // num_heads) ** -0.5 instead of head_dim ** -0.5."""
+    return ported(model, "self_attn", layers,
+                  scaling=property(lambda self: (self.config.hidden_size // self.config.num_attention_heads) ** -0.5))
+
+
+def no_qk_norm(model, layers=None):
+    """Qwen3's q/k RMSNorms left out of the attention."""
+    return ported(model, "self_attn", layers, q_norm=property(lambda self: nn.Identity()),
+                  k_norm=property(lambda self: nn.Identity()))
+
+
+def gelu_mlp(model, layers=None):
+    """The MLP's activation is GELU where the config says SiLU."""
+    return ported(model, "mlp", layers,
+                  forward=lambda self, x: self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def norm_weight_offset(model, layers=None):
+    """The input RMSNorm scales by (1 + weight), Gemma's convention, on weights stored for ``weight``."""
+
+    def forward(self, x):
+        return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    return ported(model, "input_layernorm", layers, forward=forward)
+
+
+def no_topk_renorm(model, layers=None):
+    """Mixtral's router skips renormalising its top-k weights (the logits are right: the MoE block's output is not)."""
+
+    def forward(self, hidden_states):
+        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        weights, indices = torch.topk(F.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        return logits, weights, indices
+
+    return ported(model, "mlp.gate", layers, forward=forward)
+
+
+def norm_topk_prob_ignored(model, layers=None):
+    """Qwen3-MoE's router reads norm_topk_prob as False."""
+    return ported(model, "mlp.gate", layers, norm_topk_prob=property(lambda self: False))
+
+
+# name -> (family, config overrides, fault, the kind blame must name)
+EVERY_LAYER = {
+    "attention scale": (QWEN, {"num_attention_heads": 4}, scale_from_hidden_size, "attention"),
+    "q/k norm missing": (QWEN, {}, no_qk_norm, "attention"),
+    "mlp activation": (LLAMA, {}, gelu_mlp, "mlp"),
+    "rmsnorm offset": (LLAMA, {}, norm_weight_offset, "attention"),
+    "top-k renorm skipped": (MIXTRAL, {}, no_topk_renorm, "experts"),
+}
+
+
+@pytest.fixture(scope="module")
+def setups():
+    """(clean model, reference) per (family, config overrides, layers), built once."""
+    cache = {}
+
+    def get(arch, overrides, layers=LAYERS):
+        key = (arch, repr(sorted(overrides.items())), layers)
+        if key not in cache:
+            clean = tiny_model(arch, num_hidden_layers=layers, **overrides)
+            cache[key] = clean, capture_reference(clean, prompts(), [], NEW, components=get_family(arch).components,
+                                                  progress=False)
+        return cache[key]
+
+    return get
+
+
+def named(result):
+    return [(o.kind, o.layer) for o in result.origins]
+
+
+@pytest.mark.parametrize("name", EVERY_LAYER)
+def test_a_code_fault_in_every_layer_is_one_systematic_fault(setups, name, tmp_path):
+    arch, overrides, fault, kind = EVERY_LAYER[name]
+    clean, reference = setups(arch, overrides)
+    result = blame(fault(clean), reference, progress=False)
+    found = result.systematic
+    assert found is not None and (found.kind, found.layers, found.where, found.every) == (
+        kind, list(range(LAYERS)), "every layer", True), result.verdict
+    assert named(result) == [(kind, k) for k in range(LAYERS)], result.verdict  # in layer order: the first is the repro's
+    assert result.confident and not result.diffuse and found.explained >= EXPLAINS and result.explained >= EXPLAINS
+    assert result.verdict.startswith(f"1 systematic fault: {kind} (") and " in every layer: " in result.verdict
+    assert "diffuse" not in result.verdict and "independent" not in result.verdict, result.verdict
+    assert "points at code they share" in result.verdict
+    # no layer alone explains it (what the search used to call drift or independent sources); each one left out of
+    # the kind's replacement leaves its own part
+    assert all(share < EXPLAINS for share in found.alone) and all(part >= MEMBER for part in found.left_out), found
+    # the verdict's per-layer figures are the origins' (each layer's replacement alone) and the table's
+    assert [o.share for o in result.origins] == found.alone
+    assert all(f"layer {o.layer} {pct(o.share)}" in result.verdict for o in result.origins), result.verdict
+    rows = {b.component: b for b in result.ranking}
+    assert all(rows[o.component].origin and rows[o.component].explained == o.share for o in result.origins)
+    # the result carries it as data; `repro write` takes the first faulty layer's component
+    data = json.loads(result.write_json(tmp_path / "blame.json").read_text())["systematic"]
+    assert (data["kind"], data["layers"], data["alone"]) == (kind, found.layers, found.alone)
+    assert blamed_component(tmp_path / "blame.json") == blamed_component(result) == found.components[0] == \
+        result.origins[0].component and result.origins[0].layer == 0
+
+
+def test_a_code_fault_in_some_layers_names_each_of_them(setups):
+    """The same ported router in two of the four layers: one kind at fault in those two, never called independent."""
+    clean, reference = setups(MIXTRAL, {})
+    result = blame(no_topk_renorm(clean, [1, 3]), reference, progress=False)
+    found = result.systematic
+    assert found is not None and (found.kind, found.layers, found.every) == ("experts", [1, 3], False), result.verdict
+    assert found.where == "layers 1 and 3 (2 of 4)" and named(result) == [("experts", 1), ("experts", 3)]
+    assert result.verdict.startswith("1 kind at fault in 2 layers: experts (model.layers.N.mlp) in layers 1 and 3 ")
+    assert "independent" not in result.verdict and "diffuse" not in result.verdict and result.confident
+    assert "what these layers share and the others do not" in result.verdict
+
+
+def test_a_faulty_layer_the_search_passed_over_is_named(setups):
+    """Eight layers, the router ported wrong in layers 0, 4 and 7: past layer 0's experts, layers 4 and 7 each add
+    less than SIGNIFICANT. The search passes over layer 4; it finds layer 7 (its stream explains all that layer 0's
+    origin leaves) but none of its kinds explains that part, layer 4's error being upstream (it used to name "layer
+    7: none of attention/router/experts explains it" beside layer 0's experts, as two independent sources).
+    Replacing the MoE block in every layer explains it all; leaving layer 4 or 7 out of that replacement leaves a
+    part, leaving any other out leaves none: all three are named, no other."""
+    clean, reference = setups(MIXTRAL, {}, 8)
+    result = blame(no_topk_renorm(clean, [0, 4, 7]), reference, progress=False)
+    shares = {s.layer: s.share for s in result.layer_shares}
+    assert shares[4] < SIGNIFICANT and shares[7] < SIGNIFICANT, shares
+    assert result.systematic is not None and result.systematic.layers == [0, 4, 7], result.verdict
+    assert named(result) == [("experts", 0), ("experts", 4), ("experts", 7)] and result.explained >= EXPLAINS
+    assert result.verdict.startswith("1 kind at fault in 3 layers: experts (model.layers.N.mlp) in layers 0, 4 and 7 ")
+    assert "look at the norms" not in result.verdict and "independent" not in result.verdict and result.confident
+
+
+def test_a_faulty_layer_left_over_by_one_origin_is_named(setups):
+    """The attention scale ported wrong in layers 0 and 7 of 8: layer 0's attention alone removes >= 90% of the
+    divergence, where the search stops ("1 source ... 95%", layer 7 left over). What it leaves is more than
+    MEMBER, so its kind is replaced in every layer too: that removes the rest, and leaving layer 7 out leaves it."""
+    clean, reference = setups(QWEN, {"num_attention_heads": 4}, 8)
+    result = blame(scale_from_hidden_size(clean, [0, 7]), reference, progress=False)
+    off = next(p for p in result.passes if not p.replaced)
+    first = next(p for p in result.passes if p.replaced == ("model.layers.0.self_attn",))
+    removed = min(1 - first.mean_kl / off.mean_kl, 1 - first.mean_top5_error / off.mean_top5_error)
+    assert EXPLAINS <= removed < 1 - MEMBER, removed
+    assert result.systematic is not None and result.systematic.layers == [0, 7], result.verdict
+    assert named(result) == [("attention", 0), ("attention", 7)] and result.explained >= 1 - MEMBER
+    assert result.verdict.startswith("1 kind at fault in 2 layers: attention (model.layers.N.self_attn) in layers 0 "
+                                     "and 7 (2 of 8): ")
+
+
+def test_a_fault_in_every_moe_layer_is_named_by_the_models_layers(setups):
+    """Layer 0 of this Qwen3-MoE is dense: a router reading norm_topk_prob wrong is in every MoE layer, not every layer."""
+    clean, reference = setups(QWEN, {"mlp_only_layers": [0]})
+    result = blame(norm_topk_prob_ignored(clean, [1, 2, 3]), reference, progress=False)
+    found = result.systematic
+    assert found is not None and (found.kind, found.layers, found.where, found.every) == (
+        "experts", [1, 2, 3], "every MoE layer", True), result.verdict
+    assert result.verdict.startswith("1 systematic fault: experts (model.layers.N.mlp) in every MoE layer: ")
+
+
+def test_layers_are_named_by_their_type():
+    """GPT-OSS alternates sliding and full attention (config.layer_types): a fault in the sliding ones only is
+    "every sliding attention layer"; layers forming no group are listed."""
+    model = tiny_model("GptOssForCausalLM", num_hidden_layers=4,
+                       layer_types=["sliding_attention", "full_attention"] * 2)
+    components = resolve_components(model, get_family("GptOssForCausalLM").components)
+    search = Search(None, None, components, tolerances=Tolerances(), prompts=[0], budget=None, probes=8,
+                    progress=False, supply=None, observe=None, layer_types=model.config.layer_types)
+    assert search._where("attention", [0, 2]) == ("every sliding attention layer", True)
+    assert search._where("attention", [1, 3]) == ("every full attention layer", True)
+    assert search._where("router", [0, 1, 2, 3]) == ("every layer", True)
+    assert search._where("attention", [0, 1]) == ("layers 0 and 1 (2 of 4)", False)
+
+
+def test_a_systematic_fault_beside_a_fault_of_another_kind_are_independent_sources(setups):
+    """The attention scale ported wrong in every layer and one layer's router weights flipped: two sources of
+    different kinds, independent; the router is named beside the systematic fault, not hidden in it."""
+    clean, reference = setups(QWEN, {"num_attention_heads": 4})
+    target = scale_from_hidden_size(clean)
+    with torch.no_grad():
+        target.model.layers[2].mlp.gate.weight.mul_(-1.0)
+    result = blame(target, reference, progress=False)
+    assert result.systematic is not None and result.systematic.layers == list(range(LAYERS)), result.verdict
+    assert sorted(named(result)) == sorted([("attention", k) for k in range(LAYERS)] + [("router", 2)])
+    assert result.verdict.startswith("2 independent sources: attention (model.layers.N.self_attn) in every layer: ")
+    assert "layer 2 router model.layers.2.mlp.gate (" in result.verdict and result.confident
+
+
+def test_a_router_fault_in_a_layer_the_search_passed_over_is_the_routers(setups):
+    """The router ported wrong in layers 0 and 2 and layer 3's router weights flipped (two rows): the MoE block
+    replaced in every layer hides the flipped rows too, and the search stops there. Leaving layer 3's block out of
+    that replacement leaves a part, which replacing its router instead removes: layer 3's fault is its router's,
+    named beside the two-layer fault as an independent source, not as a third layer of it."""
+    clean, reference = setups(MIXTRAL, {})
+    target = no_topk_renorm(clean, [0, 2])
+    with torch.no_grad():
+        gate = target.model.layers[3].mlp.gate.weight
+        gate[[1, 5]] = -1.5 * gate[[1, 5]]
+    result = blame(target, reference, progress=False)
+    assert result.systematic is not None and result.systematic.layers == [0, 2], result.verdict
+    assert named(result) == [("experts", 0), ("experts", 2), ("router", 3)] and result.confident
+    assert result.verdict.startswith("2 independent sources: experts (model.layers.N.mlp) in layers 0 and 2 (2 of 4): ")
+    router = result.origins[2]
+    assert f"layer 3 router model.layers.3.mlp.gate ({pct(router.share)})" in result.verdict and router.share >= SIGNIFICANT
