@@ -42,6 +42,7 @@ from .blame import BlameError, family_components
 from .components import Component, layer_of, resolve_components
 from .dtypes import dtype_name
 from .devices import input_device
+from .points import ROUTING
 from .reference import load_reference
 from .targets import Target, TargetLike, resolve_targets
 
@@ -104,6 +105,17 @@ def find_component(model: nn.Module, name: str, components: Mapping[str, TargetL
     r = resolved[0]
     return Component("module", layer_of(r.module_name), r.module_name, r.capture_name,
                      Target(r.module_name, point="output"))
+
+
+def _with_its_module(component: Component) -> Component:
+    """The module a repro exports for ``component``: its own, but for a component at the routing a module
+    is *called with* (point ``"routing"``: the experts' arguments), whose code lives in the caller: the
+    parent block that computes it (router, routing, experts) with its output compared. The experts alone,
+    given the reference's routing, would agree and point away from the fault."""
+    if component.target.point != ROUTING:
+        return component
+    block = component.module_name.rpartition(".")[0]
+    return Component(component.kind, component.layer, block, component.capture_name, Target(block, point="output"))
 
 
 def blamed_component(blame_result) -> str:
@@ -306,6 +318,7 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
         component = blamed_component(component)
     if isinstance(component, str):
         component = find_component(clean, component, components)
+    component = _with_its_module(component)
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
     if inputs < 1 or not indices:
         raise ReproError(f"a repro needs at least one input (inputs={inputs}, prompts={indices})")

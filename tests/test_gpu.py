@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 import fxreplace
 from fxreplace.floor import measure_floor
@@ -47,12 +46,17 @@ def _runner(model, reference, compile=None):
 
 @pytest.fixture(scope="module")
 def on_both():
-    """The same fp32 model and its reference on the CPU and on the GPU."""
+    """The same fp32 model and its reference on the CPU and on the GPU: a copy per device (``.to()`` moves a
+    module in place, so one model would end on the GPU under both keys)."""
     model = tiny_model(ARCH, init_std=0.3, seed=1)
     targets = list(get_family(ARCH).targets)
-    return {device: (model.to(device), fxreplace.capture_reference(copy.deepcopy(model).to(device), PROMPTS, targets,
-                                                                    max_new_tokens=8, progress=False))
-            for device in ("cpu", "cuda")} if torch.cuda.is_available() else {}
+    both = {}
+    for device in ("cpu", "cuda") if torch.cuda.is_available() else ():
+        placed = copy.deepcopy(model).to(device)
+        both[device] = (placed, fxreplace.capture_reference(copy.deepcopy(placed), PROMPTS, targets, max_new_tokens=8,
+                                                            progress=False))
+    assert not both or next(both["cpu"][0].parameters()).device.type == "cpu"
+    return both
 
 
 @cuda
@@ -92,7 +96,8 @@ def test_planted_fault_blamed_on_the_gpu_as_on_the_cpu(on_both, tmp_path):
 
 
 @cuda
-def test_one_cuda_graph_for_hand_made_warm_up_and_built_contexts(on_both):
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])  # reduce-overhead: replayed CUDA graphs
+def test_one_cuda_graph_for_hand_made_warm_up_and_built_contexts(on_both, mode):
     model, reference = on_both["cuda"]
     target = fxreplace.instrument(copy.deepcopy(model), list(get_family(ARCH).targets))
     replacer = fxreplace.TensorReplacer(reference.store, device="cuda")
@@ -103,14 +108,14 @@ def test_one_cuda_graph_for_hand_made_warm_up_and_built_contexts(on_both):
                 fxreplace.ReplacementContext({n: built[n].clone() for n in reversed(names)}, built.mask.clone()),
                 replacer.build_context(["a"], list(range(6)), is_prefill=True, out=replacer.warmup_context(6, device="cuda"))]
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(target, backend=counter, mode=None)
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(target, mode=mode)
     ids = torch.tensor([PROMPTS[0]], device="cuda")
     with torch.no_grad():
         for ctx in contexts * 2:
             torch.testing.assert_close(compiled(input_ids=ids, use_cache=False, replacements=ctx).logits,
                                        target(input_ids=ids, use_cache=False, replacements=ctx).logits, rtol=1e-4, atol=1e-4)
-    assert counter.frame_count == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @cuda

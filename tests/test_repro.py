@@ -10,6 +10,7 @@ the reference store or vLLM."""
 from __future__ import annotations
 
 import copy
+import types
 import json
 import os
 import subprocess
@@ -108,6 +109,26 @@ def test_a_fault_in_the_compiler_leaves_eager_agreeing(clean, reference, tmp_pat
     assert "but perturb_last_linear differs from eager by up to 0.1" in done.stdout
     rows = table(done.stdout)
     assert len(rows) == 4 and all(r["eager"] < 1e-5 and r["vs_eager"] > 0.05 for r in rows), done.stdout
+
+
+def test_a_routing_fault_is_reproduced_by_the_block_that_computes_the_routing(clean, reference, tmp_path):
+    """Blame's routing component is the routing the experts are called with; its code lives in their caller
+    (here a router that skips the top-k renormalisation). The repro holds that block: the experts alone,
+    given the reference's routing, would agree and clear the component blame named."""
+    from test_routing import skip_renorm
+
+    target = copy.deepcopy(clean)
+    gate = target.model.layers[1].mlp.gate
+    gate.forward = types.MethodType(skip_renorm, gate)
+    out = write_repro(target, clean, reference, "model.layers.1.mlp.experts", tmp_path / "repro", inputs=2)
+    meta = json.loads((out / repro_run.META).read_text())
+    assert (meta["component"], meta["kind"], meta["module_name"]) == ("model.layers.1.mlp.experts", "routing",
+                                                                       "model.layers.1.mlp")
+    done = run_fresh(out, "--backend", "eager")
+    assert done.returncode == repro_run.EXIT_DISAGREES, done.stdout + done.stderr
+    assert "verdict: the port" in done.stdout
+    assert repro_run.run(write_repro(clean, clean, reference, "model.layers.1.mlp.experts", tmp_path / "clean",
+                                     inputs=2)) == repro_run.EXIT_AGREES
 
 
 @pytest.fixture(scope="module")

@@ -248,12 +248,7 @@ class BlameResult:
                              f"{part(b.share):>6}  {'yes' if b.origin else ''}")
             if limit is not None and len(self.ranking) > limit:
                 lines.append(f"... {len(self.ranking) - limit} more in blame.html")
-            if self.systematic:
-                lines.append(EXPLAINED_NOTE.replace(
-                    "the origins first,", "the origins first (the systematic fault's layers in layer order, each row its "
-                    "layer replaced alone; then the others by share),"))
-            else:
-                lines.append(EXPLAINED_NOTE)
+            lines.append(EXPLAINED_NOTE)
         else:
             lines.append(NOTHING_RANKED)
         if self.layer_shares:
@@ -261,7 +256,7 @@ class BlameResult:
         if self.below_zero():
             lines.append(BELOW_ZERO_NOTE)
         if self.systematic:
-            lines.append(f"systematic: {self.systematic.describe()}")
+            lines.append(f"systematic (the first rows, in layer order, each replaced alone): {self.systematic.describe()}")
         lines.append(f"{plural(len(self.passes), 'validation pass')} in {plural(self.rounds, 'round')} (budget {self.budget}), "
                      f"{len(self.captured)} components captured on demand, {self.seconds:.1f} s")
         return "\n".join(lines)
