@@ -603,6 +603,8 @@ def run_code_case(cf, fault, placement, clean, reference, rng: random.Random, re
                                 and "diffuse" not in verdict and "independent" not in verdict)
     else:  # a fault in one layer is no systematic fault
         row["systematic_ok"] = found is None
+    if fault.interaction:  # the oracle: some layer's module replaced alone leaves more divergence than none replaced
+        row["worse_alone"] = bool(figures["alone"]) and min(figures["alone"]) < 0
     if fault.decode:
         phases, sentence = validate_phase(target, reference, None)
         status, printed = reproduce(target, clean, reference, result) if result.origins else (None, "")
@@ -645,9 +647,10 @@ def code_fault_suite(args) -> None:
 
 
 def code_line(r: dict) -> str:
-    extra = "" if "decode" not in r else (f" decode: clue={r['decode']['clue']} repro={r['decode']['repro']}"
-                                          f" in-decode={r['decode']['repro_in_decode']}")
-    return (f"  {r['family']:<22} {r['case']:<44} top1={r['top1']:.0f} recall={r['recall']:.2f} "
+    extra = f" oracle alone={r['oracle']['alone']}" if "worse_alone" in r else ""
+    extra += "" if "decode" not in r else (f" decode: clue={r['decode']['clue']} repro={r['decode']['repro']}"
+                                           f" in-decode={r['decode']['repro_in_decode']}")
+    return (f"  {r['family']:<22} {r['case']:<46} top1={r['top1']:.0f} recall={r['recall']:.2f} "
             f"precision={r['precision']:.2f} systematic={'ok' if r['systematic_ok'] else 'WRONG'} named={r['named']} "
             f"planted={r['planted']} passes={r['passes']}/{r['one_by_one']} {r['seconds']:.1f}s{extra}")
 
@@ -668,13 +671,13 @@ def code_report(rows: list[dict], refused: list[str], args, layers: int, seconds
         groups = defaultdict(list)
         for r in rows:
             groups[key(r)].append(r)
-        head = (f"{title:<44} {'cases':>5} {'top-1':>6} {'recall':>6} {'prec.':>6} {'syst.':>6} {'decode':>6} "
+        head = (f"{title:<50} {'cases':>5} {'top-1':>6} {'recall':>6} {'prec.':>6} {'syst.':>6} {'decode':>6} "
                 f"{'passes':>6} {'1-by-1':>6} {'s':>7}")
         print(head)
         print("-" * len(head))
         for name, group in groups.items():
             a = code_aggregate(group)
-            print(f"{name:<44} {a['cases']:>5} {a['top1']:>6.2f} {a['recall']:>6.2f} {a['precision']:>6.2f} "
+            print(f"{name:<50} {a['cases']:>5} {a['top1']:>6.2f} {a['recall']:>6.2f} {a['precision']:>6.2f} "
                   f"{a['systematic_ok']:>6} {a['decode_ok']:>6} {a['median_passes']:>6g} {a['one_by_one']:>6g} "
                   f"{a['seconds']:>7.1f}")
         return {name: code_aggregate(group) for name, group in groups.items()}
@@ -708,6 +711,10 @@ def code_report(rows: list[dict], refused: list[str], args, layers: int, seconds
                       "new_tokens": args.new_tokens, **total, "not_run": len([w for w in refused if "not run" in w]),
                       "redrawn": len([w for w in refused if "not run" not in w]), "wall_seconds": round(seconds, 1),
                       "by_kind": by_kind, "by_placement": by_placement, "by_family": by_family, "by_case": by_case,
+                      "interaction": [{"family": r["family"], "case": r["case"], "worse_alone": r["worse_alone"],
+                                       "oracle_alone": r["oracle"]["alone"],
+                                       "blame_alone": (r["systematic"] or {}).get("alone")}
+                                      for r in rows if "worse_alone" in r],
                       "wrong": [{k: r[k] for k in ("family", "case", "planted", "named", "systematic", "verdict")}
                                 for r in wrong], "goal_met": goal}))
 

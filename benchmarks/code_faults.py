@@ -255,7 +255,7 @@ class CodeFault:
     single: bool = True  # also planted in one layer
     every: bool = True  # also planted in every such layer
     decode: bool = False  # arises only in decode: validated, reproduced
-    note: str = ""
+    interaction: bool = False  # every layer's fault interacts: one layer replaced alone makes the target worse
 
 
 FAULTS = [
@@ -291,9 +291,10 @@ FAULTS = [
     CodeFault("rope scaling ignored", MIXTRAL, rope_scaling_ignored, "self_attn", "attention",
               "vllm-project/vllm#1956",
               {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
-    CodeFault("rmsnorm offset (interaction)", LLAMA, norm_weight_offset, "input_layernorm", "attention",
-              "linkedin/Liger-Kernel#74", single=False,
-              note="every layer; one layer replaced alone can make the target worse"),
+    CodeFault("rmsnorm offset", LLAMA, norm_weight_offset, "input_layernorm", "attention",
+              "linkedin/Liger-Kernel#74", single=False),
+    CodeFault("rmsnorm offset (interaction)", QWEN, norm_weight_offset, "input_layernorm", "attention",
+              "linkedin/Liger-Kernel#74", single=False, interaction=True),
     CodeFault("decode: rope again", LLAMA, decode_fault("rope_again"), "self_attn", "attention",
               "pytorch/executorch#2010", every=False, decode=True),
     CodeFault("decode: position off by one", QWEN, decode_fault("position_off_by_one"), "self_attn", "attention",
