@@ -26,6 +26,19 @@ named), precision (named origins that are planted); per drift fixture: the verdi
 diffuse or within the noise floor; the clean copy: no divergence); cost: validation passes and
 rounds against one by one (1 + every component, the streams included), wall time. Prints tables
 per family and per fault kind and a final JSON line.
+
+``--code-faults``: the bug classes of ``benchmarks/code_faults.py`` (documented ports' bugs, planted as code
+in the class a layer's module runs, the weights untouched) in one layer and in every layer (of their group:
+every MoE layer, every sliding attention layer) of tiny float32 Qwen3-MoE, Mixtral, Llama, GPT-OSS and
+DeepSeek-V3 (4 layers by default); plus a router bug set on an instance, two decode-only attention faults and
+an RMSNorm offset in every layer whose layers interact. The oracle is the same forward hooks (decode faults:
+run as an engine does, prefill then cached decode steps): a case counts when the planted modules replaced
+together remove >= 90% of the divergence and each one, left out, leaves >= blame.MEMBER. Scores: top-1,
+layer recall and precision against (kind, layer) per faulty layer; systematic: an every-layer case must be
+one systematic fault of the right kind naming every faulty layer, its verdict without "diffuse" or
+"independent", and a one-layer case no systematic fault; decode faults: validation's phase clue says decode
+and `repro run` of the component blamed first disagrees in its decode calls. Tables by fault, by kind and
+placement, by family, and a final JSON line.
 """
 
 from __future__ import annotations
@@ -598,8 +611,11 @@ def run_code_case(cf, fault, placement, clean, reference, rng: random.Random, re
            "verdict": verdict, "drift": False, **score(expected, result),
            "systematic": None if found is None else {"kind": found.kind, "layers": found.layers, "where": found.where,
                                                      "alone": [round(a, 3) for a in found.alone]}}
-    if placement == "every layer":  # one systematic fault of the right kind naming every faulty layer, no drift talk
+    if placement == "every layer":  # one systematic fault of the right kind naming every faulty layer (and its group:
+        # every layer, every MoE layer, every sliding attention layer), no drift talk
         row["systematic_ok"] = (found is not None and found.kind == fault.kind and found.layers == layers
+                                and found.where == fault.where and found.every
+                                and verdict.startswith(f"1 systematic fault: {fault.kind} (")
                                 and "diffuse" not in verdict and "independent" not in verdict)
     else:  # a fault in one layer is no systematic fault
         row["systematic_ok"] = found is None
