@@ -644,7 +644,8 @@ def code_fault_suite(args) -> None:
     for fault, placement in code_case_plan(cf, args.faults):
         key = (fault.family, repr(sorted(fault.config.items())))
         if key not in built:
-            clean = cf.prepare(tiny_model(fault.family, seed=args.seed, num_hidden_layers=layers, **fault.config), fault)
+            clean = cf.prepare(tiny_model(fault.family, seed=args.seed, num_hidden_layers=layers,
+                                          **cf.config_for(fault, layers)), fault)
             g = torch.Generator().manual_seed(args.seed)
             ids = [torch.randint(4, 128, (int(n),), generator=g).tolist()
                    for n in torch.randint(6, 14, (args.prompts,), generator=g)]

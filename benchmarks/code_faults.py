@@ -239,7 +239,7 @@ def decode_fault(name):
 
 # ---------------------------------------------------------------------------------------------- the cases
 
-GPT_OSS_TYPES = {"layer_types": ["sliding_attention", "full_attention"] * 2}
+GPT_OSS_TYPES = {"layer_types": "alternating"}  # sliding, full, sliding, ... over the model's layers (config_for)
 
 
 @dataclass(frozen=True)
@@ -300,6 +300,14 @@ FAULTS = [
     CodeFault("decode: position off by one", QWEN, decode_fault("position_off_by_one"), "self_attn", "attention",
               "Blaizzy/mlx-vlm#1983", every=False, decode=True),
 ]
+
+
+def config_for(fault: CodeFault, layers: int) -> dict:
+    """The fault's config overrides for a model of ``layers`` decoder layers."""
+    config = dict(fault.config)
+    if config.get("layer_types") == "alternating":
+        config["layer_types"] = [("sliding_attention", "full_attention")[k % 2] for k in range(layers)]
+    return config
 
 
 def prepare(clean: nn.Module, fault: CodeFault) -> nn.Module:

@@ -112,7 +112,7 @@ def test_code_faults_end_to_end(capsys):
 def test_a_code_fault_in_every_layer_is_confirmed_by_the_oracle_and_one_layer_alone_is_not_enough():
     cf = suite.code_faults_module()
     fault = next(f for f in cf.FAULTS if f.name == "attention scale" and f.family == "LlamaForCausalLM")
-    clean = tiny_model(fault.family, num_hidden_layers=LAYERS, **fault.config)
+    clean = tiny_model(fault.family, num_hidden_layers=LAYERS, **cf.config_for(fault, LAYERS))
     reference = suite.draw_reference(clean, None, suite.FAMILIES[2], torch.Generator().manual_seed(0), 2, 6)
     target = fault.plant(clean, list(range(LAYERS)))
     modules = [f"model.layers.{k}.self_attn" for k in range(LAYERS)]
