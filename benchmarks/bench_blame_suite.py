@@ -579,6 +579,7 @@ def code_case_plan(cf, names: list[str] | None) -> list:
         if names and fault.name not in names and f"{fault.name}@{fault.family}" not in names:
             continue
         out += [(fault, "one layer")] * fault.single + [(fault, "every layer")] * fault.every
+        out += [(fault, "beside a weight fault")] * bool(fault.beside)
     return out
 
 
@@ -590,9 +591,15 @@ def run_code_case(cf, fault, placement, clean, reference, rng: random.Random, re
     group = cf.faulty_layers(clean, fault)
     refused = []
     for _ in range(redraws + 1 if placement == "one layer" else 1):
-        layers = [rng.choice(group)] if placement == "one layer" else group
+        layers = [rng.choice(group)] if placement == "one layer" else list(fault.layers) or group
         target = fault.plant(clean, layers)
         modules = [f"model.layers.{k}.{fault.module}" for k in layers]
+        expected = [(fault.kind, k) for k in layers]
+        if fault.beside:  # a weight fault of another kind in another layer
+            weight, layer = fault.beside
+            module, kind = weight(target, layer)
+            modules.append(module)
+            expected.append((kind, layer))
         why, figures = decide_code(clean, target, reference, modules, fault.decode)
         if why is None:
             break
@@ -601,11 +608,10 @@ def run_code_case(cf, fault, placement, clean, reference, rng: random.Random, re
         return None, refused
     t0 = time.perf_counter()
     result = blame(target, reference, progress=False)
-    expected = [(fault.kind, k) for k in layers]
     verdict = result.verdict
     found = result.systematic
     row = {"family": fault.family, "case": f"{fault.name}, {placement}", "fault": fault.name, "placement": placement,
-           "kind": fault.kind, "source": fault.source, "planted": layers, "expected": expected,
+           "kind": fault.kind, "source": fault.source, "planted": layers + ([fault.beside[1]] if fault.beside else []), "expected": expected,
            "oracle": figures, "passes": len(result.passes), "rounds": result.rounds,
            "one_by_one": 1 + len(resolve_components(target, family_components(target))),
            "verdict": verdict, "drift": False, **score(expected, result),
@@ -617,6 +623,9 @@ def run_code_case(cf, fault, placement, clean, reference, rng: random.Random, re
                                 and found.where == fault.where and found.every
                                 and verdict.startswith(f"1 systematic fault: {fault.kind} (")
                                 and "diffuse" not in verdict and "independent" not in verdict)
+    elif fault.beside:  # the code fault's layers as one kind at fault, the weight fault an independent source
+        row["systematic_ok"] = (found is not None and found.kind == fault.kind and found.layers == layers
+                                and verdict.startswith("2 independent sources: ") and "diffuse" not in verdict)
     else:  # a fault in one layer is no systematic fault
         row["systematic_ok"] = found is None
     if fault.interaction:  # the oracle: some layer's module replaced alone leaves more divergence than none replaced
@@ -719,11 +728,16 @@ def code_report(rows: list[dict], refused: list[str], args, layers: int, seconds
         print(f"  wrong: {r['family']} {r['case']} planted {r['planted']}: named {r['named']}; systematic "
               f"{r['systematic']}; {r.get('decode', '')}; verdict: {r['verdict']}")
     total = code_aggregate(rows)
+    # the goal (issue 55): one-layer top-1 1.00, every-layer cases one systematic fault naming every faulty layer,
+    # routing bugs named "routing", decode faults said to arise in decode and reproduced; the cases beside a
+    # weight fault are reported beside it ("beside_ok")
     singles = [r for r in rows if r["placement"] == "one layer"]
     every = [r for r in rows if r["placement"] == "every layer"]
-    goal = (bool(rows) and all(r["top1"] == 1 for r in singles) and all(r["systematic_ok"] for r in rows)
+    beside = [r for r in rows if r["placement"] == "beside a weight fault"]
+    goal = (bool(singles + every) and all(r["top1"] == 1 for r in singles)
+            and all(r["systematic_ok"] for r in singles + every)
             and all(r["recall"] == 1 for r in every) and all(r.get("decode_ok", True) for r in rows)
-            and all(r["named"] and r["named"][0][0] == "routing" for r in rows if r["kind"] == "routing"))
+            and all(r["named"] and r["named"][0][0] == "routing" for r in singles + every if r["kind"] == "routing"))
     print(json.dumps({"suite": "code faults", "seed": args.seed, "layers": layers, "prompts": args.prompts,
                       "new_tokens": args.new_tokens, **total, "not_run": len([w for w in refused if "not run" in w]),
                       "redrawn": len([w for w in refused if "not run" not in w]), "wall_seconds": round(seconds, 1),
@@ -732,6 +746,7 @@ def code_report(rows: list[dict], refused: list[str], args, layers: int, seconds
                                        "oracle_alone": r["oracle"]["alone"],
                                        "blame_alone": (r["systematic"] or {}).get("alone")}
                                       for r in rows if "worse_alone" in r],
+                      "beside_ok": f"{sum(r['systematic_ok'] and r['recall'] == 1 for r in beside)}/{len(beside)}",
                       "wrong": [{k: r[k] for k in ("family", "case", "planted", "named", "systematic", "verdict")}
                                 for r in wrong], "goal_met": goal}))
 

@@ -237,6 +237,19 @@ def decode_fault(name):
     return plant
 
 
+# ---------------------------------------------------------------------------------------------- weight fault
+
+def router_rows(model: nn.Module, layer: int) -> tuple[str, str]:
+    """A weight fault beside a code fault: two of layer ``layer``'s router rows negated and scaled 1.5x, in place;
+    the module the oracle replaces and the kind blame must name."""
+    mlp = model.model.layers[layer].mlp
+    path = "router" if hasattr(mlp, "router") else "gate"
+    with torch.no_grad():
+        weight = getattr(mlp, path).weight
+        weight[[1, 5]] = -1.5 * weight[[1, 5]]
+    return f"model.layers.{layer}.mlp.{path}", "router"
+
+
 # ---------------------------------------------------------------------------------------------- the cases
 
 GPT_OSS_TYPES = {"layer_types": "alternating"}  # sliding, full, sliding, ... over the model's layers (config_for)
@@ -256,6 +269,8 @@ class CodeFault:
     every: bool = True  # also planted in every such layer
     decode: bool = False  # arises only in decode: validated, reproduced
     interaction: bool = False  # every layer's fault interacts: one layer replaced alone makes the target worse
+    layers: tuple = ()  # planted in these layers only (with ``beside``)
+    beside: tuple = ()  # (weight fault, its layer): planted beside the code fault, an independent source
 
 
 FAULTS = [
@@ -295,6 +310,15 @@ FAULTS = [
               "linkedin/Liger-Kernel#74", single=False),
     CodeFault("rmsnorm offset (interaction)", QWEN, norm_weight_offset, "input_layernorm", "attention",
               "linkedin/Liger-Kernel#74", single=False, interaction=True),
+    # a code fault beside a weight fault of another kind: two independent sources, the systematic one not
+    # swallowing the other (a routing replacement also undoes a router-weight fault: it is downstream)
+    CodeFault("attention scale + router rows", QWEN, scale_from_hidden_size, "self_attn", "attention",
+              "EleutherAI/gpt-neox#1434", {"num_attention_heads": 4}, single=False, every=False,
+              beside=(router_rows, 2)),
+    CodeFault("renorm skipped + router rows", MIXTRAL, renorm_skipped, "mlp.gate", "routing", "pytorch/torchtitan#1448",
+              single=False, every=False, layers=(0, 2), beside=(router_rows, 3)),
+    CodeFault("scaling twice + router rows", DEEPSEEK, scaled_twice, "mlp.experts", "routing",
+              "sgl-project/sglang#35152", single=False, every=False, layers=(1, 2), beside=(router_rows, 3)),
     CodeFault("decode: rope again", LLAMA, decode_fault("rope_again"), "self_attn", "attention",
               "pytorch/executorch#2010", every=False, decode=True),
     CodeFault("decode: position off by one", QWEN, decode_fault("position_off_by_one"), "self_attn", "attention",
