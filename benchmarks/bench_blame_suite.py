@@ -535,7 +535,8 @@ def decide_code(clean, target, reference, modules: list[str], decode: bool) -> t
         return f"the planted modules replaced explain {removed(off, together):.0%} (< {EXPLAINS:.0%})", figures
     for m, rest_ in zip(modules, without):
         if removed(off, together) - removed(off, rest_) < MEMBER:
-            return f"{m} adds {removed(off, together) - removed(off, rest_):.1%} beside the others (< {MEMBER:.0%})", figures
+            adds = removed(off, together) - removed(off, rest_)
+            return f"{m} adds {adds:.1%} beside the others (< {MEMBER:.0%})", figures
     return None, figures
 
 
@@ -611,7 +612,8 @@ def run_code_case(cf, fault, placement, clean, reference, rng: random.Random, re
     verdict = result.verdict
     found = result.systematic
     row = {"family": fault.family, "case": f"{fault.name}, {placement}", "fault": fault.name, "placement": placement,
-           "kind": fault.kind, "source": fault.source, "planted": layers + ([fault.beside[1]] if fault.beside else []), "expected": expected,
+           "kind": fault.kind, "source": fault.source, "expected": expected,
+           "planted": layers + ([fault.beside[1]] if fault.beside else []),
            "oracle": figures, "passes": len(result.passes), "rounds": result.rounds,
            "one_by_one": 1 + len(resolve_components(target, family_components(target))),
            "verdict": verdict, "drift": False, **score(expected, result),

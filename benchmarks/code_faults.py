@@ -97,7 +97,8 @@ def window_one_short(model, layers):
 
 def kv_heads_tiled(model, layers):
     """Grouped-query attention whose key/value heads are tiled ([k0, k1, k0, k1]) where query head h must read key
-    head h // groups ([k0, k0, k1, k1]): the attention written out, with Tensor.repeat where repeat_interleave belongs."""
+    head h // groups ([k0, k0, k1, k1]): the attention written out, with Tensor.repeat where repeat_interleave
+    belongs."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):

@@ -88,8 +88,8 @@ def test_one_fixture_end_to_end(family, kind):
     assert total["precision"] == 0.75 and total["top1"] == 0.5 and total["recall"] == 1.0
 
 
-CODE_SUBSET = ["renorm skipped@Qwen3MoeForCausalLM", "renorm skipped, instance attribute", "kv heads tiled@LlamaForCausalLM",
-               "scaling twice", "rmsnorm offset (interaction)", "decode: rope again"]
+CODE_SUBSET = ["renorm skipped@Qwen3MoeForCausalLM", "renorm skipped, instance attribute",
+               "kv heads tiled@LlamaForCausalLM", "scaling twice", "rmsnorm offset (interaction)", "decode: rope again"]
 
 
 def test_code_faults_end_to_end(capsys):
