@@ -93,7 +93,7 @@ EVERY_LAYER = {
     "q/k norm missing": (QWEN, {}, no_qk_norm, "attention"),
     "mlp activation": (LLAMA, {}, gelu_mlp, "mlp"),
     "rmsnorm offset": (LLAMA, {}, norm_weight_offset, "attention"),
-    "top-k renorm skipped": (MIXTRAL, {}, no_topk_renorm, "experts"),
+    "top-k renorm skipped": (MIXTRAL, {}, no_topk_renorm, "routing"),
 }
 
 
@@ -150,9 +150,10 @@ def test_a_code_fault_in_some_layers_names_each_of_them(setups):
     clean, reference = setups(MIXTRAL, {})
     result = blame(no_topk_renorm(clean, [1, 3]), reference, progress=False)
     found = result.systematic
-    assert found is not None and (found.kind, found.layers, found.every) == ("experts", [1, 3], False), result.verdict
-    assert found.where == "layers 1 and 3 (2 of 4)" and named(result) == [("experts", 1), ("experts", 3)]
-    assert result.verdict.startswith("1 kind at fault in 2 layers: experts (model.layers.N.mlp) in layers 1 and 3 ")
+    assert found is not None and (found.kind, found.layers, found.every) == ("routing", [1, 3], False), result.verdict
+    assert found.where == "layers 1 and 3 (2 of 4)" and named(result) == [("routing", 1), ("routing", 3)]
+    assert result.verdict.startswith(
+        "1 kind at fault in 2 layers: routing (model.layers.N.mlp.experts) in layers 1 and 3 ")
     assert "independent" not in result.verdict and "diffuse" not in result.verdict and result.confident
     assert "what these layers share and the others do not" in result.verdict
 
@@ -169,8 +170,9 @@ def test_a_faulty_layer_the_search_passed_over_is_named(setups):
     shares = {s.layer: s.share for s in result.layer_shares}
     assert shares[4] < SIGNIFICANT and shares[7] < SIGNIFICANT, shares
     assert result.systematic is not None and result.systematic.layers == [0, 4, 7], result.verdict
-    assert named(result) == [("experts", 0), ("experts", 4), ("experts", 7)] and result.explained >= EXPLAINS
-    assert result.verdict.startswith("1 kind at fault in 3 layers: experts (model.layers.N.mlp) in layers 0, 4 and 7 ")
+    assert named(result) == [("routing", 0), ("routing", 4), ("routing", 7)] and result.explained >= EXPLAINS
+    assert result.verdict.startswith(
+        "1 kind at fault in 3 layers: routing (model.layers.N.mlp.experts) in layers 0, 4 and 7 ")
     assert "look at the norms" not in result.verdict and "independent" not in result.verdict and result.confident
 
 
@@ -196,8 +198,8 @@ def test_a_fault_in_every_moe_layer_is_named_by_the_models_layers(setups):
     result = blame(norm_topk_prob_ignored(clean, [1, 2, 3]), reference, progress=False)
     found = result.systematic
     assert found is not None and (found.kind, found.layers, found.where, found.every) == (
-        "experts", [1, 2, 3], "every MoE layer", True), result.verdict
-    assert result.verdict.startswith("1 systematic fault: experts (model.layers.N.mlp) in every MoE layer: ")
+        "routing", [1, 2, 3], "every MoE layer", True), result.verdict
+    assert result.verdict.startswith("1 systematic fault: routing (model.layers.N.mlp.experts) in every MoE layer: ")
 
 
 def test_layers_are_named_by_their_type():
@@ -229,10 +231,11 @@ def test_a_systematic_fault_beside_a_fault_of_another_kind_are_independent_sourc
 
 
 def test_a_router_fault_in_a_layer_the_search_passed_over_is_the_routers(setups):
-    """The router ported wrong in layers 0 and 2 and layer 3's router weights flipped (two rows): the MoE block
-    replaced in every layer hides the flipped rows too, and the search stops there. Leaving layer 3's block out of
-    that replacement leaves a part, which replacing its router instead removes: layer 3's fault is its router's,
-    named beside the two-layer fault as an independent source, not as a third layer of it."""
+    """The router ported wrong in layers 0 and 2 and layer 3's router weights flipped (two rows): the routing
+    replaced in every layer hides the flipped rows too (it is computed from them), and the search stops there.
+    Leaving layer 3's routing out of that replacement leaves a part, which replacing its router instead removes:
+    layer 3's fault is its router's, named beside the two-layer fault as an independent source, not as a third
+    layer of it."""
     clean, reference = setups(MIXTRAL, {})
     target = no_topk_renorm(clean, [0, 2])
     with torch.no_grad():
@@ -240,7 +243,8 @@ def test_a_router_fault_in_a_layer_the_search_passed_over_is_the_routers(setups)
         gate[[1, 5]] = -1.5 * gate[[1, 5]]
     result = blame(target, reference, progress=False)
     assert result.systematic is not None and result.systematic.layers == [0, 2], result.verdict
-    assert named(result) == [("experts", 0), ("experts", 2), ("router", 3)] and result.confident
-    assert result.verdict.startswith("2 independent sources: experts (model.layers.N.mlp) in layers 0 and 2 (2 of 4): ")
+    assert named(result) == [("routing", 0), ("routing", 2), ("router", 3)] and result.confident
+    assert result.verdict.startswith(
+        "2 independent sources: routing (model.layers.N.mlp.experts) in layers 0 and 2 (2 of 4): ")
     router = result.origins[2]
     assert f"layer 3 router model.layers.3.mlp.gate ({pct(router.share)})" in result.verdict and router.share >= SIGNIFICANT

@@ -150,6 +150,7 @@ def test_cli_validate_blame_repro_name_the_decode_fault(case, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     blamed = json.loads((tmp_path / "b" / "blame.json").read_text())
     assert blamed["origins"][0]["component"] == ATTENTION, blamed["verdict"]
+    assert "the prefill steps match" in blamed["verdict"] and "only the decode steps diverge" in blamed["verdict"]
     done = fxreplace_process("repro", "write", str(target_dir), *common, "--blame", str(tmp_path / "b" / "blame.json"),
                              "--inputs", "2", "--out", str(tmp_path / "repro"), faults=True)
     assert done.returncode == 0 and f"repro of {ATTENTION} (2 prefill and 2 decode calls)" in done.stdout, done.stderr

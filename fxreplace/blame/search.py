@@ -37,7 +37,8 @@ import math
 import time
 from typing import Callable, Collection, Sequence
 
-from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained
+from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained, phase_clue
+from ..points import ROUTING as ROUTING_POINT
 from ..validation import ValidationResult, heartbeat, logit_validation
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass, Systematic,
                      pct)
@@ -436,9 +437,11 @@ class Search:
         return [c for c in self.components if c.kind == kind and c not in self.feeders]
 
     def _inside(self, name: str, outer) -> bool:
-        """The component ``name`` is a submodule of the component ``outer``."""
+        """The component ``name`` is a submodule of the component ``outer``, whose replacement hides it; for the
+        routing a module is called with, of the block computing it (its router, whose logits it comes from)."""
         inner = self.by_name.get(name)
-        return inner is not None and inner.module_name.startswith(outer.module_name + ".")
+        where = outer.module_name.rpartition(".")[0] if outer.target.point == ROUTING_POINT else outer.module_name
+        return inner is not None and inner is not outer and inner.module_name.startswith(where + ".")
 
     def _kind_round(self, kind: str, origins: list[Origin]) -> list[list[str]]:
         """The first round telling whether ``kind`` is one systematic fault: it replaced in every layer holding it, the
@@ -690,6 +693,9 @@ class Search:
                 verdict = f"{self.floor.describe(self.off_summary)}. " + verdict
         if self.floor is None and self.unscaled and hasattr(self, "off_summary") and nonfinite is None:
             verdict = verdict.rstrip(".") + f"; {self.unscaled}."
+        clue = phase_clue(self.off_summary) if hasattr(self, "off_summary") else ""
+        if clue:  # a fault in incremental decoding (or in prefill alone): the first thing to read for
+            verdict = f"{verdict.rstrip('.')}. {clue}"
         order = {o.component: i for i, o in enumerate(origins)}
         ranking.sort(key=lambda b: order.get(b.component, len(order)))  # stable: the origins in order, then by share
         return BlameResult(ranking, shares, origins, self.passes, self.rounds, verdict, confident, diffuse, nonfinite,

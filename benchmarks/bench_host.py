@@ -1,0 +1,197 @@
+"""Host work per step of an instrumented model, by number of targets, against the plain model and
+against the same model edited by hand to take its replacements (issue 57's scale).
+
+On a GPU (CUDA graphs) or a Neuron device the host work is the whole cost of a replayed step: Dynamo's
+guard evaluation before every compiled call and the Python of every target in eager. Host work is
+the same on a CPU, so it is measured here, on models whose compute is small beside it:
+
+- ``stack N``: N small blocks, each ``x + W2 softmax(gate(x))``, every block's ``gate`` a target
+  (N = 1, 8, 48);
+- ``qwen3-moe``: the tiny Qwen3-MoE with every blame component of its family instrumented.
+
+Variants, called in turn (interleaved) in one process on one thread, over the same weights:
+``plain`` (the model given), ``context`` (instrumented, ``replacements=`` a context of every target,
+all rows off), ``fed`` (instrumented, its fed buffers cleared: replacement off) and, for the stacks,
+``hand`` (the same blocks edited by hand: ``torch.where(mask, replacement, computed)`` at each gate,
+the replacement and the mask passed as forward arguments: the floor of what an extra input costs).
+Compiled (inductor): per call, torch.profiler's "TorchDynamo Cache Lookup" (the guards) and the
+whole call; eager: the whole call. Medians over rounds; ratios to ``plain`` (and to ``hand``).
+Prints a table and a final JSON line.
+
+    python benchmarks/bench_host.py [--quick] [--targets 1 8 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from fxreplace import ReplacementContext, instrument, observe
+from fxreplace.models import get_family, tiny_model
+
+HIDDEN, EXPERTS, TOKENS = 64, 8, 16
+LOOKUP = "TorchDynamo Cache Lookup"
+
+
+class Block(nn.Module):
+    """A block whose routing-like gate is the target: small compute, so the host work shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.down = nn.Linear(EXPERTS, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return x + self.down(self.gate(x).softmax(-1))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class HandStack(Stack):
+    """The stack edited by hand to replace each gate's output: what a port's author would write."""
+
+    def forward(self, x, replacements, mask):
+        keep = mask.unsqueeze(-1)
+        for block, replacement in zip(self.blocks, replacements):
+            x = x + block.down(torch.where(keep, replacement, block.gate(x)).softmax(-1))
+        return x
+
+
+def stack_variants(n: int) -> tuple[dict, list]:
+    """The plain stack, the same weights instrumented twice (a context, fed buffers) and edited by hand."""
+    torch.manual_seed(n)
+    plain = Stack(n).eval()
+    targets = ["blocks.*.gate"]
+    with_context = instrument(copy.deepcopy(plain), targets)
+    fed = instrument(copy.deepcopy(plain), targets, max_tokens=TOKENS)
+    hand = HandStack(n).eval()
+    hand.load_state_dict(plain.state_dict())
+    names = with_context.targets
+    off = ReplacementContext({name: torch.zeros(TOKENS, EXPERTS) for name in names},
+                             torch.zeros(TOKENS, dtype=torch.bool))
+    fed.feed(off)
+    fed.clear()
+    x = torch.randn(TOKENS, HIDDEN)
+    zeros = [torch.zeros(TOKENS, EXPERTS) for _ in names]
+    mask = torch.zeros(TOKENS, dtype=torch.bool)
+    calls = {"plain": (plain, lambda m: m(x)), "context": (with_context, lambda m: m(x, replacements=off)),
+             "fed": (fed, lambda m: m(x)), "hand": (hand, lambda m: m(x, zeros, mask))}
+    return calls, names
+
+
+def moe_variants() -> tuple[dict, list]:
+    """The tiny Qwen3-MoE and every blame component of its family instrumented."""
+    arch = "Qwen3MoeForCausalLM"
+    plain = tiny_model(arch)
+    components = [t for t in get_family(arch).components.values()]
+    with_context = instrument(copy.deepcopy(plain), components)
+    fed = instrument(copy.deepcopy(plain), components, max_tokens=TOKENS)
+    ids = torch.randint(4, plain.config.vocab_size, (1, TOKENS))
+    widths = {}
+    with torch.no_grad():
+        with observe(with_context, lambda name, computed: widths.setdefault(name, computed.shape[-1])):
+            with_context(input_ids=ids, use_cache=False)
+    off = ReplacementContext({name: torch.zeros(TOKENS, width) for name, width in widths.items()},
+                             torch.zeros(TOKENS, dtype=torch.bool))
+    fed.feed(off)
+    fed.clear()
+    calls = {"plain": (plain, lambda m: m(input_ids=ids, use_cache=False).logits),
+             "context": (with_context, lambda m: m(input_ids=ids, use_cache=False, replacements=off).logits),
+             "fed": (fed, lambda m: m(input_ids=ids, use_cache=False).logits)}
+    return calls, list(widths)
+
+
+def measure(calls: dict, compiled: bool, rounds: int, per_round: int) -> dict:
+    """Per variant: median seconds per call and, compiled, median guard (cache lookup) seconds per call."""
+    runs = {}
+    for name, (model, call) in calls.items():
+        runs[name] = (torch.compile(model, backend="inductor") if compiled else model, call)
+    whole = {name: [] for name in runs}
+    lookup = {name: [] for name in runs}
+    with torch.no_grad():
+        for model, call in runs.values():  # warm up (compiles)
+            for _ in range(3):
+                call(model)
+        for r in range(rounds):
+            order = list(runs) if r % 2 == 0 else list(reversed(runs))  # interleaved, both orders
+            for name in order:
+                model, call = runs[name]
+                start = time.perf_counter()
+                for _ in range(per_round):
+                    call(model)
+                whole[name].append((time.perf_counter() - start) / per_round)
+                if compiled:
+                    with profile(activities=[ProfilerActivity.CPU]) as prof:
+                        for _ in range(per_round):
+                            call(model)
+                    events = [e for e in prof.key_averages() if e.key == LOOKUP]
+                    lookup[name].append(sum(e.cpu_time_total for e in events) / per_round / 1e6)
+    out = {name: {"call": statistics.median(v)} for name, v in whole.items()}
+    if compiled:
+        for name, v in lookup.items():
+            out[name]["lookup"] = statistics.median(v)
+    return out
+
+
+def ratios(measured: dict) -> dict:
+    plain = measured["plain"]
+    out = {}
+    for name, m in measured.items():
+        if name == "plain":
+            continue
+        out[name] = {key: m[key] / plain[key] for key in m}
+        if "hand" in measured and name != "hand":
+            out[name]["call_vs_hand"] = m["call"] / measured["hand"]["call"]
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--targets", type=int, nargs="+", default=[1, 8, 48], help="stack sizes (targets)")
+    parser.add_argument("--no-moe", action="store_true", help="skip the tiny Qwen3-MoE")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rounds, per_round = (5, 20) if args.quick else (11, 50)
+    models = [(f"stack {n}", *stack_variants(n)) for n in args.targets]
+    if not args.no_moe:
+        models.append(("qwen3-moe", *moe_variants()))
+    results = {}
+    print(f"{'model (targets)':24} {'mode':8} {'variant':8} {'call us':>9} {'x plain':>8} {'lookup us':>10} "
+          f"{'x plain':>8} {'x hand':>7}")
+    for label, calls, names in models:
+        key = f"{label} ({len(names)})"
+        results[key] = {}
+        for compiled in (True, False):
+            mode = "compiled" if compiled else "eager"
+            torch.compiler.reset()
+            measured = measure(calls, compiled, rounds, per_round)
+            rel = ratios(measured)
+            results[key][mode] = {"seconds": measured, "ratios": rel}
+            for name, m in measured.items():
+                r = rel.get(name, {})
+                lookup = f"{m['lookup'] * 1e6:10.1f} {r.get('lookup', 1.0):8.2f}" if compiled else f"{'-':>10} {'-':>8}"
+                vs_hand = f"{r['call_vs_hand']:7.2f}" if "call_vs_hand" in r else f"{'-':>7}"
+                print(f"{key:24} {mode:8} {name:8} {m['call'] * 1e6:9.1f} {r.get('call', 1.0):8.2f} {lookup} {vs_hand}")
+    print(json.dumps({"bench": "host", "threads": 1, "rounds": rounds, "calls_per_round": per_round,
+                      "ratios": {k: {mode: v["ratios"] for mode, v in modes.items()} for k, modes in results.items()}}))
+
+
+if __name__ == "__main__":
+    main()
