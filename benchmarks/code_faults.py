@@ -6,8 +6,9 @@ method or property does what the documented bug did: a port reads the config wro
 activation. Planted in one layer or in every layer (of the type it concerns: every MoE layer, every sliding
 attention layer). Besides: a router bug planted as an instance attribute (``module.forward = MethodType(...)``,
 which ``instrument()`` once erased), the decode-only attention faults of ``tests/decode_faults.py`` (a forward
-without a cache never runs them), and the interaction case (an RMSNorm offset in every layer, where one layer's
-replacement alone makes the target worse).
+without a cache never runs them), the interaction case (an RMSNorm offset in every layer, where one layer's
+replacement alone makes the target worse), and a code fault beside a weight fault of another kind (two router
+rows negated in another layer: two independent sources).
 
 Each fault names the module whose output the oracle replaces with the clean model's (forward hooks, no
 fxreplace) and the kind blame must name. Sources (the tracker threads each bug class follows; the code here is
