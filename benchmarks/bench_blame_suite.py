@@ -26,6 +26,19 @@ named), precision (named origins that are planted); per drift fixture: the verdi
 diffuse or within the noise floor; the clean copy: no divergence); cost: validation passes and
 rounds against one by one (1 + every component, the streams included), wall time. Prints tables
 per family and per fault kind and a final JSON line.
+
+``--code-faults``: the bug classes of ``benchmarks/code_faults.py`` (documented ports' bugs, planted as code
+in the class a layer's module runs, the weights untouched) in one layer and in every layer (of their group:
+every MoE layer, every sliding attention layer) of tiny float32 Qwen3-MoE, Mixtral, Llama, GPT-OSS and
+DeepSeek-V3 (4 layers by default); plus a router bug set on an instance, two decode-only attention faults and
+an RMSNorm offset in every layer whose layers interact. The oracle is the same forward hooks (decode faults:
+run as an engine does, prefill then cached decode steps): a case counts when the planted modules replaced
+together remove >= 90% of the divergence and each one, left out, leaves >= blame.MEMBER. Scores: top-1,
+layer recall and precision against (kind, layer) per faulty layer; systematic: an every-layer case must be
+one systematic fault of the right kind naming every faulty layer, its verdict without "diffuse" or
+"independent", and a one-layer case no systematic fault; decode faults: validation's phase clue says decode
+and `repro run` of the component blamed first disagrees in its decode calls. Tables by fault, by kind and
+placement, by family, and a final JSON line.
 """
 
 from __future__ import annotations
@@ -299,16 +312,23 @@ def run_case(case: Case, target, reference, components, clean=None, name: str | 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--code-faults", action="store_true",
+                    help="the code-fault suite (benchmarks/code_faults.py) instead of the weight faults")
+    ap.add_argument("--faults", nargs="+", default=None,
+                    help="with --code-faults: only these faults (by name, or name@family)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--families", nargs="+", default=[f.arch for f in FAMILIES])
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; with --code-faults 4)")
     ap.add_argument("--singles", type=int, default=1, help="fixtures per fault kind and family")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--redraws", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.code_faults:
+        return code_fault_suite(args)
     started = time.perf_counter()
+    args.layers = args.layers or 8
     rows, refused = [], []
     for spec in [f for f in FAMILIES if f.arch in args.families]:
         rows_family, why = run_family(spec, args)
@@ -442,6 +462,295 @@ def report(rows: list[dict], refused: list[str], args, seconds: float) -> None:
                       "prompts": args.prompts,
                       "new_tokens": args.new_tokens, **total, "redrawn_or_not_run": len(refused),
                       "wall_seconds": round(seconds, 1), "by_family": by_family, "by_kind": by_kind, "goal_met": goal}))
+
+
+# ---------------------------------------------------------------------------------------------- code faults
+
+def code_faults_module():
+    """benchmarks/code_faults.py (a sibling module: the suite runs as a script and is loaded by path in tests)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "code_faults" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("code_faults", Path(__file__).resolve().parent / "code_faults.py")
+        module = sys.modules["code_faults"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["code_faults"]
+
+
+@torch.no_grad()
+def oracle_decode(clean, target, reference, replaced_sets: list[list[str]]) -> list[dict]:
+    """:func:`oracle` as an engine runs the model: each prompt prefilled, then its reference tokens fed one at a
+    time with the cache (what a fault arising only in decode needs); each listed module's output, call by call,
+    replaced by the clean model's in the same run."""
+    dtype = next(target.parameters()).dtype
+    wanted = sorted({m for s in replaced_sets for m in s})
+
+    def run(model, hooks_for):
+        out = []
+        for ids, plen in sequences(reference):
+            hooks = hooks_for()
+            cache, logits = None, []
+            for start, end in [(0, plen)] + [(t, t + 1) for t in range(plen, len(ids))]:
+                o = model(input_ids=torch.tensor([ids[start:end]]), past_key_values=cache, use_cache=True)
+                cache = o.past_key_values
+                logits.append(o.logits[0, -1].float())
+            for h in hooks:
+                h.remove()
+            out.append(torch.stack(logits))
+        return out
+
+    calls: dict[str, list] = {m: [] for m in wanted}
+    run(clean, lambda: [clean.get_submodule(m).register_forward_hook(
+        lambda mod, a, out, m=m: calls[m].append(out)) for m in wanted])
+    results = []
+    for names in replaced_sets:
+        counters = {m: iter(calls[m]) for m in names}
+        cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+        logits = run(target, lambda: [target.get_submodule(m).register_forward_hook(
+            lambda mod, a, out, m=m: torch.utils._pytree.tree_map(cast, next(counters[m]))) for m in names])
+        steps = [s for p, lg in enumerate(logits) for s in compare_steps(reference.logits(p), lg)]
+        results.append({"mean_kl": statistics.fmean(s.kl for s in steps),
+                        "mean_top5_error": statistics.fmean(s.top5_error for s in steps),
+                        "diverged": any(s.status == DIVERGED for s in steps)})
+    return results
+
+
+def decide_code(clean, target, reference, modules: list[str], decode: bool) -> tuple[str | None, dict]:
+    """None when the oracle confirms a code fault's modules as the ground truth (replaced together they remove
+    >= EXPLAINS of the divergence; each one, left out, leaves >= MEMBER: blame's bar for a layer of a systematic
+    fault), else why not; and the oracle's figures (the part each module's replacement removes alone)."""
+    from fxreplace.blame import MEMBER
+
+    measure = oracle_decode if decode else oracle
+    many = len(modules) > 1
+    sets = [[], modules] + ([[x for x in modules if x != m] for m in modules] + [[m] for m in modules] if many else [])
+    off, together, *rest = measure(clean, target, reference, sets)
+    without, alone = rest[:len(modules)] if many else [], rest[len(modules):] if many else []
+    figures = {"together": removed(off, together), "alone": [round(removed(off, a), 3) for a in alone]}
+    if not off["diverged"]:
+        return "the target does not diverge", figures
+    if removed(off, together) < EXPLAINS:
+        return f"the planted modules replaced explain {removed(off, together):.0%} (< {EXPLAINS:.0%})", figures
+    for m, rest_ in zip(modules, without):
+        if removed(off, together) - removed(off, rest_) < MEMBER:
+            adds = removed(off, together) - removed(off, rest_)
+            return f"{m} adds {adds:.1%} beside the others (< {MEMBER:.0%})", figures
+    return None, figures
+
+
+def validate_phase(target, reference, components) -> tuple[dict, str]:
+    """Validation of ``target`` (the embedded runner, eager, float32, nothing replaced): per prompt the phase its
+    divergence arises in (``diverges_in``), and the verdict's sentence (its phase clue)."""
+    import fxreplace
+
+    components = resolve_components(target, components or family_components(target))
+    model = fxreplace.instrument(copy.deepcopy(target), [c.target for c in components])
+    total = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in range(reference.num_prompts))
+    runner = fxreplace.Runner(model, target.config, fxreplace.TensorReplacer(reference.store), fxreplace.RunnerConfig(
+        prefill_buckets=(1 << (total - 1).bit_length(),), batch_buckets=(reference.num_prompts,),
+        max_len=1 << total.bit_length()))
+    result = fxreplace.logit_validation(runner, reference, modes=("off",), progress=False)
+    prompts = result.summary()["off"]["prompts"]
+    return {p: s.get("diverges_in") for p, s in prompts.items()}, result.verdict.sentence
+
+
+def reproduce(target, clean, reference, blamed) -> tuple[int, str]:
+    """`repro write` of the component blame named first, then `repro run` (eager): its exit status and printout."""
+    import contextlib
+    import io
+    import tempfile
+
+    from fxreplace import repro_run
+    from fxreplace.repro import write_repro
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = write_repro(target, clean, reference, blamed, f"{tmp}/repro", inputs=2)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            status = repro_run.run(out)
+    return status, printed.getvalue()
+
+
+def code_case_plan(cf, names: list[str] | None) -> list:
+    """(fault, placement) per case: "one layer" and/or "every layer", filtered by ``names`` (name or name@family)."""
+    out = []
+    for fault in cf.FAULTS:
+        if names and fault.name not in names and f"{fault.name}@{fault.family}" not in names:
+            continue
+        out += [(fault, "one layer")] * fault.single + [(fault, "every layer")] * fault.every
+        out += [(fault, "beside a weight fault")] * bool(fault.beside)
+    return out
+
+
+def run_code_case(cf, fault, placement, clean, reference, rng: random.Random, redraws: int) -> tuple[dict | None, list]:
+    """Plant ``fault`` (one layer: drawn, re-drawn while the oracle refuses it; every layer: the fault's group),
+    confirm it with the oracle, blame it, score it; decode faults are validated and reproduced too."""
+    from fxreplace import repro_run
+
+    group = cf.faulty_layers(clean, fault)
+    refused = []
+    for _ in range(redraws + 1 if placement == "one layer" else 1):
+        layers = [rng.choice(group)] if placement == "one layer" else list(fault.layers) or group
+        target = fault.plant(clean, layers)
+        modules = [f"model.layers.{k}.{fault.module}" for k in layers]
+        expected = [(fault.kind, k) for k in layers]
+        if fault.beside:  # a weight fault of another kind in another layer
+            weight, layer = fault.beside
+            module, kind = weight(target, layer)
+            modules.append(module)
+            expected.append((kind, layer))
+        why, figures = decide_code(clean, target, reference, modules, fault.decode)
+        if why is None:
+            break
+        refused.append(f"{fault.family} {fault.name}, {placement} {layers}: {why}")
+    else:
+        return None, refused
+    t0 = time.perf_counter()
+    result = blame(target, reference, progress=False)
+    verdict = result.verdict
+    found = result.systematic
+    row = {"family": fault.family, "case": f"{fault.name}, {placement}", "fault": fault.name, "placement": placement,
+           "kind": fault.kind, "source": fault.source, "expected": expected,
+           "planted": layers + ([fault.beside[1]] if fault.beside else []),
+           "oracle": figures, "passes": len(result.passes), "rounds": result.rounds,
+           "one_by_one": 1 + len(resolve_components(target, family_components(target))),
+           "verdict": verdict, "drift": False, **score(expected, result),
+           "systematic": None if found is None else {"kind": found.kind, "layers": found.layers, "where": found.where,
+                                                     "alone": [round(a, 3) for a in found.alone]}}
+    if placement == "every layer":  # one systematic fault of the right kind naming every faulty layer (and its group:
+        # every layer, every MoE layer, every sliding attention layer), no drift talk
+        row["systematic_ok"] = (found is not None and found.kind == fault.kind and found.layers == layers
+                                and found.where == fault.where and found.every
+                                and verdict.startswith(f"1 systematic fault: {fault.kind} (")
+                                and "diffuse" not in verdict and "independent" not in verdict)
+    elif fault.beside:  # the code fault's layers as one kind at fault, the weight fault an independent source
+        row["systematic_ok"] = (found is not None and found.kind == fault.kind and found.layers == layers
+                                and verdict.startswith("2 independent sources: ") and "diffuse" not in verdict)
+    else:  # a fault in one layer is no systematic fault
+        row["systematic_ok"] = found is None
+    if fault.interaction:  # the oracle: some layer's module replaced alone leaves more divergence than none replaced
+        row["worse_alone"] = bool(figures["alone"]) and min(figures["alone"]) < 0
+    if fault.decode:
+        phases, sentence = validate_phase(target, reference, None)
+        status, printed = reproduce(target, clean, reference, result) if result.origins else (None, "")
+        row["decode"] = {"phases": sorted({str(v) for v in phases.values()}),
+                         "clue": "only the decode steps diverge" in sentence,
+                         "repro": {repro_run.EXIT_AGREES: "agrees", repro_run.EXIT_DISAGREES: "disagrees",
+                                   repro_run.EXIT_UNUSABLE: "unusable", repro_run.EXIT_INCOMPLETE: "incomplete"}.get(
+                                       status, str(status)),
+                         "repro_in_decode": "in its decode calls only" in printed}
+        row["decode_ok"] = (row["decode"]["clue"] and row["decode"]["repro"] == "disagrees"
+                            and row["decode"]["repro_in_decode"])
+    row["seconds"] = time.perf_counter() - t0
+    return row, refused
+
+
+def code_fault_suite(args) -> None:
+    cf = code_faults_module()
+    layers = args.layers or 4
+    started = time.perf_counter()
+    rows, refused, built = [], [], {}
+    for fault, placement in code_case_plan(cf, args.faults):
+        key = (fault.family, repr(sorted(fault.config.items())))
+        if key not in built:
+            clean = cf.prepare(tiny_model(fault.family, seed=args.seed, num_hidden_layers=layers,
+                                          **cf.config_for(fault, layers)), fault)
+            g = torch.Generator().manual_seed(args.seed)
+            ids = [torch.randint(4, 128, (int(n),), generator=g).tolist()
+                   for n in torch.randint(6, 14, (args.prompts,), generator=g)]
+            built[key] = clean, capture_reference(clean, ids, [], args.new_tokens, progress=False,
+                                                  components=get_family(fault.family).components)
+        clean, reference = built[key]
+        rng = random.Random(f"{args.seed}-{fault.family}-{fault.name}-{placement}")
+        row, why = run_code_case(cf, fault, placement, clean, reference, rng, args.redraws)
+        refused += why
+        if row is None:
+            refused.append(f"{fault.family} {fault.name}, {placement}: undecidable after the draws (not run)")
+            continue
+        rows.append(row)
+        print(code_line(row), flush=True)
+    code_report(rows, refused, args, layers, time.perf_counter() - started)
+
+
+def code_line(r: dict) -> str:
+    extra = f" oracle alone={r['oracle']['alone']}" if "worse_alone" in r else ""
+    extra += "" if "decode" not in r else (f" decode: clue={r['decode']['clue']} repro={r['decode']['repro']}"
+                                           f" in-decode={r['decode']['repro_in_decode']}")
+    return (f"  {r['family']:<22} {r['case']:<46} top1={r['top1']:.0f} recall={r['recall']:.2f} "
+            f"precision={r['precision']:.2f} systematic={'ok' if r['systematic_ok'] else 'WRONG'} named={r['named']} "
+            f"planted={r['planted']} passes={r['passes']}/{r['one_by_one']} {r['seconds']:.1f}s{extra}")
+
+
+def code_aggregate(rows: list[dict]) -> dict:
+    mean = lambda key: round(statistics.fmean(r[key] for r in rows), 3) if rows else None  # noqa: E731
+    decode = [r for r in rows if "decode_ok" in r]
+    return {"cases": len(rows), "top1": mean("top1"), "recall": mean("recall"), "precision": mean("precision"),
+            "systematic_ok": f"{sum(r['systematic_ok'] for r in rows)}/{len(rows)}",
+            "decode_ok": f"{sum(r['decode_ok'] for r in decode)}/{len(decode)}" if decode else "-",
+            "median_passes": statistics.median(r["passes"] for r in rows) if rows else None,
+            "one_by_one": statistics.median(r["one_by_one"] for r in rows) if rows else None,
+            "seconds": round(sum(r["seconds"] for r in rows), 1)}
+
+
+def code_report(rows: list[dict], refused: list[str], args, layers: int, seconds: float) -> None:
+    def table(title, key):
+        groups = defaultdict(list)
+        for r in rows:
+            groups[key(r)].append(r)
+        head = (f"{title:<50} {'cases':>5} {'top-1':>6} {'recall':>6} {'prec.':>6} {'syst.':>6} {'decode':>6} "
+                f"{'passes':>6} {'1-by-1':>6} {'s':>7}")
+        print(head)
+        print("-" * len(head))
+        for name, group in groups.items():
+            a = code_aggregate(group)
+            print(f"{name:<50} {a['cases']:>5} {a['top1']:>6.2f} {a['recall']:>6.2f} {a['precision']:>6.2f} "
+                  f"{a['systematic_ok']:>6} {a['decode_ok']:>6} {a['median_passes']:>6g} {a['one_by_one']:>6g} "
+                  f"{a['seconds']:>7.1f}")
+        return {name: code_aggregate(group) for name, group in groups.items()}
+
+    print(f"\ncode faults; seed {args.seed}; {args.prompts} prompts x {args.new_tokens} tokens; {layers} layers; "
+          f"medians of passes (syst.: every-layer cases told as one systematic fault of the right kind naming every "
+          f"faulty layer, one-layer cases not called systematic; decode: phase clue says decode and repro run "
+          f"disagrees in its decode calls)\n")
+    by_case = table("fault, placement @ family", lambda r: f"{r['case']} @ {r['family'].replace('ForCausalLM', '')}")
+    print()
+    by_kind = table("kind, placement", lambda r: f"{r['kind']}, {r['placement']}")
+    print()
+    by_family = table("family", lambda r: r["family"])
+    print()
+    by_placement = table("placement", lambda r: r["placement"])
+    print(f"\nre-drawn or not run ({len(refused)}):")
+    for why in refused:
+        print(f"  {why}")
+    wrong = [r for r in rows if r["top1"] < 1 or r["recall"] < 1 or r["precision"] < 1 or not r["systematic_ok"]
+             or not r.get("decode_ok", True)]
+    for r in wrong:
+        print(f"  wrong: {r['family']} {r['case']} planted {r['planted']}: named {r['named']}; systematic "
+              f"{r['systematic']}; {r.get('decode', '')}; verdict: {r['verdict']}")
+    total = code_aggregate(rows)
+    # the goal (issue 55): one-layer top-1 1.00, every-layer cases one systematic fault naming every faulty layer,
+    # routing bugs named "routing", decode faults said to arise in decode and reproduced; the cases beside a
+    # weight fault are reported beside it ("beside_ok")
+    singles = [r for r in rows if r["placement"] == "one layer"]
+    every = [r for r in rows if r["placement"] == "every layer"]
+    beside = [r for r in rows if r["placement"] == "beside a weight fault"]
+    goal = (bool(singles + every) and all(r["top1"] == 1 for r in singles)
+            and all(r["systematic_ok"] for r in singles + every)
+            and all(r["recall"] == 1 for r in every) and all(r.get("decode_ok", True) for r in rows)
+            and all(r["named"] and r["named"][0][0] == "routing" for r in singles + every if r["kind"] == "routing"))
+    print(json.dumps({"suite": "code faults", "seed": args.seed, "layers": layers, "prompts": args.prompts,
+                      "new_tokens": args.new_tokens, **total, "not_run": len([w for w in refused if "not run" in w]),
+                      "redrawn": len([w for w in refused if "not run" not in w]), "wall_seconds": round(seconds, 1),
+                      "by_kind": by_kind, "by_placement": by_placement, "by_family": by_family, "by_case": by_case,
+                      "interaction": [{"family": r["family"], "case": r["case"], "worse_alone": r["worse_alone"],
+                                       "oracle_alone": r["oracle"]["alone"],
+                                       "blame_alone": (r["systematic"] or {}).get("alone")}
+                                      for r in rows if "worse_alone" in r],
+                      "beside_ok": f"{sum(r['systematic_ok'] and r['recall'] == 1 for r in beside)}/{len(beside)}",
+                      "wrong": [{k: r[k] for k in ("family", "case", "planted", "named", "systematic", "verdict")}
+                                for r in wrong], "goal_met": goal}))
 
 
 if __name__ == "__main__":

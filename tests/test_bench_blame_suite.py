@@ -1,12 +1,13 @@
 """benchmarks/bench_blame_suite.py in a reduced form: its scoring (a planted fault found scores 1,
 a wrong origin lowers precision, a miss lowers recall, a target that does not diverge names
-nothing), its oracle (it confirms a planted fault and refuses a module that holds none), and
-one fixture end to end through blame."""
+nothing), its oracle (it confirms a planted fault and refuses a module that holds none), one
+fixture end to end through blame, and a subset of its code faults (``--code-faults``) end to end."""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import random
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from fxreplace.blame import LayerShare, Origin, Pass
+from fxreplace.models import tiny_model
 
 PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_blame_suite.py"
 spec = importlib.util.spec_from_file_location("bench_blame_suite", PATH)
@@ -84,3 +86,39 @@ def test_one_fixture_end_to_end(family, kind):
     assert row["named"] == [case.faults[0].expected] and row["passes"] < row["one_by_one"]
     total = suite.aggregate([row, {**row, "precision": 0.5, "top1": 0.0}])
     assert total["precision"] == 0.75 and total["top1"] == 0.5 and total["recall"] == 1.0
+
+
+CODE_SUBSET = ["renorm skipped@Qwen3MoeForCausalLM", "renorm skipped, instance attribute",
+               "kv heads tiled@LlamaForCausalLM", "scaling twice", "rmsnorm offset (interaction)", "decode: rope again"]
+
+
+def test_code_faults_end_to_end(capsys):
+    """A subset of ``--code-faults`` through the suite: routing bugs (in the class and on an instance), the key/value
+    heads tiled, DeepSeek's scaling applied twice (every MoE layer), the interacting norm offset and a decode-only
+    fault, each confirmed by the oracle, blamed, scored; the final JSON line holds the figures."""
+    args = SimpleNamespace(seed=0, layers=None, prompts=2, new_tokens=8, redraws=3, faults=CODE_SUBSET)
+    suite.code_fault_suite(args)
+    printed = capsys.readouterr().out
+    out = json.loads(printed.strip().splitlines()[-1])
+    assert out["suite"] == "code faults" and out["cases"] == 9 and out["not_run"] == 0, printed
+    assert (out["top1"], out["recall"], out["precision"]) == (1.0, 1.0, 1.0), out["wrong"]
+    assert out["systematic_ok"] == "9/9" and out["decode_ok"] == "1/1" and out["goal_met"], out["wrong"]
+    assert out["by_kind"]["routing, every layer"]["cases"] == 2 and out["by_kind"]["routing, one layer"]["top1"] == 1.0
+    (interaction,) = out["interaction"]
+    assert interaction["worse_alone"] and min(interaction["oracle_alone"]) < 0, interaction  # the fixture's premise
+    assert "fault, placement @ family" in printed and "scaling twice, every layer @ DeepseekV3" in printed
+
+
+def test_a_code_fault_in_every_layer_is_confirmed_by_the_oracle_and_one_layer_alone_is_not_enough():
+    cf = suite.code_faults_module()
+    fault = next(f for f in cf.FAULTS if f.name == "attention scale" and f.family == "LlamaForCausalLM")
+    clean = tiny_model(fault.family, num_hidden_layers=LAYERS, **cf.config_for(fault, LAYERS))
+    reference = suite.draw_reference(clean, None, suite.FAMILIES[2], torch.Generator().manual_seed(0), 2, 6)
+    target = fault.plant(clean, list(range(LAYERS)))
+    modules = [f"model.layers.{k}.self_attn" for k in range(LAYERS)]
+    assert suite.decide_code(clean, target, reference, modules, False)[0] is None
+    why, figures = suite.decide_code(clean, target, reference, modules[:1], False)  # layer 0 alone: the rest remain
+    assert why is not None and "explain" in why and figures["together"] < suite.EXPLAINS
+    # the planted class is the port's, the weights are the clean model's
+    assert type(target.model.layers[0].self_attn).__name__ == "PortedLlamaAttention"
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), clean.state_dict().values()))
