@@ -292,7 +292,9 @@ class TargetNotLiveError(TargetError):
 
 
 class _KeepLeaf(fx.Tracer):
-    """Traces a module with one child kept as a call (its output stays one node)."""
+    """Traces a module with one child kept as a call (its output stays one node). A child dispatched by
+    accelerate is traced through the forward its hook wraps: the hook only moves tensors between devices
+    and loads offloaded weights, in Python fx cannot trace."""
 
     def __init__(self, leaf: nn.Module):
         super().__init__()
@@ -300,6 +302,9 @@ class _KeepLeaf(fx.Tracer):
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return module is self.leaf or super().is_leaf_module(module, qualified_name)
+
+    def call_module(self, m, forward, args, kwargs):
+        return super().call_module(m, m.__dict__.get(WRAPPED_FORWARD, forward), args, kwargs)
 
 
 def check_output_point_read(model: nn.Module, module_name: str, point: Point) -> bool:
