@@ -184,16 +184,19 @@ NO_DIVERGENCE, EXPLAINED, CONTRIBUTES_TO, NOT_THE_CAUSE, PASSED, WORSE = (
     "no_divergence", "explained", "contributes", "not_the_cause", "passed", "replacement_worse")
 
 
-def explained(off: dict, on: dict) -> dict:
+def explained(off: dict, on: dict, signed: bool = False) -> dict:
     """The fraction of ``off``'s divergence that replacement removes (one mode's
     validation summary each): ``{"kl", "top5", "explained"}``, the last the smaller
-    of the two (None when ``off`` has no error to remove)."""
+    of the two (None when ``off`` has no error to remove). A replacement that makes the
+    target worse removes nothing (0), or with ``signed`` reads below 0 by how much worse
+    (what the reports show: e.g. one layer of interacting faults fixed alone)."""
 
     def removed(key):
         before, after = off[key], on[key]
         if before is None or after is None or before <= 0:
             return None
-        return max(0.0, 1.0 - after / before)
+        change = 1.0 - after / before
+        return change if signed else max(0.0, change)
 
     kl, top5 = removed("mean_kl"), removed("mean_top5_error")
     known = [v for v in (kl, top5) if v is not None]

@@ -18,7 +18,7 @@ from torch import nn
 
 from fxreplace.blame import MEMBER, SIGNIFICANT, Search, blame, resolve_components
 from fxreplace.capture import capture_reference
-from fxreplace.metrics import EXPLAINS, Tolerances, pct
+from fxreplace.metrics import BELOW_ZERO, EXPLAINS, Tolerances, pct
 from fxreplace.models import get_family, tiny_model
 from fxreplace.repro import blamed_component
 
@@ -248,3 +248,20 @@ def test_a_router_fault_in_a_layer_the_search_passed_over_is_the_routers(setups)
         "2 independent sources: routing (model.layers.N.mlp.experts) in layers 0 and 2 (2 of 4): ")
     router = result.origins[2]
     assert f"layer 3 router model.layers.3.mlp.gate ({pct(router.share)})" in result.verdict and router.share >= SIGNIFICANT
+
+
+def test_a_layer_that_alone_makes_it_worse_reads_below_zero(setups):
+    """An RMSNorm offset in every layer of Qwen3-MoE interacts: one layer's input norm replaced alone makes the
+    target worse (the next layers were tuned, by the bug, to its wrong scale). Its part reads below 0, marked, in
+    the verdict and in its row alike, not as 0% (the search still decides on what each replacement removes)."""
+    clean, reference = setups(QWEN, {})
+    result = blame(norm_weight_offset(clean), reference, progress=False)
+    found = result.systematic
+    assert found is not None and found.kind == "attention" and found.every, result.verdict
+    worse = [(layer, share) for layer, share in zip(found.layers, found.alone) if share < 0]
+    assert worse, found  # the interaction this test is about
+    layer, share = worse[0]
+    assert f"layer {layer} {pct(share)}{BELOW_ZERO}" in result.verdict, result.verdict
+    assert "fixed alone, that layer makes the target worse: the layers' faults interact" in result.verdict
+    rows = {b.component: b for b in result.ranking}
+    assert all(rows[o.component].explained == o.share for o in result.origins)

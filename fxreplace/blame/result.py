@@ -121,7 +121,9 @@ class Systematic:
     kind_wide: float  # of the divergence: the kind replaced in every layer holding it (beside the other origins)
 
     def describe(self) -> str:
-        each = ", ".join(f"layer {layer} {pct(share)}" for layer, share in zip(self.layers, self.alone))
+        each = ", ".join(f"layer {layer} {part(share)}" for layer, share in zip(self.layers, self.alone))
+        if any(share < 0 for share in self.alone):
+            each += f" ({BELOW_ZERO}: fixed alone, that layer makes the target worse: the layers' faults interact)"
         low, high = pct(min(self.left_out)), pct(max(self.left_out))
         return (f"{self.kind} ({_pattern(self.components, self.layers)}) in {self.where}: replacing it in these "
                 f"{len(self.layers)} layers together removes {pct(self.explained)} of the divergence (each layer's "

@@ -196,12 +196,14 @@ class Search:
                 f"{', '.join(self.cache[k][0].replaced) or 'nothing'}: KL {_g(self.cache[k][0].mean_kl)}"
                 for k in todo)[:400])
 
-    def E(self, selection: Collection[str]) -> float:
-        """Explained by ``selection`` (0 for nothing replaced; unknown counts as 0)."""
+    def E(self, selection: Collection[str], signed: bool = False) -> float:
+        """Explained by ``selection`` (0 for nothing replaced; unknown counts as 0). The search decides on
+        it as is (a replacement making the target worse explains nothing); ``signed``: below 0 by how much
+        worse, as the figures the verdict and the reports show."""
         key = self.key(selection)
         if not key or key not in self.cache:
             return 0.0
-        return explained(self.off_summary, self.cache[key][1])["explained"] or 0.0
+        return explained(self.off_summary, self.cache[key][1], signed)["explained"] or 0.0
 
     # ------------------------------------------------------------------ the search
 
@@ -507,10 +509,12 @@ class Search:
             return Origin(x.layer, self.E(chosen) - self.E(beside), x.capture_name, x.kind,
                           [k.kind for k in self._kinds(x.layer)], sorted(beside))
 
-        members = [dataclasses.replace(group[c.capture_name], share=self.E([c.capture_name]), beside=[])
-                   if c.capture_name in group else Origin(c.layer, self.E([c.capture_name]), c.capture_name, kind,
-                                                          [k.kind for k in self._kinds(c.layer)])
-                   for c in faulty]  # each sharing what its replacement alone removes
+        # each sharing what its replacement alone removes: below 0 where that alone makes the target worse
+        # (faults that interact, e.g. a norm offset in every layer), as the table's row shows it
+        members = [dataclasses.replace(group[c.capture_name], share=self.E([c.capture_name], signed=True), beside=[])
+                   if c.capture_name in group else Origin(c.layer, self.E([c.capture_name], signed=True),
+                                                          c.capture_name, kind, [k.kind for k in self._kinds(c.layer)])
+                   for c in faulty]
         where, every = self._where(kind, [c.layer for c in faulty])
         self.systematic = Systematic(kind, [c.layer for c in faulty], [c.capture_name for c in faulty], where, every,
                                      self.E(chosen), [o.share for o in members],
@@ -720,8 +724,8 @@ class Search:
                 others = sorted(key - {c.capture_name})
                 if not set(others) <= kept or attributed.get(c.capture_name, frozenset(others)) != frozenset(others):
                     continue
-                e = explained(off_s, on_s)
-                share = None if e["explained"] is None else e["explained"] - self.E(others)
+                e = explained(off_s, on_s, signed=True)
+                share = None if e["explained"] is None else e["explained"] - self.E(others, signed=True)
                 row = Blame(c.capture_name, c.kind, c.layer, off.mean_kl, on.mean_kl, off.mean_top5_error,
                             on.mean_top5_error, off.top1_agreement, on.top1_agreement, off.first_divergence,
                             on.first_divergence, off.prompts_diverged, on.prompts_diverged, e["kl"], e["top5"],
