@@ -116,7 +116,7 @@ def time_capture_hooks(spent: dict) -> None:
 
 def capture_state(llm):
     """The in-process engine's capture state (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-    from fxreplace.vllm import get_state
+    from fxreplace.engines.vllm import get_state
 
     return get_state(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
 

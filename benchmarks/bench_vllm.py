@@ -88,7 +88,7 @@ def child(args) -> None:
     extra = {}
     plugin = {"on": False, "pending": 0.0, "decode": [], "other": []}  # seconds per forward: all-decode steps, the rest
     if args.config == "active":
-        from fxreplace.vllm import FxReplaceConfig
+        from fxreplace.engines.vllm import FxReplaceConfig
         from fxreplace.engines.vllm.replacement import VllmReplacement
 
         extra["additional_config"] = {"fxreplace": FxReplaceConfig(tensors=data["captures"],

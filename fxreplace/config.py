@@ -61,7 +61,7 @@ class ReplacementConfig:
     is submitted and keeps serving); ``"passthrough"``: served without replacement.
 
     ``capture``: ``{"out": DIR, "targets": [...]}`` makes a vLLM engine capture a
-    reference instead of replacing (:mod:`fxreplace.vllm.capture`); no source then.
+    reference instead of replacing (:mod:`fxreplace.engines.vllm.capture`); no source then.
 
     ``select_captures`` (vLLM): each request may choose which captures replace it
     (``SamplingParams(extra_args={"fxreplace": {"captures": [capture names]}})``), so

@@ -76,7 +76,7 @@ def check_checkpoint_dir(spec: str, engine: str) -> None:
     if spec.startswith("builtin:"):
         arch = spec.removeprefix("builtin:")
         raise SetupError(f"--engine {engine} loads the checkpoint itself and needs a local directory, got {spec!r}",
-                         f"save the tiny model with its tokenizer as one: python -c \"from fxreplace.vllm.testing import "
+                         f"save the tiny model with its tokenizer as one: python -c \"from fxreplace.engines.vllm.testing import "
                          f"save_tiny_checkpoint; save_tiny_checkpoint('{arch}', 'tiny-{arch}')\", then give tiny-{arch}")
     check_model_dir(spec)
 

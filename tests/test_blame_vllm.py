@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from fxreplace.capture import capture_reference
 from fxreplace.models import get_family, tiny_model
 from fxreplace.metrics import EXPLAINS
-from fxreplace.vllm.testing import save_tiny_checkpoint
+from fxreplace.engines.vllm.testing import save_tiny_checkpoint
 from test_blame import ARCH, KINDS, LAYERS, NEW, prompts
 
 FAULTS = {"router": [("model.layers.2.mlp.gate.weight", -1.0)],

@@ -121,15 +121,15 @@ FITTING = ["--engine-args", '{"gpu_memory_utilization": 0.2}']
 
 
 def test_a_vllm_capture_refuses_an_out_holding_a_store_before_the_engine_starts(tmp_path, capsys, monkeypatch):
-    from fxreplace.vllm.testing import save_tiny_checkpoint
+    from fxreplace.engines.vllm.testing import save_tiny_checkpoint
 
     ckpt = save_tiny_checkpoint(ARCH, tmp_path / "ckpt")
     (tmp_path / "p.json").write_text("[[1, 2, 3]]")
     small_store(tmp_path / "ref")
     capsys.readouterr()
-    import fxreplace.vllm.capture
+    import fxreplace.engines.vllm.capture
 
-    monkeypatch.setattr(fxreplace.vllm.capture, "capture_with_vllm", lambda *a, **k: pytest.fail("the engine started"))
+    monkeypatch.setattr(fxreplace.engines.vllm.capture, "capture_with_vllm", lambda *a, **k: pytest.fail("the engine started"))
     assert exit_code(["capture", str(ckpt), "--engine", "vllm", "--prompts", str(tmp_path / "p.json"),
                       "--out", str(tmp_path / "ref"), *FITTING]) == 2
     err = one_error_line(capsys)
@@ -140,13 +140,13 @@ def test_a_vllm_capture_refuses_an_out_holding_a_store_before_the_engine_starts(
 def test_a_prompt_given_twice_is_refused_before_the_engine_starts(tmp_path, capsys, monkeypatch, prompts):
     """A prompt given twice (as ids, or as a text tokenized to the same ids) could only ever be matched
     to one capture: the store refused it after the engine had run; it is the user's to fix, exit 2."""
-    from fxreplace.vllm.testing import save_tiny_checkpoint
-    import fxreplace.vllm.capture
+    from fxreplace.engines.vllm.testing import save_tiny_checkpoint
+    import fxreplace.engines.vllm.capture
 
     ckpt = save_tiny_checkpoint(ARCH, tmp_path / "ckpt")
     (tmp_path / "p.json").write_text(json.dumps(prompts))
     capsys.readouterr()
-    monkeypatch.setattr(fxreplace.vllm.capture, "capture_with_vllm", lambda *a, **k: pytest.fail("the engine started"))
+    monkeypatch.setattr(fxreplace.engines.vllm.capture, "capture_with_vllm", lambda *a, **k: pytest.fail("the engine started"))
     assert exit_code(["capture", str(ckpt), "--engine", "vllm", "--prompts", str(tmp_path / "p.json"),
                       "--out", str(tmp_path / "ref"), *FITTING]) == 2
     err = one_error_line(capsys)

@@ -157,7 +157,7 @@ def _reference(seed_prompts: int = 0):
     """Input ids and forced router logits (every token's least likely expert), as a
     flat dict ``{name: [T, E]}`` in the flattened ``[B*S]`` token order."""
     from fxreplace.models import get_family, tiny_model
-    from fxreplace.vllm.testing import capture_router_logits, force_routing
+    from fxreplace.engines.vllm.testing import capture_router_logits, force_routing
 
     g = torch.Generator().manual_seed(seed_prompts)
     ids = torch.randint(4, 128, (BATCH, SEQ), generator=g)
@@ -340,7 +340,7 @@ class Reference:
 
     def __init__(self, directory):
         from fxreplace.store import ReferenceStore
-        from fxreplace.vllm.testing import capture_router_logits, force_routing
+        from fxreplace.engines.vllm.testing import capture_router_logits, force_routing
 
         self.hf, self.ids, self.forced = _reference()
         with torch.no_grad():

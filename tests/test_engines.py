@@ -154,7 +154,7 @@ def test_the_example_engine_runs_validate_and_blame(recompute, tmp_path, capsys)
 def test_a_family_declares_its_targets_and_components_per_engine():
     """Each runner side finds its family's targets under its own engine name."""
     from fxreplace.engines.vllm.runners import VllmRunner
-    from fxreplace.engines.vllm_neuron import NeuronRunner
+    from fxreplace.engines.vllm.neuron import NeuronRunner
     from fxreplace.models import get_family
 
     family = get_family(ARCH)

@@ -47,8 +47,8 @@ def test_config_typos_are_refused_naming_the_field(tmp_path):
 
 
 def test_a_vllm_capture_into_a_store_is_refused_before_any_engine_process_starts(tmp_path):
-    from fxreplace.vllm.capture import capture_with_vllm
-    from fxreplace.vllm.testing import save_tiny_checkpoint
+    from fxreplace.engines.vllm.capture import capture_with_vllm
+    from fxreplace.engines.vllm.testing import save_tiny_checkpoint
 
     ckpt = save_tiny_checkpoint(ARCH, tmp_path / "ckpt")
     ReferenceStore.from_captures([{"m": [torch.zeros(1, 2, 3)]}], prompt_token_ids=[[1, 2]]).save(tmp_path / "ref")

@@ -35,10 +35,11 @@ from fxreplace.capture import capture_reference
 from fxreplace.context import ReplacementContext
 from fxreplace.models import get_family, tiny_model
 from fxreplace.models.nxd import NeuronConfig, NxDQwen3MoeModel, _rotate_half
-from fxreplace.vllm import neuron_internals, plugin
-from fxreplace.vllm.config import ConfigError
-from fxreplace.vllm.internals import get_state
-from fxreplace.vllm.neuron import NeuronRunner
+from fxreplace.engines.vllm import plugin
+from fxreplace.engines.vllm.neuron import internals as neuron_internals
+from fxreplace.engines.vllm.config import ConfigError
+from fxreplace.engines.vllm.internals import get_state
+from fxreplace.engines.vllm.neuron import NeuronRunner
 
 HF_ARCH = "Qwen3MoeForCausalLM"
 PREFILL_BUCKETS, BATCH_BUCKETS, DRAFTS = (8, 16), (2, 4), 2

@@ -1,12 +1,12 @@
 """An engine's shared-memory segments are removed at its teardown, also when its processes take
 longer to exit than a quick shutdown does (an interrupted engine on a loaded machine), while a
-segment another live engine maps is kept (:class:`fxreplace.vllm.shm.Cleanup`)."""
+segment another live engine maps is kept (:class:`fxreplace.engines.vllm.shm.Cleanup`)."""
 
 import subprocess
 import sys
 import time
 
-from fxreplace.vllm.shm import Cleanup
+from fxreplace.engines.vllm.shm import Cleanup
 
 HOLD = """
 import mmap, sys, time
@@ -54,7 +54,7 @@ LEAKED = """
 import sys
 from multiprocessing import shared_memory
 from pathlib import Path
-from fxreplace.vllm.shm import Cleanup
+from fxreplace.engines.vllm.shm import Cleanup
 
 cleanup = Cleanup()
 segment = shared_memory.SharedMemory(create=True, size=4096)  # registered with this process's resource tracker

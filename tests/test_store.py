@@ -603,7 +603,7 @@ def test_stores_of_format_version_1_ask_for_a_new_capture(tmp_path):
 def test_the_vllm_config_digest_of_an_in_memory_store_covers_its_token_ids():
     import hashlib
 
-    from fxreplace.vllm.config import _digest_value
+    from fxreplace.engines.vllm.config import _digest_value
 
     def digest(ids):
         h = hashlib.sha256()

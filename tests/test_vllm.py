@@ -14,6 +14,7 @@ compiled engines use vLLM's default compilation (Dynamo + Inductor); set
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import subprocess
@@ -32,13 +33,13 @@ import vllm  # noqa: F401  (the vLLM tests need vLLM: no skip)
 from vllm import LLM, SamplingParams
 
 import fxreplace
-import fxreplace.vllm as fxv
+import fxreplace.engines.vllm as fxv
 from fxreplace import TensorReplacementConfig
 from fxreplace.context import ReplacementContext
 from fxreplace.instrument import instrument
 from fxreplace.models import get_family, tiny_model
 from fxreplace.store import ReferenceStore
-from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
+from fxreplace.engines.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
 
 ARCH = "Qwen3MoeForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
@@ -208,16 +209,26 @@ def test_entry_point_registered():
     from importlib.metadata import entry_points
 
     found = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "fxreplace"]
-    assert found == ["fxreplace.vllm:register"], (
+    assert found == ["fxreplace.engines.vllm.plugin:register"], (
         "the fxreplace vllm.general_plugins entry point is not visible; reinstall with pip install -e . "
         "(a stale fxreplace.egg-info in the working directory shadows the installed metadata)")
+
+
+def test_the_old_import_path_warns_and_gives_the_same_names(monkeypatch):
+    """``fxreplace.vllm`` (the entry point and import path before the engines moved) still imports,
+    warning where the code now lives, with the same public names."""
+    monkeypatch.delitem(sys.modules, "fxreplace.vllm", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"import fxreplace\.engines\.vllm"):
+        old = importlib.import_module("fxreplace.vllm")
+    assert old.__all__ == fxv.__all__ and all(getattr(old, name) is getattr(fxv, name) for name in fxv.__all__)
+    assert old.register is fxv.plugin.register
 
 
 def test_vllm_internals_fxreplace_relies_on_are_present(monkeypatch):
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from fxreplace.vllm import internals
+    from fxreplace.engines.vllm import internals
 
     problems = internals.check()
     assert not problems, ("this vLLM moved internals that fxreplace relies on (named in fxreplace/vllm/internals.py):\n"
@@ -236,7 +247,7 @@ def test_a_pipeline_stage_leaves_the_targets_in_other_stages_layers_to_them():
     from vllm.model_executor.models.utils import PPMissingLayer
 
     from fxreplace import Target
-    from fxreplace.vllm.internals import split_by_stage
+    from fxreplace.engines.vllm.internals import split_by_stage
 
     class Layer(nn.Module):
         def __init__(self):
@@ -304,7 +315,7 @@ def test_unconfigured_engine_is_not_instrumented(ref):
         assert "execute_model" not in vars(runner) and "_model_forward" not in vars(runner)
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        from fxreplace.vllm.plugin import _MARK
+        from fxreplace.engines.vllm.plugin import _MARK
 
         assert not getattr(GPUModelRunner.execute_model, _MARK, False)
         assert not getattr(GPUModelRunner._model_forward, _MARK, False)
@@ -520,7 +531,7 @@ def test_gptoss_known_prompts_match_hf_with_forced_router(gptoss, kind):
 MP_SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     from vllm import LLM, SamplingParams
-    from fxreplace.vllm import FxReplaceConfig
+    from fxreplace.engines.vllm import FxReplaceConfig
     ckpt, ref_path = sys.argv[1], sys.argv[2]
     data = torch.load(ref_path)
     if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""vLLM capture mode (``fxreplace.vllm.capture``) against HF capture, tiny Qwen3-MoE in float32.
+"""vLLM capture mode (``fxreplace.engines.vllm.capture``) against HF capture, tiny Qwen3-MoE in float32.
 
 The same checkpoint is captured by HF (``capture_reference``) and by vLLM; both
 references must hold the same generated tokens, and the same router logits on
@@ -44,9 +44,9 @@ from fxreplace.capture import capture_reference
 from fxreplace.models import get_family, tiny_model
 from fxreplace.reference import Reference, load_reference
 from fxreplace.store import ReferenceStore, merge_stores, unfinished
-from fxreplace.vllm import ConfigError, FxReplaceConfig
-from fxreplace.vllm import shm
-from fxreplace.vllm.testing import save_tiny_checkpoint
+from fxreplace.engines.vllm import ConfigError, FxReplaceConfig
+from fxreplace.engines.vllm import shm
+from fxreplace.engines.vllm.testing import save_tiny_checkpoint
 from test_cli_failures import sigint_as_at_a_terminal
 from test_vllm import GPT_OSS, GPT_OSS_CONFIG
 from test_vllm_server import Server, parse
@@ -272,7 +272,7 @@ def test_vllm_capture_replayed_by_vllm_with_replacement_is_reproduced(setup, eag
 def _engine_config(setup, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    from fxreplace.vllm import register
+    from fxreplace.engines.vllm import register
 
     register()
     return EngineArgs(model=setup.ckpt, additional_config={"fxreplace": {"capture": {"out": str(setup.dir / "x")}}},

@@ -5,7 +5,7 @@ Per family: the reference is the clean HF model with its components captured; vL
 loads the same checkpoint with two planted faults, layer 0's attention output
 projection scaled and, in layer 1, the router weight negated (dense families: the
 MLP's down projection scaled). One engine, built the way ``fxreplace blame --engine
-vllm`` builds it (:class:`~fxreplace.vllm.engine.VllmBlameEngine`: every component
+vllm`` builds it (:class:`~fxreplace.engines.vllm.engine.VllmBlameEngine`: every component
 instrumented, mapped from the reference's components by kind and layer), serves one
 mixed batch whose requests select different captures. Requests whose selection
 removes both faults must match the clean HF model's log-probabilities; with no
@@ -32,7 +32,7 @@ from fxreplace.blame import recorded_components
 from fxreplace.capture import capture_reference
 from fxreplace.models import families, get_family, tiny_model
 from fxreplace.reference import load_reference
-from fxreplace.vllm.testing import hf_logprobs, save_tiny_checkpoint
+from fxreplace.engines.vllm.testing import hf_logprobs, save_tiny_checkpoint
 from test_vllm import max_diff
 from test_vllm_families import VLLM_CONFIG, VLLM_ENGINE_ARGS, _Output, atol
 
@@ -45,7 +45,7 @@ NEW = 4
 ENGINE_SCRIPT = textwrap.dedent("""
     import json, sys
     from vllm import SamplingParams
-    from fxreplace.vllm.engine import VllmBlameEngine
+    from fxreplace.engines.vllm.engine import VllmBlameEngine
     ckpt, ref_dir, prompts, selections = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     blame_engine = VllmBlameEngine(ckpt, ref_dir, logprobs=5, max_model_len=128, max_num_seqs=16,
                                    enforce_eager=sys.argv[5] == "eager", distributed_executor_backend="uni",

@@ -31,7 +31,7 @@ import torch
 from fxreplace.instrument import instrument
 from fxreplace.models import families, get_family, tiny_model
 from fxreplace.store import ReferenceStore
-from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
+from fxreplace.engines.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
 from test_vllm import GPT_OSS_CONFIG, max_diff
 
 VLLM_FAMILIES = [arch for arch in families() if get_family(arch).vllm_targets]
@@ -54,7 +54,7 @@ def atol(arch: str) -> float:
 ENGINE_SCRIPT = textwrap.dedent("""
     import json, sys
     from vllm import LLM, SamplingParams
-    import fxreplace.vllm as fxv
+    import fxreplace.engines.vllm as fxv
     ckpt, ref_dir, prompts, engine_args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     llm = LLM(model=ckpt, dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4,
               enforce_eager=True, seed=0, distributed_executor_backend="uni", enable_prefix_caching=False,

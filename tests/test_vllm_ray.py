@@ -40,7 +40,7 @@ import ray  # noqa: F401  (needs Ray: no skip)
 
 from fxreplace.reference import load_reference
 from fxreplace.store import ReferenceStore, StoreError, StoreWriter
-from fxreplace.vllm.capture import merge_stages, stage_dirs
+from fxreplace.engines.vllm.capture import merge_stages, stage_dirs
 from ray_cluster import NODE_IPS, RayCluster, write_platform_plugin
 from test_blame_vllm import EXPECTED, planted_checkpoint, reference_dir  # noqa: F401  (reference_dir: a fixture)
 from test_vllm_capture import NEW as CAPTURE_NEW, Setup, compare
@@ -232,7 +232,7 @@ def test_unsupported_layouts_are_refused_before_any_worker_starts(ref, setup):
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
-    from fxreplace.vllm import ConfigError, register
+    from fxreplace.engines.vllm import ConfigError, register
 
     register()
     replacement = {"tensors_path": ref.ref_dir}

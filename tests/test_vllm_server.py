@@ -138,7 +138,7 @@ def parse(choice) -> tuple[list[int], list[dict[int, float]]]:
 
 def http_diff(ref: Ref, prompt: list[int], tokens, tops, forced: dict | None) -> float:
     """Largest |server - HF| over the returned logprobs; HF replaces with ``forced`` rows."""
-    from fxreplace.vllm.testing import hf_logprobs
+    from fxreplace.engines.vllm.testing import hf_logprobs
 
     lp = hf_logprobs(ref.hf, list(prompt) + tokens[:-1], forced)
     return max(abs(v - lp[len(prompt) - 1 + j, t].item()) for j, step in enumerate(tops) for t, v in step.items())

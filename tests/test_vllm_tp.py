@@ -32,7 +32,7 @@ import vllm  # noqa: F401  (needs vLLM: no skip)
 
 from fxreplace.instrument import instrument
 from fxreplace.models import get_family, tiny_model
-from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
+from fxreplace.engines.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
 from vllm_engines import remove_leaked_shm, result_line, run_python
 
 ARCH = "Qwen3MoeForCausalLM"

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fxreplace.reference import Reference
-from fxreplace.vllm.testing import capture_router_logits, force_routing, hf_logprobs
+from fxreplace.engines.vllm.testing import capture_router_logits, force_routing, hf_logprobs
 from test_vllm import NEW, Ref
 
 SWAP = 3

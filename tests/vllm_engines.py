@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fxreplace.vllm import shm as shm_segments
+from fxreplace.engines.vllm import shm as shm_segments
 
 
 def engine_env(tp: int = 1, compiled: bool = False) -> dict:
@@ -63,7 +63,7 @@ def run_python(args: list[str], *, timeout_s: float, tp: int = 1, compiled: bool
 
 def remove_leaked_shm(shm: Path = shm_segments.SHM) -> list[str]:
     """Unlink every vLLM shared-memory segment of ``shm`` that no live process uses
-    (:mod:`fxreplace.vllm.shm`): what killed engines (a timeout's, another test run's) left.
+    (:mod:`fxreplace.engines.vllm.shm`): what killed engines (a timeout's, another test run's) left.
     fxreplace removes its own engines' at teardown; a killed one cannot."""
     return shm_segments.remove_unused(shm_segments.segments(shm), shm)
 

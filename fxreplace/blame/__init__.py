@@ -2,7 +2,7 @@
 
 :func:`blame` checks its inputs, builds the engine (the embedded runner for an HF model,
 or any engine whose ``generate(prompts, n, replace)`` takes capture names, e.g.
-:class:`fxreplace.vllm.engine.VllmBlameEngine`) and runs the search of
+:class:`fxreplace.engines.vllm.engine.VllmBlameEngine`) and runs the search of
 :mod:`fxreplace.blame.search`; :mod:`fxreplace.blame.result` holds what it finds and
 :mod:`fxreplace.blame.ondemand` captures missing components from the clean model.
 

@@ -1,3 +1,3 @@
 """Engines: what runs the model fxreplace validates and blames. One package per engine
-(:mod:`.embedded`, :mod:`.vllm`, :mod:`.vllm_neuron`) beside what they share
+(:mod:`.embedded`, :mod:`.vllm`, :mod:`.vllm.neuron`) beside what they share
 (:mod:`.protocol`, :mod:`.replacement`, :mod:`.recording`)."""

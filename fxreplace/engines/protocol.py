@@ -6,7 +6,7 @@ see :mod:`fxreplace.engines`).
 
 A serving engine's model runner is seen through :class:`RunnerSide`, so one replacement state
 and one row recording serve every runner (vLLM's GPU/CPU runner in
-:mod:`fxreplace.engines.vllm.runners`, vllm-neuron's in :mod:`fxreplace.engines.vllm_neuron`).
+:mod:`fxreplace.engines.vllm.runners`, vllm-neuron's in :mod:`fxreplace.engines.vllm.neuron`).
 A runner side tells fxreplace
 
 * the module to instrument (the original model, under any compile wrapper), its Hugging Face

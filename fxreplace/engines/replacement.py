@@ -53,9 +53,9 @@ def selection_of(sampling_params):
 class Replacement:
     """fxreplace's replacement state of one model runner, whatever the runner: the replacer,
     the instrumented model and the per-step request bookkeeping. A runner side
-    (:class:`~fxreplace.vllm.protocol.RunnerSide`) says what to instrument and how each
+    (:class:`~fxreplace.engines.protocol.RunnerSide`) says what to instrument and how each
     forward lays out its slots; :class:`VllmReplacement` fills buffers bound to the model,
-    :class:`~fxreplace.vllm.neuron.StepInputReplacement` hands each compiled call its context."""
+    :class:`~fxreplace.engines.vllm.neuron.StepInputReplacement` hands each compiled call its context."""
 
     def __init__(self, side, config: ReplacementConfig, *, reference_device=None):
         self.side = side

@@ -39,7 +39,7 @@ WRITER_MARKER = ".fxreplace-writing"  # present while a StoreWriter owns the dir
 #: blame captures again).
 BLAME_COMPONENTS_DIR = "blame-components"
 DERIVED_DIRS = (BLAME_COMPONENTS_DIR,)
-#: A vLLM capture's counts, written beside its store (fxreplace.vllm.capture).
+#: A vLLM capture's counts, written beside its store (fxreplace.engines.vllm.capture).
 CAPTURE_STATS_FILE = "capture.json"
 #: The file in a reference directory that holds its noise floors, by dtype, each with its own metadata
 #: (the store's own metadata is written when its capture starts, before the floor can be measured):

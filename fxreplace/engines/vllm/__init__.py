@@ -15,7 +15,7 @@ Online::
 
 Users of the Neuron tool can keep ``additional_config={"neuron_config":
 {"tensor_replacement": TensorReplacementConfig(...)}}`` (not on vllm-neuron, where that key is
-vllm-neuron's own replacer's: :mod:`fxreplace.vllm.neuron`). The plugin is inert
+vllm-neuron's own replacer's: :mod:`fxreplace.engines.vllm.neuron`). The plugin is inert
 when neither key is present. :class:`VllmEngine` runs teacher-forced validation
 through vLLM (``fxreplace validate --engine vllm``).
 """

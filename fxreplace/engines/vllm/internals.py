@@ -61,7 +61,7 @@ SCHEDULER_OUTPUT_FIELDS = ("scheduled_new_reqs", "finished_req_ids", "num_schedu
 #: ``NewRequestData``: what registration reads.
 NEW_REQUEST_FIELDS = ("req_id", "prompt_token_ids", "sampling_params")
 
-#: Capture mode (fxreplace.vllm.capture) reads besides: ``sample_tokens`` (returns
+#: Capture mode (fxreplace.engines.vllm.capture) reads besides: ``sample_tokens`` (returns
 #: the step's ``ModelRunnerOutput``: ``req_ids``, ``sampled_token_ids``),
 #: ``execute_model_state`` (set by ``execute_model``: ``logits`` of the sampled rows,
 #: ``spec_decode_metadata.logits_indices``), the runner's ``cache_config``,
@@ -89,9 +89,9 @@ PP_MISSING_LAYER = ("vllm.model_executor.models.utils", "PPMissingLayer")
 #: (a worker wrapper forwards unknown attributes to its worker). A name crosses vLLM's
 #: serializer as a string; a function would need pickle (``VLLM_ALLOW_INSECURE_SERIALIZATION``).
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
-#: close a capturing worker's store, return its counts (:func:`fxreplace.vllm.capture.finish_capture`)
+#: close a capturing worker's store, return its counts (:func:`fxreplace.engines.vllm.capture.finish_capture`)
 FINISH_CAPTURE_METHOD = "fxreplace_finish_capture"
-#: what a worker's fxreplace state did so far (:func:`fxreplace.vllm.plugin.worker_state`)
+#: what a worker's fxreplace state did so far (:func:`fxreplace.engines.vllm.plugin.worker_state`)
 WORKER_STATE_METHOD = "fxreplace_worker_state"
 
 
@@ -201,8 +201,8 @@ STATE_ATTR = "_fxreplace_state"
 
 def get_state(runner):
     """The fxreplace state of a model runner: a
-    :class:`~fxreplace.vllm.replacement.VllmReplacement`, a
-    :class:`~fxreplace.vllm.capture.VllmCapture`, or None when not configured."""
+    :class:`~fxreplace.engines.vllm.replacement.VllmReplacement`, a
+    :class:`~fxreplace.engines.vllm.capture.VllmCapture`, or None when not configured."""
     return getattr(runner, STATE_ATTR, None)
 
 

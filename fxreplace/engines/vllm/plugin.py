@@ -4,16 +4,16 @@ forward the replacement built from the scheduler's actual batch.
 ``register()`` (entry point ``vllm.general_plugins``) runs in every vLLM process
 (front end, engine core, workers). It sends fxreplace's log records to vLLM's
 logger handler and only patches classes, idempotently (every vLLM name it relies
-on is in :mod:`fxreplace.vllm.internals`):
+on is in :mod:`fxreplace.engines.vllm.internals`):
 
 * ``EngineArgs.create_engine_config`` (front end): validates the fxreplace section
   of ``additional_config`` (a :class:`~fxreplace.ReplacementConfig`; errors name
   the field, before any engine process starts) and wraps it in an
-  :class:`~fxreplace.vllm.config.FxReplaceConfig` so vLLM can hash and pickle it;
+  :class:`~fxreplace.engines.vllm.config.FxReplaceConfig` so vLLM can hash and pickle it;
 * ``InputProcessor.process_inputs`` (front end, per request): with
   ``on_unknown="error"`` refuses a prompt that is not in the reference;
 * the model runners' ``load_model``: after loading, when configured, builds a
-  :class:`~fxreplace.vllm.replacement.VllmReplacement` (instrument + static buffers) before warmup compiles,
+  :class:`~fxreplace.engines.vllm.replacement.VllmReplacement` (instrument + static buffers) before warmup compiles,
   and runs one eager dummy forward so every injection point is checked at start-up;
 * when configured, that runner *instance* (not the class) gets two wrappers:
   ``execute_model`` registers new requests and releases finished ones;
@@ -24,7 +24,7 @@ on is in :mod:`fxreplace.vllm.internals`):
 Unconfigured, nothing runs per step: the class-level wrappers only act at engine
 configuration, request submission and model load, and step methods are never wrapped.
 The per-runner state, and what a request may ask of it, live in
-:mod:`fxreplace.vllm.replacement`.
+:mod:`fxreplace.engines.vllm.replacement`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import os
 from ...matching import PromptIndex
 from ...replacer.sources import reference_capture_names, reference_token_ids
 from . import internals
-from ..vllm_neuron import internals as neuron_internals
+from .neuron import internals as neuron_internals
 from .config import NEURON_KEYS, ConfigError, parse_config, refuse_unsupported, wrap_in_place
 from .runners import VllmRunner
 from ..replacement import NoTargetOnThisStage, selection_of, switched_off
@@ -75,7 +75,7 @@ def register() -> None:
     except (ImportError, AttributeError):
         neuron_runner = None
     if neuron_runner is not None:
-        from ..vllm_neuron import NeuronRunner  # where vllm-neuron is installed only
+        from .neuron import NeuronRunner  # where vllm-neuron is installed only
 
         _wrap(neuron_runner, neuron_internals.LOAD_MODEL, _load_model(NeuronRunner))
     worker = internals.worker_base()
@@ -154,7 +154,7 @@ def _refuse_shared_key_on_neuron(additional_config) -> None:
     ``fxreplace`` only."""
     neuron = additional_config.get(NEURON_KEYS[0]) if isinstance(additional_config, dict) else None
     if isinstance(neuron, dict) and neuron.get(NEURON_KEYS[1]) is not None and neuron_internals.on_neuron():
-        from ..vllm_neuron.runner import SHARED_KEY_HINT  # on vllm-neuron only
+        from .neuron.runner import SHARED_KEY_HINT  # on vllm-neuron only
 
         raise ConfigError(f"fxreplace: {SHARED_KEY_HINT}; to use vllm-neuron's own replacer instead, leave fxreplace's "
                           "plugin out of VLLM_PLUGINS")
@@ -249,7 +249,7 @@ def attach_state(side, config) -> None:
         if side.bound:
             from .capture import VllmCapture as kind  # the configured state's module only
         else:
-            from ..vllm_neuron import StepInputCapture as kind  # the configured state's module only
+            from .neuron import StepInputCapture as kind  # the configured state's module only
         state = kind(side, config.config.capture)
         setattr(runner, internals.STATE_ATTR, state)
         side.install(state.hooks())
@@ -257,7 +257,7 @@ def attach_state(side, config) -> None:
         if side.bound:
             kind = SelectingReplacement if config.config.select_captures else VllmReplacement
         else:
-            from ..vllm_neuron import StepInputReplacement as kind  # the configured state's module only
+            from .neuron import StepInputReplacement as kind  # the configured state's module only
         try:
             state = kind(side, config.config)
         except NoTargetOnThisStage as exc:

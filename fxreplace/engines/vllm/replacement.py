@@ -1,6 +1,6 @@
 """The vLLM plugin's per-runner replacement state on vLLM's own runner: the instrumented
 model, its bound buffers and the replacer that fills them from the scheduler's batch before
-every forward (:mod:`fxreplace.vllm.plugin` attaches it to a configured model runner).
+every forward (:mod:`fxreplace.engines.vllm.plugin` attaches it to a configured model runner).
 
 With ``select_captures=True`` in the config, ``extra_args={"fxreplace": {"captures": [capture
 names]}}`` replaces only those captures for that request (:class:`SelectingReplacement`); the

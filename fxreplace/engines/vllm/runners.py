@@ -1,7 +1,7 @@
 """vLLM's own V1 model runner (``GPUModelRunner`` and the CPU runner that subclasses it) as a
-:class:`~fxreplace.vllm.protocol.RunnerSide`: the model vLLM loaded, static buffers bound before
+:class:`~fxreplace.engines.protocol.RunnerSide`: the model vLLM loaded, static buffers bound before
 vLLM compiles it, and each forward's layout from the scheduler output and the persistent batch.
-Every vLLM name it reads is in :mod:`fxreplace.vllm.internals`."""
+Every vLLM name it reads is in :mod:`fxreplace.engines.vllm.internals`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every vllm-neuron internal fxreplace relies on, named in one place (the native plugin line,
 vllm-neuron 0.24.x on vLLM 0.24: ``vllm_neuron/vllm/worker/neuron_model_runner.py`` and
-``vllm_neuron/vllm/core/scheduler.py``), read as in :mod:`fxreplace.vllm.internals`:
+``vllm_neuron/vllm/core/scheduler.py``), read as in :mod:`fxreplace.engines.vllm.internals`:
 :func:`check` reports by name what an upgrade moved.
 
 vllm-neuron's ``NeuronModelRunner`` is not a vLLM ``GPUModelRunner``: it builds its model as a

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
-from ...config import ConfigError, ReplacementConfig
-from ...context import ReplacementContext
-from ..protocol import StepHooks
-from ..replacement import Replacement
+from ....config import ConfigError, ReplacementConfig
+from ....context import ReplacementContext
+from ...protocol import StepHooks
+from ...replacement import Replacement
 
 logger = logging.getLogger("fxreplace.vllm")
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...dtypes import dtype_name
-from ...gather import host_bits
-from ...instrument import instrument, observe
-from ...models import architecture, get_family
-from ...store import StoreWriter
-from ...targets import TargetError, resolve_targets
-from ..protocol import RecordedRows, StepHooks
-from ..recording import Recorder, RequestRows
+from ....dtypes import dtype_name
+from ....gather import host_bits
+from ....instrument import instrument, observe
+from ....models import architecture, get_family
+from ....store import StoreWriter
+from ....targets import TargetError, resolve_targets
+from ...protocol import RecordedRows, StepHooks
+from ...recording import Recorder, RequestRows
 
 logger = logging.getLogger("fxreplace.vllm")
 

@@ -8,7 +8,7 @@ each compiled call, ``replacements=`` receives the step's context, or an all-off
 the same token count for warm-ups, graph capture and dummy batches; the graph is the same
 for both, so no bucket compiles twice.
 
-Every vllm-neuron name read here is in :mod:`fxreplace.engines.vllm_neuron.internals`.
+Every vllm-neuron name read here is in :mod:`fxreplace.engines.vllm.neuron.internals`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import functools
 
 import torch
 
-from ...config import ConfigError
-from ...context import ReplacementContext
-from ..protocol import StepHooks, StepLayout
+from ....config import ConfigError
+from ....context import ReplacementContext
+from ...protocol import StepHooks, StepLayout
 from . import internals
 
 ASYNC_SPECULATION_HINT = (
