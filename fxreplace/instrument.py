@@ -715,34 +715,59 @@ class InstrumentationChangedError(TargetError):
 @torch.no_grad()
 def check_unchanged(model: nn.Module, input_ids: torch.Tensor) -> None:
     """Prove on one input (``[1, T]`` token ids, a forward without a cache) that the instrumented
-    ``model`` with nothing replaced computes, bit for bit, what the model as given computes: every
-    target's outputs from its instrumented forward against those of the forward it had (which the
-    targets run while no instrumented forward arms them), and the logits. Raises
-    :class:`InstrumentationChangedError` naming the first target, in forward order, that differs."""
+    ``model`` with nothing replaced computes, bit for bit, what the model as given computes
+    (:func:`prove_unchanged`)."""
     if not isinstance(model, InstrumentedModel):
         raise ValueError("check_unchanged() needs an instrumented model")
-    names = [t.module_name for t in model._fxreplace.targets]
-    given, instrumented = {}, {}
-    for seen, forward in ((given, super(InstrumentedModel, model).forward),
-                          (instrumented, functools.partial(model.forward, replacements={}))):
-        hooks = [model.get_submodule(name).register_forward_hook(
-            lambda module, args, output, name=name, seen=seen: seen.setdefault(name, []).append(_leaves(output)))
-            for name in names]
+    prove_unchanged(model, lambda: model(input_ids=input_ids, use_cache=False, replacements={}))
+
+
+def prove_unchanged(model: nn.Module, forward: Callable[[], object]) -> None:
+    """Prove that the instrumented ``model`` with nothing replaced computes, bit for bit, what the
+    model as given computes. ``forward()`` runs one forward of it the way its caller runs the model
+    (a runner's prompt, an engine's dummy step); at each target, the forward it was given runs again
+    on the very arguments its instrumented forward received, every target passing through meanwhile,
+    and the two outputs must agree. The same inputs, so an engine's state (a dummy step reads memory
+    it never wrote) cannot tell them apart; targets agreeing on their inputs, the model agrees.
+    Raises :class:`InstrumentationChangedError` naming the first target, in forward order, that differs."""
+    if not isinstance(model, InstrumentedModel):
+        raise ValueError("prove_unchanged() needs an instrumented model")
+    slots = model._fxreplace.slots
+    changed: list[tuple[str, str]] = []
+    rerunning = False
+
+    def compare(module, args, kwargs, output, name):
+        nonlocal rerunning
+        if rerunning or changed:  # a target inside one run again: its own call was compared
+            return
+        states, rerunning = [slot.state for slot in slots], True
+        for slot in slots:
+            slot.state = SlotState.IDLE
         try:
-            seen[""] = [_leaves(forward(input_ids=input_ids, use_cache=False).logits)]
+            given = _call_original(module, module._fxreplace_slot, args, kwargs)
         finally:
-            for hook in hooks:
-                hook.remove()
-    for name in dict.fromkeys([*given, *instrumented]):  # forward order (their first calls), the logits last
-        difference = _difference(given.get(name), instrumented.get(name))
-        if difference is None:
-            continue
-        module = model.get_submodule(name) if name else model
-        what = f"{name!r}" if name else "the model's output (no target's)"
+            for slot, state in zip(slots, states):
+                slot.state = state
+            rerunning = False
+        difference = _difference([_leaves(given)], [_leaves(output)])
+        if difference is not None:
+            changed.append((name, difference))
+
+    # first of the targets' forward hooks: what the forward itself returned (a user's hooks follow, alike in both)
+    hooks = [model.get_submodule(t.module_name).register_forward_hook(
+        functools.partial(compare, name=t.module_name), with_kwargs=True, prepend=True)
+        for t in model._fxreplace.targets]
+    try:
+        forward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if changed:
+        name, difference = changed[0]
         raise InstrumentationChangedError(
-            f"instrumenting {what} changed what it computes with nothing replaced ({difference}); "
-            f"{describe_forward(module)}: a verdict would judge another model than the one given, so none is "
-            "given; please report this with the module's forward")
+            f"instrumenting {name!r} changed what it computes with nothing replaced ({difference}); "
+            f"{describe_forward(model.get_submodule(name))}: a verdict would judge another model than the one given, "
+            "so none is given; please report this with the module's forward")
 
 
 def _leaves(value) -> list[torch.Tensor]:

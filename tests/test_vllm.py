@@ -361,6 +361,27 @@ def test_wrong_point_fails_engine_start_not_a_request(ref, eager):
     cleanup_dist_env_and_memory()
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_an_instrumentation_that_changes_the_model_fails_engine_start(ref, eager, monkeypatch):
+    """The start-up forward also proves that instrumenting vLLM's model changed nothing it computes:
+    vLLM's dummy forward runs once with every target as it was given and once instrumented (replacement
+    off), and their outputs must agree bit for bit. An injection planted to return more than it was
+    given fails the start, naming the first target; every other test's engine passes the same proof."""
+    instrumentation = importlib.import_module("fxreplace.instrument")  # the module (the package binds the function)
+    given = instrumentation._with_injected
+    monkeypatch.setattr(instrumentation, "_with_injected",
+                        lambda output, index, value, injected: given(output, index, value, injected + 1.0))
+    with pytest.raises(fxreplace.InstrumentationChangedError, match=r"instrumenting 'model.layers.0.mlp.gate' changed "
+                                                                    r"what it computes with nothing replaced"):
+        LLM(model=ref.ckpt, dtype="float32", max_model_len=128, enforce_eager=eager,
+            distributed_executor_backend="uni", max_num_batched_tokens=BUDGET,
+            additional_config={"fxreplace": {"tensors_path": ref.ref_dir}})
+    gc.collect()
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
 def test_unknown_prompt_refused_by_default_engine_keeps_serving(ref):
     """on_unknown="error" (the default) means one thing everywhere: a request whose
     prompt is not in the reference is refused, naming it; here in the front end,

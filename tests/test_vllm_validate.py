@@ -49,7 +49,8 @@ def forced_generation(ref: Ref, prompt: list[int]):
 
 
 @pytest.fixture(scope="module")
-def validated(tmp_path_factory):
+def reference(tmp_path_factory):
+    """The tiny checkpoint and its forced-routing reference: ``(ref, reference_dir)``."""
     tmp = tmp_path_factory.mktemp("fxreplace_vllm_validate")
     ref = Ref(tmp)
     captures, prompts, tokens, logits = {}, [], [], []
@@ -64,17 +65,55 @@ def validated(tmp_path_factory):
     recorded = ["model.embed_tokens", "model.layers.*.self_attn", "model.layers.*.mlp.gate", "model.layers.*"]
     Reference.from_parts(captures, prompts, tokens, logits,
                          metadata={"source_model": ref.ckpt, "targets": recorded}).save(reference_dir)
-    report = tmp / "report"
+    return ref, reference_dir
+
+
+def validate(ref: Ref, reference_dir, report, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    """``fxreplace validate --engine vllm`` as a user runs it: vLLM's engine core in a process of its
+    own, its memory sized by fxreplace for the run (``pythonpath`` first on the path of every process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
-    # vLLM as a user leaves it: its engine core in a process of its own, its memory sized by fxreplace for the run
     env.update(OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "fxreplace", "validate", ref.ckpt, "--reference", str(reference_dir),
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "fxreplace", "validate", ref.ckpt, "--reference", str(reference_dir),
                            "--engine", "vllm", "--dtype", "float32", "--eager", "--report-dir", str(report)],
                           env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def validated(reference):
+    ref, reference_dir = reference
+    report = reference_dir.parent / "report"
+    proc = validate(ref, reference_dir, report)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # the engine's shared memory, removed by the command, is not reported leaked after its last line
     assert "resource_tracker" not in proc.stderr, proc.stderr[-4000:]
     return json.loads((report / "result.json").read_text()), proc.stdout
+
+
+# Planted in every process of the engine (sitecustomize runs at each interpreter's start): fxreplace's
+# injection returns more than it computed, so instrumenting changes vLLM's model.
+CHANGED_INJECTION = """
+import importlib
+instrumentation = importlib.import_module("fxreplace.instrument")
+given = instrumentation._with_injected
+instrumentation._with_injected = lambda output, index, value, injected: given(output, index, value, injected + 1.0)
+"""
+
+
+def test_validate_refuses_an_engine_whose_instrumentation_changed_the_model(reference, tmp_path):
+    """The engine's start-up forward proves instrumenting changed nothing vLLM computes; when it did,
+    the worker's error reaches the command in its own words: one line naming the module, exit 2, no report."""
+    ref, reference_dir = reference
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(CHANGED_INJECTION)
+    proc = validate(ref, reference_dir, tmp_path / "report", pythonpath=str(plant))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert last.startswith("error: instrumenting 'model.layers.0.mlp.gate' changed what it computes with nothing "
+                           "replaced (max |diff| "), last
+    assert not (tmp_path / "report").exists() or not any((tmp_path / "report").iterdir())
 
 
 def test_validate_vllm_with_replacement_matches_but_the_swapped_step(validated):

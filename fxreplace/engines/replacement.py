@@ -22,7 +22,7 @@ import torch
 
 from ..config import ReplacementConfig
 from ..context import ReplacementContext
-from ..instrument import instrument
+from ..instrument import instrument, prove_unchanged
 from ..models import architecture, get_family
 from ..replacer import TensorReplacer
 from ..targets import Target, TargetError, resolve_targets
@@ -139,8 +139,12 @@ class Replacement:
         """Run every target's injection point once (an eager dummy forward, replacement
         off) before the engine serves, so a wrong point (e.g. a tuple output) or a
         reference whose feature width differs from the module fails the start-up
-        instead of the first request."""
-        self.side.off_forward(min(8, self.max_tokens))
+        instead of the first request; the same dummy forward, run once more with every
+        target as it was given, proves that instrumenting changed nothing the engine
+        computes (:func:`~fxreplace.instrument.prove_unchanged`), else the start-up
+        fails naming the module."""
+        num_tokens = min(8, self.max_tokens)
+        prove_unchanged(self.model, lambda: self.side.off_forward(num_tokens))
 
     # ------------------------------------------------------------ per step
 

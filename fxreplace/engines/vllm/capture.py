@@ -60,7 +60,7 @@ from ...store import ReferenceStore, StoreError, StoreWriter
 from ...store.format import CAPTURE_STATS_FILE
 from ...targets import TargetError, resolve_targets
 from . import internals, shm
-from .startup import interruptible_start
+from .startup import engine_start
 from ..protocol import StepHooks
 from ..recording import Recorder, RequestRows
 
@@ -465,7 +465,7 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
     llm_kwargs.setdefault("seed", 0)
     cleanup = shm.Cleanup()
     try:
-        with interruptible_start():
+        with engine_start():
             llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": {"capture": capture}}, **llm_kwargs)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)

@@ -39,7 +39,7 @@ from ...reference import load_reference
 from ...targets import Target
 from ..protocol import Generation
 from . import shm
-from .startup import interruptible_start
+from .startup import engine_start
 
 OFF = {"fxreplace": "off"}
 
@@ -61,7 +61,7 @@ class VllmEngine:
         llm_kwargs.setdefault("seed", 0)
         self._shm = shm.Cleanup()
         try:
-            with interruptible_start():
+            with engine_start():
                 self.llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": replacement}, **llm_kwargs)
         except BaseException:
             self._shm.after_teardown()  # what a failed start left

@@ -36,10 +36,12 @@ import os
 
 from ...matching import PromptIndex
 from ...replacer.sources import reference_capture_names, reference_token_ids
+from ...targets import TargetError
 from . import internals
 from .neuron import internals as neuron_internals
 from .config import NEURON_KEYS, ConfigError, parse_config, refuse_unsupported, wrap_in_place
 from .runners import VllmRunner
+from .startup import report_start_error
 from ..replacement import NoTargetOnThisStage, selection_of, switched_off
 from .replacement import SelectingReplacement, VllmReplacement
 
@@ -243,7 +245,16 @@ def attach_state(side, config) -> None:
     """After a runner loaded its model: when fxreplace is configured, build its capture or
     replacement state through the runner protocol (instrumenting the model before the runner
     compiles it), install the state's per-step hooks on that runner instance and keep the
-    state on it. Unconfigured, nothing is installed: no per-step code runs."""
+    state on it. Unconfigured, nothing is installed: no per-step code runs. An fxreplace error
+    here fails the engine's start and is reported to the command that started it."""
+    try:
+        _attach_state(side, config)
+    except (TargetError, ConfigError) as error:
+        report_start_error(error)
+        raise
+
+
+def _attach_state(side, config) -> None:
     runner = side.runner
     if config.config.capture is not None:
         if side.bound:

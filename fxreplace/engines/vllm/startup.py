@@ -1,4 +1,11 @@
-"""Ctrl-C while a vLLM engine starts: exit 130 within seconds, its processes stopped.
+"""A vLLM engine's start: Ctrl-C ends it within seconds; fxreplace's own start-up error in a
+worker reaches the command in its own words.
+
+An error of fxreplace's in an engine process at start-up (a target that names no module, an
+instrumentation that changed the model: :func:`report_start_error`) would reach the command only
+as vLLM's "Engine core initialization failed": :func:`start_errors` gives the engine's processes
+(which inherit the environment) a file to write it to, and raises it again in the command.
+
 
 While ``vllm.LLM(...)`` starts, its client waits for the engine core in a single ``zmq`` poll of
 up to ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s). pyzmq retries a poll interrupted by a signal and
@@ -14,11 +21,17 @@ same Ctrl-C half-started, may print their tracebacks above that line.)
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
+
+from ...config import ConfigError
+from ...instrument import InstrumentationChangedError
+from ...targets import TargetError
 from .. import registry
 from . import shm
 
@@ -32,10 +45,19 @@ GRACE_S = 1.0
 
 
 @contextmanager
+def engine_start():
+    """Around a vLLM engine's start (``with engine_start(): llm = LLM(...)``): Ctrl-C ends it
+    within seconds (:func:`interruptible_start`), and an engine process's fxreplace error is
+    raised here in its own words (:func:`start_errors`)."""
+    with start_errors(), interruptible_start():
+        yield
+
+
+@contextmanager
 def interruptible_start():
-    """Run a vLLM engine's start (``with interruptible_start(): llm = LLM(...)``) so that Ctrl-C
-    ends it within seconds, the processes it started stopped and their shared memory removed.
-    Only the main thread receives signals: elsewhere the start runs as it is."""
+    """Run a vLLM engine's start so that Ctrl-C ends it within seconds, the processes it started
+    stopped and their shared memory removed. Only the main thread receives signals: elsewhere the
+    start runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -82,3 +104,46 @@ def _exit_interrupted(signum, frame) -> None:
     """The KeyboardInterrupt was dropped inside the engine's wait: say what was left and exit."""
     (registry.last_words or _say_stopped)()
     os._exit(128 + signal.SIGINT)  # the status of a process a SIGINT stopped, as the command line's own exit
+
+
+#: set while an engine starts: the file an engine process writes fxreplace's start-up error to
+START_ERROR_ENV = "FXREPLACE_START_ERROR"
+#: the errors a worker reports by name, raised again by the command as the same class
+_REPORTED = {cls.__name__: cls for cls in (InstrumentationChangedError, TargetError, ConfigError)}
+
+
+def report_start_error(error: Exception) -> None:
+    """In an engine process: write ``error`` (one of fxreplace's, a user's to act on) where the
+    command that starts the engine reads it; the first process to fail is the one reported."""
+    path = os.environ.get(START_ERROR_ENV)
+    kind = next((name for name, cls in _REPORTED.items() if isinstance(error, cls)), None)
+    if not path or kind is None:
+        return
+    with open(path, "a") as f:  # start_errors made it empty: the first report is kept
+        if f.tell() == 0:
+            json.dump({"type": kind, "message": str(error)}, f)
+
+
+@contextmanager
+def start_errors():
+    """Around an engine's start: when it fails, raise the fxreplace error an engine process
+    reported (:func:`report_start_error`) instead of vLLM's own words for the failure."""
+    fd, path = tempfile.mkstemp(prefix="fxreplace-start-", suffix=".json")
+    os.close(fd)
+    saved = os.environ.get(START_ERROR_ENV)
+    os.environ[START_ERROR_ENV] = path
+    try:
+        yield
+    except Exception as failure:
+        with open(path) as f:
+            text = f.read()
+        if not text:
+            raise
+        reported = json.loads(text)
+        raise _REPORTED[reported["type"]](reported["message"]) from failure
+    finally:
+        if saved is None:
+            os.environ.pop(START_ERROR_ENV, None)
+        else:
+            os.environ[START_ERROR_ENV] = saved
+        os.unlink(path)
