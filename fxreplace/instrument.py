@@ -722,17 +722,18 @@ def check_unchanged(model: nn.Module, input_ids: torch.Tensor) -> None:
     prove_unchanged(model, lambda: model(input_ids=input_ids, use_cache=False, replacements={}))
 
 
-def prove_unchanged(model: nn.Module, forward: Callable[[], object]) -> None:
+def prove_unchanged(model: nn.Module, forward: Callable[[], object], skip: Iterable[str] = ()) -> None:
     """Prove that the instrumented ``model`` with nothing replaced computes, bit for bit, what the
     model as given computes. ``forward()`` runs one forward of it the way its caller runs the model
     (a runner's prompt, an engine's dummy step); at each target, the forward it was given runs again
     on the very arguments its instrumented forward received, every target passing through meanwhile,
     and the two outputs must agree. The same inputs, so an engine's state (a dummy step reads memory
     it never wrote) cannot tell them apart; targets agreeing on their inputs, the model agrees.
+    ``skip``: targets not compared (an engine's whose own forward gives other bits on each call there).
     Raises :class:`InstrumentationChangedError` naming the first target, in forward order, that differs."""
     if not isinstance(model, InstrumentedModel):
         raise ValueError("prove_unchanged() needs an instrumented model")
-    slots = model._fxreplace.slots
+    slots, skipped = model._fxreplace.slots, set(skip)
     changed: list[tuple[str, str]] = []
     rerunning = False
 
@@ -756,7 +757,7 @@ def prove_unchanged(model: nn.Module, forward: Callable[[], object]) -> None:
     # first of the targets' forward hooks: what the forward itself returned (a user's hooks follow, alike in both)
     hooks = [model.get_submodule(t.module_name).register_forward_hook(
         functools.partial(compare, name=t.module_name), with_kwargs=True, prepend=True)
-        for t in model._fxreplace.targets]
+        for t in model._fxreplace.targets if t.module_name not in skipped]
     try:
         forward()
     finally:

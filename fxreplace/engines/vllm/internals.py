@@ -85,6 +85,10 @@ PARALLEL_CONFIG_FIELDS = ("data_parallel_index", "data_parallel_size")
 #: ``PPMissingLayer``: what a pipeline stage's model holds in place of the layers of the
 #: other stages.
 PP_MISSING_LAYER = ("vllm.model_executor.models.utils", "PPMissingLayer")
+#: ``AttentionLayerBase``: every attention layer's base. Outside a scheduled step (the start-up
+#: dummy forward) it has no attention metadata and returns its output buffer unwritten, so a
+#: module holding one computes other bits on every call there.
+ATTENTION_LAYER = ("vllm.model_executor.layers.attention_layer_base", "AttentionLayerBase")
 #: ``WorkerBase``: the plugin adds the methods below to it, for ``llm.collective_rpc(name)``
 #: (a worker wrapper forwards unknown attributes to its worker). A name crosses vLLM's
 #: serializer as a string; a function would need pickle (``VLLM_ALLOW_INSECURE_SERIALIZATION``).
@@ -262,6 +266,12 @@ def split_by_stage(model, targets: list) -> tuple[list, list]:
     return here, there
 
 
+def holds_attention(module) -> bool:
+    """Whether ``module`` is or holds one of vLLM's attention layers."""
+    layer = _import(ATTENTION_LAYER)
+    return any(isinstance(m, layer) for m in module.modules())
+
+
 def computed_tokens(runner):
     """Tokens each request of the batch has computed before this step (numpy, host)."""
     return runner.input_batch.num_computed_tokens_cpu
@@ -292,6 +302,7 @@ def check() -> list[str]:
         return hasattr(cls, attr) or re.search(rf"self\.{attr}\s*[:=]", inspect.getsource(cls)) is not None
 
     need(ENGINE_ARGS, (CREATE_ENGINE_CONFIG,), has_attr)
+    need(ATTENTION_LAYER, (), has_attr)
     runner = need(GPU_MODEL_RUNNER, (LOAD_MODEL, EXECUTE_MODEL, MODEL_FORWARD, DUMMY_RUN), has_attr)
     decorators = need(COMPILE_DECORATOR, (), has_attr)
     if decorators is not None and not re.search(rf"self\.{DO_NOT_COMPILE}\s*=", inspect.getsource(

@@ -17,6 +17,7 @@ from ...config import ReplacementConfig
 from ...context import ReplacementContext
 from ..protocol import StepHooks, StepLayout
 from ..replacement import Replacement, selection_of
+from . import internals
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -36,6 +37,13 @@ class VllmReplacement(Replacement):
         self.armed = False  # whether the mask may hold True rows (clear() is a no-op otherwise)
         self.on_host = self.feed.mask.device.type == "cpu"
         self._log_instrumented(f"buffers of {self.max_tokens} tokens")
+
+    def unprovable_at_start(self) -> list[str]:
+        """The targets holding an attention layer: vLLM's dummy forward gives it no metadata, so it
+        returns an unwritten buffer, other bits on each call (the routers, experts and embeddings
+        are proven)."""
+        return [t.module_name for t in self.model._fxreplace.targets
+                if internals.holds_attention(self.model.get_submodule(t.module_name))]
 
     def hooks(self) -> StepHooks:
         """Requests are registered and released per step and the buffers filled before each
