@@ -25,7 +25,7 @@ import torch
 
 from .dtypes import dtype_name, is_full_precision
 from .engines.embedded import Runner, RunnerConfig
-from .metrics import times
+from .metrics import fmt, times
 from .store.format import FLOOR_FILE
 from .validation import logit_validation
 
@@ -117,8 +117,8 @@ class NoiseFloor:
                  else f"first divergence not scored (the floor never diverged in these {len(summary['prompts'])} "
                       "prompts' steps: too few to tell)")
         return (f"{where}: {times(m['kl'])} its noise floor in mean KL, {times(m['top5'])} in mean top-5 error, "
-                f"{first} (the floor: {self.programme}, mean KL {_g(floor['mean_kl'])}, mean top-5 error "
-                f"{_g(floor['mean_top5_error'])}; up to {margin:g}x is precision noise)")
+                f"{first} (the floor: {self.programme}, mean KL {fmt(floor['mean_kl'])}, mean top-5 error "
+                f"{fmt(floor['mean_top5_error'])}; up to {margin:g}x is precision noise)")
 
 
 def floor_key(dtype: str, compile: str | None = None) -> str:
@@ -225,7 +225,3 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     if b <= 0:
         return 1.0 if a <= 0 else float("inf")
     return a / b
-
-
-def _g(v) -> str:
-    return "-" if v is None else f"{v:.3g}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from .metrics import CONTRIBUTES, pct
+from .metrics import CONTRIBUTES, fmt, pct
 
 
 def write_validation_junit(result, gate, path: str | Path) -> Path:
@@ -27,8 +27,8 @@ def write_validation_junit(result, gate, path: str | Path) -> Path:
     for p, reasons in failures.items():
         s = summary[p]
         case = ET.SubElement(suite, "testcase", classname="fxreplace.validate", name=f"prompt {p}")
-        out = (f"first divergence: {s['first_divergence']}; mean KL {_g(s['mean_kl'])}; "
-               f"mean top-5 error {_g(s['mean_top5_error'])}; text: {result.prompt_texts.get(p)!r}")
+        out = (f"first divergence: {s['first_divergence']}; mean KL {fmt(s['mean_kl'])}; "
+               f"mean top-5 error {fmt(s['mean_top5_error'])}; text: {result.prompt_texts.get(p)!r}")
         ET.SubElement(case, "system-out").text = out
         if reasons:
             ET.SubElement(case, "failure", message="; ".join(reasons), type="accuracy").text = result.verdict.sentence
@@ -44,7 +44,7 @@ def write_blame_junit(result, path: str | Path) -> Path:
         case = ET.SubElement(suite, "testcase", classname=f"fxreplace.blame.{b.kind}", name=b.component)
         if b in guilty:
             ET.SubElement(case, "failure", message=f"accounts for {pct(b.share)} of the divergence "
-                          f"(KL {_g(b.kl_off)} -> {_g(b.kl_on)} when replaced)", type="accuracy").text = result.verdict
+                          f"(KL {fmt(b.kl_off)} -> {fmt(b.kl_on)} when replaced)", type="accuracy").text = result.verdict
     return _write(suite, path)
 
 
@@ -59,7 +59,3 @@ def _write(suite: ET.Element, path: str | Path) -> Path:
     ET.indent(root)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
     return path
-
-
-def _g(value: float | None) -> str:
-    return "NaN" if value is None else f"{value:.3g}"

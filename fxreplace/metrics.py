@@ -241,7 +241,7 @@ def verdict(summary: dict, what: str = "the replaced tensors", floor=None, unsca
             return Verdict(DIVERGED, f"{figures}: it diverged from the reference{scale['text']}.", **scale["fields"])
         return Verdict(PASSED, f"{figures}: every step is within tolerance{scale['text']}.", **scale["fields"])
     off, on = summary["off"], summary["on"]
-    change = (f"mean KL {_g(off['mean_kl'])} -> {_g(on['mean_kl'])}, diverged prompts {off['prompts_diverged']} -> "
+    change = (f"mean KL {fmt(off['mean_kl'])} -> {fmt(on['mean_kl'])}, diverged prompts {off['prompts_diverged']} -> "
               f"{on['prompts_diverged']}")
     if off["status_counts"][DIVERGED] == 0:
         if on["status_counts"][DIVERGED] and _worse(off, on, both=False):
@@ -299,10 +299,6 @@ def _worse(off: dict, on: dict, both: bool = True) -> str:
     grew = [(label, off[key], on[key]) for key, label in (("mean_kl", "mean KL"), ("mean_top5_error", "mean top-5 error"))
             if off[key] is not None and on[key] is not None and on[key] > off[key] * 1.1]
     return ", ".join(f"{label} {a:.3g} -> {b:.3g}" for label, a, b in grew) if len(grew) >= (2 if both else 1) else ""
-
-
-def _g(v) -> str:
-    return "-" if v is None else f"{v:.3g}"
 
 
 def fmt(v) -> str:

@@ -38,6 +38,7 @@ from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from . import repro_run
+from .repro_run import ReproError
 from .blame import BlameError, family_components
 from .components import Component, layer_of, resolve_components
 from .dtypes import dtype_name
@@ -52,11 +53,6 @@ TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 5e-2, tor
 README = "README.md"
 #: Op namespaces torch itself provides (no library to import before loading the program).
 BUILTIN_NAMESPACES = {"aten", "prims", "_operator", "higher_order", "quantized", "_c10d_functional"}
-
-
-class ReproError(ValueError):
-    """A repro that cannot be written (unknown component, no component in the verdict, an input
-    the export cannot take)."""
 
 
 @dataclass

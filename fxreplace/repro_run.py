@@ -46,8 +46,10 @@ EXIT_AGREES, EXIT_DISAGREES, EXIT_UNUSABLE, EXIT_INCOMPLETE = 0, 1, 2, 3
 PICKLE_MAGIC = tuple(bytes([0x80, p]) for p in range(2, 6))
 
 
-class ReproError(Exception):
-    """A folder this runner cannot run (missing file, a pickle inside the program, a bad backend)."""
+class ReproError(ValueError):
+    """A repro that cannot be written (unknown component, no component in the verdict, an input the
+    export cannot take) or run (missing file, a pickle inside the program, a bad backend). Defined
+    here, where the folder's own ``run.py`` (this file, without fxreplace) finds it too."""
 
 
 def check_no_pickle(program: Path) -> None:

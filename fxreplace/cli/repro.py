@@ -8,7 +8,6 @@ from pathlib import Path
 from ..loading import load_model
 from ..repro import README, ReproError, blamed_component, check_out_dir, write_repro
 from ..repro_run import META, unrecorded
-from ..repro_run import ReproError as RunError
 from ..repro_run import run as run_repro
 from .args import UsageError
 from .common import load_reference_arg, torch_dtype
@@ -58,5 +57,5 @@ def run(args) -> int:
     """Run a repro folder per backend (see :mod:`fxreplace.repro_run`)."""
     try:
         return run_repro(args.dir, args.backend, args.bisect, args.tolerance)
-    except RunError as e:
+    except ReproError as e:
         raise UsageError(str(e), "write the folder with `fxreplace repro write`") from None
