@@ -21,10 +21,11 @@ origins found so far ``B`` kept replaced, the search
    (diffuse drift: then every stream and component is measured for the heat map), or the
    pass budget is spent. Once one kind holds origins in two layers, it is replaced in every
    layer holding it (one pass) and the search goes on beside that; at the end (also for the
-   largest origin's kind when the origins leave MEMBER), when that explains the divergence, the
-   kind is one systematic fault (a bug in code every layer runs shows in every layer), its
-   faulty layers those whose leaving out of the replacement leaves a part of the divergence,
-   each with what its replacement removes alone.
+   largest origin's kind when the origins leave MEMBER), when that
+   explains the divergence, the kind is one systematic fault (a bug in code every layer runs shows
+   in every layer), its faulty layers those whose leaving out of the replacement leaves a part of
+   the divergence, each with what its replacement removes alone; an origin of another kind beside
+   it is attributed again with those layers replaced (its layer's part then holds its own fault only).
 
 When the target's logits hold NaN/inf, one observing pass finds where they first appear.
 """
@@ -462,9 +463,10 @@ class Search:
         leaving less is dropped (it hid an upstream error), and when its origins leave part of what the kind-wide
         replacement removes, every other layer holding it is left out in turn (one the search passed over, its part
         below SIGNIFICANT); there, a component inside the kind's (its router) explaining what the layer leaves is an
-        origin of its own, as the search would name it. An origin of another kind stays when leaving it out leaves a
-        significant part, and a layer no kind explained goes (the kind explains it). Each faulty layer's share is
-        its replacement alone."""
+        origin of its own, as the search would name it. An origin of another kind stays when leaving it out of the
+        faulty layers' replacement leaves a significant part, attributed again with them replaced beside it
+        (:meth:`_beside_systematic`), and a layer no kind explained goes (the kind explains it). Each faulty layer's
+        share is its replacement alone."""
         kind = self._repeated_kind(origins) or self._leaving_kind(origins)
         if kind is None:
             return origins
@@ -499,8 +501,9 @@ class Search:
         faulty = [c for c in leaving if c.capture_name not in within]
         if len(faulty) < 2:
             return origins
-        kept = [name for name in others if left(name) >= self.significant]
-        chosen = kept + [x.capture_name for x in within.values()] + [c.capture_name for c in faulty]
+        kept = self._beside_systematic([x.capture_name for x in within.values()] + [c.capture_name for c in faulty],
+                                       list(others.values()))
+        chosen = [o.component for o in kept] + [x.capture_name for x in within.values()] + [c.capture_name for c in faulty]
         self.measure([chosen] + [[n for n in chosen if n != x.capture_name] for x in within.values()])
 
         def beside_all(x) -> Origin:
@@ -519,7 +522,33 @@ class Search:
         self.systematic = Systematic(kind, [c.layer for c in faulty], [c.capture_name for c in faulty], where, every,
                                      self.E(chosen), [o.share for o in members],
                                      [left(c.capture_name) for c in faulty], self.E(wide))
-        return members + [others[name] for name in kept] + [beside_all(x) for x in within.values()]
+        return members + kept + [beside_all(x) for x in within.values()]
+
+    def _beside_systematic(self, fixed: list[str], others: list[Origin]) -> list[Origin]:
+        """The origins of other kinds that stand beside a systematic fault whose faulty layers' components are
+        ``fixed``, each attributed again with that fault replaced beside it.
+
+        One stays when leaving it out of ``fixed`` and the others replaced together leaves a significant part (not
+        out of the kind replaced in every layer holding it: in the origin's own layer the kind may lie downstream of
+        it and hide it, as the routing hides its block's router). Its layer was attributed while the systematic
+        fault still acted in layers the search had not reached yet, so the layer's part held some of that fault's
+        error too, which a later kind of the layer carries and its own kind does not (the MoE block named for its
+        router); with the fault replaced the part is its own, and the earliest kind explaining it is the origin."""
+        names = [o.component for o in others]
+        together = fixed + names
+        self.measure([together] + [[n for n in together if n != name] for name in names])
+        kept = [o for o in others if self.E(together) - self.E([n for n in together if n != o.component])
+                >= self.significant]
+        out = []
+        for layer in dict.fromkeys(o.layer for o in kept):
+            here = [o for o in kept if o.layer == layer]
+            base = fixed + [o.component for o in kept if o.layer != layer]
+            if self.key(base) <= set().union(*(set(o.beside) for o in here)):
+                out += here  # attributed with all of it replaced beside already
+                continue
+            again = self._attribute(base, layer)
+            out += again if all(o.component for o in again) else here
+        return out
 
     def _where(self, kind: str, layers: list[int]) -> tuple[str, bool]:
         """``layers`` in the words of the model's layer groups ("every layer", "every MoE layer", "every sliding
