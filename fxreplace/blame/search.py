@@ -21,7 +21,7 @@ origins found so far ``B`` kept replaced, the search
    (diffuse drift: then every stream and component is measured for the heat map), or the
    pass budget is spent. Once one kind holds origins in two layers, it is replaced in every
    layer holding it (one pass) and the search goes on beside that; at the end (also for the
-   largest origin's kind when the origins leave MEMBER), when that
+   origins' kinds in turn, the largest origin's first, when the origins leave MEMBER), when that
    explains the divergence, the kind is one systematic fault (a bug in code every layer runs shows
    in every layer), its faulty layers those whose leaving out of the replacement leaves a part of
    the divergence, each with what its replacement removes alone; an origin of another kind beside
@@ -412,16 +412,17 @@ class Search:
         repeated = [kind for kind in self.kinds if len(layers[kind]) >= least]
         return max(repeated, key=lambda kind: len(layers[kind])) if repeated else None
 
-    def _leaving_kind(self, origins: list[Origin]) -> str | None:
-        """The kind of the largest origin when the origins together leave at least MEMBER of the divergence beyond the
-        floor's part: the same fault in other layers, each adding less than SIGNIFICANT, may be what they leave."""
+    def _leaving_kinds(self, origins: list[Origin]) -> list[str]:
+        """The origins' kinds, the largest origin's first, when the origins together leave at least MEMBER of the
+        divergence beyond the floor's part: the same fault in other layers, each adding less than SIGNIFICANT, may be
+        what they leave (beside a larger fault of another kind: a flipped router beside an attention bug)."""
         if self.drifts and self.floor is None:
-            return None  # no scale tells a kind's precision drift from its fault
+            return []  # no scale tells a kind's precision drift from its fault
         named = [o for o in origins if o.component and o.kind in self.kinds]
         together = self.key([o.component or self.streams[o.layer].capture_name for o in origins])
         if not named or together not in self.cache or 1 - self.E(together) - self.noise < MEMBER:
-            return None
-        return max(named, key=lambda o: o.share).kind
+            return []
+        return list(dict.fromkeys(o.kind for o in sorted(named, key=lambda o: -o.share)))
 
     def _places(self, origins: list[Origin]) -> int:
         """The places to fix: the origins, a kind holding origins in several layers counted once."""
@@ -456,7 +457,9 @@ class Search:
 
     def _systematic(self, origins: list[Origin]) -> list[Origin]:
         """The origins, with a kind holding origins in several layers made one systematic fault when replacing it in
-        every layer holding it (beside the other origins) explains the divergence. Sets ``self.systematic``.
+        every layer holding it (beside the other origins) explains the divergence; when no kind holds origins in two
+        layers and the origins leave MEMBER, each origin's kind is tried so in turn, the largest origin's first.
+        Sets ``self.systematic``.
 
         Its faulty layers leave at least MEMBER of the divergence when left out of that replacement: with the kind
         replaced in the others, a sound layer computes the reference's values and leaves ~0. So an origin of the kind
@@ -467,9 +470,15 @@ class Search:
         faulty layers' replacement leaves a significant part, attributed again with them replaced beside it
         (:meth:`_beside_systematic`), and a layer no kind explained goes (the kind explains it). Each faulty layer's
         share is its replacement alone."""
-        kind = self._repeated_kind(origins) or self._leaving_kind(origins)
-        if kind is None:
-            return origins
+        repeated = self._repeated_kind(origins)
+        for kind in [repeated] if repeated else self._leaving_kinds(origins):
+            found = self._systematic_of(kind, origins)
+            if self.systematic is not None:
+                return found
+        return origins
+
+    def _systematic_of(self, kind: str, origins: list[Origin]) -> list[Origin]:
+        """:meth:`_systematic` for ``kind``."""
         wide = self._kind_wide(kind, origins)
         least = max(MEMBER, self.noise)
         group = {o.component: o for o in origins if o.kind == kind}
