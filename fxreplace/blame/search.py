@@ -345,12 +345,13 @@ class Search:
         attention fault to add), so the layer's part may hold upstream errors no kind of it
         explains: then each kind is tried again with the stream below the layer replaced
         beside it, which removes everything upstream (the search then looks upstream again)."""
-        e_base = self.E(base) if base else 0.0
         idx = self.stream_layers.index(layer)
         stream = base + [self.streams[layer].capture_name]
         below = base + [self.streams[self.stream_layers[idx - 1]].capture_name] if idx else base
         candidates = self._kinds(layer)
-        self.measure([base + [c.capture_name] for c in candidates] + [below])
+        # ``base`` too: the search has measured it already, an attribution beside a systematic fault may not have
+        self.measure([base + [c.capture_name] for c in candidates] + [below] + ([base] if base else []))
+        e_base = self.E(base) if base else 0.0
         # the part a kind must explain: the layer's, less what precision noise may leave in it (with a floor)
         part = self.E(stream) - self.E(below) - self.noise / EXPLAINS
         kinds = [x.kind for x in candidates]
@@ -511,7 +512,7 @@ class Search:
         if len(faulty) < 2:
             return origins
         kept = self._beside_systematic([x.capture_name for x in within.values()] + [c.capture_name for c in faulty],
-                                       list(others.values()))
+                                       list(others.values()), wide)
         chosen = [o.component for o in kept] + [x.capture_name for x in within.values()] + [c.capture_name for c in faulty]
         self.measure([chosen] + [[n for n in chosen if n != x.capture_name] for x in within.values()])
 
@@ -533,27 +534,34 @@ class Search:
                                      [left(c.capture_name) for c in faulty], self.E(wide))
         return members + kept + [beside_all(x) for x in within.values()]
 
-    def _beside_systematic(self, fixed: list[str], others: list[Origin]) -> list[Origin]:
+    def _beside_systematic(self, fixed: list[str], others: list[Origin], wide: list[str]) -> list[Origin]:
         """The origins of other kinds that stand beside a systematic fault whose faulty layers' components are
-        ``fixed``, each attributed again with that fault replaced beside it.
+        ``fixed`` (its kind replaced in every layer holding it: ``wide``), each attributed again with that fault
+        replaced beside it.
 
-        One stays when leaving it out of ``fixed`` and the others replaced together leaves a significant part (not
-        out of the kind replaced in every layer holding it: in the origin's own layer the kind may lie downstream of
-        it and hide it, as the routing hides its block's router). Its layer was attributed while the systematic
-        fault still acted in layers the search had not reached yet, so the layer's part held some of that fault's
-        error too, which a later kind of the layer carries and its own kind does not (the MoE block named for its
-        router); with the fault replaced the part is its own, and the earliest kind explaining it is the origin."""
+        One stays when leaving it out of ``wide`` (measured by the kind's first round) leaves a significant part, or,
+        where that hides it, out of ``fixed`` and the others replaced together: in the origin's own layer the kind
+        may lie downstream of it, as the routing lies downstream of its block's router. When its layer was attributed while the systematic
+        fault still acted in it or upstream of it (in layers the search had not reached yet), the layer's part held
+        some of that fault's error too, which a later kind of the layer carries and its own kind does not (the MoE
+        block named for its router); with the fault replaced the part is its own, and the earliest kind explaining
+        it is the origin. A fault acting only downstream acts alike with the layer's stream and its kinds replaced:
+        the attribution stands."""
         names = [o.component for o in others]
         together = fixed + names
-        self.measure([together] + [[n for n in together if n != name] for name in names])
-        kept = [o for o in others if self.E(together) - self.E([n for n in together if n != o.component])
-                >= self.significant]
+
+        def leaves(name, replaced):  # what leaving ``name`` out of ``replaced`` leaves
+            return self.E(replaced) - self.E([n for n in replaced if n != name])
+
+        hidden = [n for n in names if leaves(n, wide) < self.significant]
+        self.measure([together] + [[n for n in together if n != name] for name in hidden])
+        kept = [o for o in others if max(leaves(o.component, wide), leaves(o.component, together)) >= self.significant]
         out = []
         for layer in dict.fromkeys(o.layer for o in kept):
             here = [o for o in kept if o.layer == layer]
             base = fixed + [o.component for o in kept if o.layer != layer]
-            if self.key(base) <= set().union(*(set(o.beside) for o in here)):
-                out += here  # attributed with all of it replaced beside already
+            if {n for n in fixed if self.layer_of[n] <= layer} <= set().union(*(o.beside for o in here)):
+                out += here  # attributed with the fault in it and upstream replaced beside already
                 continue
             again = self._attribute(base, layer)
             out += again if all(o.component for o in again) else here
