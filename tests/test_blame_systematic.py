@@ -100,7 +100,8 @@ EVERY_LAYER = {
 def drawn_prompts(seed: int, n: int = 2) -> list[list[int]]:
     """The prompts bench_blame_suite.py --code-faults draws for ``seed`` (its 2 prompts of 6-13 tokens)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 128, (int(length),), generator=g).tolist() for length in torch.randint(6, 14, (n,), generator=g)]
+    lengths = torch.randint(6, 14, (n,), generator=g)
+    return [torch.randint(4, 128, (int(length),), generator=g).tolist() for length in lengths]
 
 
 @pytest.fixture(scope="module")

@@ -467,10 +467,10 @@ class Search:
         leaving less is dropped (it hid an upstream error), and when its origins leave part of what the kind-wide
         replacement removes, every other layer holding it is left out in turn (one the search passed over, its part
         below SIGNIFICANT); there, a component inside the kind's (its router) explaining what the layer leaves is an
-        origin of its own, as the search would name it. An origin of another kind stays when leaving it out of the
-        faulty layers' replacement leaves a significant part, attributed again with them replaced beside it
-        (:meth:`_beside_systematic`), and a layer no kind explained goes (the kind explains it). Each faulty layer's
-        share is its replacement alone."""
+        origin of its own, as the search would name it. An origin of another kind stays when leaving it out leaves a
+        significant part, attributed again with the faulty layers replaced beside it where the fault acted upstream
+        of it (:meth:`_beside_systematic`), and a layer no kind explained goes (the kind explains it). Each faulty
+        layer's share is its replacement alone."""
         repeated = self._repeated_kind(origins)
         for kind in [repeated] if repeated else self._leaving_kinds(origins):
             found = self._systematic_of(kind, origins)
@@ -513,7 +513,8 @@ class Search:
             return origins
         kept = self._beside_systematic([x.capture_name for x in within.values()] + [c.capture_name for c in faulty],
                                        list(others.values()), wide)
-        chosen = [o.component for o in kept] + [x.capture_name for x in within.values()] + [c.capture_name for c in faulty]
+        chosen = ([o.component for o in kept] + [x.capture_name for x in within.values()]
+                  + [c.capture_name for c in faulty])
         self.measure([chosen] + [[n for n in chosen if n != x.capture_name] for x in within.values()])
 
         def beside_all(x) -> Origin:
@@ -541,12 +542,12 @@ class Search:
 
         One stays when leaving it out of ``wide`` (measured by the kind's first round) leaves a significant part, or,
         where that hides it, out of ``fixed`` and the others replaced together: in the origin's own layer the kind
-        may lie downstream of it, as the routing lies downstream of its block's router. When its layer was attributed while the systematic
-        fault still acted in it or upstream of it (in layers the search had not reached yet), the layer's part held
-        some of that fault's error too, which a later kind of the layer carries and its own kind does not (the MoE
-        block named for its router); with the fault replaced the part is its own, and the earliest kind explaining
-        it is the origin. A fault acting only downstream acts alike with the layer's stream and its kinds replaced:
-        the attribution stands."""
+        may lie downstream of it, as the routing lies downstream of its block's router. When its layer was attributed
+        while the systematic fault still acted in it or upstream of it (in layers the search had not reached yet),
+        the layer's part held some of that fault's error too, which a later kind of the layer carries and its own
+        kind does not (the MoE block named for its router); with the fault replaced the part is its own, and the
+        earliest kind explaining it is the origin. A fault acting only downstream acts alike with the layer's stream
+        and its kinds replaced: the attribution stands."""
         names = [o.component for o in others]
         together = fixed + names
 
@@ -555,7 +556,7 @@ class Search:
 
         hidden = [n for n in names if leaves(n, wide) < self.significant]
         self.measure([together] + [[n for n in together if n != name] for name in hidden])
-        kept = [o for o in others if max(leaves(o.component, wide), leaves(o.component, together)) >= self.significant]
+        kept = [o for o in others if o.component not in hidden or leaves(o.component, together) >= self.significant]
         out = []
         for layer in dict.fromkeys(o.layer for o in kept):
             here = [o for o in kept if o.layer == layer]
