@@ -5,7 +5,7 @@ A fault is a subclass of the class a layer's module runs (one class for every la
 method or property does what the documented bug did: a port reads the config wrong, drops a step, uses another
 activation. Planted in one layer or in every layer (of the type it concerns: every MoE layer, every sliding
 attention layer). Besides: a router bug planted as an instance attribute (``module.forward = MethodType(...)``,
-which ``instrument()`` once erased), the decode-only attention faults of ``tests/decode_faults.py`` (a forward
+which ``instrument()`` once erased), the decode-only attention faults of ``decode_faults.py`` (a forward
 without a cache never runs them), the interaction case (an RMSNorm offset in every layer, where one layer's
 replacement alone makes the target worse), and a code fault beside a weight fault of another kind (two router
 rows negated in another layer: two independent sources).
@@ -227,11 +227,12 @@ def softmax_over_all(model, layers):
 # ---------------------------------------------------------------------------------------------- decode-only
 
 def decode_fault(name):
-    """tests/decode_faults.py's fault ``name`` (arising only with a cache of earlier positions) in one layer."""
+    """decode_faults.py's fault ``name`` (arising only with a cache of earlier positions) in one layer: the module
+    beside this one (tests/test_repro_decode.py loads it from here too)."""
     def plant(model, layers):
-        tests = str(Path(__file__).resolve().parent.parent / "tests")
-        if tests not in sys.path:
-            sys.path.insert(0, tests)
+        here = str(Path(__file__).resolve().parent)
+        if here not in sys.path:
+            sys.path.insert(0, here)
         import decode_faults
 
         (layer,) = layers

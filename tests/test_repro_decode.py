@@ -1,4 +1,4 @@
-"""Faults that arise in one phase only (tests/decode_faults.py: code planted in the attention of
+"""Faults that arise in one phase only (benchmarks/decode_faults.py: code planted in the attention of
 Llama and Qwen3-MoE). Validation runs the target as an engine does (prefill, then decode steps with
 a cache) and must say, per prompt, that the prefill steps match and only the decode steps diverge
 (or the reverse); a repro records the guilty component's calls as they ran (decode steps with the
@@ -8,6 +8,7 @@ named, never "agrees"."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_faults import DECODE_FAULTS, PREFILL_FAULT, plant
 from fxreplace import repro_run
 from fxreplace.capture import capture_reference
 from fxreplace.cli import main as cli
@@ -26,7 +26,15 @@ from fxreplace.models import get_family, tiny_model
 from fxreplace.repro import write_repro
 from fxreplace.targets import Target
 
-TESTS = Path(__file__).resolve().parent
+# the planted faults live beside the code-fault benchmark, which plants them too (loaded by path, as
+# test_bench_blame_suite.py loads the suite; a child process imports them from there by name)
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+if "decode_faults" not in sys.modules:  # one module, whichever loads it first
+    spec = importlib.util.spec_from_file_location("decode_faults", BENCHMARKS / "decode_faults.py")
+    sys.modules["decode_faults"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["decode_faults"])
+decode_faults = sys.modules["decode_faults"]
+DECODE_FAULTS, PREFILL_FAULT, plant = decode_faults.DECODE_FAULTS, decode_faults.PREFILL_FAULT, decode_faults.plant
 ATTENTION = "model.layers.1.self_attn"  # the last layer's: what it computes reaches the logits directly
 CASES = [("LlamaForCausalLM", "rope_again"), ("Qwen3MoeForCausalLM", "position_off_by_one")]
 assert {fault for _, fault in CASES} == set(DECODE_FAULTS)
@@ -132,7 +140,7 @@ def fxreplace_process(*args: str, faults: bool) -> subprocess.CompletedProcess:
     plant_them = "import decode_faults; decode_faults.install(); " if faults else ""
     script = (f"{plant_them}import runpy, sys; sys.argv[0] = 'fxreplace'; "
               "runpy.run_module('fxreplace', run_name='__main__')")
-    path = os.pathsep.join(p for p in (str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(BENCHMARKS), str(BENCHMARKS.parent), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
 

@@ -21,10 +21,11 @@ origins found so far ``B`` kept replaced, the search
    (diffuse drift: then every stream and component is measured for the heat map), or the
    pass budget is spent. Once one kind holds origins in two layers, it is replaced in every
    layer holding it (one pass) and the search goes on beside that; at the end (also for the
-   largest origin's kind when the origins leave MEMBER), when that explains the divergence, the
-   kind is one systematic fault (a bug in code every layer runs shows in every layer), its
-   faulty layers those whose leaving out of the replacement leaves a part of the divergence,
-   each with what its replacement removes alone.
+   origins' kinds in turn, the largest origin's first, when the origins leave MEMBER), when that
+   explains the divergence, the kind is one systematic fault (a bug in code every layer runs shows
+   in every layer), its faulty layers those whose leaving out of the replacement leaves a part of
+   the divergence, each with what its replacement removes alone; an origin of another kind beside
+   it is attributed again with those layers replaced (its layer's part then holds its own fault only).
 
 When the target's logits hold NaN/inf, one observing pass finds where they first appear.
 """
@@ -344,12 +345,13 @@ class Search:
         attention fault to add), so the layer's part may hold upstream errors no kind of it
         explains: then each kind is tried again with the stream below the layer replaced
         beside it, which removes everything upstream (the search then looks upstream again)."""
-        e_base = self.E(base) if base else 0.0
         idx = self.stream_layers.index(layer)
         stream = base + [self.streams[layer].capture_name]
         below = base + [self.streams[self.stream_layers[idx - 1]].capture_name] if idx else base
         candidates = self._kinds(layer)
-        self.measure([base + [c.capture_name] for c in candidates] + [below])
+        # ``base`` too: the search has measured it already, an attribution beside a systematic fault may not have
+        self.measure([base + [c.capture_name] for c in candidates] + [below] + ([base] if base else []))
+        e_base = self.E(base) if base else 0.0
         # the part a kind must explain: the layer's, less what precision noise may leave in it (with a floor)
         part = self.E(stream) - self.E(below) - self.noise / EXPLAINS
         kinds = [x.kind for x in candidates]
@@ -411,16 +413,17 @@ class Search:
         repeated = [kind for kind in self.kinds if len(layers[kind]) >= least]
         return max(repeated, key=lambda kind: len(layers[kind])) if repeated else None
 
-    def _leaving_kind(self, origins: list[Origin]) -> str | None:
-        """The kind of the largest origin when the origins together leave at least MEMBER of the divergence beyond the
-        floor's part: the same fault in other layers, each adding less than SIGNIFICANT, may be what they leave."""
+    def _leaving_kinds(self, origins: list[Origin]) -> list[str]:
+        """The origins' kinds, the largest origin's first, when the origins together leave at least MEMBER of the
+        divergence beyond the floor's part: the same fault in other layers, each adding less than SIGNIFICANT, may be
+        what they leave (beside a larger fault of another kind: a flipped router beside an attention bug)."""
         if self.drifts and self.floor is None:
-            return None  # no scale tells a kind's precision drift from its fault
+            return []  # no scale tells a kind's precision drift from its fault
         named = [o for o in origins if o.component and o.kind in self.kinds]
         together = self.key([o.component or self.streams[o.layer].capture_name for o in origins])
         if not named or together not in self.cache or 1 - self.E(together) - self.noise < MEMBER:
-            return None
-        return max(named, key=lambda o: o.share).kind
+            return []
+        return list(dict.fromkeys(o.kind for o in sorted(named, key=lambda o: -o.share)))
 
     def _places(self, origins: list[Origin]) -> int:
         """The places to fix: the origins, a kind holding origins in several layers counted once."""
@@ -455,7 +458,9 @@ class Search:
 
     def _systematic(self, origins: list[Origin]) -> list[Origin]:
         """The origins, with a kind holding origins in several layers made one systematic fault when replacing it in
-        every layer holding it (beside the other origins) explains the divergence. Sets ``self.systematic``.
+        every layer holding it (beside the other origins) explains the divergence; when no kind holds origins in two
+        layers and the origins leave MEMBER, each origin's kind is tried so in turn, the largest origin's first.
+        Sets ``self.systematic``.
 
         Its faulty layers leave at least MEMBER of the divergence when left out of that replacement: with the kind
         replaced in the others, a sound layer computes the reference's values and leaves ~0. So an origin of the kind
@@ -463,11 +468,18 @@ class Search:
         replacement removes, every other layer holding it is left out in turn (one the search passed over, its part
         below SIGNIFICANT); there, a component inside the kind's (its router) explaining what the layer leaves is an
         origin of its own, as the search would name it. An origin of another kind stays when leaving it out leaves a
-        significant part, and a layer no kind explained goes (the kind explains it). Each faulty layer's share is
-        its replacement alone."""
-        kind = self._repeated_kind(origins) or self._leaving_kind(origins)
-        if kind is None:
-            return origins
+        significant part, attributed again with the faulty layers replaced beside it where the fault acted upstream
+        of it (:meth:`_beside_systematic`), and a layer no kind explained goes (the kind explains it). Each faulty
+        layer's share is its replacement alone."""
+        repeated = self._repeated_kind(origins)
+        for kind in [repeated] if repeated else self._leaving_kinds(origins):
+            found = self._systematic_of(kind, origins)
+            if self.systematic is not None:
+                return found
+        return origins
+
+    def _systematic_of(self, kind: str, origins: list[Origin]) -> list[Origin]:
+        """:meth:`_systematic` for ``kind``."""
         wide = self._kind_wide(kind, origins)
         least = max(MEMBER, self.noise)
         group = {o.component: o for o in origins if o.kind == kind}
@@ -499,8 +511,10 @@ class Search:
         faulty = [c for c in leaving if c.capture_name not in within]
         if len(faulty) < 2:
             return origins
-        kept = [name for name in others if left(name) >= self.significant]
-        chosen = kept + [x.capture_name for x in within.values()] + [c.capture_name for c in faulty]
+        kept = self._beside_systematic([x.capture_name for x in within.values()] + [c.capture_name for c in faulty],
+                                       list(others.values()), wide)
+        chosen = ([o.component for o in kept] + [x.capture_name for x in within.values()]
+                  + [c.capture_name for c in faulty])
         self.measure([chosen] + [[n for n in chosen if n != x.capture_name] for x in within.values()])
 
         def beside_all(x) -> Origin:
@@ -519,7 +533,40 @@ class Search:
         self.systematic = Systematic(kind, [c.layer for c in faulty], [c.capture_name for c in faulty], where, every,
                                      self.E(chosen), [o.share for o in members],
                                      [left(c.capture_name) for c in faulty], self.E(wide))
-        return members + [others[name] for name in kept] + [beside_all(x) for x in within.values()]
+        return members + kept + [beside_all(x) for x in within.values()]
+
+    def _beside_systematic(self, fixed: list[str], others: list[Origin], wide: list[str]) -> list[Origin]:
+        """The origins of other kinds that stand beside a systematic fault whose faulty layers' components are
+        ``fixed`` (its kind replaced in every layer holding it: ``wide``), each attributed again with that fault
+        replaced beside it.
+
+        One stays when leaving it out of ``wide`` (measured by the kind's first round) leaves a significant part, or,
+        where that hides it, out of ``fixed`` and the others replaced together: in the origin's own layer the kind
+        may lie downstream of it, as the routing lies downstream of its block's router. When its layer was attributed
+        while the systematic fault still acted in it or upstream of it (in layers the search had not reached yet),
+        the layer's part held some of that fault's error too, which a later kind of the layer carries and its own
+        kind does not (the MoE block named for its router); with the fault replaced the part is its own, and the
+        earliest kind explaining it is the origin. A fault acting only downstream acts alike with the layer's stream
+        and its kinds replaced: the attribution stands."""
+        names = [o.component for o in others]
+        together = fixed + names
+
+        def leaves(name, replaced):  # what leaving ``name`` out of ``replaced`` leaves
+            return self.E(replaced) - self.E([n for n in replaced if n != name])
+
+        hidden = [n for n in names if leaves(n, wide) < self.significant]
+        self.measure([together] + [[n for n in together if n != name] for name in hidden])
+        kept = [o for o in others if o.component not in hidden or leaves(o.component, together) >= self.significant]
+        out = []
+        for layer in dict.fromkeys(o.layer for o in kept):
+            here = [o for o in kept if o.layer == layer]
+            base = fixed + [o.component for o in kept if o.layer != layer]
+            if {n for n in fixed if self.layer_of[n] <= layer} <= set().union(*(o.beside for o in here)):
+                out += here  # attributed with the fault in it and upstream replaced beside already
+                continue
+            again = self._attribute(base, layer)
+            out += again if all(o.component for o in again) else here
+        return out
 
     def _where(self, kind: str, layers: list[int]) -> tuple[str, bool]:
         """``layers`` in the words of the model's layer groups ("every layer", "every MoE layer", "every sliding
