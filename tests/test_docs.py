@@ -49,3 +49,39 @@ def test_the_family_example_registers_a_working_family(monkeypatch):
         model(input_ids=torch.tensor([[1, 2, 3]]))
     assert list(family.components) == ["embedding", "attention", "router", "routing", "experts", "layer"]
     assert len(resolve_components(tiny_model("MyMoeForCausalLM"), family.components)) == 1 + 2 * 5  # 2 layers
+
+
+def _api_entries() -> dict[str, list[str]]:
+    """docs/api.md's ``::: dotted.path`` entries by section heading."""
+    sections: dict[str, list[str]] = {}
+    heading = ""
+    for line in (ROOT / "docs" / "api.md").read_text().splitlines():
+        if line.startswith("## "):
+            heading = line[3:]
+            sections[heading] = []
+        elif line.startswith("::: "):
+            sections[heading].append(line[4:].strip())
+    return sections
+
+
+def test_the_top_level_names_are_what_the_api_page_documents_at_the_top():
+    """A section whose heading names no module documents names importable from ``fxreplace`` itself;
+    ``__all__`` is those (and aliases of them), nothing else."""
+    import importlib
+
+    import fxreplace
+
+    documented, elsewhere = {}, []
+    for heading, entries in _api_entries().items():
+        for path in entries:
+            module, _, name = path.rpartition(".")
+            obj = getattr(importlib.import_module(module), name)
+            (elsewhere.append(path) if "`fxreplace." in heading else documented.setdefault(name, obj))
+    assert documented and elsewhere, "the parser found the page's entries"
+    for name, obj in documented.items():
+        assert getattr(fxreplace, name, None) is obj, f"api.md documents {name} at the top; fxreplace.{name} is not it"
+    undocumented = [name for name in fxreplace.__all__
+                    if not any(getattr(fxreplace, name) is obj for obj in documented.values())]
+    assert not undocumented, f"fxreplace.__all__ holds names docs/api.md does not document at the top: {undocumented}"
+    assert set(documented) <= set(fxreplace.__all__), sorted(set(documented) - set(fxreplace.__all__))
+    assert not [p for p in elsewhere if p.rpartition(".")[2] in fxreplace.__all__], "a module's section holds a top name"

@@ -320,7 +320,8 @@ def test_stores_laid_out_alike_join_side_by_side_without_copying_a_row(tmp_path)
 
 
 def test_merge_keeps_disjoint_prompt_indices_and_renumbers_colliding_ones(tmp_path):
-    from fxreplace import StoreWriter, merge_stores
+    from fxreplace import StoreWriter
+    from fxreplace.store import merge_stores
 
     caps, ids = _prompt_captures(6)
     for rank in range(2):  # data-parallel capture: each engine gets every other prompt

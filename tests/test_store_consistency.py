@@ -15,7 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxreplace import CaptureError, ReferenceStore, StoreError, StoreWriter, TensorReplacer, merge_stores, repack_store
+from fxreplace import CaptureError, ReferenceStore, StoreError, StoreWriter, TensorReplacer
+from fxreplace.store import merge_stores, repack_store
 from fxreplace.reference import Reference
 from fxreplace.store import GENERATED_LOGITS, load_captures, load_legacy
 from fxreplace.store.format import FORMAT_VERSION
