@@ -25,7 +25,7 @@ import torch
 
 from .dtypes import dtype_name, is_full_precision
 from .engines.embedded import Runner, RunnerConfig
-from .metrics import fmt, times
+from .words import fmt, times
 from .store.format import FLOOR_FILE
 from .validation import logit_validation
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from .metrics import CONTRIBUTES, fmt, pct
+from .metrics import CONTRIBUTES
+from .words import fmt, pct
 
 
 def write_validation_junit(result, gate, path: str | Path) -> Path:

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .words import fmt, pct, plural, times
+
 MATCHED, WITHIN_TOLERANCE, DIVERGED = "matched", "within_tolerance", "diverged"
 #: Which forward computed a step's logits: a request's prefill (its first step) or a decode step with the KV cache.
 PREFILL, DECODE = "prefill", "decode"
@@ -270,13 +272,6 @@ def verdict(summary: dict, what: str = "the replaced tensors", floor=None, unsca
                    f"elsewhere: `fxreplace blame` searches layer by layer{scale['text']}.", **numbers)
 
 
-def times(value: float | None) -> str:
-    """A multiple of the floor as text: ``12x``, ``0.85x``, ``-`` when unknown."""
-    if value is None:
-        return "-"
-    if value == float("inf"):
-        return "inf x"
-    return f"{value:.2g}x" if value < 0.95 else f"{value:.1f}x" if value < 10 else f"{value:.0f}x"
 
 
 def no_scale(dtype: str | None) -> str:
@@ -301,23 +296,10 @@ def _worse(off: dict, on: dict, both: bool = True) -> str:
     return ", ".join(f"{label} {a:.3g} -> {b:.3g}" for label, a, b in grew) if len(grew) >= (2 if both else 1) else ""
 
 
-def fmt(v) -> str:
-    """Compact number for tables: 3 significant digits, '-' for missing."""
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
 
 
-def pct(v) -> str:
-    """A fraction as a whole percentage for tables and verdicts, '-' for missing."""
-    return "-" if v is None else f"{0.0 if abs(v) < 0.005 else v:.0%}"  # no "-0%" for rounding noise
 
 
-def plural(n: int, noun: str) -> str:
-    """``1 round``, ``2 rounds``; ``pass`` -> ``passes``."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
 
 
 #: The mark of a part below zero (a blame share or explained part), and what it means: the

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import BELOW_ZERO, BELOW_ZERO_NOTE, LAYERS_HEAD, NOTHING_RANKED, fmt, part, pct, plural, times
+from .metrics import BELOW_ZERO, BELOW_ZERO_NOTE, LAYERS_HEAD, NOTHING_RANKED, part
+from .words import fmt, pct, plural, times
 
 import matplotlib
 

@@ -18,7 +18,8 @@ from torch import nn
 
 from fxreplace.blame import MEMBER, SIGNIFICANT, Search, blame, resolve_components
 from fxreplace.capture import capture_reference
-from fxreplace.metrics import BELOW_ZERO, EXPLAINS, Tolerances, pct
+from fxreplace.metrics import BELOW_ZERO, EXPLAINS, Tolerances
+from fxreplace.words import pct
 from fxreplace.models import get_family, tiny_model
 from fxreplace.repro import blamed_component
 

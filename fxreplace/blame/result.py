@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..components import layer_of
-from ..metrics import (BELOW_ZERO, BELOW_ZERO_NOTE, EXPLAINED_NOTE, EXPLAINS, LAYERS_HEAD, NOTHING_RANKED, fmt, part,
-                       pct, plural, times)
+from ..metrics import BELOW_ZERO, BELOW_ZERO_NOTE, EXPLAINED_NOTE, EXPLAINS, LAYERS_HEAD, NOTHING_RANKED, part
+from ..words import fmt, pct, plural, times
 
 #: A part of the divergence that matters: more than what a replacement that explains it may leave.
 #: An origin adds at least this much; the layers holding no origin hold less together, or the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..metrics import plural
+from ..words import plural
 from ..words import one_line
 from .reference_store import ReferenceStore
 from .writer import unfinished
