@@ -13,7 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from fxreplace.extensions import describe_failures, load_extensions
+from fxreplace.extensions import load_extensions
+from fxreplace.registries import Registry, describe_failures
 from fxreplace.targets import Target
 
 logger = logging.getLogger("fxreplace")
@@ -69,7 +70,7 @@ class Family:
         return dict(self.components_by_engine().get(engine, {}))
 
 
-_FAMILIES: dict[str, Family] = {}
+_FAMILIES: Registry[Family] = Registry("family")
 _loaded = False  # the built-in modules imported
 _HF_AVAILABLE = True  # transformers installed (set when the built-ins load)
 
@@ -81,12 +82,7 @@ def register_family(family: Family, *, replace: bool = False) -> Family:
     if not isinstance(family, Family):
         raise TypeError(f"register_family needs a Family, got {type(family).__name__}")
     _load_builtins()  # a built-in name is taken before anyone registers
-    if not isinstance(family.architecture, str) or not family.architecture:
-        raise TypeError(f"Family.architecture must be a non-empty string, got {family.architecture!r}")
-    if family.architecture in _FAMILIES and not replace:
-        raise ValueError(f"a family for {family.architecture!r} is already registered; pass replace=True to replace it")
-    _FAMILIES[family.architecture] = family
-    return family
+    return _FAMILIES.register(family.architecture, family, replace=replace)
 
 
 

@@ -95,7 +95,7 @@ def test_a_registered_engine_captures_through_its_capture_spec(tmp_path, capsys)
                  "--engine", "recompute-like"])
         assert "no engine 'recompute-like'" in capsys.readouterr().err
     finally:
-        registry._ENGINES.pop("spy", None)
+        registry._ENGINES.unregister("spy")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def recompute():
     """The example engine, registered as its page shows (and unregistered after)."""
     runpy.run_path(str(ROOT / "docs" / "examples" / "recompute_engine.py"))
     yield registry.get_engine("recompute")
-    registry._ENGINES.pop("recompute", None)
+    registry._ENGINES.unregister("recompute")
 
 
 def test_the_example_engine_runs_validate_and_blame(recompute, tmp_path, capsys):
