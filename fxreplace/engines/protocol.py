@@ -1,8 +1,8 @@
 """What fxreplace needs from an engine.
 
-Validation and blame drive any engine through :class:`Engine`: ``generate(prompts,
-max_new_tokens, replace) -> [Generation]`` (the embedded runner, vLLM, an engine of your own:
-see :mod:`fxreplace.engines`).
+Validation and blame drive any engine through :class:`Engine`, a base class: ``generate(prompts,
+max_new_tokens, replace) -> [Generation]`` and optional capabilities with defaults (the embedded
+runner, vLLM, an engine of your own: see :mod:`fxreplace.engines`).
 
 A serving engine's model runner is seen through :class:`RunnerSide`, so one replacement state
 and one row recording serve every runner (vLLM's GPU/CPU runner in
@@ -45,12 +45,46 @@ class Generation:
         return torch.stack(self.logits)
 
 
-class Engine(Protocol):
+class Engine:
     """What validation and blame drive: greedy generation, with replacement on, off or for the
-    named captures only."""
+    named captures only. Subclass it and implement :meth:`generate`; every other member is an
+    optional capability whose default here says what an engine without it does, so callers read
+    it as an attribute (override a default as a class attribute, an instance attribute or a
+    property)."""
 
-    # an engine whose ``teacher_forcing`` is true also takes ``forced=`` (see the module docstring)
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str]) -> list: ...
+    #: blame's candidates, the :class:`~fxreplace.components.Component`\ s it can replace (none: it
+    #: cannot be blamed)
+    components: Sequence = ()
+    #: the vocabulary its logits span, checked against the reference's (None: not checked)
+    vocab_size: int | None = None
+    #: what it runs the model in (a torch dtype or its name): the noise floor the reference stored
+    #: for it scales blame's verdict (None: no stored floor applies)
+    dtype: torch.dtype | str | None = None
+    #: each request of one ``generate`` call may replace its own selection (``replace=PerRequest(...)``):
+    #: blame then measures a round's hypotheses side by side in one call instead of one call each
+    per_request_selection: bool = False
+    #: ``generate`` takes ``forced=`` (each prompt's reference tokens to feed instead of its own),
+    #: so validation runs every step after a divergence in the call that found it
+    teacher_forcing: bool = False
+    #: the graphs it compiled, which ``fxreplace validate`` reports (None: it does not count them)
+    graphs_compiled: int | None = None
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 replace: bool | Collection[str]) -> list[Generation]:
+        """One :class:`Generation` per prompt: ``max_new_tokens`` greedy tokens and the logits that
+        chose each, ``replace`` True (every target replaced), False (none) or the capture names."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement Engine.generate")
+
+    def close(self) -> None:
+        """Release what it holds (processes, memory); the default holds nothing."""
+
+
+def check_engine(engine, what: str) -> Engine:
+    """``engine`` when it is an :class:`Engine`, else a TypeError naming ``what`` it is."""
+    if not isinstance(engine, Engine):
+        raise TypeError(f"{what} must be an fxreplace.engines.protocol.Engine (subclass it: generate() and the "
+                        f"capabilities it has), got {type(engine).__name__}")
+    return engine
 
 
 @dataclass(slots=True)  # made at every step of a serving engine: slots make it cheaper to make and read

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
+from .protocol import Engine
 from ..registries import Registry, describe_failures, load_entry_point
 
 ENTRY_POINT_GROUP = "fxreplace.engines"
@@ -154,9 +155,8 @@ class Opened:
 
     def close(self) -> None:
         """Close the engine when it holds resources (processes, memory)."""
-        close = getattr(self.engine, "close", None)
-        if callable(close):
-            close()
+        if isinstance(self.engine, Engine):  # else the model itself (blame instruments it), which holds nothing
+            self.engine.close()
 
 
 #: What an engine's start, interrupted and forced to exit at once, prints last: the command's own

@@ -37,14 +37,14 @@ from ...context import PerRequest
 from ...models import architecture, get_family
 from ...reference import load_reference
 from ...targets import Target
-from ..protocol import Generation
+from ..protocol import Engine, Generation
 from . import shm
 from .startup import engine_start
 
 OFF = {"fxreplace": "off"}
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     """``VllmEngine(model_dir, replacement, dtype="float32", logprobs=-1, **llm_kwargs)``.
 
     ``replacement``: the plugin's :class:`~fxreplace.ReplacementConfig` (e.g.
@@ -109,7 +109,7 @@ class VllmEngine:
         self._shm.after_teardown()
 
 
-class VllmBlameEngine:
+class VllmBlameEngine(Engine):
     """:func:`fxreplace.blame` through vLLM: ``generate(prompts, n, replace=<capture names>)``.
 
     One engine serves the whole search: its plugin instruments every component, with
