@@ -36,6 +36,7 @@ def test_python_block_runs(page, index, code, tmp_path, monkeypatch):
     # a block that registers a family registers it for itself (tests/test_docs.py runs the same example)
     fxreplace.models.families()  # the built-ins registered before the copy
     monkeypatch.setattr(fxreplace.models.registry, "_FAMILIES", fxreplace.models.registry._FAMILIES.copy())
+    monkeypatch.setattr(fxreplace.models.registry, "_SITES", fxreplace.models.registry._SITES.copy())
     exec(compile(code, f"{page} python block {index}", "exec"), {"__name__": f"docs_block_{index}"})
 
 

@@ -39,6 +39,7 @@ from ...reference import load_reference
 from ...targets import Target
 from ..protocol import Engine, Generation
 from . import shm
+from .sites import MODEL_CODE
 from .startup import engine_start
 
 OFF = {"fxreplace": "off"}
@@ -180,7 +181,7 @@ def _request_selection(replace: bool | Collection[str]) -> tuple[dict | None, st
 def _family_vllm_components(model_dir: str) -> dict:
     arch = architecture(json.loads((Path(model_dir) / "config.json").read_text()), "?")
     family = get_family(arch)
-    components = family.components_for("vllm")
+    components = family.components_for(MODEL_CODE)
     if not components:
         raise ValueError(f"the {arch} family declares no components in vLLM's model code; pass "
                          "vllm_components={kind: Target}")

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from . import internals
+from .sites import MODEL_CODE
 from ..protocol import StepHooks, StepLayout
 
 
@@ -16,7 +17,7 @@ class VllmRunner:
     """One vLLM GPU/CPU model runner, seen through the runner protocol."""
 
     bound = True  # vLLM compiles (and CUDA-graph captures) the model once: rows live in bound buffers
-    engine = "vllm"
+    engine = MODEL_CODE  # the family sites it reads (registered by importing .sites)
 
     def __init__(self, runner):
         self.runner = runner

@@ -21,6 +21,7 @@ from ....config import ConfigError
 from ....context import ReplacementContext
 from ...protocol import StepHooks, StepLayout
 from . import internals
+from .sites import MODEL_CODE
 
 ASYNC_SPECULATION_HINT = (
     "vllm-neuron corrects the positions of rejected speculative drafts only on the device under async "
@@ -36,7 +37,7 @@ class NeuronRunner:
     """One vllm-neuron ``NeuronModelRunner``, seen through the runner protocol."""
 
     bound = False  # one graph per bucket, called by the runner: the context is each call's input
-    engine = "vllm-neuron"
+    engine = MODEL_CODE  # the family sites it reads (registered by importing .sites)
 
     def __init__(self, runner):
         if getattr(runner, internals.OWN_REPLACER, None) is not None:
