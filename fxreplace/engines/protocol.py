@@ -11,10 +11,12 @@ A runner side tells fxreplace
 
 * the module to instrument (the original model, under any compile wrapper), its Hugging Face
   config and device, and the rows of its largest forward (``max_tokens``);
-* whether replacement rows are *bound*: static buffers bound to the model before it compiles
-  and filled in place before each forward (vLLM's compiled and CUDA-graph runners), or
-  *per-step inputs*: a context handed to each compiled call (Neuron's bucketed graphs);
-* each forward's :class:`StepLayout`: the requests in slot order, the tokens each computes,
+* its replacement and capture classes, which say whether replacement rows are *bound*: static
+  buffers bound to the model before it compiles and filled in place before each forward (vLLM's
+  compiled and CUDA-graph runners), or *per-step inputs*: a context handed to each compiled call
+  (Neuron's bucketed graphs);
+* the requests each scheduler step ends and starts (:class:`StepRequests`), and each
+  forward's :class:`StepLayout`: the requests in slot order, the tokens each computes,
   the padding and the position of every slot;
 
 and installs the per-step hooks of :class:`StepHooks` where its runner steps. Everything
@@ -124,6 +126,25 @@ class StepLayout:
         return starts
 
 
+@dataclass(slots=True)
+class NewRequest:
+    """A request a scheduler step starts: ``prompt`` its token ids (None: prompt embeddings, nothing
+    to match), ``replace`` True (every capture), False (served untouched) or the capture names it
+    selects."""
+
+    req_id: str
+    prompt: Sequence[int] | None
+    replace: bool | Sequence[str] = True
+
+
+@dataclass(slots=True)
+class StepRequests:
+    """The requests one scheduler step ends (``finished``, their ids) and starts (``new``)."""
+
+    finished: Collection[str] = ()
+    new: list[NewRequest] = field(default_factory=list)
+
+
 @dataclass
 class StepHooks:
     """Callbacks a runner side installs where its runner steps (any may be None):
@@ -154,11 +175,20 @@ class RunnerSide(Protocol):
     hf_config: Any  # the model's Hugging Face config (family and default targets)
     device: torch.device  # where the model runs
     max_tokens: int  # slots of the largest forward
-    bound: bool  # True: static buffers bound before compile; False: a context per compiled call
     engine: str  # its name: messages, and the key of a family's targets in this runner's model code
+
+    def replacement_class(self, select_captures: bool) -> type:
+        """The replacement state of this runner, built as ``cls(side, replacement_config)``
+        (``select_captures``: each request may select the captures that replace it)."""
+
+    def capture_class(self) -> type:
+        """The capture state of this runner, built as ``cls(side, capture_config)``."""
 
     def split_by_stage(self, targets: list) -> tuple[list, list]:
         """``targets`` as (this pipeline stage's, other stages')."""
+
+    def requests(self, step) -> StepRequests:
+        """The requests the scheduler's ``step`` ends and starts (read from its own output)."""
 
     def layout(self, step, positions) -> StepLayout:
         """The layout of the forward of ``step`` whose positions are ``positions``."""
