@@ -26,6 +26,7 @@ rows by request and position) is the same code for every runner.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Protocol, Sequence
 
@@ -47,15 +48,16 @@ class Generation:
         return torch.stack(self.logits)
 
 
-class Engine:
+class Engine(abc.ABC):
     """What validation and blame drive: greedy generation, with replacement on, off or for the
-    named captures only. Subclass it and implement :meth:`generate`; every other member is an
+    named captures only. Subclass it and implement :meth:`generate` (abstract: an engine without
+    it cannot be made); every other member is an
     optional capability whose default here says what an engine without it does, so callers read
     it as an attribute (override a default as a class attribute, an instance attribute or a
     property)."""
 
-    #: blame's candidates, the :class:`~fxreplace.components.Component`\ s it can replace (none: it
-    #: cannot be blamed)
+    #: blame's candidates: the components (:class:`~fxreplace.components.Component`) it can replace
+    #: (none: it cannot be blamed)
     components: Sequence = ()
     #: the vocabulary its logits span, checked against the reference's (None: not checked)
     vocab_size: int | None = None
@@ -71,11 +73,11 @@ class Engine:
     #: the graphs it compiled, which ``fxreplace validate`` reports (None: it does not count them)
     graphs_compiled: int | None = None
 
+    @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  replace: bool | Collection[str]) -> list[Generation]:
         """One :class:`Generation` per prompt: ``max_new_tokens`` greedy tokens and the logits that
         chose each, ``replace`` True (every target replaced), False (none) or the capture names."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement Engine.generate")
 
     def close(self) -> None:
         """Release what it holds (processes, memory); the default holds nothing."""
