@@ -21,11 +21,12 @@ from typing import Callable, Union
 import torch
 from torch import nn
 
-from .extensions import describe_failures, load_extensions
+from .extensions import load_extensions
+from .registries import Registry, describe_failures
 
 Adapter = Callable[[torch.Tensor, nn.Module], Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]
 
-_REGISTRY: dict[str, Adapter] = {}
+_REGISTRY: Registry[Adapter] = Registry("adapter")
 _ROUTING: set[str] = set()
 
 
@@ -35,13 +36,9 @@ def register_adapter(name: str, fn: Adapter, *, routing: bool = False, replace: 
     applied at a point that computes the logits themselves (checked at instrument).
     A name already registered is an error unless ``replace=True`` (two packages must
     not silently take each other's adapter)."""
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"an adapter name must be a non-empty string, got {name!r}")
     if not callable(fn):
         raise TypeError(f"adapter {name!r} must be callable")
-    if name in _REGISTRY and not replace and _REGISTRY[name] is not fn:
-        raise ValueError(f"adapter {name!r} is already registered; pass replace=True to replace it")
-    _REGISTRY[name] = fn
+    _REGISTRY.register(name, fn, replace=replace)
     _ROUTING.discard(name)
     if routing:
         _ROUTING.add(name)

@@ -16,7 +16,8 @@ families are listed), so ``import fxreplace`` stays light.
 from __future__ import annotations
 
 from importlib.metadata import entry_points
-from types import ModuleType
+
+from .registries import load_entry_point
 
 GROUP = "fxreplace.families"
 _failures: list[str] | None = None  # one message per entry point that failed, once they were loaded
@@ -29,17 +30,5 @@ def load_extensions() -> list[str]:
     global _failures
     if _failures is None:
         _failures = []
-        for ep in entry_points(group=GROUP):
-            try:
-                obj = ep.load()
-                if not isinstance(obj, ModuleType):
-                    obj()
-            except Exception as exc:
-                _failures.append(f"the {GROUP!r} entry point {ep.name!r} = {ep.value!r} failed to register: "
-                                 f"{type(exc).__name__}: {exc}")
+        _failures = [f for f in (load_entry_point(ep, GROUP) for ep in entry_points(group=GROUP)) if f]
     return list(_failures)
-
-
-def describe_failures(failures: list[str]) -> str:
-    """The failures as the tail of a "not found" message ("" when there are none)."""
-    return "".join(f"; {f}" for f in failures)

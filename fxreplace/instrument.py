@@ -34,6 +34,7 @@ from .passes import InjectionSpec, insert_replacements
 from .points import (GIVEN_FORWARD, ROUTING, WRAPPED_FORWARD, InjectionPoint, TargetNotLiveError, check_adapter_fits,
                      check_output_point_read, computes_linear_output, describe_forward, forward_attribute,
                      instance_forward, locate_injection_point, working_point)
+from .registries import Registry
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
@@ -283,19 +284,19 @@ def _check_point_value(value, module_name: str, where) -> None:
 
 
 BypassHint = Callable[[nn.Module, str], "str | None"]
-_BYPASS_HINTS: list[BypassHint] = []
+_BYPASS_HINTS: Registry[BypassHint] = Registry("bypass hint")
 
 
-def register_bypass_hint(hint: BypassHint) -> BypassHint:
+def register_bypass_hint(hint: BypassHint, *, replace: bool = False) -> BypassHint:
     """``hint(model, module_name)`` says what skipped a target that a forward did not reach and
     what to turn off (e.g. a fused kernel a model family enables by a config flag), or None.
-    Families register theirs (see ``fxreplace.models.nxd``); :class:`TargetNotHitError` shows them."""
-    _BYPASS_HINTS.append(hint)
-    return hint
+    Families register theirs (see ``fxreplace.models.nxd``); :class:`TargetNotHitError` shows them.
+    Registered by its qualified name, which another hint takes only with ``replace=True``."""
+    return _BYPASS_HINTS.register(f"{hint.__module__}.{hint.__qualname__}", hint, replace=replace)
 
 
 def _bypass_hint(model: nn.Module, missed: list[str]) -> str:
-    hints = [h for name in missed for h in (hint(model, name) for hint in _BYPASS_HINTS) if h]
+    hints = [h for name in missed for h in (hint(model, name) for hint in _BYPASS_HINTS.values()) if h]
     if not hints:
         return ""
     more = f" (and {len(hints) - 1} more like it)" if len(hints) > 1 else ""

@@ -31,7 +31,7 @@ import torch
 
 from .context import PerRequest
 from .dtypes import is_full_precision
-from .engines.protocol import Engine
+from .engines.protocol import Engine, check_engine
 from .metrics import (DECODE, DIVERGED, MATCHED, PREFILL, WITHIN_TOLERANCE, StepMetrics, Tolerances, Verdict,
                       compare_steps, diverging_phase, no_scale, phase_clue, phase_counts, topk_agreement, verdict)
 from .reference import Reference
@@ -258,6 +258,7 @@ def logit_validation(
     With ``progress``, a bar counts validated steps, and while the engine works on a
     call (a compile, a long wave) a line says so at least every :data:`HEARTBEAT_S` seconds.
     """
+    check_engine(engine, "logit_validation's engine")
     for mode in modes:
         if mode not in ("off", "on"):
             raise ValueError(f"modes must be 'off' and/or 'on', got {mode!r}")
@@ -302,7 +303,7 @@ def _validate_mode(engine: Engine, reference: Reference, result: ValidationResul
         doing = f"round {rounds}: {len(todo)} prompts, up to {max_new} steps"
         if rounds == 0:
             doing += "; a compiled engine compiles during its first call"
-        forcing = getattr(engine, "teacher_forcing", False)
+        forcing = engine.teacher_forcing
         forced = {"forced": [reference.tokens(p)[covered[p]:] for p in todo]} if forcing else {}
         with heartbeat(lambda line: bar.write(f"  {bar.desc}: {line}", file=sys.stderr), progress, doing):
             gens = engine.generate(inputs, max_new, replace=selection, **forced)

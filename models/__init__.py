@@ -1,8 +1,9 @@
 """Per-family knowledge, registered by architecture name.
 
 A family module says which modules hold the tensors worth replacing in the HF
-implementation (and in vLLM's, which names and returns them differently) and
-gives a tiny config for tests and demos.
+implementation and gives a tiny config for tests and demos; an engine whose model code
+names and returns them differently (vLLM's) registers the family's sites there itself
+(:func:`register_sites`).
 
 The registry lives in :mod:`fxreplace.models.registry` (its built-in modules listed there, registered
 when it is first used); a package outside this repository registers through the ``fxreplace.families``
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from .registry import Family, architecture, decoder_components, families, get_family, register_family
+from .registry import (Family, Sites, architecture, decoder_components, families, get_family, register_family,
+                       register_sites, sites)
 
-__all__ = ["Family", "architecture", "decoder_components", "families", "get_family", "register_family", "tiny_model"]
+__all__ = ["Family", "Sites", "architecture", "decoder_components", "families", "get_family", "register_family",
+           "register_sites", "sites", "tiny_model"]
 
 
 def tiny_model(architecture: str, *, seed: int = 0, init_std: float | None = 0.2, **config_overrides):

@@ -48,9 +48,7 @@ def tiny_config(**overrides):
 register_family(Family(
     architecture="DeepseekV3ForCausalLM",
     targets=(Target("model.layers.*.mlp.gate"),),
-    vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
     tiny_config=tiny_config,
     components=decoder_components(router=Target("model.layers.*.mlp.gate"),  # block: MoE or dense MLP
                                   routing=Target("model.layers.*.mlp.experts", point="routing")),
-    vllm_components=decoder_components(router=Target("model.layers.*.mlp.gate", point="output[0]"), vllm=True),
 ))

@@ -25,12 +25,9 @@ def tiny_config(**overrides):
 register_family(Family(
     architecture="GptOssForCausalLM",
     targets=(Target("model.layers.*.mlp.router"),),
-    vllm_targets=(Target("model.layers.*.mlp.router", point="output"),),
     tiny_config=tiny_config,
     model_kwargs={"attn_implementation": "eager"},
     components=decoder_components(router=Target("model.layers.*.mlp.router"),
                                   routing=Target("model.layers.*.mlp.experts", point="routing"),
                                   block_point="output[0]"),
-    vllm_components=decoder_components(router=Target("model.layers.*.mlp.router", point="output"), attention="attn",
-                                       vllm=True),
 ))

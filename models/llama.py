@@ -25,8 +25,6 @@ def tiny_config(**overrides):
 register_family(Family(
     architecture="LlamaForCausalLM",
     targets=(MLP_OUTPUT,),
-    vllm_targets=(MLP_OUTPUT,),
     tiny_config=tiny_config,
     components=decoder_components(block_kind="mlp"),
-    vllm_components=decoder_components(block_kind="mlp", vllm=True),
 ))

@@ -24,10 +24,7 @@ def tiny_config(**overrides):
 register_family(Family(
     architecture="MixtralForCausalLM",
     targets=(Target("model.layers.*.*.gate", name="model.layers.{0}.mlp.gate"),),  # 4.x: block_sparse_moe
-    vllm_targets=(Target("model.layers.*.block_sparse_moe.gate", point="output[0]", name="model.layers.{}.mlp.gate"),),
     tiny_config=tiny_config,
     components=decoder_components(router=Target("model.layers.*.mlp.gate"),
                                   routing=Target("model.layers.*.mlp.experts", point="routing")),
-    vllm_components=decoder_components(router=Target("model.layers.*.block_sparse_moe.gate", point="output[0]"),
-                                       block="block_sparse_moe", vllm=True),
 ))

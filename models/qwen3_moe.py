@@ -12,7 +12,6 @@ from transformers import Qwen3MoeConfig
 from fxreplace.targets import Target
 
 from .registry import Family, decoder_components, register_family
-from .nxd import nxd_router_targets
 
 ROUTER = Target("model.layers.*.mlp.gate")
 #: the routing the experts are called with (top-k weights and expert ids), which the block's gate computes
@@ -31,9 +30,6 @@ def tiny_config(**overrides):
 register_family(Family(
     architecture="Qwen3MoeForCausalLM",
     targets=(ROUTER,),
-    vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),
-    vllm_neuron_targets=nxd_router_targets(ROUTER),
     tiny_config=tiny_config,
     components=decoder_components(router=ROUTER, routing=ROUTING),
-    vllm_components=decoder_components(router=Target("model.layers.*.mlp.gate", point="output[0]"), vllm=True),
 ))

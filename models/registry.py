@@ -13,7 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from fxreplace.extensions import describe_failures, load_extensions
+from fxreplace.extensions import load_extensions
+from fxreplace.registries import Registry, describe_failures
 from fxreplace.targets import Target
 
 logger = logging.getLogger("fxreplace")
@@ -28,48 +29,65 @@ class Family:
     """What fxreplace knows about one model architecture.
 
     ``targets``: the HF implementation's injection sites (router logits for MoE
-    models). ``vllm_targets``: the same sites in vLLM's implementation;
-    ``vllm_neuron_targets``: in the model code vllm-neuron serves (for the families with
-    NxD's MoE layout, :func:`fxreplace.models.nxd.nxd_router_targets`).
+    models); the same sites in another engine's model code are that engine's to declare
+    (:func:`register_sites`, read through :meth:`targets_for`).
     ``tiny_config``: a small config with random weights for tests and demos;
     ``model_kwargs``: arguments ``from_config`` needs here (e.g. eager attention).
     ``transform``: turns the HF model into the family's variant (e.g. a fused router).
     ``build``: makes the model from its config when it is not a transformers model.
-    ``components`` / ``vllm_components``: the candidates ``fxreplace blame`` replaces, by
+    ``components``: the candidates ``fxreplace blame`` replaces in the HF implementation, by
     kind (``attention``, ``router``, ``routing``, ``experts`` or ``mlp``, ``layer``), in the order
     they run inside a decoder layer; ``*`` in each pattern is the layer index (see
-    :func:`decoder_components`). vLLM's captures are named as in the HF reference.
+    :func:`decoder_components`).
     """
 
     architecture: str
     targets: tuple[Target, ...]
     tiny_config: Callable[[], object]
-    vllm_targets: tuple[Target, ...] = ()
-    vllm_neuron_targets: tuple[Target, ...] = ()
     model_kwargs: dict = field(default_factory=dict)
     transform: Callable | None = None
     build: Callable | None = None
     components: dict[str, Target] = field(default_factory=dict)
-    vllm_components: dict[str, Target] = field(default_factory=dict)
 
-    def targets_by_engine(self) -> dict[str, tuple[Target, ...]]:
-        """The targets in each engine's model code, by engine name ("runner": the HF implementation)."""
-        return {"runner": self.targets, "vllm": self.vllm_targets, "vllm-neuron": self.vllm_neuron_targets}
+    def targets_for(self, model_code: str) -> tuple[Target, ...]:
+        """The targets in the model code named ``model_code`` (an engine's, as it registered them with
+        :func:`register_sites`; none registered: empty)."""
+        return sites(model_code, self.architecture).targets
 
-    def components_by_engine(self) -> dict[str, dict[str, Target]]:
-        """The blame components in each engine's model code, by engine name."""
-        return {"runner": self.components, "vllm": self.vllm_components}
-
-    def targets_for(self, engine: str) -> tuple[Target, ...]:
-        """The targets in ``engine``'s model code (none declared: empty)."""
-        return tuple(self.targets_by_engine().get(engine, ()))
-
-    def components_for(self, engine: str) -> dict[str, Target]:
-        """The blame components in ``engine``'s model code (none declared: empty)."""
-        return dict(self.components_by_engine().get(engine, {}))
+    def components_for(self, model_code: str) -> dict[str, Target]:
+        """The blame components in the model code named ``model_code`` (none registered: empty)."""
+        return dict(sites(model_code, self.architecture).components)
 
 
-_FAMILIES: dict[str, Family] = {}
+@dataclass(frozen=True)
+class Sites:
+    """A family's sites in one engine's model code: the ``targets`` it replaces by default and the
+    ``components`` blame replaces (as :attr:`Family.components`), each capture named as the HF
+    reference names it (``Target(name=...)`` where the modules are named differently)."""
+
+    targets: tuple[Target, ...] = ()
+    components: Mapping[str, Target] = field(default_factory=dict)
+
+
+_SITES: Registry[Sites] = Registry("model-code sites")
+
+
+def register_sites(model_code: str, architecture: str, *, targets=(), components=None, replace: bool = False) -> Sites:
+    """Declare the sites of the family ``architecture`` in the model code an engine runs, by the
+    name the engine's runner side looks them up with (``RunnerSide.engine``). The engine's own
+    package registers them, as it registers the engine: a family names no engine. Registering a
+    family's sites for a model code again is an error unless ``replace=True``."""
+    return _SITES.register(f"{model_code}/{architecture}", Sites(tuple(targets), dict(components or {})),
+                           replace=replace)
+
+
+def sites(model_code: str, architecture: str) -> Sites:
+    """The sites registered for ``architecture`` in ``model_code`` (none: empty :class:`Sites`)."""
+    key = f"{model_code}/{architecture}"
+    return _SITES[key] if key in _SITES else Sites()
+
+
+_FAMILIES: Registry[Family] = Registry("family")
 _loaded = False  # the built-in modules imported
 _HF_AVAILABLE = True  # transformers installed (set when the built-ins load)
 
@@ -81,12 +99,7 @@ def register_family(family: Family, *, replace: bool = False) -> Family:
     if not isinstance(family, Family):
         raise TypeError(f"register_family needs a Family, got {type(family).__name__}")
     _load_builtins()  # a built-in name is taken before anyone registers
-    if not isinstance(family.architecture, str) or not family.architecture:
-        raise TypeError(f"Family.architecture must be a non-empty string, got {family.architecture!r}")
-    if family.architecture in _FAMILIES and not replace:
-        raise ValueError(f"a family for {family.architecture!r} is already registered; pass replace=True to replace it")
-    _FAMILIES[family.architecture] = family
-    return family
+    return _FAMILIES.register(family.architecture, family, replace=replace)
 
 
 
@@ -121,29 +134,26 @@ def families() -> list[str]:
 
 def decoder_components(*, router: Target | None = None, routing: Target | None = None, attention: str = "self_attn",
                        block: str = "mlp", block_kind: str = "experts", block_point: str = "output",
-                       vllm: bool = False) -> dict[str, Target]:
+                       embedding: bool = True, attention_point: str = "output[0]",
+                       layer_adapter: str | None = None) -> dict[str, Target]:
     """Components of a ``model.layers.N`` decoder stack, in forward order: the token
-    embedding's output (HF; the first layer's input), the attention block's output, the
-    router logits (MoE), the routing the experts are called with (MoE: point ``"routing"``,
+    embedding's output (the first layer's input; ``embedding=False``: not declared), the
+    attention block's output (at ``attention_point``: HF attention returns ``(output, weights)``),
+    the router logits (MoE), the routing the experts are called with (MoE: point ``"routing"``,
     their top-k weights and expert ids), the MLP/MoE block's output, and the residual stream
-    after the layer. ``attention`` and ``block`` name the layer's attention and MLP/MoE submodules.
-
-    HF attention returns ``(output, weights)``; vLLM's returns the output. vLLM's
-    decoder layer returns ``(block output, residual)`` and leaves the add to the next
-    layer's fused norm, so the stream after the layer is their sum: its replacement
-    goes through the ``residual_stream_pair`` adapter, which hands the layer's
-    consumers ``(0, stream)``.
+    after the layer (through ``layer_adapter`` where the layer returns it in another form).
+    ``attention`` and ``block`` name the layer's attention and MLP/MoE submodules.
     """
     # the embedding: an error in one of its rows reaches every later position through layer 0's attention,
-    # so without it blame names that attention; vLLM's engine does not declare it (not exercised there yet)
-    out = {} if vllm else {"embedding": Target("model.embed_tokens", point="output")}
-    out["attention"] = Target(f"model.layers.*.{attention}", point="output" if vllm else "output[0]")
+    # so without it blame names that attention
+    out = {"embedding": Target("model.embed_tokens", point="output")} if embedding else {}
+    out["attention"] = Target(f"model.layers.*.{attention}", point=attention_point)
     if router is not None:
         out["router"] = router
     if routing is not None:
         out["routing"] = routing
     out[block_kind] = Target(f"model.layers.*.{block}", point=block_point)
-    out["layer"] = Target("model.layers.*", point="output", adapter="residual_stream_pair" if vllm else None)
+    out["layer"] = Target("model.layers.*", point="output", adapter=layer_adapter)
     return out
 
 

@@ -153,7 +153,9 @@ def test_families_declare_components_that_resolve():
         found = resolve_components(model, family.components)
         assert (found[0].kind, found[0].layer) == ("embedding", None), arch  # before the layers: it feeds layer 0
         assert {c.layer for c in found[1:]} == set(range(model.config.num_hidden_layers)), arch
-    assert get_family(ARCH).vllm_components["layer"].adapter == "residual_stream_pair"
+    from fxreplace.engines.vllm.sites import MODEL_CODE  # vLLM's package registers the families' sites in its code
+
+    assert get_family(ARCH).components_for(MODEL_CODE)["layer"].adapter == "residual_stream_pair"
 
 
 @pytest.mark.parametrize("name", ["attention", "router", "experts", "dense-attention", "dense-mlp"])

@@ -40,9 +40,11 @@ def test_the_family_example_registers_a_working_family(monkeypatch):
 
     # registered for this test only (tests/test_readme.py runs the same example from docs/extending.md)
     fxreplace.models.families()  # the built-ins registered before the copy
-    monkeypatch.setattr(fxreplace.models.registry, "_FAMILIES", dict(fxreplace.models.registry._FAMILIES))
+    monkeypatch.setattr(fxreplace.models.registry, "_FAMILIES", fxreplace.models.registry._FAMILIES.copy())
+    monkeypatch.setattr(fxreplace.models.registry, "_SITES", fxreplace.models.registry._SITES.copy())
     runpy.run_path(str(ROOT / "docs" / "examples" / "my_family.py"))
     family = get_family("MyMoeForCausalLM")
+    assert [t.point for t in family.targets_for("vllm")] == ["output[0]"]
     model = fxreplace.instrument(tiny_model("MyMoeForCausalLM"), list(family.targets))
     assert model.targets == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     with torch.no_grad():

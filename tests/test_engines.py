@@ -95,7 +95,7 @@ def test_a_registered_engine_captures_through_its_capture_spec(tmp_path, capsys)
                  "--engine", "recompute-like"])
         assert "no engine 'recompute-like'" in capsys.readouterr().err
     finally:
-        registry._ENGINES.pop("spy", None)
+        registry._ENGINES.unregister("spy")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def recompute():
     """The example engine, registered as its page shows (and unregistered after)."""
     runpy.run_path(str(ROOT / "docs" / "examples" / "recompute_engine.py"))
     yield registry.get_engine("recompute")
-    registry._ENGINES.pop("recompute", None)
+    registry._ENGINES.unregister("recompute")
 
 
 def test_the_example_engine_runs_validate_and_blame(recompute, tmp_path, capsys):
@@ -151,15 +151,21 @@ def test_the_example_engine_runs_validate_and_blame(recompute, tmp_path, capsys)
     assert (first["component"], first["kind"], first["layer"]) == ("model.layers.1.self_attn", "attention", 1), found
 
 
-def test_a_family_declares_its_targets_and_components_per_engine():
-    """Each runner side finds its family's targets under its own engine name."""
-    from fxreplace.engines.vllm.runners import VllmRunner
+def test_a_family_s_sites_are_keyed_by_the_model_code_that_registers_them():
+    """Each runner side finds a family's sites under its own name, registered by its own package
+    (a family names no engine); a name nobody registered has none; registering again needs replace."""
+    from fxreplace.engines.vllm import sites as vllm_sites
     from fxreplace.engines.vllm.neuron import NeuronRunner
-    from fxreplace.models import get_family
+    from fxreplace.engines.vllm.runners import VllmRunner
+    from fxreplace.models import get_family, register_sites
 
     family = get_family(ARCH)
-    assert {VllmRunner.engine, NeuronRunner.engine, "runner"} <= set(family.targets_by_engine())
-    assert family.targets_for("runner") == family.targets and family.targets_for("vllm") == family.vllm_targets
-    assert family.targets_for(NeuronRunner.engine) == family.vllm_neuron_targets
-    assert family.components_for("vllm") == family.vllm_components and family.components_for("runner") == family.components
+    assert family.targets_for(VllmRunner.engine) == (vllm_sites.GATE,) != family.targets
+    vllm_components = family.components_for(VllmRunner.engine)
+    assert vllm_components["router"] == vllm_sites.GATE and vllm_components["layer"].adapter == "residual_stream_pair"
+    assert [(t.pattern, t.name) for t in family.targets_for(NeuronRunner.engine)] == [
+        ("layers.*.mlp.router", "model.layers.{}.mlp.gate")]
     assert family.targets_for("sglang") == () and family.components_for("sglang") == {}
+    with pytest.raises(ValueError, match="model-code sites 'vllm/Qwen3MoeForCausalLM' is already registered; pass "
+                                         "replace=True"):
+        register_sites("vllm", ARCH, targets=family.targets)

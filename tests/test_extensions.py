@@ -140,8 +140,8 @@ def test_every_broken_entry_point_is_named_every_time_and_hides_no_other(tmp_pat
     proc = subprocess.run([sys.executable, "-c", MULTI_USE], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     broken = "entry point 'a_broken' = 'fxreplace_testfamilies:broken' failed to register: RuntimeError: boom"
-    takeover = ("entry point 'b_takeover' = 'fxreplace_testfamilies:takeover' failed to register: ValueError: a family "
-                "for 'Qwen3MoeForCausalLM' is already registered; pass replace=True to replace it")
+    takeover = ("entry point 'b_takeover' = 'fxreplace_testfamilies:takeover' failed to register: ValueError: family "
+                "'Qwen3MoeForCausalLM' is already registered; pass replace=True to replace it")
     missing = [line for line in proc.stdout.splitlines() if line.startswith("MISSING")]
     assert len(missing) == 2 and all(broken in line and takeover in line for line in missing), proc.stdout
     logged = [line for line in proc.stderr.splitlines() if line.startswith("LOG")]
@@ -153,7 +153,7 @@ def test_registering_a_taken_name_needs_replace():
     from fxreplace.models import get_family, register_family
 
     qwen = get_family("Qwen3MoeForCausalLM")
-    with pytest.raises(ValueError, match="a family for 'Qwen3MoeForCausalLM' is already registered; pass replace=True"):
+    with pytest.raises(ValueError, match="family 'Qwen3MoeForCausalLM' is already registered; pass replace=True"):
         register_family(qwen.__class__(architecture="Qwen3MoeForCausalLM", tiny_config=qwen.tiny_config, targets=()))
     assert get_family("Qwen3MoeForCausalLM") is qwen
     assert register_family(qwen, replace=True) is qwen

@@ -31,11 +31,16 @@ def test_readme_and_docs_have_python_blocks():
 @pytest.mark.parametrize("page,index,code", BLOCKS, ids=[f"{page}-{i}" for page, i, _ in BLOCKS])
 def test_python_block_runs(page, index, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # blocks write ref/, report/
+    import fxreplace.engines.registry
     import fxreplace.models
 
-    # a block that registers a family registers it for itself (tests/test_docs.py runs the same example)
+    # a block that registers a family or an engine registers it for itself (tests/test_docs.py runs the same example)
     fxreplace.models.families()  # the built-ins registered before the copy
-    monkeypatch.setattr(fxreplace.models.registry, "_FAMILIES", dict(fxreplace.models.registry._FAMILIES))
+    monkeypatch.setattr(fxreplace.models.registry, "_FAMILIES", fxreplace.models.registry._FAMILIES.copy())
+    monkeypatch.setattr(fxreplace.models.registry, "_SITES", fxreplace.models.registry._SITES.copy())
+    for engine in fxreplace.engines.registry.BUILTIN:  # registered before the copy, as the families are
+        fxreplace.engines.registry.get_engine(engine)
+    monkeypatch.setattr(fxreplace.engines.registry, "_ENGINES", fxreplace.engines.registry._ENGINES.copy())
     exec(compile(code, f"{page} python block {index}", "exec"), {"__name__": f"docs_block_{index}"})
 
 

@@ -1,4 +1,4 @@
-"""Every family's ``vllm_components`` in a real vLLM engine (float32), and
+"""Every family's components in vLLM's model code (``components_for("vllm")``) in a real vLLM engine (float32), and
 per-request selection of captures (``select_captures``).
 
 Per family: the reference is the clean HF model with its components captured; vLLM
@@ -36,7 +36,7 @@ from fxreplace.engines.vllm.testing import hf_logprobs, save_tiny_checkpoint
 from test_vllm import max_diff
 from test_vllm_families import VLLM_CONFIG, VLLM_ENGINE_ARGS, _Output, atol
 
-COMPONENT_FAMILIES = [arch for arch in families() if get_family(arch).vllm_components]
+COMPONENT_FAMILIES = [arch for arch in families() if get_family(arch).components_for("vllm")]
 # vLLM's default compiled mode for one family (one graph must serve every selection; its
 # components are also exercised eagerly by test_blame_vllm.py), eager for the others
 COMPILED = {"Qwen3MoeForCausalLM"}
@@ -82,7 +82,7 @@ class ComponentRun:
     def __init__(self, arch: str, directory):
         family = get_family(arch)
         config = VLLM_CONFIG.get(arch, {})
-        self.arch, self.kinds = arch, list(family.vllm_components)
+        self.arch, self.kinds = arch, list(family.components_for("vllm"))
         self.clean = tiny_model(arch, **config)
         g = torch.Generator().manual_seed(0)
         self.prompts = [[10 + i] + torch.randint(4, 128, (n - 1,), generator=g).tolist() for i, n in enumerate((20, 33))]
@@ -139,7 +139,7 @@ def run(request, tmp_path_factory):
 def test_every_component_maps_to_a_vllm_module(run):
     layers = run.clean.config.num_hidden_layers
     found = {(kind, layer) for kind, layer, _, _ in run.result["components"]}
-    # vllm_components declares no embedding yet (the HF components start with it): blame through
+    # vLLM's components declare no embedding yet (the HF components start with it): blame through
     # vLLM searches the layers' components only
     assert found == {(kind, layer) for kind, layer in run.recorded if kind in run.kinds}
     assert {layer for _, layer in found} == set(range(layers)) and {kind for kind, _ in found} == set(run.kinds)

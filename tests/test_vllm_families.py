@@ -1,15 +1,15 @@
-"""Every family that registers ``vllm_targets``, end to end in a real vLLM engine.
+"""Every family with sites in vLLM's model code (``targets_for("vllm")``), end to end in a real vLLM engine.
 
 Per family: the HF model's targets are captured (the reference, under the HF
 capture names), each row forced to the least likely expert (or, for a dense
 family, a large push along one feature); vLLM runs with the fxreplace plugin
 configured only with the reference directory, so the family's own
-``vllm_targets`` and their capture-name mapping are what is tested. vLLM's
+vLLM targets and their capture-name mapping are what is tested. vLLM's
 log-probabilities must equal HF's under the same forced values (float32, eager),
 and a prompt not in the reference must equal the plain HF model.
 
 A registration can therefore never claim what does not work: the families are
-read from the registry, not listed here. Families without ``vllm_targets`` (the
+read from the registry, not listed here. Families without them (the
 fused-router variants, a transform of the HF model that vLLM does not implement,
 and families built without transformers) are checked to say so.
 
@@ -34,7 +34,7 @@ from fxreplace.store import ReferenceStore
 from fxreplace.engines.vllm.testing import capture_router_logits, force_routing, hf_logprobs, save_tiny_checkpoint
 from test_vllm import GPT_OSS_CONFIG, max_diff
 
-VLLM_FAMILIES = [arch for arch in families() if get_family(arch).vllm_targets]
+VLLM_FAMILIES = [arch for arch in families() if get_family(arch).targets_for("vllm")]
 # What vLLM's implementation reads from the checkpoint beyond the family's tiny config
 # (real checkpoints carry these fields): GPT-OSS always builds YaRN rotary embeddings.
 VLLM_CONFIG = {"GptOssForCausalLM": GPT_OSS_CONFIG}
@@ -66,7 +66,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     from fxreplace.models import architecture, get_family
     from fxreplace.targets import resolve_targets
     family = get_family(architecture(runner.model_config.hf_config, ""))
-    declared = [[t.module_name, t.capture_name] for t in resolve_targets(runner.model, family.vllm_targets)]
+    declared = [[t.module_name, t.capture_name] for t in resolve_targets(runner.model, family.targets_for("vllm"))]
     def steps(logprobs):
         return [None if s is None else {str(t): v.logprob for t, v in s.items()} for s in logprobs]
     print("RESULT " + json.dumps({
@@ -136,7 +136,7 @@ def family(request, tmp_path_factory):
 
 def test_vllm_targets_cover_every_hf_capture(family):
     """Every HF capture has a vLLM module that reads it, and every module the family's
-    vllm_targets name reads an HF capture (none is left unreplaced for want of one)."""
+    vLLM targets name reads an HF capture (none is left unreplaced for want of one)."""
     captured = sorted(family.captures[0])
     assert sorted(name for _, name in family.result["targets"]) == captured
     assert sorted(family.result["declared"]) == sorted(family.result["targets"])
@@ -159,9 +159,9 @@ def test_families_without_vllm_targets_say_why():
     """vLLM runs the checkpoint's own transformers architecture: a family that is a
     transform of an HF model (a fused router kernel) or is built without transformers
     (``build``) has no vLLM implementation to instrument; every other family registers
-    vllm_targets (and is verified above)."""
+    vLLM sites (and is verified above)."""
     def not_in_vllm(family):
         return family.transform is not None or getattr(family, "build", None) is not None
 
-    without = [arch for arch in families() if not get_family(arch).vllm_targets]
+    without = [arch for arch in families() if not get_family(arch).targets_for("vllm")]
     assert all(not_in_vllm(get_family(arch)) for arch in without), without

@@ -13,6 +13,7 @@ from fxreplace.metrics import compare_logits
 from fxreplace.models import tiny_model
 from fxreplace.reference import Reference, load_reference
 from fxreplace.engines.embedded.runner import Runner, RunnerConfig
+from fxreplace.engines.protocol import Engine
 from fxreplace.store import ReferenceStore, unfinished
 from fxreplace.validation import logit_validation
 
@@ -80,7 +81,7 @@ class Gen:
     observed: dict = field(default_factory=dict)
 
 
-class PlantedEngine:
+class PlantedEngine(Engine):
     """Replays the reference except that, in one prompt, one step picks another token."""
 
     def __init__(self, reference, prompt, step):
@@ -109,6 +110,22 @@ def test_teacher_forcing_records_the_planted_divergence_and_continues(reference)
     assert (1, 4) in engine.calls, "the retry starts after the divergent step, extended with reference tokens"
     assert result.summary()["off"]["prompts"][1]["first_divergence"] == 3
     assert json.loads(result.to_json())["summary"]["off"]["prompts_diverged"] == 1
+
+
+def test_an_engine_reads_its_capabilities_defaults_and_a_non_engine_is_refused(reference):
+    """An engine overrides only what it has; validation reads the rest from the base's defaults
+    (no teacher forcing: each divergence costs one more call). Not an Engine: a TypeError naming it."""
+    engine = PlantedEngine(reference, prompt=1, step=3)
+    assert (engine.teacher_forcing, engine.per_request_selection, engine.components, engine.vocab_size) == (
+        False, False, (), None)
+    assert engine.close() is None
+
+    class Loose:  # generate() alone, as a Protocol once allowed
+        generate = PlantedEngine.generate
+
+    with pytest.raises(TypeError, match="logit_validation's engine must be an fxreplace.engines.protocol.Engine "
+                                        r"\(subclass it: generate\(\) and the capabilities it has\), got Loose"):
+        logit_validation(Loose(), reference, modes=("off",), progress=False)
 
 
 class NanEngine(PlantedEngine):

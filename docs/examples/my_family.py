@@ -6,7 +6,7 @@ config under a new architecture name so that it runs anywhere transformers 5 doe
 
 from transformers import Qwen3MoeConfig
 
-from fxreplace.models import Family, decoder_components, register_family
+from fxreplace.models import Family, decoder_components, register_family, register_sites
 from fxreplace.targets import Target
 
 ROUTER = Target("model.layers.*.mlp.gate")  # router logits: the gate's first linear (point "auto")
@@ -23,7 +23,8 @@ def tiny_config():
 FAMILY = register_family(Family(
     architecture="MyMoeForCausalLM",
     targets=(ROUTER,),
-    vllm_targets=(Target("model.layers.*.mlp.gate", point="output[0]"),),  # vLLM's gate returns (logits, bias)
     tiny_config=tiny_config,
     components=decoder_components(router=ROUTER, routing=ROUTING),  # what `fxreplace blame` replaces, in forward order
 ))
+# the same router in vLLM's model code, whose gate returns (logits, bias): what `--engine vllm` replaces
+register_sites("vllm", "MyMoeForCausalLM", targets=(Target("model.layers.*.mlp.gate", point="output[0]"),))

@@ -1,11 +1,12 @@
 """An engine of your own: the example of docs/extending.md, run through validate and blame by
-tests/test_docs.py.
+tests/test_engines.py.
 
 "recompute" runs the Hugging Face model eagerly and, at every step, the whole sequence again (no KV
 cache): slow, and plain enough to read in one sitting. Each request's replacement is the context
 the replacer builds for its positions, handed to the instrumented model as ``replacements=``.
 A real engine would keep its own scheduler, cache and compiled graphs; what fxreplace needs from
-it is ``generate(prompts, max_new_tokens, replace)`` and, for blame, the components it replaces.
+it is an ``Engine`` (``fxreplace.engines.protocol``) with ``generate(prompts, max_new_tokens,
+replace)`` and, for blame, the components it replaces; the other capabilities keep their defaults.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from fxreplace.blame import family_components, recorded_targets
 from fxreplace.components import resolve_components
 from fxreplace.context import PerRequest
 from fxreplace.dtypes import as_dtype
-from fxreplace.engines.protocol import Generation
+from fxreplace.engines.protocol import Engine, Generation
 from fxreplace.engines.registry import EngineRun, EngineSpec, Opened, register_engine
 from fxreplace.loading import check_vocab, default_targets, load_model
 
 
-class RecomputeEngine:
+class RecomputeEngine(Engine):
     """Greedy generation, one request at a time, the whole sequence recomputed every step."""
+
+    #: each prompt of one call may replace its own captures, so blame runs a round's hypotheses in one call
+    per_request_selection = True
 
     def __init__(self, model, replacer: TensorReplacer, components=(), dtype: str = "float32"):
         self.model, self.replacer, self.components, self.dtype = model, replacer, list(components), dtype

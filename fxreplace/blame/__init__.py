@@ -22,6 +22,7 @@ from torch import nn
 
 from ..dtypes import dtype_name, is_full_precision
 from ..engines.embedded import Runner, RunnerConfig
+from ..engines.protocol import check_engine
 from ..floor import check_reference_precision, floor_for, stored_floors
 from ..instrument import instrument, uninstrument
 from ..metrics import Tolerances, no_scale
@@ -174,9 +175,10 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
            probes, progress, floor) -> BlameResult:
     """:func:`blame` past its reference's checks."""
     if not isinstance(target, nn.Module):
-        check_inputs(reference, architecture=None, vocab_size=getattr(target, "vocab_size", None),
-                     what="the target engine", prompts=prompts, label=label)
-        engine_dtype = getattr(target, "dtype", None)
+        check_engine(target, "blame's target (when not an nn.Module)")
+        check_inputs(reference, architecture=None, vocab_size=target.vocab_size, what="the target engine",
+                     prompts=prompts, label=label)
+        engine_dtype = None if target.dtype is None else dtype_name(target.dtype)
         return search(target, reference, target.components, tolerances=tolerances, prompts=prompts, budget=budget,
                       probes=probes, progress=progress, dtype=engine_dtype,
                       floor=floor if floor is not None else stored_floors(reference, directory).get(engine_dtype or ""))

@@ -142,7 +142,7 @@ class Search:
         self.cache: dict[frozenset, tuple[Pass, dict]] = {}
         self.passes: list[Pass] = []
         self.rounds = 0
-        self.batched = getattr(engine, "per_request_selection", False)
+        self.batched = engine.per_request_selection
         # requests the engine runs in one batch: a round's passes side by side up to it cost about one pass
         self.batch_rows = (batch_rows or len(self.indices) * (probes + 1)) if self.batched else len(self.indices)
 

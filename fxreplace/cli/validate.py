@@ -33,7 +33,7 @@ def run(args) -> int:
     result.replaced = _targets_label(opened.replaced)
     result.floor, result.caveat = floor, caveat
     result.program = {"engine": spec.name, "compile": compiled, "dtype": args.dtype}
-    graphs = getattr(opened.engine, "graphs_compiled", None)
+    graphs = opened.engine.graphs_compiled
     return _report(result, args, reference, f"graphs compiled: {graphs}" if compiled and graphs is not None else "")
 
 

@@ -1,8 +1,8 @@
 """What fxreplace needs from an engine.
 
-Validation and blame drive any engine through :class:`Engine`: ``generate(prompts,
-max_new_tokens, replace) -> [Generation]`` (the embedded runner, vLLM, an engine of your own:
-see :mod:`fxreplace.engines`).
+Validation and blame drive any engine through :class:`Engine`, a base class: ``generate(prompts,
+max_new_tokens, replace) -> [Generation]`` and optional capabilities with defaults (the embedded
+runner, vLLM, an engine of your own: see :mod:`fxreplace.engines`).
 
 A serving engine's model runner is seen through :class:`RunnerSide`, so one replacement state
 and one row recording serve every runner (vLLM's GPU/CPU runner in
@@ -11,10 +11,12 @@ A runner side tells fxreplace
 
 * the module to instrument (the original model, under any compile wrapper), its Hugging Face
   config and device, and the rows of its largest forward (``max_tokens``);
-* whether replacement rows are *bound*: static buffers bound to the model before it compiles
-  and filled in place before each forward (vLLM's compiled and CUDA-graph runners), or
-  *per-step inputs*: a context handed to each compiled call (Neuron's bucketed graphs);
-* each forward's :class:`StepLayout`: the requests in slot order, the tokens each computes,
+* its replacement and capture classes, which say whether replacement rows are *bound*: static
+  buffers bound to the model before it compiles and filled in place before each forward (vLLM's
+  compiled and CUDA-graph runners), or *per-step inputs*: a context handed to each compiled call
+  (Neuron's bucketed graphs);
+* the requests each scheduler step ends and starts (:class:`StepRequests`), and each
+  forward's :class:`StepLayout`: the requests in slot order, the tokens each computes,
   the padding and the position of every slot;
 
 and installs the per-step hooks of :class:`StepHooks` where its runner steps. Everything
@@ -24,6 +26,7 @@ rows by request and position) is the same code for every runner.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Protocol, Sequence
 
@@ -45,12 +48,47 @@ class Generation:
         return torch.stack(self.logits)
 
 
-class Engine(Protocol):
+class Engine(abc.ABC):
     """What validation and blame drive: greedy generation, with replacement on, off or for the
-    named captures only."""
+    named captures only. Subclass it and implement :meth:`generate` (abstract: an engine without
+    it cannot be made); every other member is an
+    optional capability whose default here says what an engine without it does, so callers read
+    it as an attribute (override a default as a class attribute, an instance attribute or a
+    property)."""
 
-    # an engine whose ``teacher_forcing`` is true also takes ``forced=`` (see the module docstring)
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, replace: bool | Collection[str]) -> list: ...
+    #: blame's candidates: the components (:class:`~fxreplace.components.Component`) it can replace
+    #: (none: it cannot be blamed)
+    components: Sequence = ()
+    #: the vocabulary its logits span, checked against the reference's (None: not checked)
+    vocab_size: int | None = None
+    #: what it runs the model in (a torch dtype or its name): the noise floor the reference stored
+    #: for it scales blame's verdict (None: no stored floor applies)
+    dtype: torch.dtype | str | None = None
+    #: each request of one ``generate`` call may replace its own selection (``replace=PerRequest(...)``):
+    #: blame then measures a round's hypotheses side by side in one call instead of one call each
+    per_request_selection: bool = False
+    #: ``generate`` takes ``forced=`` (each prompt's reference tokens to feed instead of its own),
+    #: so validation runs every step after a divergence in the call that found it
+    teacher_forcing: bool = False
+    #: the graphs it compiled, which ``fxreplace validate`` reports (None: it does not count them)
+    graphs_compiled: int | None = None
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 replace: bool | Collection[str]) -> list[Generation]:
+        """One :class:`Generation` per prompt: ``max_new_tokens`` greedy tokens and the logits that
+        chose each, ``replace`` True (every target replaced), False (none) or the capture names."""
+
+    def close(self) -> None:
+        """Release what it holds (processes, memory); the default holds nothing."""
+
+
+def check_engine(engine, what: str) -> Engine:
+    """``engine`` when it is an :class:`Engine`, else a TypeError naming ``what`` it is."""
+    if not isinstance(engine, Engine):
+        raise TypeError(f"{what} must be an fxreplace.engines.protocol.Engine (subclass it: generate() and the "
+                        f"capabilities it has), got {type(engine).__name__}")
+    return engine
 
 
 @dataclass(slots=True)  # made at every step of a serving engine: slots make it cheaper to make and read
@@ -90,6 +128,25 @@ class StepLayout:
         return starts
 
 
+@dataclass(slots=True)
+class NewRequest:
+    """A request a scheduler step starts: ``prompt`` its token ids (None: prompt embeddings, nothing
+    to match), ``replace`` True (every capture), False (served untouched) or the capture names it
+    selects."""
+
+    req_id: str
+    prompt: Sequence[int] | None
+    replace: bool | Sequence[str] = True
+
+
+@dataclass(slots=True)
+class StepRequests:
+    """The requests one scheduler step ends (``finished``, their ids) and starts (``new``)."""
+
+    finished: Collection[str] = ()
+    new: list[NewRequest] = field(default_factory=list)
+
+
 @dataclass
 class StepHooks:
     """Callbacks a runner side installs where its runner steps (any may be None):
@@ -120,11 +177,20 @@ class RunnerSide(Protocol):
     hf_config: Any  # the model's Hugging Face config (family and default targets)
     device: torch.device  # where the model runs
     max_tokens: int  # slots of the largest forward
-    bound: bool  # True: static buffers bound before compile; False: a context per compiled call
     engine: str  # its name: messages, and the key of a family's targets in this runner's model code
+
+    def replacement_class(self, select_captures: bool) -> type:
+        """The replacement state of this runner, built as ``cls(side, replacement_config)``
+        (``select_captures``: each request may select the captures that replace it)."""
+
+    def capture_class(self) -> type:
+        """The capture state of this runner, built as ``cls(side, capture_config)``."""
 
     def split_by_stage(self, targets: list) -> tuple[list, list]:
         """``targets`` as (this pipeline stage's, other stages')."""
+
+    def requests(self, step) -> StepRequests:
+        """The requests the scheduler's ``step`` ends and starts (read from its own output)."""
 
     def layout(self, step, positions) -> StepLayout:
         """The layout of the forward of ``step`` whose positions are ``positions``."""

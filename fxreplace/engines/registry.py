@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
+from .protocol import Engine
+from ..registries import Registry, describe_failures, load_entry_point
+
 ENTRY_POINT_GROUP = "fxreplace.engines"
 
 #: The built-in engines and the module that registers each.
@@ -152,22 +155,22 @@ class Opened:
 
     def close(self) -> None:
         """Close the engine when it holds resources (processes, memory)."""
-        close = getattr(self.engine, "close", None)
-        if callable(close):
-            close()
+        if isinstance(self.engine, Engine):  # else the model itself (blame instruments it), which holds nothing
+            self.engine.close()
 
 
 #: What an engine's start, interrupted and forced to exit at once, prints last: the command's own
 #: "interrupted: ..." line, which the command line sets (None: the engine's own words).
 last_words: Callable[[], None] | None = None
 
-_ENGINES: dict[str, EngineSpec] = {}
+_ENGINES: Registry[EngineSpec] = Registry("engine")
+_failures: dict[str, str] = {}  # why an engine declared in the entry-point group registered nothing, by name
 
 
-def register_engine(spec: EngineSpec) -> EngineSpec:
-    """Make ``spec`` available by its name (a later registration of the name replaces it)."""
-    _ENGINES[spec.name] = spec
-    return spec
+def register_engine(spec: EngineSpec, *, replace: bool = False) -> EngineSpec:
+    """Make ``spec`` available by its name. A name already registered (a built-in one included)
+    is an error unless ``replace=True``: a package must not silently take over another engine."""
+    return _ENGINES.register(spec.name, spec, replace=replace)
 
 
 def engine_name(name: str) -> str:
@@ -189,7 +192,8 @@ def get_engine(name: str) -> EngineSpec:
         else:
             _load_entry_point(name)
     if name not in _ENGINES:
-        raise KeyError(f"the engine {name!r} declared in {ENTRY_POINT_GROUP} registered no engine of that name")
+        why = describe_failures([_failures[name]] if name in _failures else [])
+        raise KeyError(f"the engine {name!r} declared in {ENTRY_POINT_GROUP} registered no engine of that name{why}")
     return _ENGINES[name]
 
 
@@ -200,9 +204,11 @@ def engine_names() -> list[str]:
 
 
 def _load_entry_point(name: str) -> None:
+    """Load the entry point declaring ``name`` (the first, as ``engine_names`` lists it once),
+    keeping its failure for the error that it registered nothing."""
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
-            loaded = ep.load()
-            if callable(loaded):
-                loaded()
+            failure = load_entry_point(ep, ENTRY_POINT_GROUP)
+            if failure:
+                _failures[name] = failure
             return

@@ -1,9 +1,7 @@
-"""The replacement state every runner under vLLM's scheduler shares (vLLM's own runner,
-vllm-neuron's): the replacer, the instrumented model and the per-step request bookkeeping.
-
-Per request, ``SamplingParams(extra_args={"fxreplace": "off"})`` (online:
-``"vllm_xargs": {"fxreplace": "off"}``) serves a request without replacement even
-when its prompt is in the reference.
+"""The replacement state every serving runner shares (vLLM's own runner, vllm-neuron's): the
+replacer, the instrumented model and the per-step request bookkeeping, all read through the
+runner side (:class:`~fxreplace.engines.protocol.RunnerSide`), whose ``requests(step)`` says what
+each scheduler step ends and starts.
 
 Debugging: with ``FXREPLACE_DEBUG_STATE=/path/state.json`` in the worker's
 environment, the worker rewrites that file after every step's request
@@ -26,28 +24,16 @@ from ..instrument import instrument, prove_unchanged
 from ..models import architecture, get_family
 from ..replacer import TensorReplacer
 from ..targets import Target, TargetError, resolve_targets
+from .protocol import StepRequests
 
-logger = logging.getLogger("fxreplace.vllm")
+logger = logging.getLogger(__name__)
 
 DEBUG_STATE_ENV = "FXREPLACE_DEBUG_STATE"
-OFF_VALUES = ("off", "false", "0", False, 0)
 
 
 class NoTargetOnThisStage(Exception):
     """Every target lies in layers that other pipeline stages hold: this stage's runner
     stays as vLLM made it (a single-layer target under pipeline parallelism)."""
-
-
-def switched_off(sampling_params) -> bool:
-    extra = getattr(sampling_params, "extra_args", None)
-    return bool(extra) and extra.get("fxreplace") in OFF_VALUES
-
-
-def selection_of(sampling_params):
-    """A request's ``extra_args["fxreplace"]`` when it is a selection (a dict), else None."""
-    extra = getattr(sampling_params, "extra_args", None)
-    value = extra.get("fxreplace") if extra else None
-    return value if isinstance(value, dict) else None
 
 
 class Replacement:
@@ -157,21 +143,22 @@ class Replacement:
 
     # ------------------------------------------------------------ per step
 
-    def update_requests(self, scheduler_output) -> None:
-        finished, new_requests = scheduler_output.finished_req_ids, scheduler_output.scheduled_new_reqs
-        if finished or new_requests:  # most steps have neither
-            self._update(finished, new_requests)
+    def update_requests(self, step) -> None:
+        """Register the requests the scheduler's ``step`` starts and release those it ends."""
+        requests = self.side.requests(step)
+        if requests.finished or requests.new:  # most steps have neither
+            self._update(requests)
         if self.debug_state_path is not None:
             self.write_debug_state()
 
-    def _update(self, finished, new_requests) -> None:
-        for req_id in finished:
+    def _update(self, requests: StepRequests) -> None:
+        for req_id in requests.finished:
             self.released += self.replacer.release_request(req_id)
-        for new in new_requests:
-            tokens = new.prompt_token_ids
+        for new in requests.new:
+            tokens = new.prompt
             if tokens is None:  # prompt embeddings: nothing to match
                 continue
-            if switched_off(new.sampling_params):  # unregistered: served untouched
+            if new.replace is False:  # unregistered: served untouched
                 continue
             try:
                 matched = self.replacer.register_request(new.req_id, list(tokens))

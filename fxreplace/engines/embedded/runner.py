@@ -40,7 +40,7 @@ from ...dtypes import as_dtype
 from ...instrument import InstrumentedModel, check_unchanged, observe
 from ...config import ReplacementConfig
 from ...context import PerRequest
-from ..protocol import Generation
+from ..protocol import Engine, Generation
 from ...replacer import TensorReplacer
 
 
@@ -159,7 +159,7 @@ def propose_ngram(history: Sequence[int], n: int, k: int) -> list[int]:
     return [history[-1]] * k
 
 
-class Runner:
+class Runner(Engine):
     """Greedy generation over an HF causal LM (instrumented or not) with engine-style batches.
 
     ``model`` is called as ``model(input_ids=, position_ids=, attention_mask=4-D,

@@ -37,14 +37,15 @@ from ...context import PerRequest
 from ...models import architecture, get_family
 from ...reference import load_reference
 from ...targets import Target
-from ..protocol import Generation
+from ..protocol import Engine, Generation
 from . import shm
+from .sites import MODEL_CODE
 from .startup import engine_start
 
 OFF = {"fxreplace": "off"}
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     """``VllmEngine(model_dir, replacement, dtype="float32", logprobs=-1, **llm_kwargs)``.
 
     ``replacement``: the plugin's :class:`~fxreplace.ReplacementConfig` (e.g.
@@ -109,7 +110,7 @@ class VllmEngine:
         self._shm.after_teardown()
 
 
-class VllmBlameEngine:
+class VllmBlameEngine(Engine):
     """:func:`fxreplace.blame` through vLLM: ``generate(prompts, n, replace=<capture names>)``.
 
     One engine serves the whole search: its plugin instruments every component, with
@@ -180,7 +181,7 @@ def _request_selection(replace: bool | Collection[str]) -> tuple[dict | None, st
 def _family_vllm_components(model_dir: str) -> dict:
     arch = architecture(json.loads((Path(model_dir) / "config.json").read_text()), "?")
     family = get_family(arch)
-    components = family.components_for("vllm")
+    components = family.components_for(MODEL_CODE)
     if not components:
         raise ValueError(f"the {arch} family declares no components in vLLM's model code; pass "
                          "vllm_components={kind: Target}")

@@ -42,8 +42,8 @@ from .neuron import internals as neuron_internals
 from .config import NEURON_KEYS, ConfigError, parse_config, refuse_unsupported, wrap_in_place
 from .runners import VllmRunner
 from .startup import report_start_error
-from ..replacement import NoTargetOnThisStage, selection_of, switched_off
-from .replacement import SelectingReplacement, VllmReplacement
+from ..replacement import NoTargetOnThisStage
+from .requests import selection_of, switched_off
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -257,20 +257,12 @@ def attach_state(side, config) -> None:
 def _attach_state(side, config) -> None:
     runner = side.runner
     if config.config.capture is not None:
-        if side.bound:
-            from .capture import VllmCapture as kind  # the configured state's module only
-        else:
-            from .neuron import StepInputCapture as kind  # the configured state's module only
-        state = kind(side, config.config.capture)
+        state = side.capture_class()(side, config.config.capture)
         setattr(runner, internals.STATE_ATTR, state)
         side.install(state.hooks())
     else:
-        if side.bound:
-            kind = SelectingReplacement if config.config.select_captures else VllmReplacement
-        else:
-            from .neuron import StepInputReplacement as kind  # the configured state's module only
         try:
-            state = kind(side, config.config)
+            state = side.replacement_class(config.config.select_captures)(side, config.config)
         except NoTargetOnThisStage as exc:
             logger.info("fxreplace: %s", exc)
             return

@@ -15,8 +15,8 @@ import torch
 
 from ...config import ReplacementConfig
 from ...context import ReplacementContext
-from ..protocol import StepHooks, StepLayout
-from ..replacement import Replacement, selection_of
+from ..protocol import StepHooks, StepLayout, StepRequests
+from ..replacement import Replacement
 from . import internals
 
 logger = logging.getLogger("fxreplace.vllm")
@@ -116,20 +116,19 @@ class SelectingReplacement(VllmReplacement):
         # mask stays the batch's, which each step narrows into these
         self.model.feed(bound, bind=True)
 
-    def update_requests(self, scheduler_output) -> None:
-        for req_id in scheduler_output.finished_req_ids:
+    def _update(self, requests: StepRequests) -> None:
+        for req_id in requests.finished:
             self.selections.pop(req_id, None)
-        for new in scheduler_output.scheduled_new_reqs:
-            selection = selection_of(new.sampling_params)
-            if selection is None:
+        for new in requests.new:
+            if isinstance(new.replace, bool):  # every capture, or none (unregistered)
                 continue
-            wanted = set(selection["captures"])  # validated in the front end
+            wanted = set(new.replace)  # validated in the front end
             ignored = sorted(wanted - set(self.capture_names) - self.other_stages_captures)
             if ignored:
                 logger.error("fxreplace: request %s selects capture(s) %s that no instrumented target reads; "
                              "they are not replaced", new.req_id, ignored)
             self.selections[new.req_id] = torch.tensor([name in wanted for name in self.capture_names])
-        super().update_requests(scheduler_output)
+        super()._update(requests)
 
     def _fill(self, scheduler_output, positions) -> StepLayout | None:
         layout = super()._fill(scheduler_output, positions)

@@ -9,14 +9,16 @@ import numpy as np
 import torch
 
 from . import internals
-from ..protocol import StepHooks, StepLayout
+from .replacement import SelectingReplacement, VllmReplacement
+from .requests import step_requests
+from .sites import MODEL_CODE
+from ..protocol import StepHooks, StepLayout, StepRequests
 
 
 class VllmRunner:
     """One vLLM GPU/CPU model runner, seen through the runner protocol."""
 
-    bound = True  # vLLM compiles (and CUDA-graph captures) the model once: rows live in bound buffers
-    engine = "vllm"
+    engine = MODEL_CODE  # the family sites it reads (registered by importing .sites)
 
     def __init__(self, runner):
         self.runner = runner
@@ -25,8 +27,21 @@ class VllmRunner:
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self.max_tokens = int(runner.max_num_tokens)
 
+    def replacement_class(self, select_captures: bool) -> type:
+        """Bound buffers: vLLM compiles (and CUDA-graph captures) the model once; with ``select_captures``,
+        a mask per capture that each request's selection sets."""
+        return SelectingReplacement if select_captures else VllmReplacement
+
+    def capture_class(self) -> type:
+        from .capture import VllmCapture  # the capture's module in a capturing engine only
+
+        return VllmCapture
+
     def split_by_stage(self, targets: list) -> tuple[list, list]:
         return internals.split_by_stage(self.model, targets)
+
+    def requests(self, scheduler_output) -> StepRequests:
+        return step_requests(scheduler_output)
 
     def layout(self, scheduler_output, positions) -> StepLayout:
         """Request ``i`` of the persistent batch computes its scheduled tokens in the next slots;

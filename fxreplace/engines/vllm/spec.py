@@ -14,6 +14,7 @@ from ...store import describe_store
 from ..registry import CaptureRun, CaptureSpec, Captured, EngineRun, EngineSpec, Opened, register_engine
 from . import capture as vllm_capture
 from .preflight import check_engine_start, with_kv_cache
+from .sites import MODEL_CODE
 
 #: the most requests a capture runs at once (its KV cache is sized for them)
 CAPTURE_SEQS = 64
@@ -46,7 +47,7 @@ def vllm_targets(model_dir: str) -> tuple:
     model code (a reference may hold more captures, e.g. blame's components, which it leaves alone)."""
     arch = architecture(config_json(model_dir), "?")
     try:
-        targets = get_family(arch).targets_for(ENGINE.name)
+        targets = get_family(arch).targets_for(MODEL_CODE)
     except KeyError as e:
         raise SetupError(e.args[0], "give --target patterns of vLLM's model code") from None
     if not targets:

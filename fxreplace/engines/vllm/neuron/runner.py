@@ -19,8 +19,12 @@ import torch
 
 from ....config import ConfigError
 from ....context import ReplacementContext
-from ...protocol import StepHooks, StepLayout
+from ...protocol import StepHooks, StepLayout, StepRequests
+from ..requests import step_requests
 from . import internals
+from .capture import StepInputCapture
+from .replacement import StepInputReplacement
+from .sites import MODEL_CODE
 
 ASYNC_SPECULATION_HINT = (
     "vllm-neuron corrects the positions of rejected speculative drafts only on the device under async "
@@ -35,8 +39,7 @@ SHARED_KEY_HINT = (
 class NeuronRunner:
     """One vllm-neuron ``NeuronModelRunner``, seen through the runner protocol."""
 
-    bound = False  # one graph per bucket, called by the runner: the context is each call's input
-    engine = "vllm-neuron"
+    engine = MODEL_CODE  # the family sites it reads (registered by importing .sites)
 
     def __init__(self, runner):
         if getattr(runner, internals.OWN_REPLACER, None) is not None:
@@ -54,9 +57,20 @@ class NeuronRunner:
         self.step = None  # the scheduler output of the step being executed
         self.armed: ReplacementContext | None = None  # the context the next compiled call of the step receives
 
+    def replacement_class(self, select_captures: bool) -> type:
+        """A context handed to each compiled call: one graph per bucket, called by the runner (the state
+        refuses ``select_captures`` itself)."""
+        return StepInputReplacement
+
+    def capture_class(self) -> type:
+        return StepInputCapture
+
     def split_by_stage(self, targets: list) -> tuple[list, list]:
         """vllm-neuron shards each model over tensor parallelism inside its graphs: every target is this runner's."""
         return list(targets), []
+
+    def requests(self, scheduler_output) -> StepRequests:
+        return step_requests(scheduler_output)
 
     def layout(self, scheduler_output, positions) -> StepLayout:
         """Request ``i`` computes ``num_scheduled_tokens`` tokens followed by the padding up to its
