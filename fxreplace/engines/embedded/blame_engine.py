@@ -41,6 +41,7 @@ class BlameRunner:
         self.architecture = architecture(target.config, type(target).__name__)
         self.layer_types = getattr(target.config, "layer_types", None)  # names the layers a systematic fault holds
         self.model: nn.Module | None = None
+        self.same = False  # the model searched is the target itself (it had the dtype)
         self.components: list[Component] = []
         self.runner: Runner | None = None
         self.instrumented = False
