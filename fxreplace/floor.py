@@ -27,9 +27,9 @@ from .dtypes import as_dtype, dtype_name, is_full_precision
 from .engines.embedded import Runner, RunnerConfig
 from .loading import load_model
 from .reference import load_reference
-from .words import fmt, times
 from .store.format import FLOOR_FILE
 from .validation import logit_validation
+from .words import fmt, times
 
 #: A divergence up to this multiple of the floor (in every measure) is precision noise: the
 #: target's rounding is not the reference's cast, and compiled kernels round differently, so
