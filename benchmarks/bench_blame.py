@@ -75,7 +75,8 @@ def plant(model, planted):
 def one_pass_seconds(target, reference, comps, repeats: int = 3) -> float:
     """One teacher-forced validation with nothing replaced, on the runner blame builds."""
     model = instrument(copy.deepcopy(target), [c.target for c in comps])
-    runner = blame_runner(model, target.config, reference.store, reference, range(reference.num_prompts), comps)
+    runner = blame_runner(model, target.config, reference.store, reference, range(reference.num_prompts), comps,
+                          probes=PROBES)
     times = []
     for _ in range(repeats):
         gc.collect()  # the heap the earlier depths left is theirs to collect, not this pass's

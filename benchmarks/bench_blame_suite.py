@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxreplace.blame import SIGNIFICANT, blame, family_components, resolve_components
+from fxreplace.blame import SIGNIFICANT, blame, resolve_components
+from fxreplace.components import family_components
 from fxreplace.capture import capture_reference
 from fxreplace.metrics import DIVERGED, EXPLAINS, compare_steps
 from fxreplace.models import decoder_components, get_family, tiny_model

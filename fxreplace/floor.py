@@ -23,11 +23,13 @@ from typing import Sequence
 
 import torch
 
-from .dtypes import dtype_name, is_full_precision
+from .dtypes import as_dtype, dtype_name, is_full_precision
 from .engines.embedded import Runner, RunnerConfig
-from .words import fmt, times
+from .loading import load_model
+from .reference import load_reference
 from .store.format import FLOOR_FILE
 from .validation import logit_validation
+from .words import fmt, times
 
 #: A divergence up to this multiple of the floor (in every measure) is precision noise: the
 #: target's rounding is not the reference's cast, and compiled kernels round differently, so
@@ -151,6 +153,26 @@ def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prom
     per_step = {p: [s.top5_error for s in result.steps if s.prompt == p] for p in indices}
     program = f"the reference model in its dtype, {f'compiled ({compile})' if compile else 'eager'}, fxreplace's runner"
     return NoiseFloor(dtype_name(dtype), rows, per_step, program, time.perf_counter() - started, compile)
+
+
+def capture_floors(run, compile: str | None) -> list[str]:
+    """``fxreplace capture --noise-floor``: the floors of ``run.model`` in ``run.noise_floor`` against the
+    reference just captured into ``run.out`` (a :class:`~fxreplace.engines.registry.CaptureRun`), stored
+    with it: the eager program's, and with ``run.compile`` the one compiled with the backend ``compile``
+    (validate --compile gates on that); a line saying each."""
+    dtype = as_dtype(run.noise_floor)
+    # the floor's model is loaded in its dtype, as validate and blame load the target
+    clean, stored = load_model(run.model, dtype, run.dispatch, run.device), load_reference(run.out)
+    lines = []
+    for backend in (None, compile) if run.compile else (None,):
+        floor = measure_floor(clean, stored, dtype, progress=True, compile=backend)
+        save_floor(floor, run.out)
+        whole = floor.aggregate(range(stored.num_prompts))
+        lines.append(
+            f"noise floor ({floor.programme.replace('the reference', 'the model')}, {floor.seconds:.1f} s): mean KL "
+            f"{whole['mean_kl']:.3g}, mean top-5 error {whole['mean_top5_error']:.3g}, {whole['prompts_diverged']} "
+            f"of {stored.num_prompts} prompts diverge")
+    return lines
 
 
 def check_reference_precision(reference, allow: bool = False, option: str = "allow_low_precision_reference=True") -> str:

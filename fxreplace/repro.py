@@ -39,8 +39,7 @@ from torch.utils import _pytree as pytree
 
 from . import repro_run
 from .repro_run import ReproError
-from .blame import BlameError, family_components
-from .components import Component, layer_of, resolve_components
+from .components import Component, ComponentError, family_components, layer_of, resolve_components
 from .dtypes import dtype_name
 from .devices import input_device
 from .points import ROUTING
@@ -89,7 +88,7 @@ def find_component(model: nn.Module, name: str, components: Mapping[str, TargetL
     if components is None:
         try:
             components = family_components(model)
-        except BlameError:
+        except ComponentError:
             components = {}
     for c in resolve_components(model, components):
         if c.capture_name == name:

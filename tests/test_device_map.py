@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from fxreplace.blame import family_components
+from fxreplace.components import family_components
 from fxreplace.capture import capture_forced, capture_reference
 from fxreplace.checkpoint import load_checkpoint
 from conftest import forbid_model_loads

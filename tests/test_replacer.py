@@ -571,7 +571,7 @@ def test_padding_between_requests_is_data(row_path, sc, shard_bytes, data):
     import tempfile
 
     from fxreplace import ReferenceStore, StoreWriter
-    from fxreplace.engines.protocol import StepLayout
+    from fxreplace.replacer.requests import StepLayout
 
     lengths, decode, kv_cache, req_prompts = sc
     caps = captures_for(lengths, decode, seed=9, kv_cache=kv_cache)
@@ -622,7 +622,7 @@ def test_padding_is_checked(replacer):
 
 
 def test_step_into_takes_decode_into_for_a_steady_decode_step(monkeypatch):
-    from fxreplace.engines.protocol import StepLayout
+    from fxreplace.replacer.requests import StepLayout
 
     caps = captures_for([3, 5], [4, 4])
     r = TensorReplacer(caps, on_unknown="passthrough")

@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fxreplace.blame import recorded_components
+from fxreplace.components import recorded_components
 from fxreplace.capture import capture_reference
 from fxreplace.models import families, get_family, tiny_model
 from fxreplace.reference import load_reference

@@ -16,8 +16,7 @@ import itertools
 import torch
 
 from fxreplace import TensorReplacer, instrument
-from fxreplace.blame import family_components, recorded_targets
-from fxreplace.components import resolve_components
+from fxreplace.components import default_components, resolve_components
 from fxreplace.context import PerRequest
 from fxreplace.dtypes import as_dtype
 from fxreplace.engines.protocol import Engine, Generation
@@ -77,10 +76,11 @@ def open_validation(run: EngineRun) -> Opened:
 
 
 def open_blame(run: EngineRun) -> Opened:
-    """The target with every component the reference recorded (else its family's) instrumented."""
+    """The target with the components asked for (``run.components``), else those the reference
+    recorded, else its family's, instrumented."""
     model = load_model(run.model, as_dtype(run.dtype), device=run.device)
     check_vocab(run.reference, run.model, model.config.vocab_size)
-    components = resolve_components(model, recorded_targets(run.reference) or family_components(model))
+    components = resolve_components(model, run.components or default_components(run.reference, model))
     instrument(model, [c.target for c in components])
     return Opened(RecomputeEngine(model, TensorReplacer(run.reference.store), components, dtype=run.dtype))
 

@@ -1,7 +1,7 @@
 """``fxreplace.blame``: find every component that makes a target drift from its reference.
 
-:func:`blame` checks its inputs, builds the engine (the embedded runner for an HF model,
-or any engine whose ``generate(prompts, n, replace)`` takes capture names, e.g.
+:func:`blame` checks its inputs, drives an engine (the embedded one's
+:class:`~fxreplace.engines.embedded.blame_engine.BlameRunner` for an HF model, or any engine whose ``generate(prompts, n, replace)`` takes capture names, e.g.
 :class:`fxreplace.engines.vllm.engine.VllmBlameEngine`) and runs the search of
 :mod:`fxreplace.blame.search`; :mod:`fxreplace.blame.result` holds what it finds and
 :mod:`fxreplace.blame.ondemand` captures missing components from the clean model.
@@ -20,50 +20,23 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..components import Component, ComponentError, layer_of, resolve_components
 from ..dtypes import dtype_name, is_full_precision
-from ..engines.embedded import Runner, RunnerConfig
+from ..engines.embedded.blame_engine import MAX_BATCH, BlameRunner, blame_runner
 from ..engines.protocol import check_engine
 from ..floor import check_reference_precision, floor_for, stored_floors
-from ..instrument import instrument, uninstrument
+from ..instrument import instrument
 from ..metrics import Tolerances, no_scale
-from ..models import architecture, get_family
+from ..models import architecture
 from ..reference import load_reference
-from ..replacer import TensorReplacer
-from ..components import Component, layer_of, resolve_components
-from ..targets import Target, TargetLike
+from ..targets import TargetLike
 from .ondemand import OnDemand
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameError, BlameResult, LayerShare, NonFinite, Origin, Pass,
                      Systematic)
 from .search import LAYER, MEMBER, PROBES, Search, default_budget
 
-__all__ = ["blame", "search", "Component", "resolve_components", "family_components", "recorded_components",
-           "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "Systematic", "LAYER",
-           "SIGNIFICANT", "MAX_ORIGINS", "MEMBER", "MAX_BATCH", "PROBES", "default_budget", "layer_of", "blame_runner", "recorded_targets"]
-
-
-def family_components(model: nn.Module) -> dict[str, Target]:
-    """The components the model's family declares (``fxreplace.models``)."""
-
-    arch = architecture(model.config, type(model).__name__)
-    try:
-        declared = get_family(arch).components
-    except KeyError as exc:
-        raise BlameError(f"{exc.args[0]}; pass components={{kind: Target}} (CLI: --component KIND=PATTERN[@POINT])") from None
-    if not declared:
-        raise BlameError(f"the {arch} family declares no components; pass components={{kind: Target}} (CLI: "
-                         "--component KIND=PATTERN[@POINT])")
-    return dict(declared)
-
-
-def recorded_targets(reference) -> dict[str, Target]:
-    """The ``{kind: Target}`` given to ``fxreplace capture --component`` (empty: none recorded)."""
-    return {kind: Target(t["pattern"], point=t.get("point", "auto"))
-            for kind, t in (reference.metadata.get("component_targets") or {}).items()}
-
-
-def recorded_components(reference) -> dict[str, dict]:
-    """``{capture name: {"kind", "layer"}}`` as capture_reference recorded them (empty: none)."""
-    return dict(reference.metadata.get("components") or {})
+__all__ = ["blame", "search", "Component", "resolve_components", "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "Systematic", "LAYER",
+           "SIGNIFICANT", "MAX_ORIGINS", "MEMBER", "MAX_BATCH", "PROBES", "default_budget", "layer_of", "blame_runner"]
 
 
 def check_inputs(reference, *, architecture: str | None, vocab_size: int | None, what: str,
@@ -142,10 +115,10 @@ def blame(target, reference, *, clean: nn.Module | Callable[[], nn.Module] | Non
 
     ``target``: an HF causal LM with the weights under test (converted to ``dtype`` in a copy
     when it has another dtype, else used itself and restored afterwards; instrumented at every component and run by the embedded
-    :class:`~fxreplace.runner.Runner`, compiled with ``compile`` as backend if given), or an
-    engine whose ``generate(prompts, n, replace)`` takes capture names and whose
-    ``components`` lists what it can replace. ``reference``: a
-    :class:`~fxreplace.reference.Reference` or its directory. ``clean``: the clean HF model
+    engine's :class:`~fxreplace.engines.embedded.blame_engine.BlameRunner`, compiled with ``compile`` as backend if
+    given), or an engine whose ``generate(prompts, n, replace)`` takes capture names and whose
+    ``components`` lists what it can replace (``components``, ``dtype`` and ``compile`` are then
+    its own). ``reference``: a :class:`~fxreplace.reference.Reference` or its directory. ``clean``: the clean HF model
     the reference came from (or a function loading it: then it is in memory only while it captures);
     components the reference lacks are then captured from it as the search needs them (appended
     under the reference directory and reused next time).
@@ -163,83 +136,75 @@ def blame(target, reference, *, clean: nn.Module | Callable[[], nn.Module] | Non
         caveat = check_reference_precision(reference, allow_low_precision_reference)
     except ValueError as e:
         raise BlameError(str(e)) from None
-    result = _blame(target, reference, directory, label, clean=clean, components=components, dtype=dtype,
-                    compile=compile, tolerances=tolerances, prompts=prompts, budget=budget, probes=probes,
-                    progress=progress, floor=floor)
+    if isinstance(target, nn.Module):
+        target = BlameRunner(target, components=components, dtype=dtype, compile=compile)
+    result = _blame(target, reference, directory, label, clean=clean, tolerances=tolerances, prompts=prompts,
+                    budget=budget, probes=probes, progress=progress, floor=floor)
     if caveat:
         result.verdict = f"{caveat}. {result.verdict}"
     return result
 
 
-def _blame(target, reference, directory, label, *, clean, components, dtype, compile, tolerances, prompts, budget,
-           probes, progress, floor) -> BlameResult:
-    """:func:`blame` past its reference's checks."""
-    if not isinstance(target, nn.Module):
-        check_engine(target, "blame's target (when not an nn.Module)")
-        check_inputs(reference, architecture=None, vocab_size=target.vocab_size, what="the target engine",
-                     prompts=prompts, label=label)
-        engine_dtype = None if target.dtype is None else dtype_name(target.dtype)
-        return search(target, reference, target.components, tolerances=tolerances, prompts=prompts, budget=budget,
-                      probes=probes, progress=progress, dtype=engine_dtype,
-                      floor=floor if floor is not None else stored_floors(reference, directory).get(engine_dtype or ""))
-    arch = architecture(target.config, type(target).__name__)
-    indices = check_inputs(reference, architecture=arch, vocab_size=target.config.vocab_size,
-                           what=f"the target ({type(target).__name__})", prompts=prompts, label=label)
+def _blame(engine, reference, directory, label, *, clean, tolerances, prompts, budget, probes, progress,
+           floor) -> BlameResult:
+    """:func:`blame` past its reference's checks: an engine that replaces what it holds (its
+    ``components``), or the embedded one, which also captures from ``clean`` and measures there."""
+    if isinstance(engine, BlameRunner):
+        return _blame_in_process(engine, reference, directory, label, clean=clean, tolerances=tolerances,
+                                 prompts=prompts, budget=budget, probes=probes, progress=progress, floor=floor)
+    check_engine(engine, "blame's target (when not an nn.Module)")
+    check_inputs(reference, architecture=None, vocab_size=engine.vocab_size, what="the target engine", prompts=prompts,
+                 label=label)
+    engine_dtype = None if engine.dtype is None else dtype_name(engine.dtype)
+    return search(engine, reference, engine.components, tolerances=tolerances, prompts=prompts, budget=budget,
+                  probes=probes, progress=progress, dtype=engine_dtype,
+                  floor=floor if floor is not None else stored_floors(reference, directory).get(engine_dtype or ""))
+
+
+def _blame_in_process(engine: BlameRunner, reference, directory, label, *, clean, tolerances, prompts, budget,
+                      probes, progress, floor) -> BlameResult:
+    """:func:`blame` through the embedded engine: components the reference lacks captured from
+    ``clean`` as the search needs them, the floor measured from it, each component's part of it too."""
+    indices = check_inputs(reference, architecture=engine.architecture, vocab_size=engine.vocab_size,
+                           what=f"the target ({type(engine.target).__name__})", prompts=prompts, label=label)
     if isinstance(clean, nn.Module):  # a function loading it: its caller checks it
         check_inputs(reference, architecture=architecture(clean.config, type(clean).__name__),
                      vocab_size=clean.config.vocab_size, what=f"the clean model ({type(clean).__name__})",
                      prompts=prompts, label=label)
-    # the target itself when it already has the dtype (instrumented for the search, restored after):
-    # a copy would hold the weights twice
-    dtype = dtype or next(target.parameters()).dtype
-    same = dtype == next(target.parameters()).dtype and target is not clean
-    model = target if same else copy.deepcopy(target).to(dtype)
-    if components is None:  # the components capture recorded for a family fxreplace does not register, else the family's
-        components = recorded_targets(reference) or family_components(model)
-    comps = resolve_components(model, components)
-    if not comps:
-        raise BlameError(f"the components {dict(components or {})} match no module of the target")
+    try:
+        comps = engine.resolve(reference, clean)
+    except ComponentError as e:
+        raise BlameError(str(e)) from None
     on_demand = None
     if clean is not None:
         on_demand = OnDemand(clean, reference, comps, directory, progress=progress)
     else:
         refuse_missing(reference, comps, model_hint="CLEAN_MODEL")
-    instrument(model, [c.target for c in comps])
+    dtype = engine.torch_dtype
     try:
-        engine = blame_runner(model, target.config, on_demand.store() if on_demand else reference.store, reference,
-                              indices, comps, probes=probes, compile=compile)
+        engine.open(on_demand.store() if on_demand else reference.store, reference, indices, probes)
         before_search = on_demand.seconds if on_demand else 0.0  # capture_seconds counts the search's part
 
         def supply(names):
             if on_demand.ensure(names):
-                engine.replacer = TensorReplacer(on_demand.store())
-
-        def observe(prompt_ids, max_new_tokens):
-            """One pass observing what every component computes (nothing replaced)."""
-            engine.observed = model
-            try:
-                return engine.generate(prompt_ids, max_new_tokens, replace=False)
-            finally:
-                engine.observed = None
+                engine.use_store(on_demand.store())
 
         name = dtype_name(dtype)
         floor, floor_seconds = ((floor, 0.0) if floor is not None else
-                                floor_for(reference, dtype, directory, indices, clean, compile=compile))
+                                floor_for(reference, dtype, directory, indices, clean, compile=engine.compile))
         drift_of = None
         if clean is not None and floor is not None:
             def drift_of(names):
                 return precision_drift(clean, on_demand.store(), reference, dtype, comps, names, indices, probes,
-                                       loaded_in_dtype=same)
+                                       loaded_in_dtype=engine.same)
         result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
-                        progress=progress, supply=supply if on_demand else None, observe=observe, floor=floor,
-                        dtype=name, batch_rows=max(engine.cfg.batch_buckets), drift_of=drift_of,
-                        layer_types=getattr(target.config, "layer_types", None))
+                        progress=progress, supply=supply if on_demand else None, observe=engine.observe, floor=floor,
+                        dtype=name, batch_rows=engine.batch_rows, drift_of=drift_of, layer_types=engine.layer_types)
     finally:
-        if model is target:
-            uninstrument(model)
+        engine.close()
     result.floor_seconds = floor_seconds
     result.seconds += floor_seconds
-    result.program = {"engine": "runner", "compile": bool(compile), "dtype": name}
+    result.program = {"engine": "runner", "compile": bool(engine.compile), "dtype": name}
     if on_demand:
         result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds - before_search
     return result
@@ -274,36 +239,3 @@ def _as_loaded(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         if name in held and tensor.is_floating_point():
             tensor.data = tensor.data.to(dtype)
     return model
-
-
-#: the most requests the embedded runner decodes in one batch (a blame round beyond it runs in several)
-MAX_BATCH = 64
-
-
-def blame_runner(model: nn.Module, config, store, reference, prompts: Sequence[int], components: Sequence[Component], *,
-                 probes: int = PROBES, compile: str | None = None):
-    """The embedded runner :func:`blame` searches with (``model`` instrumented at ``components``):
-    a decode bucket holding a round (every hypothesis's copy of the prompts side by side; eagerly
-    also one holding the prompts once), prefilled in one forward and teacher-forced inside its
-    decode steps: a diverging copy is not re-run, so the prefill bucket holds the longest prompt
-    and the cache its generated tokens."""
-
-    def pow2(n: int) -> int:
-        return 1 << (n - 1).bit_length()
-
-    prompt = max(len(reference.prompt_tokens(p)) for p in prompts)
-    generated = max(reference.num_generated(p) for p in prompts)
-    kinds = len({c.kind for c in components if c.kind != LAYER})
-    wave = len(prompts) * (max(probes, kinds) + 1)
-    # eagerly a bucket costs nothing (the runner keeps one cache at a time), so a round runs in a batch of
-    # exactly its copies (a multiple of the prompts, unpadded; the powers of two hold what a round larger
-    # than one batch leaves over) and a wider round (a deciding round carrying its layers' kinds) still
-    # runs in one batch of up to MAX_BATCH; compiled, each bucket is graphs to compile, so one holds every round
-    powers = {1 << k for k in range(MAX_BATCH.bit_length())}
-    copies = set(range(len(prompts), MAX_BATCH + 1, len(prompts)))
-    buckets = (min(wave, MAX_BATCH),) if compile else tuple(sorted(powers | copies))
-    return Runner(model, config, replacer=TensorReplacer(store),
-                  runner_config=RunnerConfig(prefill_buckets=(pow2(prompt),), batch_buckets=buckets,
-                                                max_len=pow2(prompt + generated), batched_prefill=True,
-                                                teacher_forcing=True),
-                  dtype=next(model.parameters()).dtype, compile=compile)

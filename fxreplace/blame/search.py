@@ -38,13 +38,13 @@ import math
 import time
 from typing import Callable, Collection, Sequence
 
+from ..components import LAYER
 from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained, phase_clue
 from ..points import ROUTING as ROUTING_POINT
 from ..validation import ValidationResult, heartbeat, logit_validation
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, LayerShare, NonFinite, Origin, Pass, Systematic,
                      pct)
 
-LAYER = "layer"
 #: streams probed per localisation round. A round costs a batch of copies, not a pass each, so wide
 #: rounds are cheap and rounds are what costs: 8 narrow 16 layers to 2 (32 to 4) in the first round, and
 #: the second decides between them with their kinds beside (two rounds for one fault)

@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torch import nn
-
 from ..blame import BlameError, blame
+from ..components import ComponentError
 from ..junit import write_blame_junit
 from ..loading import check_reference_matches, check_vocab, load_model, model_architecture
 from ..report import describe_program, repro_step, write_blame_report
 from ..store.format import BLAME_COMPONENTS_DIR
 from .args import EXIT_OK, UsageError
-from .common import check_writable_dir, components_arg, dispatch_args, folder_state, load_reference_arg, torch_dtype
+from .common import check_writable_dir, dispatch_args, folder_state, load_reference_arg
 from .running import engine_run, noise_floor, reference_caveat
 
 
@@ -30,19 +29,12 @@ def run(args) -> int:
     floor = noise_floor(args, reference, spec.floor_program(request))
     try:
         opened = spec.open_blame(request)  # an engine may refuse the reference (e.g. vLLM: no components recorded)
-    except BlameError as e:
+    except ComponentError as e:
         raise UsageError(str(e)) from None
     try:
-        target = opened.engine
-        if isinstance(target, nn.Module):  # blame instruments the model itself, and captures from --clean on demand
-            result = blame(target, args.reference, clean=_clean_loader(args, reference),
-                           components=components_arg(args.component) if args.component else None,
-                           dtype=torch_dtype(args.dtype), compile="inductor" if spec.compiled(request) else None,
-                           budget=args.budget, floor=floor,
-                           allow_low_precision_reference=args.allow_low_precision_reference)
-        else:
-            result = blame(target, reference, budget=args.budget, floor=floor,
-                           allow_low_precision_reference=args.allow_low_precision_reference)
+        # the embedded engine captures the components the reference lacks from --clean on demand
+        result = blame(opened.engine, args.reference, clean=_clean_loader(args, reference), budget=args.budget,
+                       floor=floor, allow_low_precision_reference=args.allow_low_precision_reference)
     except BlameError as e:
         raise UsageError(str(e)) from None
     finally:

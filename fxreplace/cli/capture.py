@@ -9,10 +9,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..engines.registry import BUILTIN, CaptureRun, CaptureSpec, get_engine
+from ..floor import capture_floors
 from ..loading import recorded_model
 from ..store import describe_store
 from ..store.format import publish_directory, staging_directory
-from .args import EXIT_INTERNAL, EXIT_OK, UsageError
+from .args import EXIT_INTERNAL, EXIT_OK, UsageError, say_interrupted
 from .common import check_capture_out, components_arg, dispatch_args, engine_options, refuse_untaken
 from .prompts import read_prompts, tokenize_args
 
@@ -33,7 +34,8 @@ def run(args) -> int:
                          compile=args.compile, device=args.device, dispatch=dispatch, options=options,
                          metadata={"source_model": recorded_model(args.model), "prompt_texts": texts},
                          components=components_arg(args.component) if args.component else None,
-                         family_components=args.components, noise_floor=args.noise_floor)
+                         family_components=args.components, noise_floor=args.noise_floor,
+                         interrupted=lambda: say_interrupted(args.produced))
     if capture.check is not None:
         capture.check(request)
     out = Path(args.out)
@@ -53,6 +55,8 @@ def run(args) -> int:
             "for every prompt")
     try:
         captured = capture.run(replace(request, out=str(into)))
+        if request.noise_floor:  # the capture's model is gone: the floor's loads in its dtype
+            captured.lines += capture_floors(replace(request, out=str(into)), spec.floor_compile)
         if replacing:
             publish_directory(into, out, replace=True)
     except FileExistsError as e:

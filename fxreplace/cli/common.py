@@ -13,7 +13,7 @@ from ..reference import load_reference
 from ..store import CaptureError, describe_store, unfinished
 from ..store.format import foreign_entries
 from ..targets import Target
-from .args import UsageError, say_interrupted
+from .args import UsageError
 
 
 def folder_state(path, option: str) -> str:
@@ -117,7 +117,7 @@ def refuse_untaken(args, options: dict, spec: registry.EngineSpec, takes=lambda 
 def engine_options(args, spec: registry.EngineSpec | None = None) -> dict:
     """``--engine-args``: a JSON object of the engine's own options, checked by the engine against
     what this machine can start (vLLM: :mod:`fxreplace.engines.vllm.preflight`) before any engine
-    does. An engine's start interrupted says what the command left (:data:`registry.last_words`)."""
+    does."""
     try:
         options = json.loads(args.engine_args)
     except json.JSONDecodeError as e:
@@ -127,5 +127,4 @@ def engine_options(args, spec: registry.EngineSpec | None = None) -> dict:
     spec = spec or registry.get_engine(args.engine)
     if spec.check_options is not None:
         spec.check_options(options)
-    registry.last_words = lambda: say_interrupted(args.produced)
     return options

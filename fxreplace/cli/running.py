@@ -10,8 +10,8 @@ from ..engines.registry import EngineRun, EngineSpec, get_engine
 from ..floor import FloorFileError, check_reference_precision, floor_for, stored_floors
 from ..loading import check_reference_matches, check_vocab, load_model, load_tokenizer, model_architecture
 from ..store.format import FLOOR_FILE
-from .args import UsageError
-from .common import dispatch_args, engine_options, refuse_untaken, torch_dtype
+from .args import UsageError, say_interrupted
+from .common import components_arg, dispatch_args, engine_options, refuse_untaken, torch_dtype
 
 #: Each engine-specific option: its attribute on the parsed arguments and the value meaning "not given".
 ENGINE_OPTIONS = {"--component": ("component", None), "--bucket": ("bucket", None), "--logprobs": ("logprobs", -1),
@@ -28,7 +28,9 @@ def engine_run(args, command: str) -> tuple[EngineSpec, EngineRun]:
     run = EngineRun(model=args.model, reference=None, reference_dir=args.reference, dtype=args.dtype,
                     compile=args.compile, targets=getattr(args, "target", None), device=args.device,
                     options=engine_options(args, spec), bucket=getattr(args, "bucket", None),
-                    logprobs=getattr(args, "logprobs", -1))
+                    logprobs=getattr(args, "logprobs", -1),
+                    components=components_arg(args.component) if getattr(args, "component", None) else None,
+                    interrupted=lambda: say_interrupted(args.produced))
     return spec, run
 
 

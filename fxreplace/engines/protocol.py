@@ -32,6 +32,9 @@ from typing import Any, Callable, Collection, Protocol, Sequence
 
 import torch
 
+from ..replacer.requests import StepLayout  # re-exported: a runner side reads the seam's names here
+
+
 @dataclass
 class Generation:
     """One request's greedy continuation and the logits that chose each token."""
@@ -89,43 +92,6 @@ def check_engine(engine, what: str) -> Engine:
         raise TypeError(f"{what} must be an fxreplace.engines.protocol.Engine (subclass it: generate() and the "
                         f"capabilities it has), got {type(engine).__name__}")
     return engine
-
-
-@dataclass(slots=True)  # made at every step of a serving engine: slots make it cheaper to make and read
-class StepLayout:
-    """One forward's slots: request ``i`` computes ``counts[i]`` tokens in consecutive slots,
-    followed by ``padding[i]`` padding slots (None: no padding between requests); every slot
-    after the last request's is padding. ``positions`` (host, int64) holds every slot's position,
-    padding included (whatever the runner put there: Neuron repeats a prefill's last position
-    and pads decode with 0). Plain data: :meth:`~fxreplace.TensorReplacer.step_into` builds
-    the step's context from it, its padding off."""
-
-    req_ids: list[str]
-    counts: list[int]
-    positions: torch.Tensor
-    padding: list[int] | None = None
-
-    @property
-    def num_slots(self) -> int:
-        return self.positions.shape[0]
-
-    def check(self) -> None:
-        """Refuse a layout whose requests need more slots than the forward has."""
-        used = sum(self.counts) + (sum(self.padding) if self.padding else 0)
-        if len(self.counts) != len(self.req_ids) or (self.padding is not None and len(self.padding) != len(self.req_ids)):
-            raise ValueError(f"a step layout of {len(self.req_ids)} requests has {len(self.counts)} token counts"
-                             f"{'' if self.padding is None else f' and {len(self.padding)} padding counts'}")
-        if used > self.num_slots:
-            raise ValueError(f"requests {self.req_ids[:4]} schedule {used} slots (tokens and padding) but the forward "
-                             f"has {self.num_slots} positions")
-
-    def starts(self) -> list[int]:
-        """The first slot of each request."""
-        starts, slot = [], 0
-        for i, count in enumerate(self.counts):
-            starts.append(slot)
-            slot += count + (self.padding[i] if self.padding else 0)
-        return starts
 
 
 @dataclass(slots=True)

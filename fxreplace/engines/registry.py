@@ -28,8 +28,10 @@ ALIASES = {"hf": "runner"}
 class EngineRun:
     """What a command asks of an engine: the model under test, the reference it is compared
     with, and how to run it. ``compile`` None: the engine's default. ``options``: the engine's
-    own keyword arguments (``--engine-args``). ``bucket`` (the longest prefill) and ``logprobs``
-    (log-probs returned per step, -1: all) are for the engines that have such a knob."""
+    own keyword arguments (``--engine-args``). ``bucket`` (the longest prefill), ``logprobs``
+    (log-probs returned per step, -1: all) and ``components`` (blame's ``{kind: Target}``, None: the
+    default) are for the engines that have such a knob. ``interrupted``: what the command says last
+    when Ctrl-C stops the engine's start and the process must exit at once (None: the engine's words)."""
 
     model: str
     reference: Any  # a fxreplace.reference.Reference
@@ -41,6 +43,8 @@ class EngineRun:
     options: dict = field(default_factory=dict)
     bucket: int | None = None
     logprobs: int = -1
+    components: dict | None = None
+    interrupted: Callable[[], None] | None = None
 
 
 @dataclass
@@ -50,7 +54,9 @@ class CaptureRun:
     ids, checked by the engine against its vocabulary (:func:`fxreplace.capture.checked_prompts`,
     naming ``prompts_source``). ``metadata``: what the reference records beside the captures.
     ``components`` (``{kind: Target}``), ``family_components`` (the family's), ``noise_floor``
-    (a dtype) and ``dispatch`` (the model's placement) are for the engines that take them."""
+    (a dtype: the command measures the model's noise floor in it once the engine has captured,
+    :func:`fxreplace.floor.capture_floors`) and ``dispatch`` (the model's placement) are for the
+    engines that take them. ``interrupted``: as :attr:`EngineRun.interrupted`."""
 
     model: str
     prompts: list
@@ -67,6 +73,7 @@ class CaptureRun:
     family_components: bool = False
     noise_floor: str | None = None
     dispatch: dict | None = None
+    interrupted: Callable[[], None] | None = None
 
 
 @dataclass
@@ -106,10 +113,10 @@ class EngineSpec:
 
     * ``open_validation(run)``: an :class:`Opened` engine as :func:`fxreplace.logit_validation`
       drives it (:class:`~fxreplace.engines.protocol.Engine`); the caller closes it;
-    * ``open_blame(run)``: an :class:`Opened` holding what :func:`fxreplace.blame` examines: an
-      engine whose ``generate`` takes capture names and whose ``components`` lists what it
-      replaces, or the model itself (an ``nn.Module``, which blame instruments and runs in the
-      embedded runner);
+    * ``open_blame(run)``: an :class:`Opened` holding the engine :func:`fxreplace.blame` drives:
+      one whose ``generate`` takes capture names and whose ``components`` lists what it replaces
+      (the embedded engine's :class:`~fxreplace.engines.embedded.blame_engine.BlameRunner` picks
+      and instruments them itself);
     * ``compiles``: whether it compiles when the command says neither ``--compile`` nor ``--no-compile``;
     * ``takes``: the engine-specific options it understands, by option name (``--component``,
       ``--bucket``, ``--logprobs``, ``--engine-args``; ``--clean`` for blame: components captured
@@ -155,13 +162,8 @@ class Opened:
 
     def close(self) -> None:
         """Close the engine when it holds resources (processes, memory)."""
-        if isinstance(self.engine, Engine):  # else the model itself (blame instruments it), which holds nothing
-            self.engine.close()
+        self.engine.close()
 
-
-#: What an engine's start, interrupted and forced to exit at once, prints last: the command's own
-#: "interrupted: ..." line, which the command line sets (None: the engine's own words).
-last_words: Callable[[], None] | None = None
 
 _ENGINES: Registry[EngineSpec] = Registry("engine")
 _failures: dict[str, str] = {}  # why an engine declared in the entry-point group registered nothing, by name

@@ -21,7 +21,7 @@ is the caller's race.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Collection, Mapping, NamedTuple, Sequence
+from typing import Any, Collection, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -32,12 +32,9 @@ from ..gather import host_bits
 from .copying import OutChecks, run
 from .layouts import ContextLayout, Layouts
 from .pool import BufferPool
-from .requests import MISSING, UNMATCHED, RequestTable
+from .requests import MISSING, UNMATCHED, RequestTable, StepLayout
 from .rows import BatchRows, RowPlanner, as_index_array, decode_rows, is_int_list, step_positions
 from .sources import reference_source, reference_store
-
-if TYPE_CHECKING:
-    from ..engines.protocol import StepLayout
 
 
 class _Batch(NamedTuple):
@@ -253,8 +250,8 @@ class TensorReplacer:
         released already."""
         return self._pool.release(context)
 
-    def step_into(self, layout: "StepLayout", out: ReplacementContext) -> ReplacementContext | None:
-        """An engine's step: the context of ``layout`` (a :class:`~fxreplace.engines.protocol.StepLayout`:
+    def step_into(self, layout: StepLayout, out: ReplacementContext) -> ReplacementContext | None:
+        """An engine's step: the context of ``layout`` (a :class:`~fxreplace.replacer.requests.StepLayout`:
         requests, their token counts and padding, every slot's position) written into ``out``, a
         context of ``layout.num_slots`` slots. A steady decode step (one token per request, no
         padding) tries :meth:`decode_into` first; a step none of whose requests matched a stored

@@ -1,20 +1,20 @@
 """The embedded engine's registration (``--engine runner``): the target loaded in this process,
-instrumented, and run by fxreplace's static-shape runner; blame instruments it itself. It
-captures a reference from the Hugging Face model's own eager forwards."""
+instrumented, and run by fxreplace's static-shape runner (for blame, a
+:class:`~fxreplace.engines.embedded.blame_engine.BlameRunner` over it). It captures a reference
+from the Hugging Face model's own eager forwards."""
 
 from __future__ import annotations
 
-from ...blame import BlameError, family_components
 from ...capture import capture_reference, checked_prompts
+from ...components import ComponentError, family_components
 from ...config import ReplacementConfig
 from ...dtypes import as_dtype
-from ...floor import measure_floor, save_floor
 from ...instrument import instrument
 from ...loading import (SetupError, check_layer_count, check_reference_matches, check_vocab, default_targets,
                         load_model, longest_sequence)
 from ...models import architecture
-from ...reference import load_reference
 from ..registry import CaptureRun, CaptureSpec, Captured, EngineRun, EngineSpec, Opened, register_engine
+from .blame_engine import BlameRunner
 from .runner import Runner, RunnerConfig
 
 
@@ -61,17 +61,19 @@ def open_validation(run: EngineRun) -> Opened:
 
 
 def open_blame(run: EngineRun) -> Opened:
-    """The target itself, in ``run.dtype``: :func:`fxreplace.blame` instruments its components
-    and checks it against the reference."""
+    """The target in ``run.dtype``, which :func:`fxreplace.blame` instruments at its components
+    (``run.components``, else those the reference recorded, else the family's) and checks against
+    the reference."""
     model = load_model(run.model, as_dtype(run.dtype), device=run.device)
     check_layer_count(run.reference, run.reference_dir, run.model, getattr(model.config, "num_hidden_layers", None))
-    return Opened(model)
+    return Opened(BlameRunner(model, components=run.components, dtype=as_dtype(run.dtype),
+                              compile=BACKEND if ENGINE.compiled(run) else None))
 
 
 def capture(run: CaptureRun) -> Captured:
     """The model's own eager forwards in this process, in float32 (or placed by ``run.dispatch``):
-    the family's targets (or ``run.targets``), the blame components asked for, then the noise
-    floor of ``run.noise_floor`` measured against what was captured."""
+    the family's targets (or ``run.targets``) and the blame components asked for (the command then
+    measures the noise floor of ``run.noise_floor`` against what was captured)."""
     if run.compile and not run.noise_floor:
         raise SetupError("--compile: the runner captures the model's own eager forwards (the reference); --compile "
                          "says which program's noise floor --noise-floor measures beside the eager one",
@@ -83,7 +85,7 @@ def capture(run: CaptureRun) -> Captured:
     if run.family_components and not components:
         try:
             components = family_components(model)
-        except BlameError as e:
+        except ComponentError as e:
             raise SetupError(str(e).partition("; ")[0], "name them with --component KIND=PATTERN[@POINT] (repeatable; "
                              f"`fxreplace inspect {run.model}` lists the modules)") from None
     metadata = dict(run.metadata)
@@ -92,22 +94,8 @@ def capture(run: CaptureRun) -> Captured:
                                          for kind, t in run.components.items()}
     reference = capture_reference(model, prompts, targets, run.max_new_tokens, components=components, out=run.out,
                                   metadata=metadata)
-    captured = Captured(f"captured {reference.num_prompts} prompts x {run.max_new_tokens} tokens at "
-                        f"{len(reference.store.capture_names)} targets")
-    if run.noise_floor:
-        del model  # the floor's model is loaded in its dtype, as validate and blame load the target
-        dtype = as_dtype(run.noise_floor)
-        clean, stored = load_model(run.model, dtype, run.dispatch, run.device), load_reference(run.out)
-        # the eager program's floor, and with --compile the compiled one's (validate --compile gates on that)
-        for backend in (None, BACKEND) if run.compile else (None,):
-            floor = measure_floor(clean, stored, dtype, progress=True, compile=backend)
-            save_floor(floor, run.out)
-            whole = floor.aggregate(range(reference.num_prompts))
-            captured.lines.append(
-                f"noise floor ({floor.programme.replace('the reference', 'the model')}, {floor.seconds:.1f} s): mean KL "
-                f"{whole['mean_kl']:.3g}, mean top-5 error {whole['mean_top5_error']:.3g}, {whole['prompts_diverged']} "
-                f"of {reference.num_prompts} prompts diverge")
-    return captured
+    return Captured(f"captured {reference.num_prompts} prompts x {run.max_new_tokens} tokens at "
+                    f"{len(reference.store.capture_names)} targets")
 
 
 def _capture_targets(run: CaptureRun, model) -> list:

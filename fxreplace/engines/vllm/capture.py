@@ -449,12 +449,13 @@ def stage_dirs(out) -> list[Path]:
 
 
 def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int, targets=None,
-                      dtype: str = "float32", **llm_kwargs) -> dict:
+                      dtype: str = "float32", interrupted=None, **llm_kwargs) -> dict:
     """Greedy-generate ``max_new_tokens`` per prompt with a vLLM engine in capture
     mode and write the reference to ``out``; returns the writing worker's counts
     (``completed``, ``dropped``, ``in_flight``, ``preemptions``, ``drafts_accepted``; the last
-    pipeline stage's). ``llm_kwargs`` go to ``vllm.LLM`` (``enforce_eager``,
-    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``speculative_config``, ...).
+    pipeline stage's). ``interrupted``: what a Ctrl-C during the start says last. ``llm_kwargs`` go to
+    ``vllm.LLM`` (``enforce_eager``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``speculative_config``, ...).
     Under pipeline parallelism the stages write ``out/pp<rank>`` and their join goes to
     ``out/merged`` (:func:`merge_stages`)."""
     from vllm import LLM, SamplingParams  # vLLM loads when an engine starts, not with fxreplace
@@ -465,7 +466,7 @@ def capture_with_vllm(model: str, prompt_token_ids, out, *, max_new_tokens: int,
     llm_kwargs.setdefault("seed", 0)
     cleanup = shm.Cleanup()
     try:
-        with engine_start():
+        with engine_start(interrupted):
             llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": {"capture": capture}}, **llm_kwargs)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)

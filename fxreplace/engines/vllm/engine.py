@@ -27,16 +27,15 @@ import hashlib
 import itertools
 import json
 from pathlib import Path
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
-from ...components import Component
+from ...components import components_in
 from ...config import ReplacementConfig
 from ...context import PerRequest
 from ...models import architecture, get_family
 from ...reference import load_reference
-from ...targets import Target
 from ..protocol import Engine, Generation
 from . import shm
 from .sites import MODEL_CODE
@@ -49,12 +48,13 @@ class VllmEngine(Engine):
     """``VllmEngine(model_dir, replacement, dtype="float32", logprobs=-1, **llm_kwargs)``.
 
     ``replacement``: the plugin's :class:`~fxreplace.ReplacementConfig` (e.g.
-    ``ReplacementConfig(tensors_path=reference_dir)``). ``llm_kwargs`` go to
+    ``ReplacementConfig(tensors_path=reference_dir)``). ``interrupted``: what a Ctrl-C during the start
+    says last (:func:`~fxreplace.engines.vllm.startup.engine_start`). ``llm_kwargs`` go to
     ``vllm.LLM`` (e.g. ``enforce_eager``, ``max_model_len``).
     """
 
     def __init__(self, model: str, replacement: ReplacementConfig, *, dtype: str = "float32", logprobs: int = -1,
-                 **llm_kwargs):
+                 interrupted: Callable[[], None] | None = None, **llm_kwargs):
         from vllm import LLM  # vLLM loads when an engine starts, not with fxreplace
 
         self.logprobs = logprobs
@@ -62,7 +62,7 @@ class VllmEngine(Engine):
         llm_kwargs.setdefault("seed", 0)
         self._shm = shm.Cleanup()
         try:
-            with engine_start():
+            with engine_start(interrupted):
                 self.llm = LLM(model=model, dtype=dtype, additional_config={"fxreplace": replacement}, **llm_kwargs)
         except BaseException:
             self._shm.after_teardown()  # what a failed start left
@@ -117,33 +117,15 @@ class VllmBlameEngine(Engine):
     ``select_captures=True``, and each pass's requests select the captures they replace
     (a pass replacing nothing is served with replacement off). Components come from the
     reference (``metadata["components"]``: capture name, kind, layer) and the family's
-    ``vllm_components`` (vLLM's module and injection point per kind; ``*`` = layer).
+    vLLM sites (engines/vllm/sites.py: vLLM's module and injection point per kind; ``*`` = layer).
     ``engine``: that :class:`VllmEngine`.
     """
 
     def __init__(self, model: str, reference_dir: str, *, dtype: str = "float32", vllm_components=None, **llm_kwargs):
-        from ...blame import BlameError, recorded_components  # blame sits above the engines it drives
-
         reference = load_reference(reference_dir)
         if vllm_components is None:
             vllm_components = _family_vllm_components(model)
-        self.components = []
-        recorded = recorded_components(reference)
-        if not recorded:
-            raise BlameError(f"the reference {reference_dir} records no components: capture them with `fxreplace capture "
-                             f"{reference.metadata.get('source_model') or 'CLEAN_MODEL'} --prompts PROMPTS.json "
-                             "--components --out NEW_REFERENCE` (vLLM replays only what the reference holds)")
-        for name, info in recorded.items():
-            declared = vllm_components.get(info["kind"])
-            if declared is None or info["layer"] is None:
-                continue
-            module = declared.pattern.replace("*", str(info["layer"]), 1)
-            target = Target(module, point=declared.point, adapter=declared.adapter, name=name)
-            self.components.append(Component(info["kind"], info["layer"], module, name, target))
-        if not self.components:
-            raise BlameError(f"no component of the reference {reference_dir} maps to vLLM's modules (it records kinds "
-                             f"{sorted({i['kind'] for i in recorded.values()})}; vLLM's code declares "
-                             f"{sorted(vllm_components)})")
+        self.components = components_in(reference, reference_dir, vllm_components, "vLLM")
         replacement = ReplacementConfig(tensors_path=str(reference_dir), targets=[c.target for c in self.components],
                                         select_captures=True)
         self.engine: VllmEngine | None = VllmEngine(model, replacement, dtype=dtype, **llm_kwargs)

@@ -31,7 +31,7 @@ def open_validation(run: EngineRun) -> Opened:
     check_checkpoint_matches(reference, run.reference_dir, run.model)
     replacement = ReplacementConfig(targets=run.targets, tensors_path=run.reference_dir)
     replaced = run.targets or list(vllm_targets(run.model))
-    engine = VllmEngine(run.model, replacement, dtype=run.dtype, logprobs=run.logprobs,
+    engine = VllmEngine(run.model, replacement, dtype=run.dtype, logprobs=run.logprobs, interrupted=run.interrupted,
                         enforce_eager=not ENGINE.compiled(run), **_llm_options(run, max_num_seqs=min(8, reference.num_prompts)))
     opened = Opened(engine, "", config_json(run.model).get("num_experts_per_tok"), replaced)
     try:
@@ -64,7 +64,7 @@ def open_blame(run: EngineRun) -> Opened:
     check_checkpoint_matches(run.reference, run.reference_dir, run.model)
     options = _llm_options(run, max_num_seqs=min(64, run.reference.num_prompts * 5))
     return Opened(VllmBlameEngine(run.model, run.reference_dir, dtype=run.dtype, logprobs=-1,
-                                  enforce_eager=not ENGINE.compiled(run), **options))
+                                  interrupted=run.interrupted, enforce_eager=not ENGINE.compiled(run), **options))
 
 
 def _llm_options(run: EngineRun, max_num_seqs: int) -> dict:
@@ -84,7 +84,8 @@ def capture(run: CaptureRun) -> Captured:
     options = with_kv_cache(run.model, options, options["max_num_seqs"] * options["max_model_len"], run.dtype)
     counts = vllm_capture.capture_with_vllm(recorded_model(run.model), prompts, run.out,
                                             max_new_tokens=run.max_new_tokens, targets=run.targets, dtype=run.dtype,
-                                            enforce_eager=run.compile is False, **options)
+                                            enforce_eager=run.compile is False, interrupted=run.interrupted,
+                                            **options)
     completed = counts.get("completed", 0)
     captured = Captured(f"captured {completed} prompts x {run.max_new_tokens} tokens with vLLM "
                         f"({counts.get('dropped', 0)} dropped)")

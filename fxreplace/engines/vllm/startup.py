@@ -13,13 +13,14 @@ drops the exception the signal's handler raised (its ``_check_rc`` raises
 user waits out the timeout. :func:`interruptible_start` stops the processes the start created on
 the first Ctrl-C, removes their shared memory and raises KeyboardInterrupt; when that is dropped,
 an alarm a moment later says what the command left
-(:data:`fxreplace.engines.registry.last_words`) and exits 130 itself:
+(its ``interrupted``, :attr:`fxreplace.engines.registry.EngineRun.interrupted`) and exits 130 itself:
 nothing is being written while an engine starts. (The engine's own processes, reached by the
 same Ctrl-C half-started, may print their tracebacks above that line.)
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -27,11 +28,11 @@ import sys
 import tempfile
 import threading
 from contextlib import contextmanager
+from typing import Callable
 
 from ...config import ConfigError
 from ...instrument import InstrumentationChangedError
 from ...targets import TargetError
-from .. import registry
 from . import shm
 
 
@@ -44,19 +45,20 @@ GRACE_S = 1.0
 
 
 @contextmanager
-def engine_start():
+def engine_start(interrupted: Callable[[], None] | None = None):
     """Around a vLLM engine's start (``with engine_start(): llm = LLM(...)``): Ctrl-C ends it
-    within seconds (:func:`interruptible_start`), and an engine process's fxreplace error is
-    raised here in its own words (:func:`start_errors`)."""
-    with start_errors(), interruptible_start():
+    within seconds (:func:`interruptible_start`, ``interrupted`` saying the last words), and an
+    engine process's fxreplace error is raised here in its own words (:func:`start_errors`)."""
+    with start_errors(), interruptible_start(interrupted):
         yield
 
 
 @contextmanager
-def interruptible_start():
+def interruptible_start(interrupted: Callable[[], None] | None = None):
     """Run a vLLM engine's start so that Ctrl-C ends it within seconds, the processes it started
-    stopped and their shared memory removed. Only the main thread receives signals: elsewhere the
-    start runs as it is."""
+    stopped and their shared memory removed; when the KeyboardInterrupt is lost, ``interrupted``
+    (the command's words; None: the engine's) is said before the process exits. Only the main
+    thread receives signals: elsewhere the start runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -72,7 +74,7 @@ def interruptible_start():
             _quietly(p.kill)
         psutil.wait_procs([p for p in created if p.ppid() == this.pid], timeout=5)  # reaped, not left as zombies
         segments.after_teardown(wait_s=1.0, own_wait_s=5.0)
-        signal.signal(signal.SIGALRM, _exit_interrupted)
+        signal.signal(signal.SIGALRM, functools.partial(_exit_interrupted, interrupted or _say_stopped))
         signal.setitimer(signal.ITIMER_REAL, GRACE_S)
         raise KeyboardInterrupt
 
@@ -99,9 +101,9 @@ def _quietly(action) -> None:
         pass
 
 
-def _exit_interrupted(signum, frame) -> None:
+def _exit_interrupted(say: Callable[[], None], signum, frame) -> None:
     """The KeyboardInterrupt was dropped inside the engine's wait: say what was left and exit."""
-    (registry.last_words or _say_stopped)()
+    say()
     os._exit(128 + signal.SIGINT)  # the status of a process a SIGINT stopped, as the command line's own exit
 
 
