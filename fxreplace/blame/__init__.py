@@ -33,7 +33,9 @@ from ..targets import Target, TargetLike
 from .ondemand import OnDemand
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameError, BlameResult, LayerShare, NonFinite, Origin, Pass,
                      Systematic)
-from .search import LAYER, MEMBER, PROBES, Search, default_budget
+from .passes import LAYER, PROBES, default_budget
+from .search import Search
+from .systematic import MEMBER
 
 __all__ = ["blame", "search", "Component", "resolve_components", "family_components", "recorded_components",
            "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "Systematic", "LAYER",
@@ -174,19 +176,9 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
            probes, progress, floor) -> BlameResult:
     """:func:`blame` past its reference's checks."""
     if not isinstance(target, nn.Module):
-        check_inputs(reference, architecture=None, vocab_size=getattr(target, "vocab_size", None),
-                     what="the target engine", prompts=prompts, label=label)
-        engine_dtype = getattr(target, "dtype", None)
-        return search(target, reference, target.components, tolerances=tolerances, prompts=prompts, budget=budget,
-                      probes=probes, progress=progress, dtype=engine_dtype,
-                      floor=floor if floor is not None else stored_floors(reference, directory).get(engine_dtype or ""))
-    arch = architecture(target.config, type(target).__name__)
-    indices = check_inputs(reference, architecture=arch, vocab_size=target.config.vocab_size,
-                           what=f"the target ({type(target).__name__})", prompts=prompts, label=label)
-    if isinstance(clean, nn.Module):  # a function loading it: its caller checks it
-        check_inputs(reference, architecture=architecture(clean.config, type(clean).__name__),
-                     vocab_size=clean.config.vocab_size, what=f"the clean model ({type(clean).__name__})",
-                     prompts=prompts, label=label)
+        return _blame_engine(target, reference, directory, label, tolerances=tolerances, prompts=prompts,
+                             budget=budget, probes=probes, progress=progress, floor=floor)
+    indices = _check_models(target, clean, reference, prompts, label)
     # the target itself when it already has the dtype (instrumented for the search, restored after):
     # a copy would hold the weights twice
     dtype = dtype or next(target.parameters()).dtype
@@ -197,10 +189,8 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
     comps = resolve_components(model, components)
     if not comps:
         raise BlameError(f"the components {dict(components or {})} match no module of the target")
-    on_demand = None
-    if clean is not None:
-        on_demand = OnDemand(clean, reference, comps, directory, progress=progress)
-    else:
+    on_demand = OnDemand(clean, reference, comps, directory, progress=progress) if clean is not None else None
+    if on_demand is None:
         refuse_missing(reference, comps, model_hint="CLEAN_MODEL")
     instrument(model, [c.target for c in comps])
     try:
@@ -241,6 +231,29 @@ def _blame(target, reference, directory, label, *, clean, components, dtype, com
     if on_demand:
         result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds - before_search
     return result
+
+
+def _blame_engine(engine, reference, directory, label, *, tolerances, prompts, budget, probes, progress,
+                  floor) -> BlameResult:
+    """:func:`blame` of a target engine: its own components, scaled by the floor the reference stored for its dtype."""
+    check_inputs(reference, architecture=None, vocab_size=getattr(engine, "vocab_size", None),
+                 what="the target engine", prompts=prompts, label=label)
+    engine_dtype = getattr(engine, "dtype", None)
+    return search(engine, reference, engine.components, tolerances=tolerances, prompts=prompts, budget=budget,
+                  probes=probes, progress=progress, dtype=engine_dtype,
+                  floor=floor if floor is not None else stored_floors(reference, directory).get(engine_dtype or ""))
+
+
+def _check_models(target: nn.Module, clean, reference, prompts, label: str) -> list[int]:
+    """The prompts searched, once the target (and the clean model, when loaded) match the reference."""
+    arch = architecture(target.config, type(target).__name__)
+    indices = check_inputs(reference, architecture=arch, vocab_size=target.config.vocab_size,
+                           what=f"the target ({type(target).__name__})", prompts=prompts, label=label)
+    if isinstance(clean, nn.Module):  # a function loading it: its caller checks it
+        check_inputs(reference, architecture=architecture(clean.config, type(clean).__name__),
+                     vocab_size=clean.config.vocab_size, what=f"the clean model ({type(clean).__name__})",
+                     prompts=prompts, label=label)
+    return indices
 
 
 def precision_drift(clean, store, reference, dtype: torch.dtype, components: Sequence[Component], names: Sequence[str],
