@@ -87,7 +87,7 @@ def register() -> None:
 
 
 def _finish_capture(worker) -> dict | None:
-    from .capture import finish_capture  # capture's state: in a capturing worker only
+    from .capture_worker import finish_capture  # capture's state: in a capturing worker only
 
     return finish_capture(worker)
 
@@ -258,7 +258,7 @@ def _attach_state(side, config) -> None:
     runner = side.runner
     if config.config.capture is not None:
         if side.bound:
-            from .capture import VllmCapture as kind  # the configured state's module only
+            from .capture_worker import VllmCapture as kind  # the configured state's module only
         else:
             from .neuron import StepInputCapture as kind  # the configured state's module only
         state = kind(side, config.config.capture)
