@@ -26,7 +26,7 @@ import torch
 from .dtypes import dtype_name, is_full_precision
 from .engines.embedded import Runner, RunnerConfig
 from .words import fmt, times
-from .store.format import FLOOR_FILE
+from .store.publish import FLOOR_FILE
 from .validation import logit_validation
 
 #: A divergence up to this multiple of the floor (in every measure) is precision noise: the

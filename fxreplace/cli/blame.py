@@ -11,7 +11,7 @@ from ..blame import BlameError, blame
 from ..junit import write_blame_junit
 from ..loading import check_reference_matches, check_vocab, load_model, model_architecture
 from ..report import describe_program, repro_step, write_blame_report
-from ..store.format import BLAME_COMPONENTS_DIR
+from ..store.publish import BLAME_COMPONENTS_DIR
 from .args import EXIT_OK, UsageError
 from .common import check_writable_dir, components_arg, dispatch_args, folder_state, load_reference_arg, torch_dtype
 from .running import engine_run, noise_floor, reference_caveat

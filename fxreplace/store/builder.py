@@ -10,8 +10,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .format import (CaptureError, Group, Shard, _offsets, _preview, check_extra_against_metadata, extra_layout,
-                     token_key)
+from .format import CaptureError, Group, Shard, _offsets, _preview
+from .rules import check_extra_against_metadata, extra_layout, token_key
 
 class _ShardBuilder:
     """Accumulates validated prompts; packs them into a :class:`Shard`.

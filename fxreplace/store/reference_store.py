@@ -18,9 +18,10 @@ import torch
 from ..matching import TokenTable
 from .builder import _align, _check_token_ids, _ShardBuilder
 from .format import (INDEX_FILE, SHARD_PATTERN, TENSORS_FILE, CaptureColumns, CaptureError, Group, Shard, StoreError,
-                     _describe, _file_digest, _offsets, _preview, _read_header, _shard_index, _write_index, _write_shard,
-                     as_path, check_metadata, check_per_prompt_metadata, first_duplicate, per_prompt_slice,
-                     publish_directory, shard_entry, staging_directory)
+                     _describe, _file_digest, _offsets, _preview, _read_header, _shard_index, _write_index,
+                     _write_shard, as_path, shard_entry)
+from .publish import publish_directory, staging_directory
+from .rules import check_metadata, check_per_prompt_metadata, first_duplicate, per_prompt_slice
 from .reader import _assemble, _load_shard, _read_directory_index
 
 @dataclass

@@ -19,7 +19,7 @@ from ...gather import host_bits
 from ...instrument import observe
 from ...reference import Reference
 from ...store import StoreWriter
-from ...store.format import CAPTURE_STATS_FILE
+from ...store.publish import CAPTURE_STATS_FILE
 from ...targets import TargetError
 from . import internals
 from ..protocol import StepHooks
