@@ -5,7 +5,7 @@ instruments vLLM's model at the same injection points replacement uses and
 *observes* them (:func:`fxreplace.instrument.observe`): each target writes what it
 computed into one static buffer (filled in place, so compiled graphs keep working).
 After every forward the rows are mapped back to (request, position) from the
-scheduler's batch, the inverse of ``TensorReplacer.build_context_for_batch``, and
+scheduler's batch, the inverse of ``TensorReplacer.build``, and
 stored per request *by position*. Storing by position makes the awkward cases
 simple:
 
