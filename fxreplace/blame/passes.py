@@ -68,6 +68,7 @@ class _Copies:
         return {**self.reference.metadata,
                 "prompt_texts": texts and [texts[self._p(i)] for i in range(self.num_prompts)]}
 
+
 class Passes:
     """One search's state: the passes measured (by selection), rounds, budget."""
 
@@ -111,7 +112,7 @@ class Passes:
         self.batched = getattr(engine, "per_request_selection", False)
         # requests the engine runs in one batch: a round's passes side by side up to it cost about one pass
         self.batch_rows = (batch_rows or len(self.indices) * (probes + 1)) if self.batched else len(self.indices)
-    # ------------------------------------------------------------------ measuring
+
     def key(self, selection: Collection[str]) -> frozenset:
         """The selection as measured: replacing the stream after layer ``k`` discards everything
         computed at or before ``k``, so components of those layers beside it change nothing
