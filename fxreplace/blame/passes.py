@@ -13,8 +13,9 @@ import math
 import time
 from typing import Callable, Collection, Sequence
 
-from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained, fmt
+from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained
 from ..validation import ValidationResult, heartbeat, logit_validation
+from ..words import fmt
 from .result import MAX_ORIGINS, SIGNIFICANT, LayerShare, Origin, Pass, Systematic
 
 LAYER = "layer"

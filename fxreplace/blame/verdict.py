@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from ..metrics import EXPLAINS
-from .result import MAX_ORIGINS, SIGNIFICANT, Systematic, pct
+from ..words import pct
+from .result import MAX_ORIGINS, SIGNIFICANT, Systematic
 
 
 def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, shares, after_layers, noise=None,
