@@ -98,7 +98,7 @@ def prompt_set(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]
 def time_capture_hooks(spent: dict) -> None:
     """Add the time of capture's per-step hooks (its own Python work, shard writes at
     idle included; the rows the compiled graph copies are not) to ``spent["s"]``."""
-    from fxreplace.engines.vllm.capture import VllmCapture
+    from fxreplace.engines.vllm.capture_worker import VllmCapture
 
     depth = [0]  # end_step calls after_sample: count the outermost hook only
     for name in ("begin_step", "after_forward", "end_step", "after_sample"):

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from fxreplace import ReferenceStore, StoreWriter, TensorReplacer
+from fxreplace.engines.protocol import StepLayout
 from fxreplace.gather import index_select_rows
 from fxreplace.store.format import Shard
 from fxreplace.testing import build_context_loop, slot_owners
@@ -299,8 +300,7 @@ def bench_sharded() -> dict[str, float]:
                 positions = torch.from_numpy(starts + step)
                 for name, r in replacers.items():
                     start = time.perf_counter()
-                    r.decode_into(req_ids, positions, outs[name]) or r.build_context_for_batch(
-                        req_ids, counts, positions, out=outs[name])  # an engine's step
+                    r.step_into(StepLayout(req_ids, counts, positions), outs[name])  # an engine's step
                     times[name].append(time.perf_counter() - start)
             assert all(torch.equal(a, b) for a, b in zip(outs["one"].storage, outs["sharded"].storage))
             ratios[label] = statistics.median(times["sharded"]) / statistics.median(times["one"])

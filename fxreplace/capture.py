@@ -74,17 +74,8 @@ def capture_reference(
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     token_ids, texts = tokenize_prompts(prompts, tokenizer, chat=chat)
     prompts = check_prompts(token_ids, model.config.vocab_size)
-    from tqdm.auto import tqdm  # the hf extra; fxreplace.models imports this module without it
-
     owned = not isinstance(model, InstrumentedModel)
-    targets = list(targets)
-    found = []
-    if components:
-        if not owned:
-            raise ValueError("capture_reference(components=...) instruments the model itself: pass the plain model")
-        found = resolve_components(model, components)
-        already = {t.module_name for t in resolve_targets(model, targets)}
-        targets += [c.target for c in found if c.module_name not in already]
+    targets, found = _with_components(model, list(targets), components, owned)
     if owned:
         instrument(model, targets)
     try:
@@ -92,18 +83,35 @@ def capture_reference(
         info = _metadata(model, names, max_new_tokens, texts, found)
         info.update(metadata or {})
         generated = _generate(model, names, prompts, max_new_tokens)
-        if out is None:
-            parts = list(tqdm(generated, total=len(prompts), desc="capture", disable=not progress))
-            captures, tokens, logits = (list(column) for column in zip(*parts))
-            return Reference.from_parts(captures, prompts, tokens, logits, info)
-        with StoreWriter(out, shard_bytes=shard_bytes, metadata=info) as writer:
-            for prompt, (captured, tokens, logits) in zip(
-                    prompts, tqdm(generated, total=len(prompts), desc="capture", disable=not progress)):
-                writer.add(prompt, captured, extras=Reference.extras(tokens, logits))
-        return load_reference(out)
+        return _collect(generated, prompts, info, out, shard_bytes, progress)
     finally:
         if owned:
             uninstrument(model)
+
+
+def _with_components(model, targets: list, components, owned: bool) -> tuple[list, list]:
+    """``targets`` and the components' targets they lack (the components resolved beside them)."""
+    if not components:
+        return targets, []
+    if not owned:
+        raise ValueError("capture_reference(components=...) instruments the model itself: pass the plain model")
+    found = resolve_components(model, components)
+    already = {t.module_name for t in resolve_targets(model, targets)}
+    return targets + [c.target for c in found if c.module_name not in already], found
+
+
+def _collect(generated, prompts, info: dict, out, shard_bytes: int, progress: bool) -> Reference:
+    """The prompts' captures as they are generated: in memory, or streamed into the store at ``out``."""
+    from tqdm.auto import tqdm  # the hf extra; fxreplace.models imports this module without it
+
+    generated = tqdm(generated, total=len(prompts), desc="capture", disable=not progress)
+    if out is None:
+        captures, tokens, logits = (list(column) for column in zip(*generated))
+        return Reference.from_parts(captures, prompts, tokens, logits, info)
+    with StoreWriter(out, shard_bytes=shard_bytes, metadata=info) as writer:
+        for prompt, (captured, tokens, logits) in zip(prompts, generated):
+            writer.add(prompt, captured, extras=Reference.extras(tokens, logits))
+    return load_reference(out)
 
 
 class _Enough(Exception):

@@ -157,7 +157,17 @@ def export(
     # The graph must take the old and new inputs as flat keywords.
     old_inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     new_inputs = [s.input_name for s in specs] + [MASK_INPUT] + ([RANK_INPUT] if tensor_rank else [])
-    names = old_inputs + new_inputs
+    _take_flat_keywords(gm, old_inputs + new_inputs)
+    insert_replacements(gm, specs, mask_input=MASK_INPUT, rank_input=RANK_INPUT if tensor_rank else None,
+                        optional_inputs=False)
+    _mask_as_bool(gm)
+
+    examples = _example_inputs(resolved, specs, located, tensor_rank)
+    return _reexport(gm, model, args, kwargs, old_inputs, examples, dynamic_shapes)
+
+
+def _take_flat_keywords(gm: torch.fx.GraphModule, names: list[str]) -> None:
+    """Make the exported module take ``names`` as flat keywords (the model's inputs, then the new ones)."""
     info = gm.graph._codegen.pytree_info
     gm.graph._codegen.pytree_info = info._replace(
         orig_args=names, in_spec=torch.utils._pytree.tree_structure(((), {n: 0 for n in names}))
@@ -165,12 +175,12 @@ def export(
     gm._forward_pre_hooks.clear()  # they check inputs against the old signature
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)  # re-export derives its own guards
-    insert_replacements(gm, specs, mask_input=MASK_INPUT, rank_input=RANK_INPUT if tensor_rank else None,
-                        optional_inputs=False)
-    _mask_as_bool(gm)
 
-    examples = _example_inputs(resolved, specs, located, tensor_rank)
 
+def _reexport(gm, model: nn.Module, args, kwargs, old_inputs: list[str], examples: dict,
+              dynamic_shapes) -> torch.export.ExportedProgram:
+    """Export the rewritten module again on the model's example inputs and the new ones (``examples``), the
+    replacement and mask inputs' token dimension following the model's dynamic shapes."""
     signature = inspect.signature(model.forward)
     given = signature.bind_partial(*args, **kwargs).arguments
     inputs = {name: given[name] for name in old_inputs} | examples

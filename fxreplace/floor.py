@@ -27,7 +27,7 @@ from .dtypes import as_dtype, dtype_name, is_full_precision
 from .engines.embedded import Runner, RunnerConfig
 from .loading import load_model
 from .reference import load_reference
-from .store.format import FLOOR_FILE
+from .store.publish import FLOOR_FILE
 from .validation import logit_validation
 from .words import fmt, times
 

@@ -131,7 +131,6 @@ def _agreement(counts) -> float | None:
 
 def _html(result, has_router: bool) -> str:
     summary = result.summary()
-    tol = result.tolerances.to_dict()
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>fxreplace validation report</title>{STYLE}</head><body>",
         "<nav id='fxreplace-pages'></nav>",
@@ -150,13 +149,7 @@ def _html(result, has_router: bool) -> str:
             f"<td>{counts['matched']} / {counts['within_tolerance']} / {counts['diverged']}</td></tr>"
         )
     if result.floor and "off" in summary:
-        floor = result.floor.aggregate([int(p) for p in summary["off"]["prompts"]])
-        parts.append(f"<tr id='noise-floor'><td>noise floor: the reference in {result.floor.dtype}</td><td>-</td>"
-                     f"<td>{floor['prompts_diverged']}</td><td>{fmt(floor['mean_top5_error'])}</td>"
-                     f"<td>{fmt(floor['mean_kl'])}</td><td>-</td><td>-</td></tr>")
-        m = result.floor.multiples(summary["off"])
-        parts.append(f"<tr><td>without replacement / floor</td><td>-</td><td>-</td><td>{times(m['top5'])}</td>"
-                     f"<td>{times(m['kl'])}</td><td>-</td><td>first divergence {times(m['first_divergence'])} sooner</td></tr>")
+        parts += _floor_rows(result.floor, summary["off"])
     parts.append("</table></div>")
     if result.program:
         parts.append(f"<p id='program'>Program validated: {html.escape(describe_program(result.program))}.</p>")
@@ -165,13 +158,7 @@ def _html(result, has_router: bool) -> str:
         parts.append(f"<p id='gate' class='{'passed' if result.gate['passed'] else 'failed'}'>CI gate (--fail-on "
                      f"{html.escape(' '.join(result.gate['conditions']))}): "
                      f"{'passed' if result.gate['passed'] else 'failed: ' + html.escape(why)}.</p>")
-    parts.append("<h3>Tolerances</h3><table id='tolerances'><tr><th>rule</th><th>value</th></tr>"
-                 f"<tr><td class='text'>matched: top-5 error at most</td><td>{tol['match_atol']:g}</td></tr>"
-                 f"<tr><td class='text'>diverged: top-5 error above</td><td>{tol['top5_atol']:g}</td></tr>"
-                 f"<tr><td class='text'>diverged: top-50 error above</td><td>{tol['top50_atol']:g}</td></tr>"
-                 f"<tr><td class='text'>diverged: KL above</td><td>{tol['kl_max']:g}</td></tr></table>"
-                 "<p>Errors are the largest |&Delta; log p| over the reference's top-k tokens; a step whose top-1 token "
-                 "differs is diverged too.</p>")
+    parts.append(_tolerances_table(result.tolerances.to_dict()))
     parts.append("<h2>Per step</h2>" + _image("error_per_step.png", "top-5 error per step"))
     if has_router:
         parts.append("<h2>Router agreement per target</h2>" + _image("router_agreement.png", "router agreement per target"))
@@ -195,6 +182,28 @@ def _html(result, has_router: bool) -> str:
         )
     parts.append("</table></div></details></body></html>")
     return "\n".join(parts)
+
+
+def _floor_rows(floor, off: dict) -> list[str]:
+    """The summary's rows for the noise floor: the reference in the target's precision, and the target over it."""
+    measured = floor.aggregate([int(p) for p in off["prompts"]])
+    m = floor.multiples(off)
+    return [f"<tr id='noise-floor'><td>noise floor: the reference in {floor.dtype}</td><td>-</td>"
+            f"<td>{measured['prompts_diverged']}</td><td>{fmt(measured['mean_top5_error'])}</td>"
+            f"<td>{fmt(measured['mean_kl'])}</td><td>-</td><td>-</td></tr>",
+            f"<tr><td>without replacement / floor</td><td>-</td><td>-</td><td>{times(m['top5'])}</td>"
+            f"<td>{times(m['kl'])}</td><td>-</td><td>first divergence {times(m['first_divergence'])} sooner</td></tr>"]
+
+
+def _tolerances_table(tol: dict) -> str:
+    """The tolerances the statuses were judged by, and what the errors measure."""
+    return ("<h3>Tolerances</h3><table id='tolerances'><tr><th>rule</th><th>value</th></tr>"
+            f"<tr><td class='text'>matched: top-5 error at most</td><td>{tol['match_atol']:g}</td></tr>"
+            f"<tr><td class='text'>diverged: top-5 error above</td><td>{tol['top5_atol']:g}</td></tr>"
+            f"<tr><td class='text'>diverged: top-50 error above</td><td>{tol['top50_atol']:g}</td></tr>"
+            f"<tr><td class='text'>diverged: KL above</td><td>{tol['kl_max']:g}</td></tr></table>"
+            "<p>Errors are the largest |&Delta; log p| over the reference's top-k tokens; a step whose top-1 token "
+            "differs is diverged too.</p>")
 
 
 def _divergence(result, prompt: dict) -> str:

@@ -27,7 +27,6 @@ import copy
 import itertools
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
@@ -38,10 +37,10 @@ from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from . import repro_run
+from .repro_calls import CacheState, Call, call_tensors, capture_calls, unreplayable
 from .repro_run import ReproError
 from .components import Component, ComponentError, family_components, layer_of, resolve_components
 from .dtypes import dtype_name
-from .devices import input_device
 from .points import ROUTING
 from .reference import load_reference
 from .targets import Target, TargetLike, resolve_targets
@@ -52,34 +51,6 @@ TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 5e-2, tor
 README = "README.md"
 #: Op namespaces torch itself provides (no library to import before loading the program).
 BUILTIN_NAMESPACES = {"aten", "prims", "_operator", "higher_order", "quantized", "_c10d_functional"}
-
-
-@dataclass
-class Call:
-    """One call of the component in the reference run: its arguments (a cache it read as the
-    :class:`CacheState` it held before the call), what it returned, and when it ran: in the
-    prompt's prefill or a decode step, after ``cached`` positions, computing ``tokens`` of them."""
-
-    prompt: int
-    kind: str  # repro_run.PREFILL or repro_run.DECODE
-    cached: int
-    tokens: int
-    args: tuple
-    kwargs: dict
-    output: object
-
-
-@dataclass
-class CacheState:
-    """The layers of a KV cache that a call read, as they were before it: ``{layer index: (keys,
-    values)}`` (empty in a prefill). ``unrecorded``: why the state cannot be recorded (a cache
-    layer holding something other than keys and values), in which case the call cannot be replayed."""
-
-    layers: dict
-    unrecorded: str = ""
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for kv in self.layers.values() for t in kv]
 
 
 def find_component(model: nn.Module, name: str, components: Mapping[str, TargetLike] | None = None) -> Component:
@@ -127,88 +98,6 @@ def blamed_component(blame_result) -> str:
     return named[0]
 
 
-@torch.no_grad()
-def capture_calls(model: nn.Module, module_name: str, runs: Sequence[tuple[int, Sequence[int], Sequence[int]]]
-                  ) -> Iterator[Call]:
-    """The module's calls (arguments and output) as an engine makes them: per ``(prompt number, prompt
-    ids, forced ids)`` the prompt's prefill, then one decode step per forced token with the model's KV cache
-    (teacher-forced on the reference's tokens). A full forward without a cache would hide every
-    fault that arises only in decode (positions with a cache, RoPE on cached keys, the window).
-    Yielded after each forward: a decode call holds a copy of the cache it read, so a caller keeps
-    only the calls it needs (a module called outside the model's forwards, meanwhile, is not recorded)."""
-    from transformers import Cache, DynamicCache  # the hf extra: a repro is written from HF models
-
-    module = model.get_submodule(module_name)
-    layers_read = sorted({m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)})
-    calls: list[Call] = []
-    pending: list[tuple] = []
-    step = {"recording": False}  # the forward running now: its kind, the positions cached before it, its tokens
-
-    def before(_, args, kwargs):
-        def state(x):
-            return (_cache_state(x, layers_read, module_name, step["kind"] == repro_run.DECODE)
-                    if isinstance(x, Cache) else x)
-
-        if step["recording"]:
-            pending.append(pytree.tree_map(state, (args, kwargs), is_leaf=lambda x: isinstance(x, Cache)))
-
-    def after(_, args, kwargs, output):
-        if step["recording"]:
-            a, k = pending.pop()
-            calls.append(Call(prompt, step["kind"], step["cached"], step["tokens"], a, k,
-                              pytree.tree_map(_detach, output)))
-
-    hooks = [module.register_forward_pre_hook(before, with_kwargs=True),
-             module.register_forward_hook(after, with_kwargs=True)]
-    device = input_device(model)
-    try:
-        for prompt, ids, forced in runs:
-            cache = DynamicCache(config=model.config)
-            forwards = [(repro_run.PREFILL, 0, list(ids))]
-            forwards += [(repro_run.DECODE, len(ids) + n, [token]) for n, token in enumerate(forced)]
-            for kind, cached, tokens in forwards:
-                step.update(kind=kind, cached=cached, tokens=len(tokens), recording=True)
-                model(input_ids=torch.tensor([tokens], device=device), past_key_values=cache, use_cache=True)
-                step["recording"] = False
-                for call in calls:
-                    _check_plain(call, module_name)
-                    yield call
-                calls.clear()
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def _check_plain(call: Call, module_name: str) -> None:
-    bad = [type(x).__name__ for x in pytree.tree_leaves((call.args, call.kwargs))
-           if not isinstance(x, (torch.Tensor, CacheState, bool, int, float, str, type(None)))]
-    if bad:
-        raise ReproError(f"{module_name} is called with {bad[0]} arguments; a repro takes tensors and plain "
-                         "values only: name a module whose forward takes tensors")
-
-
-def _cache_state(cache, layers_read: list[int], module_name: str, decoding: bool) -> CacheState:
-    """What the module reads of ``cache``, copied before its call changes it: the keys and values of
-    the cache layers its attention modules index (``layer_idx``); nothing in a prefill."""
-    if not decoding:
-        return CacheState({})
-    if not layers_read:
-        return CacheState({}, f"{module_name} reads a KV cache but holds no attention module naming the cache layer "
-                              "it reads (layer_idx)")
-    layers = {}
-    for i in layers_read:
-        layer = cache.layers[i] if i < len(cache.layers) else None
-        if layer is None or not isinstance(getattr(layer, "keys", None), torch.Tensor):
-            return CacheState({}, f"its cache layer {i} is a {type(layer).__name__}, not keys and values (the "
-                                  "only state a repro rebuilds)")
-        layers[i] = (layer.keys.detach().clone(), layer.values.detach().clone())  # where the call's other inputs are
-    return CacheState(layers)
-
-
-def _detach(x):
-    return x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x  # a repro folder is device-neutral
-
-
 class _Positional(nn.Module):
     """The component with its inputs' tensors as positional arguments (the other arguments, such as
     ``use_cache=True`` or a None mask, fixed as captured) and its output's tensors as a tuple: the
@@ -239,20 +128,6 @@ class _Positional(nn.Module):
         for i in layers:
             cache.update(next(given), next(given), i)
         return cache
-
-
-def _tensors(call: Call, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """The call's input tensors in order (a cache's keys and values where it was), floating ones in ``dtype``."""
-    flat = []
-    for x in pytree.tree_leaves((call.args, call.kwargs)):
-        flat += x.tensors() if isinstance(x, CacheState) else [x] if isinstance(x, torch.Tensor) else []
-    return [x.to(dtype) if dtype is not None and x.is_floating_point() else x for x in flat]
-
-
-def _unrecorded(call: Call) -> str:
-    """Why the call cannot be replayed ("" when it can)."""
-    return next((x.unrecorded for x in pytree.tree_leaves((call.args, call.kwargs))
-                 if isinstance(x, CacheState) and x.unrecorded), "")
 
 
 def _outputs(output) -> list[tuple[str, torch.Tensor]]:
@@ -309,20 +184,13 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
     """
     if isinstance(reference, (str, Path)):
         reference = load_reference(reference)
-    if not isinstance(component, (str, Component)):
-        component = blamed_component(component)
-    if isinstance(component, str):
-        component = find_component(clean, component, components)
-    component = _with_its_module(component)
+    component = _the_component(component, clean, components)
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
     if inputs < 1 or not indices:
         raise ReproError(f"a repro needs at least one input (inputs={inputs}, prompts={indices})")
     check_out_dir(out)
     runs = [(p, reference.prompt_tokens(p), reference.tokens(p)[:-1]) for p in indices]
-    module = target.get_submodule(component.module_name)
-    if dtype is not None:
-        module = copy.deepcopy(module).to(dtype)
-    dtype = next(module.parameters(), torch.empty(0)).dtype
+    module, dtype = _module_in(target, component.module_name, dtype)
     recorded = capture_calls(clean, component.module_name, runs)
     first = next(recorded, None)  # the first prompt's prefill: the outputs every call returns
     if first is None:
@@ -332,24 +200,9 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
     compared = _compared(names, component.target.point, isinstance(first.output, (tuple, list)))
     best, calls, unrecorded = _most_departing(
         itertools.chain([first], recorded), inputs, lambda call: _departure(module, call, compared, dtype, target.config))
-    chosen, programs = [], {}
-    for kind, kept in best.items():
-        try:
-            programs[kind] = _export(module, [c for c, _ in kept], dtype, component.module_name, target.config)
-            chosen += kept
-        except ReproError as e:
-            unrecorded[kind] = str(e)
-    if not programs:
-        raise ReproError(f"{component.module_name}: no call can be replayed: " + "; ".join(unrecorded.values()))
+    chosen, programs = _export_kinds(module, best, unrecorded, dtype, component.module_name, target.config)
     out = _fresh_dir(Path(out))  # a previous repro there goes only now, once this one can be written
-    for kind, program in programs.items():
-        program.example_inputs = None  # torch.export would store them as a pickle
-        torch.export.save(program, out / repro_run.PROGRAMS[kind])
-        repro_run.check_no_pickle(out / repro_run.PROGRAMS[kind])
-    save_file({f"{i}.{j}": t.contiguous() for i, (c, _) in enumerate(chosen) for j, t in enumerate(_tensors(c, dtype))},
-              out / repro_run.INPUTS)
-    save_file({f"{i}.{k}": x.contiguous() for i, (c, _) in enumerate(chosen)
-               for k, (_, x) in enumerate(_outputs(c.output))}, out / repro_run.OUTPUTS)
+    _save_programs(out, programs, chosen, dtype)
     source = dict(source or {})
     tokens = {p: list(ids) + list(forced) for p, ids, forced in runs}
     meta = {
@@ -364,7 +217,7 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
         "calls": calls,
         "unrecorded": unrecorded,
         "inputs": [{"prompt": c.prompt, "call": c.kind, "cached": c.cached, "tokens": c.tokens,
-                    "tensors": len(_tensors(c)), "shapes": [list(t.shape) for t in _tensors(c)],
+                    "tensors": len(call_tensors(c)), "shapes": [list(t.shape) for t in call_tensors(c)],
                     "error_at_write": d} for c, d in chosen],
         "prompt_tokens": {str(p): tokens[p] for p in dict.fromkeys(c.prompt for c, _ in chosen)},
         "op_libraries": list(dict.fromkeys(lib for program in programs.values() for lib in _op_libraries(program))),
@@ -376,6 +229,51 @@ def write_repro(target: nn.Module, clean: nn.Module, reference, component, out: 
     return out
 
 
+def _the_component(component, clean: nn.Module, components) -> Component:
+    """``component`` (a capture name, a :class:`Component` or a blame result naming it) as a component whose
+    target names its module."""
+    if not isinstance(component, (str, Component)):
+        component = blamed_component(component)
+    if isinstance(component, str):
+        component = find_component(clean, component, components)
+    return _with_its_module(component)
+
+
+def _module_in(target: nn.Module, name: str, dtype: torch.dtype | None) -> tuple[nn.Module, torch.dtype]:
+    """The target's module ``name`` (a copy in ``dtype`` when given) and the dtype it computes in."""
+    module = target.get_submodule(name)
+    if dtype is not None:
+        module = copy.deepcopy(module).to(dtype)
+    return module, next(module.parameters(), torch.empty(0)).dtype
+
+
+def _export_kinds(module: nn.Module, best: dict, unrecorded: dict, dtype, name: str, config) -> tuple[list, dict]:
+    """Each kind of call's program and the calls it keeps; a kind that cannot be exported goes to ``unrecorded``
+    with why. Refused when no kind can."""
+    chosen, programs = [], {}
+    for kind, kept in best.items():
+        try:
+            programs[kind] = _export(module, [c for c, _ in kept], dtype, name, config)
+            chosen += kept
+        except ReproError as e:
+            unrecorded[kind] = str(e)
+    if not programs:
+        raise ReproError(f"{name}: no call can be replayed: " + "; ".join(unrecorded.values()))
+    return chosen, programs
+
+
+def _save_programs(out: Path, programs: dict, chosen: list, dtype) -> None:
+    """The programs (checked free of pickles) and the chosen calls' inputs and reference outputs, into ``out``."""
+    for kind, program in programs.items():
+        program.example_inputs = None  # torch.export would store them as a pickle
+        torch.export.save(program, out / repro_run.PROGRAMS[kind])
+        repro_run.check_no_pickle(out / repro_run.PROGRAMS[kind])
+    save_file({f"{i}.{j}": t.contiguous() for i, (c, _) in enumerate(chosen) for j, t in enumerate(call_tensors(c, dtype))},
+              out / repro_run.INPUTS)
+    save_file({f"{i}.{k}": x.contiguous() for i, (c, _) in enumerate(chosen)
+               for k, (_, x) in enumerate(_outputs(c.output))}, out / repro_run.OUTPUTS)
+
+
 def _most_departing(calls: Iterator[Call], count: int, departure) -> tuple[dict, dict, dict]:
     """Per kind of call, the ``count`` calls where ``departure(call)`` is largest (ties: in run order)
     with it, in run order (only those are held, with the cache each read); how many calls of each kind
@@ -385,7 +283,7 @@ def _most_departing(calls: Iterator[Call], count: int, departure) -> tuple[dict,
     unrecorded: dict[str, str] = {}
     for order, call in enumerate(calls):
         ran[call.kind] += 1
-        why = _unrecorded(call)
+        why = unreplayable(call)
         if why or call.kind in unrecorded:  # one call of a kind that cannot be replayed: its kind cannot be
             unrecorded.setdefault(call.kind, why)
             best[call.kind] = []
@@ -400,7 +298,7 @@ def _most_departing(calls: Iterator[Call], count: int, departure) -> tuple[dict,
 def _departure(module: nn.Module, call: Call, compared: list[bool], dtype, config) -> float:
     """How far the target's module departs from the reference's outputs on ``call`` (compared outputs)."""
     with torch.no_grad():
-        got = _Positional(module, call, config)(*_tensors(call, dtype))
+        got = _Positional(module, call, config)(*call_tensors(call, dtype))
     return max(repro_run.error(g, want) for g, (_, want), use in zip(got, _outputs(call.output), compared) if use)
 
 
@@ -424,9 +322,9 @@ def _export(module: nn.Module, calls: list[Call], dtype, name: str, config):
     """The component as an exported program over the shapes of one kind's calls (dimensions that
     vary between them dynamic: the prompt's length in prefill, the cached positions in decode),
     checked against the module on each call."""
-    first = _tensors(calls[0], dtype)
+    first = call_tensors(calls[0], dtype)
     wrapper = _Positional(module, calls[0], config).eval()
-    sizes = [[t.shape for t in _tensors(c)] for c in calls]
+    sizes = [[t.shape for t in call_tensors(c)] for c in calls]
     varying = [{d: Dim.AUTO for d in range(t.dim()) if len({s[j][d] for s in sizes}) > 1} or None
                for j, t in enumerate(first)]
     shapes = (tuple(varying),)
@@ -438,7 +336,7 @@ def _export(module: nn.Module, calls: list[Call], dtype, name: str, config):
     exported = program.module()
     with torch.no_grad():
         for call in calls:
-            args = _tensors(call, dtype)
+            args = call_tensors(call, dtype)
             for got, want in zip(exported(*args), wrapper(*args)):
                 if repro_run.error(got, want) > 1e-6:
                     raise ReproError(f"the exported {name} does not reproduce the module on prompt {call.prompt}'s "

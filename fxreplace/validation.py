@@ -326,15 +326,20 @@ def _validate_mode(engine: Engine, reference: Reference, result: ValidationResul
                     retry += 1
             if router_topk and getattr(gen, "observed", None):
                 _router_agreement(router, reference, p, gen, start, covered[p], router_topk)
-        done = sum(covered.values())
-        if rounds == 0:  # the first call compiles: time the ETA from the calls after it
-            bar.reset()
-            bar.initial = bar.n = done
-            bar.refresh()
-        else:
-            bar.update(done - bar.n)
+        _advance(bar, sum(covered.values()), first_call=rounds == 0)
         rounds += 1
     bar.close()
+
+
+def _advance(bar, done: int, first_call: bool) -> None:
+    """Move the progress bar to ``done`` steps; after the first call, which compiles, the ETA is timed from
+    the calls after it."""
+    if first_call:
+        bar.reset()
+        bar.initial = bar.n = done
+        bar.refresh()
+    else:
+        bar.update(done - bar.n)
 
 
 def _compare(reference: Reference, spans, tolerances: Tolerances) -> list[list[StepMetrics]]:

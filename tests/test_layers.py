@@ -28,8 +28,8 @@ LAYERS = [
     ("the replacer", ["replacer"]),
     ("the engine seam", ["engines", "engines.protocol", "engines.registry"]),
     ("the engines", ["engines.embedded", "engines.vllm", "engines.recording", "engines.replacement", "vllm"]),
-    ("validation, floor, blame, repro, report", ["metrics", "validation", "floor", "blame", "repro", "repro_run",
-                                                 "report", "junit"]),
+    ("validation, floor, blame, repro, report", ["metrics", "validation", "floor", "blame", "repro", "repro_calls",
+                                                 "repro_run", "report", "junit"]),
     ("the command line", ["cli", "__main__", "demo", ""]),
 ]
 

@@ -33,7 +33,9 @@ from ..targets import TargetLike
 from .ondemand import OnDemand
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameError, BlameResult, LayerShare, NonFinite, Origin, Pass,
                      Systematic)
-from .search import LAYER, MEMBER, PROBES, Search, default_budget
+from .passes import LAYER, PROBES, default_budget
+from .search import Search
+from .systematic import MEMBER
 
 __all__ = ["blame", "search", "Component", "resolve_components", "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "Systematic", "LAYER",
            "SIGNIFICANT", "MAX_ORIGINS", "MEMBER", "MAX_BATCH", "PROBES", "default_budget", "layer_of", "blame_runner"]

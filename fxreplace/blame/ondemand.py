@@ -33,7 +33,7 @@ from torch import nn
 from ..capture import capture_forced
 from ..dtypes import dtype_name
 from ..store import ReferenceStore, StoreWriter
-from ..store.format import BLAME_COMPONENTS_DIR as SUBDIR
+from ..store.publish import BLAME_COMPONENTS_DIR as SUBDIR
 from .result import BlameError
 
 #: the largest relative error (Frobenius, per prompt) between a witness's rows computed by the

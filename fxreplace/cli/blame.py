@@ -10,7 +10,7 @@ from ..components import ComponentError
 from ..junit import write_blame_junit
 from ..loading import check_reference_matches, check_vocab, load_model, model_architecture
 from ..report import describe_program, repro_step, write_blame_report
-from ..store.format import BLAME_COMPONENTS_DIR
+from ..store.publish import BLAME_COMPONENTS_DIR
 from .args import EXIT_OK, UsageError
 from .common import check_writable_dir, dispatch_args, folder_state, load_reference_arg
 from .running import engine_run, noise_floor, reference_caveat

@@ -12,7 +12,7 @@ from ..engines.registry import BUILTIN, CaptureRun, CaptureSpec, get_engine
 from ..floor import capture_floors
 from ..loading import recorded_model
 from ..store import describe_store
-from ..store.format import publish_directory, staging_directory
+from ..store.publish import publish_directory, staging_directory
 from .args import EXIT_INTERNAL, EXIT_OK, UsageError, say_interrupted
 from .common import check_capture_out, components_arg, dispatch_args, engine_options, refuse_untaken
 from .prompts import read_prompts, tokenize_args

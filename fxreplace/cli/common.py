@@ -11,7 +11,7 @@ from ..dtypes import as_dtype
 from ..engines import registry
 from ..reference import load_reference
 from ..store import CaptureError, describe_store, unfinished
-from ..store.format import foreign_entries
+from ..store.publish import foreign_entries
 from ..targets import Target
 from .args import UsageError
 

@@ -13,7 +13,7 @@ from ..loading import default_targets, load_model
 from ..words import one_line
 from ..points import locate_injection_point
 from ..store import CaptureError, ReferenceStore, describe_store, repack_store
-from ..store.format import DERIVED_DIRS
+from ..store.publish import DERIVED_DIRS
 from ..targets import Target
 from .args import EXIT_GATE_FAILED, EXIT_OK, UsageError
 

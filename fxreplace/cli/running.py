@@ -9,7 +9,7 @@ from ..dtypes import is_full_precision
 from ..engines.registry import EngineRun, EngineSpec, get_engine
 from ..floor import FloorFileError, check_reference_precision, floor_for, stored_floors
 from ..loading import check_reference_matches, check_vocab, load_model, load_tokenizer, model_architecture
-from ..store.format import FLOOR_FILE
+from ..store.publish import FLOOR_FILE
 from .args import UsageError, say_interrupted
 from .common import components_arg, dispatch_args, engine_options, refuse_untaken, torch_dtype
 

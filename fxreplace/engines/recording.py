@@ -1,17 +1,58 @@
 """What capture keeps while requests run, for every runner under vLLM's scheduler (vLLM's own,
 vllm-neuron's): each request's rows by position, and the observer that writes what targets
-compute into one static buffer."""
+compute into one static buffer; the setup both capture states share (the targets a runner side
+instruments, the observation buffer)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from ..injection import recording
-from ..targets import TargetError
+from ..instrument import instrument, observe
+from ..models import architecture, get_family
+from ..targets import ResolvedTarget, TargetError, resolve_targets
+
+
+def runner_targets(side, given: Sequence | None, *, who: str, give: str) -> tuple[str, list]:
+    """The model's architecture and the targets a runner side instruments: ``given``, else its family's in the
+    side's model code (``side.engine``). A family fxreplace does not know, or one declaring none there, is an
+    error starting with ``who`` that says to give them (``give``: where)."""
+    arch = architecture(side.hf_config, type(side.model).__name__)
+    if given is not None:
+        return arch, list(given)
+    try:
+        targets = list(get_family(arch).targets_for(side.engine))
+    except KeyError as exc:
+        raise TargetError(f"{who}: {exc.args[0]}; give {give}") from None
+    if not targets:
+        raise TargetError(f"{who}: the {arch} family declares no targets in {side.engine}'s model code; give {give}")
+    return arch, targets
+
+
+def observe_targets(model: torch.nn.Module, targets: list, max_tokens: int) -> list[ResolvedTarget]:
+    """``targets`` resolved on ``model`` and instrumented to be observed (nothing replaced)."""
+    resolved = resolve_targets(model, targets)
+    instrument(model, [r.observed() for r in resolved], max_tokens=max_tokens)
+    return resolved
+
+
+class ObservationBuffer:
+    """One ``[max_tokens, sum of widths]`` buffer where the model runs, observed for the engine's life: each
+    target fills its columns in place (inside a compiled graph), and a step's rows are read from it once."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str], widths: list[int], max_tokens: int,
+                 dtype: torch.dtype, device):
+        edges = np.cumsum([0, *widths]).tolist()
+        self.columns = {name: slice(a, b) for name, a, b in zip(names, edges, edges[1:])}
+        self.width = edges[-1]
+        self.buffer = torch.zeros(max_tokens, self.width, dtype=dtype, device=device)
+        self._observing = contextlib.ExitStack()  # open for the engine's life
+        self._observing.enter_context(observe(model, Recorder(self.buffer, self.columns)))
 
 
 @dataclass

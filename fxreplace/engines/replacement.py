@@ -21,10 +21,11 @@ import torch
 from ..config import ReplacementConfig
 from ..context import ReplacementContext
 from ..instrument import instrument, prove_unchanged
-from ..models import architecture, get_family
+from ..models import architecture
 from ..replacer import TensorReplacer
 from ..targets import Target, TargetError, resolve_targets
 from .protocol import StepRequests
+from .recording import runner_targets
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Replacement:
         self.device = side.device
         # by default the reference lives where the model runs: each step gathers into the model's buffers
         self.replacer = self._build_replacer(config, self.device if reference_device is None else reference_device)
-        self.targets, self.other_stages_captures = self._targets(arch, config)
+        self.targets, self.other_stages_captures = self._targets(config)
         self.max_tokens = int(side.max_tokens)
         instrument(self.model, self.targets, max_tokens=self.max_tokens)
         self.steps = 0  # forwards that held at least one request matched to the reference
@@ -79,20 +80,11 @@ class Replacement:
             where = config.tensors_path or "the in-memory tensors"
             raise type(exc)(f"fxreplace: cannot load the reference from {where}: {exc}") from exc
 
-    def _targets(self, arch: str, config: ReplacementConfig) -> tuple[list[Target], set[str]]:
+    def _targets(self, config: ReplacementConfig) -> tuple[list[Target], set[str]]:
         """This stage's targets, resolved and checked against the reference, and the capture
         names of the targets other pipeline stages hold."""
         explicit = config.targets
-        if explicit is not None:
-            targets = list(explicit)
-        else:
-            try:  # the family's targets in this runner's model code
-                targets = list(get_family(arch).targets_for(self.side.engine))
-            except KeyError as exc:
-                raise TargetError(f"fxreplace: {exc.args[0]}; give 'targets' in the fxreplace config") from None
-            if not targets:
-                raise TargetError(f"fxreplace: the {arch} family declares no targets in {self.side.engine}'s model "
-                                  "code; give 'targets' in the config")
+        _, targets = runner_targets(self.side, explicit, who="fxreplace", give="'targets' in the fxreplace config")
         targets, elsewhere = self.side.split_by_stage(targets)
         shown = f"{[t if isinstance(t, str) else t.pattern for t in elsewhere][:4]}{' ...' if len(elsewhere) > 4 else ''}"
         if not targets:

@@ -8,8 +8,8 @@ from each group of the :class:`~fxreplace.store.ReferenceStore` (per touched sha
 store's device with the primitives of :mod:`fxreplace.gather`, into an ``out=`` context or
 buffers of :mod:`.pool`. Python loops over requests (to look up their prompt); over slots only
 in batches of at most 64 slots (decode steps), where that costs less than numpy calls. An
-engine's step is :meth:`TensorReplacer.step_into`, whose steady decode step is
-:meth:`TensorReplacer.decode_into`. :mod:`.sources` reads a config's reference.
+engine's step is :meth:`TensorReplacer.step_into`, which writes a steady decode step by a shortcut
+(``_decode_into``). :mod:`.sources` reads a config's reference.
 
 What the replacer remembers between builds (the last batch's lookup, the ``out=`` contexts
 it checked, buffers of released contexts) lives here: a context is plain data.
@@ -33,7 +33,7 @@ from .copying import OutChecks, run
 from .layouts import ContextLayout, Layouts
 from .pool import BufferPool
 from .requests import MISSING, UNMATCHED, RequestTable, StepLayout
-from .rows import BatchRows, RowPlanner, as_index_array, decode_rows, is_int_list, step_positions
+from .rows import BatchRows, RowPlanner, as_index_array, decode_rows, is_int_list, layout_counts, step_positions
 from .sources import reference_source, reference_store
 
 
@@ -191,24 +191,9 @@ class TensorReplacer:
 
         ``out``, ``device`` and ``names`` as in :meth:`build`.
         """
-        positions = np.asarray(as_index_array(positions, "positions"), dtype=np.int64)
-        n = positions.shape[0]
-        if is_prefill:
-            if len(req_ids) != 1:
-                raise ValueError(f"a prefill batch holds exactly one request, got {len(req_ids)}: {list(req_ids)[:4]}")
-            breaks = np.flatnonzero(positions[1:] != positions[:-1] + 1)
-            counts = [int(breaks[0]) + 1 if breaks.size else n]
-        else:
-            if isinstance(tokens_per_req, bool) or not isinstance(tokens_per_req, (int, np.integer)) or tokens_per_req < 1:
-                raise ValueError(f"tokens_per_req must be an int >= 1, got {tokens_per_req!r}")
-            needed = len(req_ids) * tokens_per_req
-            if n < needed:
-                raise ValueError(
-                    f"a decode batch of {len(req_ids)} requests x {tokens_per_req} tokens needs {needed} slots but has "
-                    f"{n} positions: requests {list(req_ids)[n // tokens_per_req:][:4]} would be dropped"
-                )
-            counts = np.full(len(req_ids), tokens_per_req, dtype=np.int64)
-        return self._build(req_ids, counts, positions, None, out, device, names)  # counts right by construction
+        positions = as_index_array(positions, "positions")
+        counts = layout_counts(req_ids, positions, is_prefill, tokens_per_req)
+        return self.build(req_ids, counts, positions, out=out, device=device, names=names)
 
     def build_context_for_batch(
         self,
@@ -254,25 +239,24 @@ class TensorReplacer:
         """An engine's step: the context of ``layout`` (a :class:`~fxreplace.replacer.requests.StepLayout`:
         requests, their token counts and padding, every slot's position) written into ``out``, a
         context of ``layout.num_slots`` slots. A steady decode step (one token per request, no
-        padding) tries :meth:`decode_into` first; a step none of whose requests matched a stored
+        padding) tries :meth:`_decode_into` first; a step none of whose requests matched a stored
         prompt writes nothing and returns None (the engine turns replacement off); any other is
         :meth:`build`."""
         req_ids, counts, padding = layout.req_ids, layout.counts, layout.padding
-        # one token per request and no padding between them (decode_into checks the slots: one per request)
+        # one token per request and no padding between them (_decode_into checks the slots: one per request)
         if (not (padding and any(padding)) and type(counts) is list and counts.count(1) == len(req_ids)
-                and self.decode_into(req_ids, layout.positions, out)):
+                and self._decode_into(req_ids, layout.positions, out)):
             return out
         if not self.any_matched(req_ids):
             return None
         return self.build(req_ids, counts, layout.positions, padding=padding, out=out)
 
-    def decode_into(self, req_ids: list[str], positions: torch.Tensor | list[int], out: ReplacementContext) -> bool:
+    def _decode_into(self, req_ids: list[str], positions: torch.Tensor | list[int], out: ReplacementContext) -> bool:
         """An engine's steady decode step, request ``i`` decoding one token at ``positions[i]``,
         written straight into ``out`` (rows, mask, ``num_replaced``): the common case of
         :meth:`build`, at a few Python operations and one numpy ``take`` per group (a copy per
         slot when the requests' rows lie in several shards). :meth:`step_into` calls it first at
-        every steady decode step (an engine of its own calls it first, then builds when it
-        returns False), so such a step runs none of the general path's checks. It applies only
+        every steady decode step, so such a step runs none of the general path's checks. It applies only
         when the step is exactly that case: the batch of the last lookup (nothing registered or
         released since), every request with a stored row at its position, no padding, a host
         store and a host ``out`` of ``len(req_ids)`` slots that an earlier build checked.

@@ -173,6 +173,29 @@ def as_index_array(values, what: str) -> np.ndarray | list[int]:
     return arr if arr.dtype == np.int64 else arr.astype(np.int64)
 
 
+def layout_counts(req_ids: Sequence[str], positions: np.ndarray | list[int], is_prefill: bool,
+                  tokens_per_req) -> list[int]:
+    """The token counts of a Neuron-style layout (see :meth:`fxreplace.TensorReplacer.build_context`): a prefill's
+    one request computes the run of consecutive positions from slot 0, a decode request ``tokens_per_req`` slots;
+    a decode batch with fewer slots than its requests need is an error naming the requests it would drop."""
+    n = len(positions)
+    if is_prefill:
+        if len(req_ids) != 1:
+            raise ValueError(f"a prefill batch holds exactly one request, got {len(req_ids)}: {list(req_ids)[:4]}")
+        positions = np.asarray(positions, dtype=np.int64)
+        breaks = np.flatnonzero(positions[1:] != positions[:-1] + 1)
+        return [int(breaks[0]) + 1 if breaks.size else n]
+    if isinstance(tokens_per_req, bool) or not isinstance(tokens_per_req, (int, np.integer)) or tokens_per_req < 1:
+        raise ValueError(f"tokens_per_req must be an int >= 1, got {tokens_per_req!r}")
+    needed = len(req_ids) * tokens_per_req
+    if n < needed:
+        raise ValueError(
+            f"a decode batch of {len(req_ids)} requests x {tokens_per_req} tokens needs {needed} slots but has "
+            f"{n} positions: requests {list(req_ids)[n // tokens_per_req:][:4]} would be dropped"
+        )
+    return [int(tokens_per_req)] * len(req_ids)
+
+
 def step_positions(positions) -> list[int] | None:
     """A decode step's positions as Python ints (an int tensor of one dimension, or a list
     of ints); None for anything else, which the general path checks and explains."""

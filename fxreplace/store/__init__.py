@@ -24,8 +24,9 @@ combines stores captured by several engines; :func:`repack_store` joins a store'
 shards into fewer; :func:`describe_store` says what a folder holds.
 """
 
-from .format import (FORMAT_NAME, FORMAT_VERSION, GENERATED_LOGITS, GENERATED_TOKENS, INDEX_FILE, PER_PROMPT_METADATA,
-                     SHARD_PATTERN, TENSORS_FILE, WRITER_MARKER, CaptureColumns, CaptureError, Group, Shard, StoreError)
+from .format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, SHARD_PATTERN, TENSORS_FILE, WRITER_MARKER,
+                     CaptureColumns, CaptureError, Group, Shard, StoreError)
+from .rules import GENERATED_LOGITS, GENERATED_TOKENS, PER_PROMPT_METADATA
 from .legacy import load_captures, load_legacy, load_token_ids
 from .merge import merge_stores, repack_store
 from .reference_store import ReferenceStore

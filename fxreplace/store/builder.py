@@ -10,8 +10,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .format import (CaptureError, Group, Shard, _offsets, _preview, check_extra_against_metadata, extra_layout,
-                     token_key)
+from .format import CaptureError, Group, Shard, _offsets, _preview
+from .rules import check_extra_against_metadata, extra_layout, token_key
 
 class _ShardBuilder:
     """Accumulates validated prompts; packs them into a :class:`Shard`.
@@ -52,55 +52,13 @@ class _ShardBuilder:
         return len(self.prompt_ids)
 
     def add(self, prompt: int, per_name: Any, token_ids: Any, extras: Mapping[str, torch.Tensor]) -> None:
-        if not isinstance(per_name, Mapping) or not per_name:
-            raise CaptureError(f"prompt {prompt}: expected a non-empty {{capture_name: tensors}} dict, got {per_name!r:.80}")
-        flat, steps, prefill = {}, None, None
-        prompt_len = None
-        for m, value in per_name.items():
-            rows, steps, prefill = _flatten_one(prompt, m, value)
-            if prompt_len is not None and rows.shape[0] != prompt_len[1]:
-                raise CaptureError(
-                    f"prompt {prompt}: capture {m!r} has {rows.shape[0]} positions but capture {prompt_len[0]!r} has {prompt_len[1]}"
-                )
-            prompt_len = (m, rows.shape[0])
-            flat[m] = rows
+        flat, length, steps, prefill = _flatten(prompt, per_name)
         groups = self.groups or _layout(flat)
         self._check_layout(prompt, flat, groups, self.first_prompt if self.groups else prompt)
         if not self.allow_nonfinite:
-            for m, rows in flat.items():
-                bad = (~torch.isfinite(rows)).any(dim=1).nonzero()
-                if bad.numel():
-                    raise CaptureError(
-                        f"prompt {prompt}, capture {m!r}, position {int(bad[0])}: capture holds NaN or Inf "
-                        f"(pass allow_nonfinite=True to accept it)"
-                    )
-        if self.has_token_ids is not None and (token_ids is not None) != self.has_token_ids:
-            raise CaptureError(f"prompt {prompt}: token ids must be given for every prompt or for none")
-        ids = key = None
-        if token_ids is not None:
-            ids = _check_token_ids(prompt, token_ids, prefill)
-            vocab = self.metadata.get("vocab_size")
-            if isinstance(vocab, int) and int(ids.max()) >= vocab:
-                raise CaptureError(f"prompt {prompt}: token id {int(ids.max())} is not below the store's vocab_size {vocab}")
-            key = token_key(ids)
-            if key in self.token_keys:
-                raise CaptureError(f"prompt {prompt} has the same token ids as prompt {self.token_keys[key]}: a request "
-                                   f"with these tokens could only ever get one of them; capture each prompt once")
-        if not isinstance(extras, Mapping):
-            raise CaptureError(f"prompt {prompt}: extras must be a dict {{name: tensor}}, got {type(extras).__name__}")
-        extras = dict(extras)
-        if self.extra_names is not None and set(extras) != self.extra_names:
-            raise CaptureError(f"prompt {prompt}: extras {sorted(extras)} differ from the first prompt's {sorted(self.extra_names)}")
-        layouts = {}
-        for name, t in extras.items():
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                raise CaptureError(f"prompt {prompt}: extra {name!r} must be a tensor with a leading per-item dim, got {t!r:.60}")
-            layouts[name] = extra_layout(t.dtype, t.shape)
-            if self.extra_layouts is not None and layouts[name] != self.extra_layouts[name]:
-                (dtype, shape), (want_dtype, want_shape) = layouts[name], self.extra_layouts[name]
-                raise CaptureError(f"prompt {prompt}: extra {name!r} has {dtype} rows of shape {list(shape)} but prompt "
-                                   f"{self.first_prompt} has {want_dtype} {list(want_shape)}")
-            check_extra_against_metadata(name, layouts[name], self.metadata, f"prompt {prompt}")
+            _check_finite(prompt, flat)
+        ids, key = self._checked_token_ids(prompt, token_ids, prefill)
+        extras, layouts = self._checked_extras(prompt, extras)
         # all checks passed: record the prompt
         if self.groups is None:
             self.groups, self.first_prompt = groups, prompt
@@ -117,9 +75,45 @@ class _ShardBuilder:
             self.rows.setdefault(m, []).append(rows.detach())
             self.nbytes += rows.numel() * rows.element_size()
         self.prompt_ids.append(prompt)
-        self.lengths.append(prompt_len[1])
+        self.lengths.append(length)
         self.num_steps.append(steps)
         self.prefill.append(prefill)
+
+    def _checked_token_ids(self, prompt: int, token_ids: Any, prefill) -> tuple[np.ndarray | None, Any]:
+        """The prompt's token ids (None when not given) and their key, checked against the vocabulary and the
+        prompts before it (given for every prompt or none, no two alike)."""
+        if self.has_token_ids is not None and (token_ids is not None) != self.has_token_ids:
+            raise CaptureError(f"prompt {prompt}: token ids must be given for every prompt or for none")
+        if token_ids is None:
+            return None, None
+        ids = _check_token_ids(prompt, token_ids, prefill)
+        vocab = self.metadata.get("vocab_size")
+        if isinstance(vocab, int) and int(ids.max()) >= vocab:
+            raise CaptureError(f"prompt {prompt}: token id {int(ids.max())} is not below the store's vocab_size {vocab}")
+        key = token_key(ids)
+        if key in self.token_keys:
+            raise CaptureError(f"prompt {prompt} has the same token ids as prompt {self.token_keys[key]}: a request "
+                               f"with these tokens could only ever get one of them; capture each prompt once")
+        return ids, key
+
+    def _checked_extras(self, prompt: int, extras: Any) -> tuple[dict, dict]:
+        """The prompt's extras and each one's layout, checked against the first prompt's and the metadata."""
+        if not isinstance(extras, Mapping):
+            raise CaptureError(f"prompt {prompt}: extras must be a dict {{name: tensor}}, got {type(extras).__name__}")
+        extras = dict(extras)
+        if self.extra_names is not None and set(extras) != self.extra_names:
+            raise CaptureError(f"prompt {prompt}: extras {sorted(extras)} differ from the first prompt's {sorted(self.extra_names)}")
+        layouts = {}
+        for name, t in extras.items():
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                raise CaptureError(f"prompt {prompt}: extra {name!r} must be a tensor with a leading per-item dim, got {t!r:.60}")
+            layouts[name] = extra_layout(t.dtype, t.shape)
+            if self.extra_layouts is not None and layouts[name] != self.extra_layouts[name]:
+                (dtype, shape), (want_dtype, want_shape) = layouts[name], self.extra_layouts[name]
+                raise CaptureError(f"prompt {prompt}: extra {name!r} has {dtype} rows of shape {list(shape)} but prompt "
+                                   f"{self.first_prompt} has {want_dtype} {list(want_shape)}")
+            check_extra_against_metadata(name, layouts[name], self.metadata, f"prompt {prompt}")
+        return extras, layouts
 
     @staticmethod
     def _check_layout(prompt: int, flat: Mapping[str, torch.Tensor], groups: list[Group], first_prompt: int) -> None:
@@ -152,6 +146,36 @@ class _ShardBuilder:
 
 
 _HUGE_PAGE = 2 << 20
+
+
+
+def _flatten(prompt: int, per_name: Any) -> tuple[dict[str, torch.Tensor], int, Any, Any]:
+    """The prompt's captures as ``{name: [T, E] rows}``, their positions ``T`` (the same for every capture) and
+    the steps and prefill length they were captured in."""
+    if not isinstance(per_name, Mapping) or not per_name:
+        raise CaptureError(f"prompt {prompt}: expected a non-empty {{capture_name: tensors}} dict, got {per_name!r:.80}")
+    flat, steps, prefill = {}, None, None
+    prompt_len = None
+    for m, value in per_name.items():
+        rows, steps, prefill = _flatten_one(prompt, m, value)
+        if prompt_len is not None and rows.shape[0] != prompt_len[1]:
+            raise CaptureError(
+                f"prompt {prompt}: capture {m!r} has {rows.shape[0]} positions but capture {prompt_len[0]!r} has {prompt_len[1]}"
+            )
+        prompt_len = (m, rows.shape[0])
+        flat[m] = rows
+    return flat, prompt_len[1], steps, prefill
+
+
+def _check_finite(prompt: int, flat: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a capture holding NaN or Inf, naming its first such position."""
+    for m, rows in flat.items():
+        bad = (~torch.isfinite(rows)).any(dim=1).nonzero()
+        if bad.numel():
+            raise CaptureError(
+                f"prompt {prompt}, capture {m!r}, position {int(bad[0])}: capture holds NaN or Inf "
+                f"(pass allow_nonfinite=True to accept it)"
+            )
 
 
 def _rows_table(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

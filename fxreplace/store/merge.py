@@ -10,9 +10,9 @@ from typing import Iterable
 
 import torch
 
-from .format import (DERIVED_DIRS, SHARD_PATTERN, WRITER_MARKER, Shard, StoreError, _write_index, _write_shard, as_path,
-                     check_extras_agree, combine_metadata, first_duplicate, per_prompt_slice, publish_directory, shard_entry,
-                     staging_directory)
+from .format import SHARD_PATTERN, WRITER_MARKER, Shard, StoreError, _write_index, _write_shard, as_path, shard_entry
+from .publish import DERIVED_DIRS, publish_directory, staging_directory
+from .rules import check_extras_agree, combine_metadata, first_duplicate, per_prompt_slice
 from .reference_store import ReferenceStore, verify_shard_file
 
 

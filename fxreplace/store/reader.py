@@ -12,8 +12,8 @@ from safetensors import SafetensorError, safe_open
 
 from ..matching import TokenTable
 from .format import (FORMAT_NAME, FORMAT_VERSION, _TOKEN_DTYPES, CaptureError, Group, Shard, StoreError,
-                     _check_tensor_entries, _describe, _offsets, _preview, _read_header, check_extra_against_metadata, check_extras_agree,
-                     combine_metadata, extra_layout, first_duplicate)
+                     _check_tensor_entries, _describe, _offsets, _preview, _read_header)
+from .rules import check_extra_against_metadata, check_extras_agree, combine_metadata, extra_layout, first_duplicate
 
 class _ShardCheck:
     """The checks of one shard's index against its tensors, each failure naming the file and field."""

@@ -18,9 +18,10 @@ import torch
 from ..matching import TokenTable
 from .builder import _align, _check_token_ids, _ShardBuilder
 from .format import (INDEX_FILE, SHARD_PATTERN, TENSORS_FILE, CaptureColumns, CaptureError, Group, Shard, StoreError,
-                     _describe, _file_digest, _offsets, _preview, _read_header, _shard_index, _write_index, _write_shard,
-                     as_path, check_metadata, check_per_prompt_metadata, first_duplicate, per_prompt_slice,
-                     publish_directory, shard_entry, staging_directory)
+                     _describe, _file_digest, _offsets, _preview, _read_header, _shard_index, _write_index,
+                     _write_shard, as_path, shard_entry)
+from .publish import publish_directory, staging_directory
+from .rules import check_metadata, check_per_prompt_metadata, first_duplicate, per_prompt_slice
 from .reader import _assemble, _load_shard, _read_directory_index
 
 @dataclass
@@ -153,27 +154,12 @@ class ReferenceStore:
         metadata = check_metadata(metadata)
         if extras is not None and not isinstance(extras, Mapping):
             raise CaptureError(f"extras must be a dict {{name: [one tensor per prompt]}}, got {type(extras).__name__}")
-        if isinstance(captures, Mapping):
-            items = list(captures.items())
-            for key, _ in items:
-                if isinstance(key, bool) or not isinstance(key, int):
-                    raise CaptureError(f"flat captures must be keyed by integer prompt index, got key {key!r}")
-        elif isinstance(captures, Sequence) and not isinstance(captures, (str, bytes)):
-            items = list(enumerate(captures))
-        else:
-            raise CaptureError(
-                f"captures must be a list of {{capture_name: [steps]}} dicts or a {{prompt_idx: {{capture_name: Tensor}}}} dict, "
-                f"got {type(captures).__name__}"
-            )
-        if not items:
-            raise CaptureError("captures are empty: no prompts")
+        items = _prompt_items(captures)
         prompt_ids = [p for p, _ in items]
         token_ids = _align(prompt_token_ids, prompt_ids, "prompt_token_ids")
         per_prompt_extras = {name: _align(values, prompt_ids, f"extras[{name!r}]") for name, values in (extras or {}).items()}
         check_per_prompt_metadata(metadata, len(items))
-        sizes = [len(items)] if shard_sizes is None else list(shard_sizes)
-        if sum(sizes) != len(items) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
-            raise CaptureError(f"shard_sizes must be positive ints adding up to the {len(items)} prompts, got {_preview(sizes)}")
+        sizes = _shard_sizes(shard_sizes, len(items))
         builder = _ShardBuilder(allow_nonfinite=allow_nonfinite, metadata=metadata)
         builders, shards, end = [], [], 0
         for size in sizes:
@@ -358,6 +344,34 @@ class ReferenceStore:
             self.check_finite()
         return {"shards": len(self.shards), "bytes": checked_bytes, "prompts": self.num_prompts,
                 "finite": self.finite_checked}
+
+
+
+def _prompt_items(captures: Any) -> list[tuple[int, Any]]:
+    """``(prompt index, captures)`` per prompt of step-wise (list) or flat (dict by prompt index) captures."""
+    if isinstance(captures, Mapping):
+        items = list(captures.items())
+        for key, _ in items:
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise CaptureError(f"flat captures must be keyed by integer prompt index, got key {key!r}")
+    elif isinstance(captures, Sequence) and not isinstance(captures, (str, bytes)):
+        items = list(enumerate(captures))
+    else:
+        raise CaptureError(
+            f"captures must be a list of {{capture_name: [steps]}} dicts or a {{prompt_idx: {{capture_name: Tensor}}}} dict, "
+            f"got {type(captures).__name__}"
+        )
+    if not items:
+        raise CaptureError("captures are empty: no prompts")
+    return items
+
+
+def _shard_sizes(shard_sizes: Sequence[int] | None, prompts: int) -> list[int]:
+    """The prompts of each shard (default: one shard of all), checked to add up to ``prompts``."""
+    sizes = [prompts] if shard_sizes is None else list(shard_sizes)
+    if sum(sizes) != prompts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise CaptureError(f"shard_sizes must be positive ints adding up to the {prompts} prompts, got {_preview(sizes)}")
+    return sizes
 
 
 def verify_shard_file(shard: Shard) -> int:

@@ -9,8 +9,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .builder import _ShardBuilder
-from .format import (PER_PROMPT_METADATA, SHARD_PATTERN, WRITER_MARKER, CaptureError, _offsets, _write_index,
-                     _write_shard, as_path, check_metadata, shard_entry)
+from .format import (SHARD_PATTERN, WRITER_MARKER, CaptureError, _offsets, _write_index, _write_shard, as_path,
+                     shard_entry)
+from .rules import PER_PROMPT_METADATA, check_metadata
 from .reference_store import ReferenceStore
 
 

@@ -100,6 +100,17 @@ def _forced_reads(forced: Sequence[int], done: int, width: int) -> list[int]:
     return reads + [reads[-1]] * (width - len(reads))
 
 
+def _step_mask(valid: torch.Tensor, write: int, width: int) -> torch.Tensor:
+    """A decode step's ``[batch, 1, width, max_len]`` mask: the cache slots filled (``valid``) and, at the
+    shared write index, the step's own ``width`` tokens causally."""
+    step_mask = valid.clone()
+    step_mask[:, write : write + width] = True
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    mask4d = step_mask[:, None, None, :].repeat(1, 1, width, 1)
+    mask4d[:, 0, :, write : write + width] = causal
+    return mask4d
+
+
 def _attention_layout(config) -> tuple[int | None, object]:
     """The sliding window of a model with sliding-window layers (None without), and the config its
     caches are built from. Every cache layer holds ``max_len`` slots: the runner's slots are its own
@@ -270,10 +281,7 @@ class Runner(Engine):
             width = 1 + k
             batch = smallest_bucket(self.cfg.batch_buckets, len(gens), "a decode batch")
             write = max(len(g.prompt) for g in gens)  # shared write index W
-            needed = write + max_new_tokens * width
-            if needed > self.cfg.max_len:
-                raise ValueError(f"max_len {self.cfg.max_len} is too small: the longest prompt ({write}) plus "
-                                 f"{max_new_tokens} steps of {width} tokens needs {needed}")
+            self._check_room(write, max_new_tokens, width)
             cache = self._cache("decode", batch)
             valid = torch.zeros(batch, self.cfg.max_len, dtype=torch.bool)
             held = torch.zeros(batch, self.cfg.max_len, dtype=torch.long)  # the position each cache slot holds
@@ -291,11 +299,7 @@ class Runner(Engine):
                 inputs = torch.zeros(batch, width, dtype=torch.long)
                 inputs[: len(gens)] = torch.tensor(reads)
                 slot_pos = positions[:, None] + torch.arange(width)
-                step_mask = valid.clone()
-                step_mask[:, write : write + width] = True
-                causal = torch.ones(width, width, dtype=torch.bool).tril()
-                mask4d = step_mask[:, None, None, :].repeat(1, 1, width, 1)
-                mask4d[:, 0, :, write : write + width] = causal
+                mask4d = _step_mask(valid, write, width)
                 held[:, write : write + width] = slot_pos
                 with self._context([g.req_id for g in gens], slot_pos.flatten(), False, width, replace) as ctx:
                     logits, seen = self._forward(inputs, slot_pos, mask4d, cache, write, ctx, held=held)
@@ -322,6 +326,13 @@ class Runner(Engine):
             if replace is not False:
                 for g in gens:
                     self.replacer.release_request(g.req_id)
+
+    def _check_room(self, write: int, max_new_tokens: int, width: int) -> None:
+        """Refuse a wave whose longest prompt and steps of ``width`` tokens overrun the cache."""
+        needed = write + max_new_tokens * width
+        if needed > self.cfg.max_len:
+            raise ValueError(f"max_len {self.cfg.max_len} is too small: the longest prompt ({write}) plus "
+                             f"{max_new_tokens} steps of {width} tokens needs {needed}")
 
     def _prefill(self, gens: list[Generation], replace, batch_cache: StaticCache, write: int, valid: torch.Tensor,
                  held: torch.Tensor, first_row: int = 0, rows: int = 1):

@@ -93,7 +93,7 @@ ATTENTION_LAYER = ("vllm.model_executor.layers.attention_layer_base", "Attention
 #: (a worker wrapper forwards unknown attributes to its worker). A name crosses vLLM's
 #: serializer as a string; a function would need pickle (``VLLM_ALLOW_INSECURE_SERIALIZATION``).
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
-#: close a capturing worker's store, return its counts (:func:`fxreplace.engines.vllm.capture.finish_capture`)
+#: close a capturing worker's store, return its counts (:func:`fxreplace.engines.vllm.capture_worker.finish_capture`)
 FINISH_CAPTURE_METHOD = "fxreplace_finish_capture"
 #: what a worker's fxreplace state did so far (:func:`fxreplace.engines.vllm.plugin.worker_state`)
 WORKER_STATE_METHOD = "fxreplace_worker_state"
@@ -206,7 +206,7 @@ STATE_ATTR = "_fxreplace_state"
 def get_state(runner):
     """The fxreplace state of a model runner: a
     :class:`~fxreplace.engines.vllm.replacement.VllmReplacement`, a
-    :class:`~fxreplace.engines.vllm.capture.VllmCapture`, or None when not configured."""
+    :class:`~fxreplace.engines.vllm.capture_worker.VllmCapture`, or None when not configured."""
     return getattr(runner, STATE_ATTR, None)
 
 

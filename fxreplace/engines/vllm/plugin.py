@@ -87,7 +87,7 @@ def register() -> None:
 
 
 def _finish_capture(worker) -> dict | None:
-    from .capture import finish_capture  # capture's state: in a capturing worker only
+    from .capture_worker import finish_capture  # capture's state: in a capturing worker only
 
     return finish_capture(worker)
 

@@ -58,7 +58,7 @@ class VllmReplacement(Replacement):
 
         One call into the replacer per step, with the step's layout: its
         :meth:`~fxreplace.TensorReplacer.step_into` writes a steady decode step (the same
-        requests as the last step, one token each) with ``decode_into`` into the bound
+        requests as the last step, one token each) by its shortcut into the bound
         buffers' leading rows, anything else with its general build."""
         try:
             self._fill(scheduler_output, positions)

@@ -33,7 +33,7 @@ class VllmRunner:
         return SelectingReplacement if select_captures else VllmReplacement
 
     def capture_class(self) -> type:
-        from .capture import VllmCapture  # the capture's module in a capturing engine only
+        from .capture_worker import VllmCapture  # the capture's module in a capturing engine only
 
         return VllmCapture
 

@@ -3,21 +3,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ....dtypes import dtype_name
 from ....gather import host_bits
-from ....instrument import instrument, observe
-from ....models import architecture, get_family
 from ....store import StoreWriter
-from ....targets import TargetError, resolve_targets
+from ....targets import TargetError
 from ...protocol import RecordedRows, StepHooks
-from ...recording import Recorder, RequestRows
+from ...recording import ObservationBuffer, RequestRows, observe_targets, runner_targets
 
 logger = logging.getLogger("fxreplace.vllm")
 
@@ -35,24 +31,16 @@ class StepInputCapture:
     def __init__(self, side, capture: dict):
         self.side = side
         self.model = side.model
-        arch = architecture(side.hf_config, type(self.model).__name__)
-        targets = capture.get("targets") or list(get_family(arch).targets_for(side.engine))
-        if not targets:
-            raise TargetError(f"fxreplace capture: the {arch} family declares no targets in {side.engine}'s model code; "
-                              "give capture 'targets'")
-        resolved = resolve_targets(self.model, list(targets))
+        arch, targets = runner_targets(side, capture.get("targets") or None, who="fxreplace capture",
+                                       give="capture 'targets'")
         self.max_tokens = int(side.max_tokens)
-        instrument(self.model, [r.observed() for r in resolved],
-                   max_tokens=self.max_tokens)
+        resolved = observe_targets(self.model, targets, self.max_tokens)
         self.names = [r.capture_name for r in resolved]
         widths = [_linear_width(self.model.get_submodule(r.module_name), r.module_name, r.point) for r in resolved]
-        edges = np.cumsum([0, *widths]).tolist()
-        self.columns = {name: slice(a, b) for name, a, b in zip(self.names, edges, edges[1:])}
         self.dtype = next(self.model.parameters()).dtype
-        self.buffer = torch.zeros(self.max_tokens, edges[-1], dtype=self.dtype, device=side.device)
+        self.observation = ObservationBuffer(self.model, self.names, widths, self.max_tokens, self.dtype, side.device)
+        self.columns, self.buffer = self.observation.columns, self.observation.buffer
         self.bits = host_bits(torch.zeros(1, dtype=self.dtype)).dtype  # rows held as numpy (bf16 too)
-        self._observing = contextlib.ExitStack()  # open for the engine's life
-        self._observing.enter_context(observe(self.model, Recorder(self.buffer, self.columns)))
         self.active: dict[str, RequestRows] = {}
         self.completed = self.dropped = 0
         self.writes = True

@@ -1,0 +1,206 @@
+"""Systematic faults: one kind at fault in several layers (a bug in code every layer runs), told
+apart from origins that stand by themselves."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..points import ROUTING as ROUTING_POINT
+from .passes import Passes
+from .result import Origin, Systematic
+
+#: A layer of a systematic kind is at fault when leaving it out of the kind's replacement leaves at least this
+#: part of the divergence (or the floor's part, when larger): with the kind replaced in the others, a sound
+#: layer computes what the reference does, so leaving it out leaves ~0 (rounding), where a fault leaves its part
+MEMBER = 0.01
+#: the kind a family's router logits are declared as: the layers holding one are its MoE layers
+ROUTER = "router"
+
+
+class SystematicKinds(Passes):
+    """The search's tests for a systematic kind; an origin beside one is attributed again by the search's
+    ``_attribute`` (:class:`fxreplace.blame.search.Search`)."""
+
+    def _repeated_kind(self, origins: list[Origin]) -> str | None:
+        """The kind holding origins in two or more layers, or in one beside a layer no kind explained (the same fault
+        upstream of that layer can hide its kind there: replacing the kind in it removes only what arises in it, its
+        stream all the rest); the most layers, the earliest kind on a tie; else None. None for a drifting target
+        without a floor: no scale tells a kind's precision drift from its fault."""
+        if self.drifts and self.floor is None:
+            return None
+        layers = {kind: {o.layer for o in origins if o.component and o.kind == kind} for kind in self.kinds}
+        least = 1 if any(o.component is None for o in origins) else 2
+        repeated = [kind for kind in self.kinds if len(layers[kind]) >= least]
+        return max(repeated, key=lambda kind: len(layers[kind])) if repeated else None
+
+    def _leaving_kinds(self, origins: list[Origin]) -> list[str]:
+        """The origins' kinds, the largest origin's first, when the origins together leave at least MEMBER of the
+        divergence beyond the floor's part: the same fault in other layers, each adding less than SIGNIFICANT, may be
+        what they leave (beside a larger fault of another kind: a flipped router beside an attention bug)."""
+        if self.drifts and self.floor is None:
+            return []  # no scale tells a kind's precision drift from its fault
+        named = [o for o in origins if o.component and o.kind in self.kinds]
+        together = self.key([o.component or self.streams[o.layer].capture_name for o in origins])
+        if not named or together not in self.cache or 1 - self.E(together) - self.noise < MEMBER:
+            return []
+        return list(dict.fromkeys(o.kind for o in sorted(named, key=lambda o: -o.share)))
+
+    def _places(self, origins: list[Origin]) -> int:
+        """The places to fix: the origins, a kind holding origins in several layers counted once."""
+        repeated = self._repeated_kind(origins)
+        return len([o for o in origins if repeated is None or o.kind != repeated]) + (repeated is not None)
+
+    def _kind_wide(self, kind: str, origins: list[Origin]) -> list[str]:
+        """``kind`` replaced in every layer holding it, beside the origins of other kinds; not where such an origin
+        lies inside it (a router inside the MoE block): replacing the block there would hide it. A layer no kind
+        explained is not replaced: its stream would make everything upstream of it the reference's."""
+        others = [o.component for o in origins if o.kind != kind and o.component]
+        return others + [c.capture_name for c in self._of_kind(kind) if not any(self._inside(n, c) for n in others)]
+
+    def _of_kind(self, kind: str) -> list:
+        """The components of ``kind`` in the layers, in layer order."""
+        return [c for c in self.components if c.kind == kind and c not in self.feeders]
+
+    def _inside(self, name: str, outer) -> bool:
+        """The component ``name`` is a submodule of the component ``outer``, whose replacement hides it; for the
+        routing a module is called with, of the block computing it (its router, whose logits it comes from)."""
+        inner = self.by_name.get(name)
+        where = outer.module_name.rpartition(".")[0] if outer.target.point == ROUTING_POINT else outer.module_name
+        return inner is not None and inner is not outer and inner.module_name.startswith(where + ".")
+
+    def _kind_round(self, kind: str, origins: list[Origin]) -> list[list[str]]:
+        """The first round telling whether ``kind`` is one systematic fault: it replaced in every layer holding it, the
+        origins together, each of the kind's alone and each origin left out of the kind-wide replacement."""
+        wide = self._kind_wide(kind, origins)
+        names = [o.component for o in origins if o.component]
+        return [wide, names] + [[o.component] for o in origins if o.kind == kind] + [
+            [n for n in wide if n != name] for name in names]
+
+    def _systematic(self, origins: list[Origin]) -> list[Origin]:
+        """The origins, with a kind holding origins in several layers made one systematic fault when replacing it in
+        every layer holding it (beside the other origins) explains the divergence; when no kind holds origins in two
+        layers and the origins leave MEMBER, each origin's kind is tried so in turn, the largest origin's first.
+        Sets ``self.systematic``.
+
+        Its faulty layers leave at least MEMBER of the divergence when left out of that replacement: with the kind
+        replaced in the others, a sound layer computes the reference's values and leaves ~0. So an origin of the kind
+        leaving less is dropped (it hid an upstream error), and when its origins leave part of what the kind-wide
+        replacement removes, every other layer holding it is left out in turn (one the search passed over, its part
+        below SIGNIFICANT); there, a component inside the kind's (its router) explaining what the layer leaves is an
+        origin of its own, as the search would name it. An origin of another kind stays when leaving it out leaves a
+        significant part, attributed again with the faulty layers replaced beside it where the fault acted upstream
+        of it (:meth:`_beside_systematic`), and a layer no kind explained goes (the kind explains it). Each faulty
+        layer's share is its replacement alone."""
+        repeated = self._repeated_kind(origins)
+        for kind in [repeated] if repeated else self._leaving_kinds(origins):
+            found = self._systematic_of(kind, origins)
+            if self.systematic is not None:
+                return found
+        return origins
+
+    def _systematic_of(self, kind: str, origins: list[Origin]) -> list[Origin]:
+        """:meth:`_systematic` for ``kind``."""
+        wide = self._kind_wide(kind, origins)
+        least = max(MEMBER, self.noise)
+        group = {o.component: o for o in origins if o.kind == kind}
+        others = {o.component: o for o in origins if o.kind != kind and o.component}
+
+        def without(name, *instead):
+            return [n for n in wide if n != name] + list(instead)
+
+        def left(name, *instead):  # what leaving ``name`` out of the kind-wide replacement (``instead`` in) leaves
+            return self.E(wide) - self.E(without(name, *instead))
+
+        self.measure(self._kind_round(kind, origins))
+        if not self._explains(wide):
+            return origins  # the kind is not the whole story: its origins stand as found
+        passed = []
+        if self.E(wide) - self.E([*others, *group]) >= least:
+            passed = [c for c in self._of_kind(kind) if c.capture_name in wide and c.capture_name not in group]
+        inner = {c.capture_name: [x for x in self.components if x.layer == c.layer and self._inside(x.capture_name, c)]
+                 for c in passed}
+        self.measure([without(c.capture_name) for c in passed] + [[c.capture_name] for c in passed]
+                     + [without(name, x.capture_name) for name, xs in inner.items() for x in xs])
+        leaving = [c for c in self._of_kind(kind)
+                   if (c.capture_name in group or c in passed) and left(c.capture_name) >= least]
+        within = {}  # a passed layer's component inside the kind's that explains what the layer leaves
+        for c in leaving:
+            explaining = [x for x in inner.get(c.capture_name, []) if left(c.capture_name, x.capture_name) < least]
+            if explaining:
+                within[c.capture_name] = explaining[0]
+        faulty = [c for c in leaving if c.capture_name not in within]
+        if len(faulty) < 2:
+            return origins
+        kept = self._beside_systematic([x.capture_name for x in within.values()] + [c.capture_name for c in faulty],
+                                       list(others.values()), wide)
+        chosen = ([o.component for o in kept] + [x.capture_name for x in within.values()]
+                  + [c.capture_name for c in faulty])
+        self.measure([chosen] + [[n for n in chosen if n != x.capture_name] for x in within.values()])
+
+        def beside_all(x) -> Origin:
+            """``x`` as an origin sharing what the others replaced beside it leave without it."""
+            beside = [n for n in chosen if n != x.capture_name]
+            return Origin(x.layer, self.E(chosen) - self.E(beside), x.capture_name, x.kind,
+                          [k.kind for k in self._kinds(x.layer)], sorted(beside))
+
+        # each sharing what its replacement alone removes: below 0 where that alone makes the target worse
+        # (faults that interact, e.g. a norm offset in every layer), as the table's row shows it
+        members = [dataclasses.replace(group[c.capture_name], share=self.E([c.capture_name], signed=True), beside=[])
+                   if c.capture_name in group else Origin(c.layer, self.E([c.capture_name], signed=True),
+                                                          c.capture_name, kind, [k.kind for k in self._kinds(c.layer)])
+                   for c in faulty]
+        where, every = self._where(kind, [c.layer for c in faulty])
+        self.systematic = Systematic(kind, [c.layer for c in faulty], [c.capture_name for c in faulty], where, every,
+                                     self.E(chosen), [o.share for o in members],
+                                     [left(c.capture_name) for c in faulty], self.E(wide))
+        return members + kept + [beside_all(x) for x in within.values()]
+
+    def _beside_systematic(self, fixed: list[str], others: list[Origin], wide: list[str]) -> list[Origin]:
+        """The origins of other kinds that stand beside a systematic fault whose faulty layers' components are
+        ``fixed`` (its kind replaced in every layer holding it: ``wide``), each attributed again with that fault
+        replaced beside it.
+
+        One stays when leaving it out of ``wide`` (measured by the kind's first round) leaves a significant part, or,
+        where that hides it, out of ``fixed`` and the others replaced together: in the origin's own layer the kind
+        may lie downstream of it, as the routing lies downstream of its block's router. When its layer was attributed
+        while the systematic fault still acted in it or upstream of it (in layers the search had not reached yet),
+        the layer's part held some of that fault's error too, which a later kind of the layer carries and its own
+        kind does not (the MoE block named for its router); with the fault replaced the part is its own, and the
+        earliest kind explaining it is the origin. A fault acting only downstream acts alike with the layer's stream
+        and its kinds replaced: the attribution stands."""
+        names = [o.component for o in others]
+        together = fixed + names
+
+        def leaves(name, replaced):  # what leaving ``name`` out of ``replaced`` leaves
+            return self.E(replaced) - self.E([n for n in replaced if n != name])
+
+        hidden = [n for n in names if leaves(n, wide) < self.significant]
+        self.measure([together] + [[n for n in together if n != name] for name in hidden])
+        kept = [o for o in others if o.component not in hidden or leaves(o.component, together) >= self.significant]
+        out = []
+        for layer in dict.fromkeys(o.layer for o in kept):
+            here = [o for o in kept if o.layer == layer]
+            base = fixed + [o.component for o in kept if o.layer != layer]
+            if {n for n in fixed if self.layer_of[n] <= layer} <= set().union(*(o.beside for o in here)):
+                out += here  # attributed with the fault in it and upstream replaced beside already
+                continue
+            again = self._attribute(base, layer)
+            out += again if all(o.component for o in again) else here
+        return out
+
+    def _where(self, kind: str, layers: list[int]) -> tuple[str, bool]:
+        """``layers`` in the words of the model's layer groups ("every layer", "every MoE layer", "every sliding
+        attention layer"), and whether they are one; else listed ("layers 1 and 3 (2 of 8)")."""
+        groups = {"every layer": self.layers}
+        moe = sorted({c.layer for c in self.components if c.kind == ROUTER and c.layer is not None})
+        groups.setdefault("every MoE layer", moe)
+        for name in dict.fromkeys(self.layer_types or []):
+            groups.setdefault(f"every {name.replace('_', ' ')} layer",
+                              [k for k, t in enumerate(self.layer_types) if t == name])
+        holding = sorted({c.layer for c in self.components if c.kind == kind and c.layer is not None})
+        groups.setdefault(f"every layer holding its {kind}", holding)
+        for name, group in groups.items():
+            if list(group) == layers:
+                return name, True
+        listed = ", ".join(map(str, layers[:-1])) + f" and {layers[-1]}"
+        return f"layers {listed} ({len(layers)} of {len(self.layers)})", False
