@@ -18,46 +18,46 @@ from typing import TYPE_CHECKING
 _LAZY = {
     **dict.fromkeys(["get_adapter", "register_adapter"], "fxreplace.adapters"),
     **dict.fromkeys(["blame"], "fxreplace.blame"),
-    **dict.fromkeys(["BlameError", "BlameResult"], "fxreplace.blame.result"),
+    **dict.fromkeys(["BlameResult"], "fxreplace.blame.result"),
     **dict.fromkeys(["capture_reference", "tokenize_prompts"], "fxreplace.capture"),
-    **dict.fromkeys(["ConfigError", "ReplacementConfig", "TensorReplacementConfig"], "fxreplace.config"),
+    **dict.fromkeys(["ReplacementConfig", "TensorReplacementConfig"], "fxreplace.config"),
     **dict.fromkeys(["ReplacementContext"], "fxreplace.context"),
     **dict.fromkeys(["Runner", "RunnerConfig"], "fxreplace.engines.embedded"),
+    **dict.fromkeys(["BlameError", "CaptureError", "ConfigError", "SetupError", "ShapeError", "StoreError",
+                     "TargetError", "TargetNotLiveError"], "fxreplace.errors"),
     **dict.fromkeys(["export", "export_input_name", "export_inputs"], "fxreplace.export"),
-    **dict.fromkeys(["InstrumentationChangedError", "TargetNotHitError", "check_unchanged", "instrument", "observe",
-                     "prove_unchanged", "uninstrument"], "fxreplace.instrument"),
+    **dict.fromkeys(["InstrumentationChangedError", "TargetNotHitError", "check_unchanged", "instrument",
+                     "observe", "prove_unchanged", "uninstrument"], "fxreplace.instrument"),
     **dict.fromkeys(["check_live"], "fxreplace.liveness"),
-    **dict.fromkeys(["SetupError"], "fxreplace.loading"),
     **dict.fromkeys(["Tolerances", "Verdict", "verdict"], "fxreplace.metrics"),
-    **dict.fromkeys(["TargetNotLiveError"], "fxreplace.points"),
     **dict.fromkeys(["Reference", "load_reference"], "fxreplace.reference"),
     **dict.fromkeys(["TensorReplacer"], "fxreplace.replacer"),
-    **dict.fromkeys(["ShapeError", "ShardSpec"], "fxreplace.sharding"),
-    **dict.fromkeys(["CaptureError", "ReferenceStore", "StoreError", "StoreWriter"], "fxreplace.store"),
-    **dict.fromkeys(["Target", "TargetError"], "fxreplace.targets"),
+    **dict.fromkeys(["ShardSpec"], "fxreplace.sharding"),
+    **dict.fromkeys(["ReferenceStore", "StoreWriter"], "fxreplace.store"),
+    **dict.fromkeys(["Target"], "fxreplace.targets"),
     **dict.fromkeys(["Gate", "ValidationResult", "logit_validation"], "fxreplace.validation"),
 }
 
 if TYPE_CHECKING:
     from .adapters import get_adapter, register_adapter
     from .blame import blame
-    from .blame.result import BlameError, BlameResult
+    from .blame.result import BlameResult
     from .capture import capture_reference, tokenize_prompts
-    from .config import ConfigError, ReplacementConfig, TensorReplacementConfig
+    from .config import ReplacementConfig, TensorReplacementConfig
     from .context import ReplacementContext
     from .engines.embedded import Runner, RunnerConfig
+    from .errors import (BlameError, CaptureError, ConfigError, SetupError, ShapeError, StoreError,
+                         TargetError, TargetNotLiveError)
     from .export import export, export_input_name, export_inputs
-    from .instrument import (InstrumentationChangedError, TargetNotHitError, check_unchanged, instrument, observe,
-                             prove_unchanged, uninstrument)
+    from .instrument import (InstrumentationChangedError, TargetNotHitError, check_unchanged,
+                             instrument, observe, prove_unchanged, uninstrument)
     from .liveness import check_live
-    from .loading import SetupError
     from .metrics import Tolerances, Verdict, verdict
-    from .points import TargetNotLiveError
     from .reference import Reference, load_reference
     from .replacer import TensorReplacer
-    from .sharding import ShapeError, ShardSpec
-    from .store import CaptureError, ReferenceStore, StoreError, StoreWriter
-    from .targets import Target, TargetError
+    from .sharding import ShardSpec
+    from .store import ReferenceStore, StoreWriter
+    from .targets import Target
     from .validation import Gate, ValidationResult, logit_validation
 
 

@@ -20,6 +20,7 @@ import torch
 from .components import resolve_components
 from .dtypes import dtype_name
 from .devices import input_device
+from .errors import PromptError
 from .instrument import InstrumentedModel, instrument, observe, uninstrument
 from .loading import SetupError
 from .models import architecture
@@ -269,14 +270,6 @@ def checked_prompts(ids: list, vocab_size: int, source: str) -> list[list[int]]:
         return check_prompts(ids, vocab_size)
     except PromptError as e:
         raise SetupError(f"{source}: {e}", e.hint) from None
-
-
-class PromptError(ValueError):
-    """A prompt that cannot be captured; ``hint``: how to fix it."""
-
-    def __init__(self, message: str, hint: str):
-        super().__init__(message)
-        self.hint = hint
 
 
 def check_prompts(prompt_token_ids: Sequence, vocab_size: int) -> list[list[int]]:

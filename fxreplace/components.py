@@ -15,17 +15,13 @@ from typing import Mapping
 
 from torch import nn
 
+from .errors import ComponentError
 from .models import architecture, get_family
 from .targets import Target, TargetLike, resolve_targets
 
 
 #: the kind of a layer's residual stream (the layer's whole output), beside the kinds inside it
 LAYER = "layer"
-
-
-class ComponentError(ValueError):
-    """No components to work with: the family declares none, or the reference records none an
-    engine's model code holds (what to give instead is named)."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from .adapters import get_adapter
+from .errors import ConfigError
 from .points import check_point
 from .sharding import ShardSpec
 from .store import INDEX_FILE, TENSORS_FILE
@@ -26,10 +27,6 @@ from .targets import Target, TargetError
 OnUnknown = Literal["error", "passthrough"]
 ON_UNKNOWN = ("error", "passthrough")
 TARGET_FIELDS = ("pattern", "point", "adapter", "name", "shard")
-
-
-class ConfigError(ValueError):
-    """A replacement configuration that cannot be used; the message names the field."""
 
 
 def check_on_unknown(value) -> None:

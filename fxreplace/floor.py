@@ -25,6 +25,7 @@ import torch
 
 from .dtypes import as_dtype, dtype_name, is_full_precision
 from .engines.embedded import Runner, RunnerConfig
+from .errors import FloorFileError
 from .loading import load_model
 from .reference import load_reference
 from .store.publish import FLOOR_FILE
@@ -197,10 +198,6 @@ def save_floor(floor: NoiseFloor, directory) -> Path:
     floors[floor.key] = floor.to_dict()
     path.write_text(json.dumps(floors))
     return path
-
-
-class FloorFileError(ValueError):
-    """A reference's stored noise floor that cannot be read."""
 
 
 def floor_for(reference, dtype: torch.dtype, directory=None, prompts: Sequence[int] | None = None, clean=None,

@@ -7,18 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import SetupError
 from .words import one_line
 
 #: Files that make a directory hold a tokenizer (transformers 5 builds an empty one from a bare config).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-class SetupError(ValueError):
-    """What a command was given cannot be used: ``problem``, and the ``hint`` that fixes it."""
-
-    def __init__(self, problem: str, hint: str | None = None):
-        super().__init__(problem if hint is None else f"{problem}; hint: {hint}")
-        self.problem, self.hint = problem, hint
 
 
 def load_model(spec: str, dtype=None, dispatch: dict | None = None, device: str | None = None):

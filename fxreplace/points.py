@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .adapters import routing_adapter_name
+from .errors import TargetNotLiveError
 from .targets import Point, TargetError, closest_names
 from .words import one_line
 
@@ -284,11 +285,6 @@ def computes_linear_output(module: nn.Module, located: InjectionPoint) -> bool:
     if index is not None:
         output = output[index] if isinstance(output, (tuple, list)) and index < len(output) else None
     return isinstance(output, fx.Node) and is_linear(output, gm)
-
-
-class TargetNotLiveError(TargetError):
-    """A target whose replacement cannot reach the model's output: replacing it would change
-    nothing, and a run would wrongly clear the component it names."""
 
 
 class _KeepLeaf(fx.Tracer):

@@ -12,11 +12,9 @@ from typing import Callable, Union
 
 import torch
 
+from .errors import ShapeError
+
 MODES = ("sequence", "expert", "data")
-
-
-class ShapeError(ValueError):
-    """A replacement whose shape does not fit the tensor it replaces."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,15 +11,12 @@ from typing import Callable, Iterable, Union
 
 from torch import nn
 
+from .errors import TargetError
 from .sharding import ShardSpec
 
 #: ``"auto"``, ``"output"``, ``"output[i]"``, or ``fn(nodes) -> Node`` picking the
 #: injection node among the FX nodes computed inside the module (see :mod:`fxreplace.points`).
 Point = Union[str, Callable]
-
-
-class TargetError(ValueError):
-    """A target pattern or injection point that does not exist in the model."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ PACKAGE = Path(fxreplace.__file__).parent
 #: "" is ``fxreplace`` itself, whose top-level names load everything). A new module goes in one.
 LAYERS = [
     ("words, dtypes, devices and the helpers everything uses",
-     ["words", "dtypes", "devices", "_compat", "registries", "extensions", "checkpoint", "matching", "gather",
+     ["words", "errors", "dtypes", "devices", "_compat", "registries", "extensions", "checkpoint", "matching", "gather",
       "testing"]),
     ("the graph core", ["targets", "sharding", "adapters", "points", "injection", "passes", "instrument", "liveness",
                         "export", "context", "active_context"]),

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..components import layer_of
+from ..errors import BlameError
 from ..metrics import BELOW_ZERO, BELOW_ZERO_NOTE, EXPLAINED_NOTE, EXPLAINS, LAYERS_HEAD, NOTHING_RANKED, part
 from ..words import fmt, pct, plural, times
 
@@ -16,10 +17,6 @@ from ..words import fmt, pct, plural, times
 SIGNIFICANT = round(1 - EXPLAINS, 6)
 #: More independent origins than this and the drift is called diffuse (the search stops there).
 MAX_ORIGINS = 3
-
-
-class BlameError(ValueError):
-    """Inputs blame refuses before its first pass (both sides named)."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..dtypes import dtype_name
+from ..errors import CaptureError, StoreError
 
 FORMAT_NAME = "fxreplace-reference"
 FORMAT_VERSION = 3  # 3: group tensors position-major [rows + 1, capture names, E] (2 was name-major)
@@ -37,14 +38,6 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _TOKEN_DTYPES = (torch.int64, torch.int32)
-
-
-class CaptureError(ValueError):
-    """Captures that cannot be flattened; the message names prompt, capture name and step."""
-
-
-class StoreError(CaptureError):
-    """A store file that does not hold what its index says; the message names the file and the field."""
 
 
 @dataclass(frozen=True)
