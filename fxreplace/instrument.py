@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import enum
 import functools
+import itertools
 import threading
 import types
 from collections.abc import Mapping
@@ -25,11 +26,12 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch._guards import TracingContext as _TracingContext  # no public way to tell a trace apart
 from torch.compiler import is_dynamo_compiling
 
-from .context import ReplacementContext
+from .context import Layout, ReplacementContext
 from .devices import computes_on
-from .injection import Injection, inject_routing, recording, with_element
+from .injection import Injection, inject, inject_routing, recording, with_element
 from .passes import InjectionSpec, insert_replacements
 from .points import (GIVEN_FORWARD, ROUTING, WRAPPED_FORWARD, InjectionPoint, TargetNotLiveError, check_adapter_fits,
                      check_output_point_read, computes_linear_output, describe_forward, forward_attribute,
@@ -58,39 +60,103 @@ class SlotState(enum.Enum):
 
 
 class _Slot:
-    """Hands one forward's replacement to one target and records that the target
-    consumed it. Between forwards it holds the fed buffers (or nothing), so a fed
-    forward only sets its state. Under Dynamo, ``take`` is traced: its state is the
-    same at every forward, so it is no recompile reason."""
+    """One target's part of its model's forwards: what is fixed at instrument time (its point, its
+    Injection, the forward it was given, and ``constants``: the plain values a compiled graph folds
+    in with one identity guard on the slot) and, eagerly, whether this forward reached it."""
 
     def __init__(self, target: ResolvedTarget):
         self.target = target
-        self.fed = (None, None, False)  # (values, mask, leading_rows) that a forward without replacements= reads
         self.state = SlotState.IDLE
         self.unproven = False  # an output[i] that no graph showed read: the next eager forward watches it
         self.read: bool | None = None  # while watched: whether an op of this forward read it
-        self.hold_fed()
         # set by _bind: the module's own forward, its point and Injection, the (shared) generated forward
         self.original = self.passes_self = self.point = self.injection = self.graph_forward = None
+        self.constants: tuple = ()  # set by instrument(): (model key, index, passes_self, output_index, spec, name)
+        self.traced_in = None  # the Dynamo trace that last reached it (see _constants)
 
-    def hold_fed(self) -> None:
-        self.replacement, self.mask, self.leading_rows = self.fed
-
-    def arm(self, replacement, mask, leading_rows=False):
-        self.state = SlotState.ARMED
-        self.replacement = replacement
-        self.mask = mask
-        self.leading_rows = leading_rows
-
-    def take(self) -> bool:
-        """True when called inside an instrumented forward."""
+    def take(self) -> None:
+        """Record that an eager forward reached the target (a second time is an error). A slot left
+        idle was armed by a compiled forward (an eager stretch between graph breaks): its graph's
+        trace checked the hits."""
         state = self.state
-        if state is SlotState.IDLE:
-            return False
         if state is SlotState.TAKEN:
             raise TargetNotHitError(f"target {self.target.module_name!r} was hit twice in one forward")
-        self.state = SlotState.TAKEN
-        return True
+        if state is not SlotState.IDLE:
+            self.state = SlotState.TAKEN
+
+
+class _Armed:
+    """Per instrumented model (an attribute named by its key), the forward in progress: per target
+    ``(replacement, mask, leading_rows)`` or None (that target off). Set and cleared by the model's
+    forward; the targets read their entry here, eagerly and in a compiled graph alike. In a graph the
+    list is a value of the trace (never a guarded input), so the guards do not grow with the targets;
+    an attribute rather than a dict item, as Dynamo would guard on the dict's keys (every model's)."""
+
+
+_ARMED = _Armed()
+_MODEL_KEYS = itertools.count()
+_OBSERVING = [0]  # observe() contexts open: while none is, a compiled graph folds "no observers" in
+
+
+def _trace_now():
+    """The Dynamo trace running, or None (eagerly). Read only by the constant functions below, which
+    Dynamo runs at trace time."""
+    return _TracingContext.try_get()
+
+
+_MODEL_TRACE = [None]  # the Dynamo trace of an instrumented model's forward in progress (see _traced_begin)
+
+
+@torch.compiler.assume_constant_result
+def _in_model_trace() -> bool:
+    """Whether the running trace is an instrumented model's forward (not a target compiled alone, nor
+    a frame resumed after a graph break): folded into the graph with no guard at all."""
+    trace = _trace_now()
+    return trace is not None and _MODEL_TRACE[0] is trace
+
+
+@torch.compiler.assume_constant_result
+def _constants(slot: _Slot) -> tuple:
+    """``slot.constants``, folded into the model's graph and guarded by the slot's identity alone.
+    It also records the hit (see :func:`_traced_hits`)."""
+    trace = _trace_now()
+    if slot.traced_in is trace:
+        raise TargetNotHitError(f"target {slot.target.module_name!r} was hit twice in one forward")
+    slot.traced_in = trace
+    return slot.constants
+
+
+@torch.compiler.assume_constant_result
+def _traced_begin(state: "Instrumentation") -> int:
+    """At trace time, as the model's forward arms: its targets record their hits in this trace."""
+    state.trace = _MODEL_TRACE[0] = _trace_now()
+    return 0
+
+
+@torch.compiler.assume_constant_result
+def _traced_plan(state: "Instrumentation", layout: Layout) -> tuple:
+    """Per target, where a context of ``layout`` holds it: ``(group, column, mask row or -1)``, or
+    None. Folded into the graph, guarded by the identities of the model's state and the (interned)
+    layout: one guard each, whatever the number of targets or capture names."""
+    plan = []
+    for target in state.targets:
+        place = layout.places.get(target.capture_name)
+        rows = layout.mask_rows
+        plan.append(None if place is None else (*place, -1 if rows is None else rows[target.capture_name]))
+    return tuple(plan)
+
+
+@torch.compiler.assume_constant_result
+def _traced_hits(state: "Instrumentation") -> int:
+    """At trace time, after the model's forward: every target the trace armed was reached exactly
+    once. A trace cut by a graph break is checked no further (its eager stretches check their own)."""
+    trace = _trace_now()
+    if trace is not None and state.trace is trace:
+        missed = [slot.target.module_name for slot in state.slots if slot.traced_in is not trace]
+        if missed:
+            raise TargetNotHitError(f"targets not reached in this forward (a replaced or fused forward may skip "
+                                    f"them): {missed}")
+    return 0
 
 
 def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: _Slot) -> None:
@@ -135,14 +201,49 @@ def _unbind(module: nn.Module) -> None:
     module.__dict__.pop(_SLOT, None)
 
 
-def _call_original(self, slot: _Slot, args, kwargs):
-    return slot.original(self, *args, **kwargs) if slot.passes_self else slot.original(*args, **kwargs)
+def _call_original(self, slot: _Slot, passes_self: bool, args, kwargs):
+    return slot.original(self, *args, **kwargs) if passes_self else slot.original(*args, **kwargs)
 
 
-def _call_injection(injection: Injection, computed, replacement, mask, rank=None, leading_rows=False):
+def _call_injection(injection, computed, replacement, mask, rank=None, leading_rows=False):
     """The op a target's graph calls: its Injection arrives as an input, not as a constant of the
-    code, so every target of the same structure runs the same generated code."""
+    code, so every target of the same structure runs the same generated code. In a compiled graph
+    it is the Injection's constant spec instead (see :func:`_armed`)."""
+    if type(injection) is tuple:
+        spec, name, module = injection
+        return inject(spec, name, module, computed, replacement, mask, rank, leading_rows)
     return injection(computed, replacement, mask, rank, leading_rows)
+
+
+_OFF = (None, None, False)
+
+
+def _runtime_entry(slot: _Slot):
+    """This forward's ``(replacement, mask, leading_rows)`` for the target (``_OFF``: off), or None
+    outside an instrumented forward, read when it runs; records the hit."""
+    key, index = slot.constants[:2]
+    inputs = getattr(_ARMED, key, None)
+    if inputs is None:
+        return None
+    slot.take()
+    return inputs[index] or _OFF
+
+
+# in a compiled frame that is not the model's trace (a target compiled alone, a frame resumed after a
+# graph break) the entry is read at run time: folding it in would be a graph per target
+_runtime_entry_out_of_graph = torch.compiler.disable(_runtime_entry)
+
+
+def _armed(self, slot: _Slot):
+    """``(passes_self, output index, entry, injection)`` for a target's forward (see _runtime_entry).
+    In the model's trace: the slot's constants folded in (one guard), the entry a value of the trace."""
+    if is_dynamo_compiling() and _in_model_trace():
+        key, index, passes_self, point_index, spec, name = _constants(slot)
+        inputs = getattr(_ARMED, key, None)
+        entry = None if inputs is None else inputs[index] or _OFF
+        return passes_self, point_index, entry, slot.injection if _OBSERVING[0] else (spec, name, self)
+    entry = _runtime_entry_out_of_graph(slot) if is_dynamo_compiling() else _runtime_entry(slot)
+    return slot.passes_self, slot.point.output_index, entry, slot.injection
 
 
 def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callable:
@@ -167,12 +268,14 @@ def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callab
 def _graph_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is a node inside it: its graph's code on the module."""
     slot = self._fxreplace_slot
-    if not slot.take():
-        return _call_original(self, slot, args, kwargs)
+    passes_self, _, entry, injection = _armed(self, slot)
+    if entry is None:
+        return _call_original(self, slot, passes_self, args, kwargs)
+    replacement, mask, leading_rows = entry
     return slot.graph_forward(
         self, *args, **kwargs,
-        fxreplace_replacement=slot.replacement, fxreplace_mask=slot.mask,
-        fxreplace_leading_rows=slot.leading_rows, fxreplace_injection=slot.injection,
+        fxreplace_replacement=replacement, fxreplace_mask=mask,
+        fxreplace_leading_rows=leading_rows, fxreplace_injection=injection,
     )
 
 
@@ -180,56 +283,65 @@ def _routing_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is the routing it is called with (see
     :func:`~fxreplace.injection.inject_routing`): the module runs on the replaced arguments."""
     slot = self._fxreplace_slot
-    if not slot.take():
-        return _call_original(self, slot, args, kwargs)
+    passes_self, _, entry, _ = _armed(self, slot)
+    if entry is None:
+        return _call_original(self, slot, passes_self, args, kwargs)
     point = slot.point
     args, kwargs = list(args), dict(kwargs)
     given = [args[key] if isinstance(key, int) else kwargs[key] for key in point.routing_inputs]
-    routed = inject_routing(slot.injection, given, point.num_experts, slot.replacement, slot.mask, slot.leading_rows)
+    routed = inject_routing(slot.injection, given, point.num_experts, *entry)
     for key, value in zip(point.routing_inputs, routed):
         if isinstance(key, int):
             args[key] = value
         else:
             kwargs[key] = value
-    return _call_original(self, slot, tuple(args), kwargs)
+    return _call_original(self, slot, passes_self, tuple(args), kwargs)
 
 
 def _output_point_forward(self, *args, **kwargs):
     """The forward of a target whose injection point is its output (or ``output[i]``).
 
     Eager engines call it once per target per forward, so their common case comes first:
-    a slot armed eagerly with its fed buffers, a plain tensor at ``output`` or ``output[i]``
+    an eager forward armed with the fed buffers, a plain tensor at ``output`` or ``output[i]``
     of a tuple and a call the Injection has checked with those buffers take the fast path
     (:meth:`~fxreplace.injection.CheckedCalls.fed_entry`). Anything else, and any
     tracing, goes through the Injection."""
     slot = self._fxreplace_slot
-    injection, index = slot.injection, slot.point.output_index
-    output = _call_original(self, slot, args, kwargs)
     # (Dynamo may start tracing inside an eager forward: then the Injection decides)
-    if (slot.state is SlotState.FED and type(output) is (torch.Tensor if index is None else tuple)
-            and not injection.observers and not slot.unproven and not is_dynamo_compiling()):
-        value = output if index is None else output[index]
-        if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
-            entry = injection.checked.fed_entry(value)
+    if not is_dynamo_compiling() and slot.state is SlotState.FED and not slot.unproven:
+        point_index = slot.point.output_index
+        output = _call_original(self, slot, slot.passes_self, args, kwargs)
+        value = output if point_index is None else output[point_index] if type(output) is tuple else None
+        if type(value) is torch.Tensor and not slot.injection.observers:  # (not a subclass, e.g. a FakeTensor)
+            entry = slot.injection.checked.fed_entry(value)
             if entry is not None:
                 slot.state = SlotState.TAKEN
-                return _with_injected(output, index, value, entry.inject(value))
-    if not slot.take():
+                return _with_injected(output, point_index, value, entry.inject(value))
+        return _inject_output(slot, output, *_armed(self, slot)[1:])
+    passes_self, point_index, entry, injection = _armed(self, slot)
+    return _inject_output(slot, _call_original(self, slot, passes_self, args, kwargs), point_index, entry, injection)
+
+
+def _inject_output(slot: _Slot, output, point_index, entry, injection):
+    """``output`` with the target's point replaced by ``entry`` (None: outside an instrumented forward)."""
+    if entry is None:
         return output
-    if index is None:
+    replacement, mask, leading_rows = entry
+    name = slot.target.module_name
+    if point_index is None:
         value = output
     elif isinstance(output, (tuple, list)):
-        value = output[index]
+        value = output[point_index]
     else:
-        raise TargetError(f"{slot.point.module_name!r}: point {slot.point.point!r} indexes the output, but the module "
+        raise TargetError(f"{name!r}: point {slot.point.point!r} indexes the output, but the module "
                           f"returns a {type(output).__name__} (indexing would pick a row): use point='output'")
     if type(value) is not torch.Tensor:
-        _check_point_value(value, slot.point.module_name, slot.point.point)
-    injected = injection(value, slot.replacement, slot.mask, None, slot.leading_rows)
-    if (slot.unproven and slot.replacement is not None and type(injected) is torch.Tensor
-            and not is_dynamo_compiling() and not recording()):
+        _check_point_value(value, name, slot.point.point)
+    injected = _call_injection(injection, value, replacement, mask, None, leading_rows)
+    if (not is_dynamo_compiling() and slot.unproven and replacement is not None and type(injected) is torch.Tensor
+            and not recording()):
         injected = _Watched.watch(injected, slot)
-    return _with_injected(output, index, value, injected)
+    return _with_injected(output, point_index, value, injected)
 
 
 class _Watched(torch.Tensor):
@@ -312,7 +424,12 @@ class Instrumentation:
         self.slots = slots
         self.max_tokens = max_tokens
         self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # per target (values, mask) feed buffers, once fed
-        self.overridden = False  # whether the slots hold a forward's own replacements (not the fed buffers)
+        self.fed_inputs: list = [None] * len(slots)  # what a forward without replacements= arms: the fed buffers
+        self.key = f"model_{next(_MODEL_KEYS)}"  # this model's attribute of _ARMED
+        self.trace = None  # the Dynamo trace of the model's forward that last planned (see _traced_plan)
+        for index, (slot, injection) in enumerate(zip(slots, injections)):
+            slot.constants = (self.key, index, slot.passes_self, slot.point.output_index, injection.spec,
+                              slot.target.module_name)
         self.running = threading.Lock()  # held by the one eager forward in progress
         self.bound = False  # whether the feed buffers are a context's own tensors (feed(bind=True))
         self.unbound_by_move: str | None = None  # where a move made copies of bound buffers (dtype, device)
@@ -326,9 +443,7 @@ class Instrumentation:
         """Keep the feed buffers at hand: the slots hold them between forwards, so a forward
         without ``replacements=`` only arms them."""
         self.fed = [(getattr(model, v), getattr(model, m)) for v, m in map(self.buffer_names, range(len(self.targets)))]
-        for slot, (values, mask) in zip(self.slots, self.fed):
-            slot.fed = (values, mask, True)
-            slot.hold_fed()
+        self.fed_inputs = [(values, mask, True) for values, mask in self.fed]
 
     def follow_move(self, model: nn.Module) -> None:
         """After ``model.to(...)`` (or any ``_apply``): the fed buffers are the model's new
@@ -356,6 +471,8 @@ class Instrumentation:
             self.forced = None
 
     def arm(self, model: nn.Module, replacements) -> None:
+        """Publish this forward's per-target entries (see ``_ARMED``) and, eagerly, mark every
+        slot armed so that :meth:`finish` can tell which targets the forward reached."""
         if replacements is None and self.unbound_by_move is not None:
             raise ValueError(
                 f"the model was moved or converted after feed(bind=True): its feed buffers are now copies "
@@ -363,19 +480,38 @@ class Instrumentation:
                 "move, built or moved there (feed(ctx.to(device), bind=True))")
         if replacements is None and self.forced is not None:
             replacements = self.forced
-        if replacements is None:  # the fed buffers (or nothing), which the slots hold between forwards
+        compiling = is_dynamo_compiling()
+        if compiling:
+            _traced_begin(self)
+        if replacements is None:
+            inputs = self.fed_inputs
             # FED only eagerly: a forward that make_fx/export/jit.trace records must reach the
             # Injection, which keeps Python state out of the recorded graph
             state = SlotState.ARMED if recording() else SlotState.FED
+        else:
+            inputs = self._inputs(replacements, compiling)
+            state = SlotState.ARMED
+        if not compiling:
             for slot in self.slots:
                 slot.state = state
-            return
+        setattr(_ARMED, self.key, inputs)
+
+    def _inputs(self, replacements, compiling: bool) -> list:
+        """Per target ``(replacement, mask, False)`` or None, from a context or a dict."""
         if not isinstance(replacements, Mapping):
             raise TypeError(f"replacements must be a ReplacementContext or a dict of tensors, got {type(replacements)}")
+        if compiling and isinstance(replacements, ReplacementContext):
+            # read by layout: one guard on the (interned) layout and one per group tensor, not per name
+            storage, mask = replacements.storage, replacements.mask
+            masks = getattr(replacements, "mask_matrix", None)
+            plan = _traced_plan(self, replacements.layout)
+            return [None if where is None else
+                    (storage[where[0]][:, where[1]], mask if where[2] < 0 else masks[where[2]], False)
+                    for where in plan]
         names = [t.capture_name for t in self.targets]
         is_context = isinstance(replacements, ReplacementContext)
-        # A context is read by target name only: a compiled graph guards on what it reads, and
-        # iterating would make it guard on the order in which the context lists its names.
+        # A context is read by target name only: iterating would make a graph guard on the
+        # order in which the context lists its names.
         tensors = ({name: replacements[name] for name in names if name in replacements} if is_context
                    else {name: replacements[name] for name in replacements})
         if len(replacements) and not any(name in tensors for name in names):
@@ -387,16 +523,17 @@ class Instrumentation:
             close = {n: closest_names(n, names, n=2) for n in unknown}
             raise KeyError(f"replacement name(s) {unknown} match no target; close capture names: {close}; "
                            f"all capture names: {names}")
-        self.overridden = True
-        for slot, name in zip(self.slots, names):
+        inputs = []
+        for name in names:
             value = tensors.get(name)
             if value is None:
-                slot.arm(None, None)  # missing from the context: this target stays off
+                inputs.append(None)  # missing from the context: this target stays off
                 continue
             mask = replacements.mask_for(name) if is_context else None
             if mask is None:
                 mask = torch.ones(value.shape[0], dtype=torch.bool, device=value.device)
-            slot.arm(value, mask)
+            inputs.append((value, mask, False))
+        return inputs
 
     @contextmanager
     def proving(self):
@@ -430,29 +567,22 @@ class Instrumentation:
                 f"check this at instrument time); {working_point(model.get_submodule(first.module_name), first.point)}")
 
     def reset(self) -> list[str]:
-        """Back to idle (the slots holding the fed buffers again); returns the targets armed
-        but not reached since :meth:`arm`."""
+        """Back to idle, nothing armed; returns the targets armed but not reached since :meth:`arm`."""
+        setattr(_ARMED, self.key, None)
         missed = [slot.target.module_name for slot in self.slots
                   if slot.state is SlotState.FED or slot.state is SlotState.ARMED]
         for slot in self.slots:
             slot.state = SlotState.IDLE
-        if self.overridden:  # a forward's own replacements: not kept past it
-            for slot in self.slots:
-                slot.hold_fed()
-            self.overridden = False
         return missed
 
     def finish(self, model: nn.Module) -> None:
         """:meth:`reset` after a forward that returned; every armed target must have been reached."""
+        if is_dynamo_compiling():
+            setattr(_ARMED, self.key, None)
+            _traced_hits(self)
+            return
         if self.unproven:
             self._check_watched(model)
-        for slot in self.slots:
-            if slot.state is not SlotState.TAKEN:
-                break
-            slot.state = SlotState.IDLE
-        else:  # the common case: every target taken, nothing overridden
-            if not self.overridden:
-                return
         missed = self.reset()
         if missed:
             raise TargetNotHitError(
@@ -782,6 +912,7 @@ def observe(model: nn.Module, callback: Callable[[str, torch.Tensor], None]):
         raise ValueError("observe() needs an instrumented model")
     state = model._fxreplace
     added = []
+    _OBSERVING[0] += 1
     for target, injection in zip(state.targets, state.injections):
         observer = functools.partial(callback, target.capture_name)
         injection.observers.append(observer)
@@ -789,5 +920,6 @@ def observe(model: nn.Module, callback: Callable[[str, torch.Tensor], None]):
     try:
         yield
     finally:
+        _OBSERVING[0] -= 1
         for injection, observer in added:
             injection.observers.remove(observer)
