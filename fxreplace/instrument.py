@@ -414,6 +414,41 @@ def _bypass_hint(model: nn.Module, missed: list[str]) -> str:
     return f"; {hints[0]}{more}"
 
 
+class _Feed:
+    """The fed buffers of a model, grouped: per group a ``[max_tokens, names, ...]`` values tensor
+    and a mask tensor (a copied feed: ``[names, max_tokens]``, a row per target; a bound one: the
+    context's mask or mask matrix), and per target ``(group, column, mask, mask row or -1)`` or
+    None. A compiled forward reads the groups (one guard each) and folds the places in (one
+    identity guard on this object, which only a first feed, a bind or a move replaces)."""
+
+    def __init__(self, storage: tuple, masks: tuple, places: tuple):
+        self.storage, self.masks, self.places = storage, masks, places
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.storage, *self.masks]
+
+    def moved(self, tensors: list[torch.Tensor]) -> "_Feed":
+        n = len(self.storage)
+        return _Feed(tuple(tensors[:n]), tuple(tensors[n:]), self.places)
+
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        return [None if p is None else (self.storage[p[0]][:, p[1]], self.masks[p[2]] if p[3] < 0 else self.masks[p[2]][p[3]])
+                for p in self.places]
+
+    def traced(self) -> list:
+        """Per target ``(values, mask, True)`` or None, as views made in a compiled graph."""
+        storage, masks = self.storage, self.masks
+        return [None if p is None else
+                (storage[p[0]][:, p[1]], masks[p[2]] if p[3] < 0 else masks[p[2]][p[3]], True)
+                for p in _feed_places(self)]
+
+
+@torch.compiler.assume_constant_result
+def _feed_places(feed: _Feed) -> tuple:
+    """``feed.places``, folded into a compiled graph and guarded by the feed's identity."""
+    return feed.places
+
+
 class Instrumentation:
     """Per-model state: resolved targets, their slots and the feed buffers."""
 
@@ -425,6 +460,7 @@ class Instrumentation:
         self.max_tokens = max_tokens
         self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # per target (values, mask) feed buffers, once fed
         self.fed_inputs: list = [None] * len(slots)  # what a forward without replacements= arms: the fed buffers
+        self.feed: _Feed | None = None  # the fed buffers, grouped
         self.key = f"model_{next(_MODEL_KEYS)}"  # this model's attribute of _ARMED
         self.trace = None  # the Dynamo trace of the model's forward that last planned (see _traced_plan)
         for index, (slot, injection) in enumerate(zip(slots, injections)):
@@ -436,27 +472,33 @@ class Instrumentation:
         self.forced: dict[str, torch.Tensor] | None = None  # see forcing()
         self.unproven = [slot for slot in slots if slot.unproven]  # see _check_watched()
 
-    def buffer_names(self, i: int) -> tuple[str, str]:
-        return f"_fxreplace_feed_{i}", f"_fxreplace_feed_mask_{i}"
+    def buffer_names(self) -> list[str]:
+        """The model's buffers the feed registered (its groups' values, then their masks)."""
+        return [] if self.feed is None else [f"_fxreplace_feed_{k}" for k in range(len(self.feed.tensors()))]
 
-    def remember_buffers(self, model: nn.Module) -> None:
-        """Keep the feed buffers at hand: the slots hold them between forwards, so a forward
-        without ``replacements=`` only arms them."""
-        self.fed = [(getattr(model, v), getattr(model, m)) for v, m in map(self.buffer_names, range(len(self.targets)))]
+    def remember_buffers(self, model: nn.Module, feed: "_Feed") -> None:
+        """Register ``feed``'s tensors as the model's buffers (they follow moves; not in its
+        ``state_dict``) and keep each target's views at hand for forwards without ``replacements=``."""
+        for name in self.buffer_names():
+            model._buffers.pop(name, None)
+        self.feed = feed
+        for name, tensor in zip(self.buffer_names(), feed.tensors()):
+            model.register_buffer(name, tensor, persistent=False)
+        self.fed = feed.views()
         self.fed_inputs = [(values, mask, True) for values, mask in self.fed]
 
     def follow_move(self, model: nn.Module) -> None:
         """After ``model.to(...)`` (or any ``_apply``): the fed buffers are the model's new
-        tensors, so the slots read those. Bound buffers are now copies of the context the
+        tensors, so the targets read those. Bound buffers are now copies of the context the
         caller writes into: forwards refuse to run until it is fed again."""
-        if not self.fed:
+        if self.feed is None:
             return
-        moved = [(getattr(model, v), getattr(model, m)) for v, m in map(self.buffer_names, range(len(self.targets)))]
-        if all(a is b for pair, old in zip(moved, self.fed) for a, b in zip(pair, old)):
+        moved = [getattr(model, name) for name in self.buffer_names()]
+        if all(a is b for a, b in zip(moved, self.feed.tensors())):
             return
         if self.bound:
-            self.unbound_by_move = f"{moved[0][0].dtype} on {moved[0][0].device}"
-        self.remember_buffers(model)
+            self.unbound_by_move = f"{moved[0].dtype} on {moved[0].device}"
+        self.remember_buffers(model, self.feed.moved(moved))
         for injection in self.injections:
             injection.share_fed(None)
 
@@ -484,7 +526,7 @@ class Instrumentation:
         if compiling:
             _traced_begin(self)
         if replacements is None:
-            inputs = self.fed_inputs
+            inputs = self.feed.traced() if compiling and self.feed is not None else self.fed_inputs
             # FED only eagerly: a forward that make_fx/export/jit.trace records must reach the
             # Injection, which keeps Python state out of the recorded graph
             state = SlotState.ARMED if recording() else SlotState.FED
@@ -641,8 +683,8 @@ class InstrumentedModel:
             if _SLOT in module.__dict__:  # the copied instance forward reads this model's slot
                 _unbind(module)
         instrument(twin, [t.as_target() for t in state.targets], max_tokens=state.max_tokens)
-        if state.fed:
-            twin._fxreplace.remember_buffers(twin)
+        if state.feed is not None:
+            twin._fxreplace.remember_buffers(twin, state.feed.moved([getattr(twin, n) for n in state.buffer_names()]))
             for injection in twin._fxreplace.injections:
                 injection.share_fed(None)
         return twin
@@ -689,11 +731,11 @@ class InstrumentedModel:
                 value = tensors.get(name)
                 if value is None or value.shape[0] != state.max_tokens:
                     raise ShapeError(f"feed(bind=True): {name!r} is missing or not {state.max_tokens} rows")
-            for i, name in enumerate(names):
-                values_name, mask_name = state.buffer_names(i)
-                self.register_buffer(values_name, tensors[name], persistent=False)
-                self.register_buffer(mask_name, replacements.mask_for(name), persistent=False)
-            state.remember_buffers(self)
+            layout = replacements.layout
+            rows = layout.mask_rows
+            places = tuple((*layout.places[name], 0, -1 if rows is None else rows[name]) for name in names)
+            masks = (replacements.mask if rows is None else replacements.mask_matrix,)
+            state.remember_buffers(self, _Feed(tuple(replacements.storage), masks, places))
             state.bound, state.unbound_by_move = True, None
             for injection, (values, mask) in zip(state.injections, state.fed):
                 injection.share_fed(values, mask)
@@ -707,28 +749,40 @@ class InstrumentedModel:
             shape = (state.max_tokens, *value.shape[1:]) if not state.fed else tuple(state.fed[i][0].shape)
             if value.shape[0] > state.max_tokens or tuple(value.shape[1:]) != shape[1:]:
                 raise ShapeError(f"feed for {name}: shape {tuple(value.shape)} does not fit the buffer {shape}")
-        for i, name in enumerate(names):
-            values_name, mask_name = state.buffer_names(i)
+        if not state.fed:
+            state.remember_buffers(self, self._new_feed(tensors))
+        for (values, mask_buf), name in zip(state.fed, names):
             value = tensors.get(name)
-            if not state.fed:  # where the target computes, whatever device the context was built on
-                device = computes_on(self.get_submodule(state.targets[i].module_name)) or value.device
-                # plain tensors even under torch.inference_mode(): later feeds and clear() may run outside it
-                with torch.inference_mode(False):
-                    self.register_buffer(values_name, value.new_zeros(state.max_tokens, *value.shape[1:], device=device),
-                                         persistent=False)
-                    self.register_buffer(mask_name, torch.zeros(state.max_tokens, dtype=torch.bool, device=device),
-                                         persistent=False)
-            values_buf, mask_buf = getattr(self, values_name), getattr(self, mask_name)
             mask_buf.fill_(False)
             if value is None:
                 continue
             tokens = value.shape[0]
-            values_buf[:tokens].copy_(value)
+            values[:tokens].copy_(value)
             mask_buf[:tokens].copy_(mask if mask is not None else torch.ones(tokens, dtype=torch.bool, device=value.device))
-        state.remember_buffers(self)
         state.bound, state.unbound_by_move = False, None
         for injection in state.injections:
             injection.share_fed(None)
+
+    def _new_feed(self, tensors: Mapping[str, torch.Tensor]) -> _Feed:
+        """Zeroed buffers for a first feed of ``tensors``, where each target computes (whatever device
+        the context was built on): a group per (dtype, row shape, device) of its capture names."""
+        state = self._fxreplace
+        groups: dict[tuple, list[str]] = {}
+        for target in state.targets:
+            value = tensors[target.capture_name]
+            device = computes_on(self.get_submodule(target.module_name)) or value.device
+            names = groups.setdefault((value.dtype, tuple(value.shape[1:]), torch.device(device)), [])
+            if target.capture_name not in names:
+                names.append(target.capture_name)
+        where = {name: (g, c) for g, names in enumerate(groups.values()) for c, name in enumerate(names)}
+        # plain tensors even under torch.inference_mode(): later feeds and clear() may run outside it
+        with torch.inference_mode(False):
+            storage = tuple(torch.zeros(state.max_tokens, len(names), *row, dtype=dtype, device=device)
+                            for (dtype, row, device), names in groups.items())
+            masks = tuple(torch.zeros(len(names), state.max_tokens, dtype=torch.bool, device=device)
+                          for (_, _, device), names in groups.items())
+        places = tuple((*where[t.capture_name], *where[t.capture_name]) for t in state.targets)
+        return _Feed(storage, masks, places)
 
     def _apply(self, fn, *args, **kwargs):
         """``to()``, ``cuda()``, ``half()``...: the fed buffers move with the model and the targets read them there."""
@@ -817,9 +871,8 @@ def uninstrument(model: nn.Module) -> nn.Module:
     state = model._fxreplace
     for target in state.targets:
         _unbind(model.get_submodule(target.module_name))
-    for i in range(len(state.targets)):
-        for name in state.buffer_names(i):
-            model._buffers.pop(name, None)
+    for name in state.buffer_names():
+        model._buffers.pop(name, None)
     del model._fxreplace
     model.__class__ = type(model).__bases__[1]
     _follow_class(model)
