@@ -78,8 +78,10 @@ class ReplacementContext(Mapping):
     name's values (48 x E=128 bf16: 12 KiB), where a name-major layout scatters it into one
     256-byte read per capture name, which the memory's latency bounds at about a third of
     the speed. Made by hand (``ReplacementContext({name: [num_tokens, E]}, mask)``), the tensors
-    are copied into the same layout, grouped by dtype and row shape: a compiled graph guards on
-    its inputs' strides, and one graph serves hand-made and built contexts alike. Write into a
+    are copied into the same layout, grouped by dtype and row shape, in the order of a context of
+    the same names seen before (a replacer's): a compiled graph guards on its inputs' strides and on
+    the context's ``layout`` (one identity guard, see :class:`Layout`), and one graph serves
+    hand-made and built contexts alike. Write into a
     context's own tensors (``ctx[name]``), not into the ones it was made from.
     ``num_replaced`` counts the mask's True rows as the last build wrote them
     (None for a context made by hand).
@@ -242,7 +244,8 @@ class SelectedContext(ReplacementContext):
         self.mask_matrix = torch.zeros(len(names), *context.mask.shape, dtype=torch.bool, device=context.mask.device)
         for j, m in enumerate(names):
             if m in self.selected:
-                self.mask_matrix[j] = context.mask & self.rows[m].to(context.mask.device) if m in self.rows else context.mask
+                rows = context.mask & self.rows[m].to(context.mask.device) if m in self.rows else context.mask
+                self.mask_matrix[j] = rows
         self.masks = dict(zip(names, self.mask_matrix.unbind(0)))
         self.layout = Layout.of(self.places, {m: j for j, m in enumerate(names)})
 

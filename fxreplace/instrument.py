@@ -33,9 +33,9 @@ from .context import Layout, ReplacementContext
 from .devices import computes_on
 from .injection import Injection, inject, inject_routing, recording, with_element
 from .passes import InjectionSpec, insert_replacements
-from .points import (GIVEN_FORWARD, ROUTING, WRAPPED_FORWARD, InjectionPoint, TargetNotLiveError, check_adapter_fits,
-                     check_output_point_read, computes_linear_output, describe_forward, forward_attribute,
-                     instance_forward, locate_injection_point, working_point)
+from .points import (GIVEN_FORWARD, ROUTING, TARGET_CLASS, WRAPPED_FORWARD, InjectionPoint, TargetNotLiveError,
+                     check_adapter_fits, check_output_point_read, computes_linear_output, describe_forward,
+                     forward_attribute, given_class, instance_forward, locate_injection_point, working_point)
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
@@ -160,10 +160,13 @@ def _traced_hits(state: "Instrumentation") -> int:
 
 
 def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: _Slot) -> None:
-    """Give ``module`` an instance-level forward that reads ``slot``: one function for every target
-    of a kind, bound to each module, reading everything target-specific from the slot. Dynamo
-    guards on the function a module calls, so a function per target would recompile a frame
-    resumed after a graph break inside a layer once per layer."""
+    """Give ``module`` the forward that reads ``slot``: its class becomes a subclass whose forward
+    is one function for every target of a kind, reading everything target-specific from the slot.
+    A class, not a forward set on the instance: Dynamo checks a method an instance holds with a
+    Python guard per target (that it is bound to that instance). One function, not one per target:
+    Dynamo guards on the function a module calls, so a frame resumed after a graph break inside a
+    layer would recompile once per layer. The instance's own forward, where it has one, runs from
+    the slot; accelerate's wrapper is pointed at the class's forward."""
     attribute = forward_attribute(module)
     module.__dict__[GIVEN_FORWARD] = module.__dict__.get(attribute)  # what :func:`_unbind` puts back
     original = getattr(module, attribute)
@@ -176,29 +179,44 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
     module.__dict__[_SLOT] = slot
     forward = (_graph_point_forward if point.graph_module is not None else
                _routing_point_forward if point.routing_inputs is not None else _output_point_forward)
-    module.__dict__[attribute] = types.MethodType(forward, module)
+    if attribute == "forward":
+        module.__dict__.pop("forward", None)  # the instance's own forward, now the slot's
+    module.__class__ = _target_class(type(module), forward)
+    _follow_class(module)
 
 
 _SLOT = "_fxreplace_slot"
 _SHARED_FORWARDS: dict[tuple, Callable] = {}
+TARGET_CLASSES: dict[tuple, type] = {}
+
+
+def _target_class(cls: type, forward: Callable) -> type:
+    """``cls`` with ``forward``, under the same name (shared by every target of the class and kind)."""
+    key = (cls, forward)
+    if key not in TARGET_CLASSES:
+        TARGET_CLASSES[key] = type(cls.__name__, (cls,), {"forward": forward, TARGET_CLASS: True,
+                                                           "__module__": cls.__module__,
+                                                           "__qualname__": cls.__qualname__})
+    return TARGET_CLASSES[key]
 
 
 def _follow_class(module: nn.Module) -> None:
-    """Point accelerate's wrapper, where the model has one, at its class's forward: it calls the
-    forward bound at dispatch, which would bypass the instrumented class :func:`instrument` gives
-    the model (and keep it after :func:`uninstrument`)."""
+    """Point accelerate's wrapper, where the module has one, at its class's forward: it calls the
+    forward bound at dispatch, which would bypass the instrumented class (and keep it after
+    :func:`uninstrument`)."""
     if WRAPPED_FORWARD in module.__dict__:
         module.__dict__[WRAPPED_FORWARD] = types.MethodType(type(module).forward, module)
 
 
 def _unbind(module: nn.Module) -> None:
-    """Undo :func:`_bind`: the forward the module was given (its class's, or the instance's own)."""
+    """Undo :func:`_bind`: the module's class and the forward it was given (its class's, or the instance's own)."""
     attribute, given = forward_attribute(module), module.__dict__.pop(GIVEN_FORWARD)
     if given is None:
-        del module.__dict__[attribute]
+        module.__dict__.pop(attribute, None)
     else:
         module.__dict__[attribute] = given
     module.__dict__.pop(_SLOT, None)
+    module.__class__ = given_class(module)
 
 
 def _call_original(self, slot: _Slot, passes_self: bool, args, kwargs):
@@ -432,15 +450,17 @@ class _Feed:
         return _Feed(tuple(tensors[:n]), tuple(tensors[n:]), self.places)
 
     def views(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        return [None if p is None else (self.storage[p[0]][:, p[1]], self.masks[p[2]] if p[3] < 0 else self.masks[p[2]][p[3]])
-                for p in self.places]
+        return _views(self.storage, self.masks, self.places)
 
     def traced(self) -> list:
         """Per target ``(values, mask, True)`` or None, as views made in a compiled graph."""
-        storage, masks = self.storage, self.masks
-        return [None if p is None else
-                (storage[p[0]][:, p[1]], masks[p[2]] if p[3] < 0 else masks[p[2]][p[3]], True)
-                for p in _feed_places(self)]
+        return [None if v is None else (*v, True) for v in _views(self.storage, self.masks, _feed_places(self))]
+
+
+def _views(storage: tuple, masks: tuple, places: tuple) -> list:
+    """Per target ``(values, mask)`` at its place ``(group, column, mask, mask row or -1)``, or None."""
+    return [None if p is None else (storage[p[0]][:, p[1]], masks[p[2]] if p[3] < 0 else masks[p[2]][p[3]])
+            for p in places]
 
 
 @torch.compiler.assume_constant_result
