@@ -56,9 +56,9 @@ class Injection:
         self.checked = CheckedCalls()
         self.spec = spec_number(self.adapter, shard)
 
-    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
+    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None, hands_on: bool = True) -> None:
         """See :meth:`CheckedCalls.share_fed`."""
-        self.checked.share_fed(values, mask)
+        self.checked.share_fed(values, mask, hands_on)
 
     def __call__(self, computed, replacement=None, mask=None, rank=None, leading_rows=False):
         if self.observers:
@@ -264,11 +264,13 @@ class CheckedCalls:
         self.fed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fed_entries: dict[torch.Size, CheckedCall] = {}
 
-    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
-        """``values``/``mask`` are buffers that their feeder rewrites before every forward
-        (``feed(bind=True)``): a call with them whose rows are all replaced may return the
-        values' rows themselves (contiguous ones). None: no buffers are shared."""
-        self.fed = None if values is None else (values, mask)
+    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None, hands_on: bool = True) -> None:
+        """``values``/``mask`` are the fed buffers a forward without replacements reads: a call with
+        them is found by shape alone. ``hands_on``: their feeder rewrites them before every forward
+        (``feed(bind=True)``), so a call whose rows are all replaced may return the values' rows
+        themselves (contiguous ones); a copied feed's persist, so a model that writes into what a
+        target returns must get a copy. None: no buffers are shared."""
+        self.fed = None if values is None else (values, mask, hands_on)
         self.entries.clear()
         self.fed_entries.clear()
 
@@ -287,7 +289,8 @@ class CheckedCalls:
         are dropped (none holds a tensor of an earlier call), and at most ``CHECKED_SHAPES`` kept."""
         tokens = computed.shape[0]
         rows = slice(0, tokens) if leading_rows else slice(None)
-        host_mask = memoryview(mask[rows].numpy()).cast("B") if mask.device.type == "cpu" and leading_rows else None
+        read = mask[rows]  # a host mask is read without a kernel: a call replacing no row is no kernel at all
+        host_mask = memoryview(read.numpy()).cast("B") if read.device.type == "cpu" and read.is_contiguous() else None
         fed = self.fed is not None and self.fed[0] is replacement and self.fed[1] is mask and host_mask is not None
         kept = {shape: c for shape, c in self.entries.items() if c.replacement is replacement}
         self.entries = kept if len(kept) < CHECKED_SHAPES else {}
@@ -295,7 +298,8 @@ class CheckedCalls:
             replacement, mask, leading_rows, computed.dtype, computed.get_device(), mask[rows].unsqueeze(-1),
             # rows handed on only when contiguous: a built feed's are a column of its position-major storage,
             # and a kernel reading the module's output (a fused top-k) may take rows to be E apart
-            replacement[rows], host_mask, fed and replacement[rows].is_contiguous(), b"\1" * tokens, bytes(tokens))
+            replacement[rows], host_mask, fed and self.fed[2] and replacement[rows].is_contiguous(), b"\1" * tokens,
+            bytes(tokens))
         if fed:
             if len(self.fed_entries) >= CHECKED_SHAPES:
                 self.fed_entries.clear()

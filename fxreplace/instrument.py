@@ -20,6 +20,7 @@ import functools
 import itertools
 import threading
 import types
+import weakref
 from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Callable, Iterable
@@ -481,6 +482,7 @@ class Instrumentation:
         self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # per target (values, mask) feed buffers, once fed
         self.fed_inputs: list = [None] * len(slots)  # what a forward without replacements= arms: the fed buffers
         self.feed: _Feed | None = None  # the fed buffers, grouped
+        self.last_inputs: tuple | None = None  # (weakref to the context given last, its entries): see _inputs
         self.key = f"model_{next(_MODEL_KEYS)}"  # this model's attribute of _ARMED
         self.trace = None  # the Dynamo trace of the model's forward that last planned (see _traced_plan)
         for index, (slot, injection) in enumerate(zip(slots, injections)):
@@ -559,7 +561,19 @@ class Instrumentation:
         setattr(_ARMED, self.key, inputs)
 
     def _inputs(self, replacements, compiling: bool) -> list:
-        """Per target ``(replacement, mask, False)`` or None, from a context or a dict."""
+        """Per target ``(replacement, mask, False)`` or None, from a context or a dict. Eagerly, the
+        entries of the context given last are kept (a context's tensors are fixed when it is made;
+        engines pass the same one step after step, writing into it)."""
+        if not compiling and type(replacements) is not dict:
+            last = self.last_inputs
+            if last is not None and last[0]() is replacements:
+                return last[1]
+        inputs = self._read_inputs(replacements, compiling)
+        if not compiling and isinstance(replacements, ReplacementContext):
+            self.last_inputs = (weakref.ref(replacements), inputs)
+        return inputs
+
+    def _read_inputs(self, replacements, compiling: bool) -> list:
         if not isinstance(replacements, Mapping):
             raise TypeError(f"replacements must be a ReplacementContext or a dict of tensors, got {type(replacements)}")
         if compiling and isinstance(replacements, ReplacementContext):
@@ -780,8 +794,8 @@ class InstrumentedModel:
             values[:tokens].copy_(value)
             mask_buf[:tokens].copy_(mask if mask is not None else torch.ones(tokens, dtype=torch.bool, device=value.device))
         state.bound, state.unbound_by_move = False, None
-        for injection in state.injections:
-            injection.share_fed(None)
+        for injection, (values, mask) in zip(state.injections, state.fed):
+            injection.share_fed(values, mask, hands_on=False)
 
     def _new_feed(self, tensors: Mapping[str, torch.Tensor]) -> _Feed:
         """Zeroed buffers for a first feed of ``tensors``, where each target computes (whatever device
