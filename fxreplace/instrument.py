@@ -346,16 +346,16 @@ def _inject_output(slot: _Slot, output, point_index, entry, injection):
     if entry is None:
         return output
     replacement, mask, leading_rows = entry
-    name = slot.target.module_name
+    # (the slot's name and point only on error paths: each read would be a guard per target)
     if point_index is None:
         value = output
     elif isinstance(output, (tuple, list)):
         value = output[point_index]
     else:
-        raise TargetError(f"{name!r}: point {slot.point.point!r} indexes the output, but the module "
-                          f"returns a {type(output).__name__} (indexing would pick a row): use point='output'")
+        raise TargetError(f"{slot.target.module_name!r}: point {slot.point.point!r} indexes the output, but the "
+                          f"module returns a {type(output).__name__} (indexing would pick a row): use point='output'")
     if type(value) is not torch.Tensor:
-        _check_point_value(value, name, slot.point.point)
+        _check_point_value(value, slot.target.module_name, slot.point.point)
     injected = _call_injection(injection, value, replacement, mask, None, leading_rows)
     if (not is_dynamo_compiling() and slot.unproven and replacement is not None and type(injected) is torch.Tensor
             and not recording()):
