@@ -72,7 +72,7 @@ class _Slot:
         self.read: bool | None = None  # while watched: whether an op of this forward read it
         # set by _bind: the module's own forward, its point and Injection, the (shared) generated forward
         self.original = self.passes_self = self.point = self.injection = self.graph_forward = None
-        self.constants: tuple = ()  # set by instrument(): (model key, index, passes_self, output_index, spec, name)
+        self.constants: tuple = ()  # (model key, index, passes_self, output index, spec, name, given forward's number)
         self.traced_in = None  # the Dynamo trace that last reached it (see _constants)
 
     def take(self) -> None:
@@ -220,8 +220,20 @@ def _unbind(module: nn.Module) -> None:
     module.__class__ = given_class(module)
 
 
-def _call_original(self, slot: _Slot, passes_self: bool, args, kwargs):
-    return slot.original(self, *args, **kwargs) if passes_self else slot.original(*args, **kwargs)
+def _call_original(self, given: tuple, args, kwargs):
+    """Call the forward the target was given: ``given`` is ``(function, whether it takes self)``."""
+    original, passes_self = given
+    return original(self, *args, **kwargs) if passes_self else original(*args, **kwargs)
+
+
+#: the forwards targets were given, by number: a compiled graph reads a target's here by a constant
+#: number, one guard per distinct forward (a class's, shared by its modules) rather than per target
+_GIVEN: dict[int, Callable] = {}
+_GIVEN_NUMBERS: dict[Callable, int] = {}
+
+
+def _given_number(forward: Callable) -> int:
+    return _GIVEN_NUMBERS.setdefault(forward, len(_GIVEN_NUMBERS))
 
 
 def _call_injection(injection, computed, replacement, mask, rank=None, leading_rows=False):
@@ -254,15 +266,16 @@ _runtime_entry_out_of_graph = torch.compiler.disable(_runtime_entry)
 
 
 def _armed(self, slot: _Slot):
-    """``(passes_self, output index, entry, injection)`` for a target's forward (see _runtime_entry).
+    """``(given forward, output index, entry, injection)`` for a target's forward (see _runtime_entry).
     In the model's trace: the slot's constants folded in (one guard), the entry a value of the trace."""
     if is_dynamo_compiling() and _in_model_trace():
-        key, index, passes_self, point_index, spec, name = _constants(slot)
+        key, index, passes_self, point_index, spec, name, forward = _constants(slot)
         inputs = getattr(_ARMED, key, None)
         entry = None if inputs is None else inputs[index] or _OFF
-        return passes_self, point_index, entry, slot.injection if _OBSERVING[0] else (spec, name, self)
+        given = (_GIVEN[forward], passes_self)
+        return given, point_index, entry, slot.injection if _OBSERVING[0] else (spec, name, self)
     entry = _runtime_entry_out_of_graph(slot) if is_dynamo_compiling() else _runtime_entry(slot)
-    return slot.passes_self, slot.point.output_index, entry, slot.injection
+    return (slot.original, slot.passes_self), slot.point.output_index, entry, slot.injection
 
 
 def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callable:
@@ -287,9 +300,9 @@ def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callab
 def _graph_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is a node inside it: its graph's code on the module."""
     slot = self._fxreplace_slot
-    passes_self, _, entry, injection = _armed(self, slot)
+    given, _, entry, injection = _armed(self, slot)
     if entry is None:
-        return _call_original(self, slot, passes_self, args, kwargs)
+        return _call_original(self, given, args, kwargs)
     replacement, mask, leading_rows = entry
     return slot.graph_forward(
         self, *args, **kwargs,
@@ -302,19 +315,19 @@ def _routing_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is the routing it is called with (see
     :func:`~fxreplace.injection.inject_routing`): the module runs on the replaced arguments."""
     slot = self._fxreplace_slot
-    passes_self, _, entry, _ = _armed(self, slot)
+    given, _, entry, _ = _armed(self, slot)
     if entry is None:
-        return _call_original(self, slot, passes_self, args, kwargs)
+        return _call_original(self, given, args, kwargs)
     point = slot.point
     args, kwargs = list(args), dict(kwargs)
-    given = [args[key] if isinstance(key, int) else kwargs[key] for key in point.routing_inputs]
-    routed = inject_routing(slot.injection, given, point.num_experts, *entry)
+    routing = [args[key] if isinstance(key, int) else kwargs[key] for key in point.routing_inputs]
+    routed = inject_routing(slot.injection, routing, point.num_experts, *entry)
     for key, value in zip(point.routing_inputs, routed):
         if isinstance(key, int):
             args[key] = value
         else:
             kwargs[key] = value
-    return _call_original(self, slot, passes_self, tuple(args), kwargs)
+    return _call_original(self, given, tuple(args), kwargs)
 
 
 def _output_point_forward(self, *args, **kwargs):
@@ -329,7 +342,7 @@ def _output_point_forward(self, *args, **kwargs):
     # (Dynamo may start tracing inside an eager forward: then the Injection decides)
     if not is_dynamo_compiling() and slot.state is SlotState.FED and not slot.unproven:
         point_index = slot.point.output_index
-        output = _call_original(self, slot, slot.passes_self, args, kwargs)
+        output = _call_original(self, (slot.original, slot.passes_self), args, kwargs)
         value = output if point_index is None else output[point_index] if type(output) is tuple else None
         if type(value) is torch.Tensor and not slot.injection.observers:  # (not a subclass, e.g. a FakeTensor)
             entry = slot.injection.checked.fed_entry(value)
@@ -337,8 +350,8 @@ def _output_point_forward(self, *args, **kwargs):
                 slot.state = SlotState.TAKEN
                 return _with_injected(output, point_index, value, entry.inject(value))
         return _inject_output(slot, output, *_armed(self, slot)[1:])
-    passes_self, point_index, entry, injection = _armed(self, slot)
-    return _inject_output(slot, _call_original(self, slot, passes_self, args, kwargs), point_index, entry, injection)
+    given, point_index, entry, injection = _armed(self, slot)
+    return _inject_output(slot, _call_original(self, given, args, kwargs), point_index, entry, injection)
 
 
 def _inject_output(slot: _Slot, output, point_index, entry, injection):
@@ -486,8 +499,10 @@ class Instrumentation:
         self.key = f"model_{next(_MODEL_KEYS)}"  # this model's attribute of _ARMED
         self.trace = None  # the Dynamo trace of the model's forward that last planned (see _traced_plan)
         for index, (slot, injection) in enumerate(zip(slots, injections)):
+            forward = _given_number(slot.original)
+            _GIVEN[forward] = slot.original
             slot.constants = (self.key, index, slot.passes_self, slot.point.output_index, injection.spec,
-                              slot.target.module_name)
+                              slot.target.module_name, forward)
         self.running = threading.Lock()  # held by the one eager forward in progress
         self.bound = False  # whether the feed buffers are a context's own tensors (feed(bind=True))
         self.unbound_by_move: str | None = None  # where a move made copies of bound buffers (dtype, device)
