@@ -17,23 +17,26 @@ from __future__ import annotations
 import copy
 import enum
 import functools
+import itertools
 import threading
 import types
+import weakref
 from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch._guards import TracingContext as _TracingContext  # no public way to tell a trace apart
 from torch.compiler import is_dynamo_compiling
 
-from .context import ReplacementContext
+from .context import Layout, ReplacementContext
 from .devices import computes_on
-from .injection import Injection, inject_routing, recording, with_element
+from .injection import Injection, inject, inject_routing, recording, with_element
 from .passes import InjectionSpec, insert_replacements
-from .points import (GIVEN_FORWARD, ROUTING, WRAPPED_FORWARD, InjectionPoint, TargetNotLiveError, check_adapter_fits,
-                     check_output_point_read, computes_linear_output, describe_forward, forward_attribute,
-                     instance_forward, locate_injection_point, working_point)
+from .points import (GIVEN_FORWARD, ROUTING, TARGET_CLASS, WRAPPED_FORWARD, InjectionPoint, TargetNotLiveError,
+                     check_adapter_fits, check_output_point_read, computes_linear_output, describe_forward,
+                     forward_attribute, given_class, instance_forward, locate_injection_point, working_point)
 from .sharding import ShapeError
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
@@ -58,46 +61,113 @@ class SlotState(enum.Enum):
 
 
 class _Slot:
-    """Hands one forward's replacement to one target and records that the target
-    consumed it. Between forwards it holds the fed buffers (or nothing), so a fed
-    forward only sets its state. Under Dynamo, ``take`` is traced: its state is the
-    same at every forward, so it is no recompile reason."""
+    """One target's part of its model's forwards: what is fixed at instrument time (its point, its
+    Injection, the forward it was given, and ``constants``: the plain values a compiled graph folds
+    in with one identity guard on the slot) and, eagerly, whether this forward reached it."""
 
     def __init__(self, target: ResolvedTarget):
         self.target = target
-        self.fed = (None, None, False)  # (values, mask, leading_rows) that a forward without replacements= reads
         self.state = SlotState.IDLE
         self.unproven = False  # an output[i] that no graph showed read: the next eager forward watches it
         self.read: bool | None = None  # while watched: whether an op of this forward read it
-        self.hold_fed()
         # set by _bind: the module's own forward, its point and Injection, the (shared) generated forward
         self.original = self.passes_self = self.point = self.injection = self.graph_forward = None
+        self.constants: tuple = ()  # (model key, index, passes_self, output index, spec, name, given forward's number)
+        self.traced_in = None  # the Dynamo trace that last reached it (see _constants)
 
-    def hold_fed(self) -> None:
-        self.replacement, self.mask, self.leading_rows = self.fed
-
-    def arm(self, replacement, mask, leading_rows=False):
-        self.state = SlotState.ARMED
-        self.replacement = replacement
-        self.mask = mask
-        self.leading_rows = leading_rows
-
-    def take(self) -> bool:
-        """True when called inside an instrumented forward."""
+    def take(self) -> None:
+        """Record that an eager forward reached the target (a second time is an error). A slot left
+        idle was armed by a compiled forward (an eager stretch between graph breaks): its graph's
+        trace checked the hits."""
         state = self.state
-        if state is SlotState.IDLE:
-            return False
         if state is SlotState.TAKEN:
             raise TargetNotHitError(f"target {self.target.module_name!r} was hit twice in one forward")
-        self.state = SlotState.TAKEN
-        return True
+        if state is not SlotState.IDLE:
+            self.state = SlotState.TAKEN
+
+
+class _Armed:
+    """Per instrumented model (an attribute named by its key), the forward in progress: per target
+    ``(replacement, mask, leading_rows)`` or None (that target off). Set and cleared by the model's
+    forward; the targets read their entry here, eagerly and in a compiled graph alike. In a graph the
+    list is a value of the trace (never a guarded input), so the guards do not grow with the targets;
+    an attribute rather than a dict item, as Dynamo would guard on the dict's keys (every model's)."""
+
+
+_ARMED = _Armed()
+_MODEL_KEYS = itertools.count()
+_OBSERVING = [0]  # observe() contexts open: while none is, a compiled graph folds "no observers" in
+
+
+def _trace_now():
+    """The Dynamo trace running, or None (eagerly). Read only by the constant functions below, which
+    Dynamo runs at trace time."""
+    return _TracingContext.try_get()
+
+
+_MODEL_TRACE = [None]  # the Dynamo trace of an instrumented model's forward in progress (see _traced_begin)
+
+
+@torch.compiler.assume_constant_result
+def _in_model_trace() -> bool:
+    """Whether the running trace is an instrumented model's forward (not a target compiled alone, nor
+    a frame resumed after a graph break): folded into the graph with no guard at all."""
+    trace = _trace_now()
+    return trace is not None and _MODEL_TRACE[0] is trace
+
+
+@torch.compiler.assume_constant_result
+def _constants(slot: _Slot) -> tuple:
+    """``slot.constants``, folded into the model's graph and guarded by the slot's identity alone.
+    It also records the hit (see :func:`_traced_hits`)."""
+    trace = _trace_now()
+    if slot.traced_in is trace:
+        raise TargetNotHitError(f"target {slot.target.module_name!r} was hit twice in one forward")
+    slot.traced_in = trace
+    return slot.constants
+
+
+@torch.compiler.assume_constant_result
+def _traced_begin(state: "Instrumentation") -> int:
+    """At trace time, as the model's forward arms: its targets record their hits in this trace."""
+    state.trace = _MODEL_TRACE[0] = _trace_now()
+    return 0
+
+
+@torch.compiler.assume_constant_result
+def _traced_plan(state: "Instrumentation", layout: Layout) -> tuple:
+    """Per target, where a context of ``layout`` holds it: ``(group, column, mask row or -1)``, or
+    None. Folded into the graph, guarded by the identities of the model's state and the (interned)
+    layout: one guard each, whatever the number of targets or capture names."""
+    plan = []
+    for target in state.targets:
+        place = layout.places.get(target.capture_name)
+        rows = layout.mask_rows
+        plan.append(None if place is None else (*place, -1 if rows is None else rows[target.capture_name]))
+    return tuple(plan)
+
+
+@torch.compiler.assume_constant_result
+def _traced_hits(state: "Instrumentation") -> int:
+    """At trace time, after the model's forward: every target the trace armed was reached exactly
+    once. A trace cut by a graph break is checked no further (its eager stretches check their own)."""
+    trace = _trace_now()
+    if trace is not None and state.trace is trace:
+        missed = [slot.target.module_name for slot in state.slots if slot.traced_in is not trace]
+        if missed:
+            raise TargetNotHitError(f"targets not reached in this forward (a replaced or fused forward may skip "
+                                    f"them): {missed}")
+    return 0
 
 
 def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: _Slot) -> None:
-    """Give ``module`` an instance-level forward that reads ``slot``: one function for every target
-    of a kind, bound to each module, reading everything target-specific from the slot. Dynamo
-    guards on the function a module calls, so a function per target would recompile a frame
-    resumed after a graph break inside a layer once per layer."""
+    """Give ``module`` the forward that reads ``slot``: its class becomes a subclass whose forward
+    is one function for every target of a kind, reading everything target-specific from the slot.
+    A class, not a forward set on the instance: Dynamo checks a method an instance holds with a
+    Python guard per target (that it is bound to that instance). One function, not one per target:
+    Dynamo guards on the function a module calls, so a frame resumed after a graph break inside a
+    layer would recompile once per layer. The instance's own forward, where it has one, runs from
+    the slot; accelerate's wrapper is pointed at the class's forward."""
     attribute = forward_attribute(module)
     module.__dict__[GIVEN_FORWARD] = module.__dict__.get(attribute)  # what :func:`_unbind` puts back
     original = getattr(module, attribute)
@@ -110,39 +180,102 @@ def _bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: 
     module.__dict__[_SLOT] = slot
     forward = (_graph_point_forward if point.graph_module is not None else
                _routing_point_forward if point.routing_inputs is not None else _output_point_forward)
-    module.__dict__[attribute] = types.MethodType(forward, module)
+    if attribute == "forward":
+        module.__dict__.pop("forward", None)  # the instance's own forward, now the slot's
+    module.__class__ = _target_class(type(module), forward)
+    _follow_class(module)
 
 
 _SLOT = "_fxreplace_slot"
 _SHARED_FORWARDS: dict[tuple, Callable] = {}
+TARGET_CLASSES: dict[tuple, type] = {}
+
+
+def _target_class(cls: type, forward: Callable) -> type:
+    """``cls`` with ``forward``, under the same name (shared by every target of the class and kind)."""
+    key = (cls, forward)
+    if key not in TARGET_CLASSES:
+        TARGET_CLASSES[key] = type(cls.__name__, (cls,), {"forward": forward, TARGET_CLASS: True,
+                                                           "__module__": cls.__module__,
+                                                           "__qualname__": cls.__qualname__})
+    return TARGET_CLASSES[key]
 
 
 def _follow_class(module: nn.Module) -> None:
-    """Point accelerate's wrapper, where the model has one, at its class's forward: it calls the
-    forward bound at dispatch, which would bypass the instrumented class :func:`instrument` gives
-    the model (and keep it after :func:`uninstrument`)."""
+    """Point accelerate's wrapper, where the module has one, at its class's forward: it calls the
+    forward bound at dispatch, which would bypass the instrumented class (and keep it after
+    :func:`uninstrument`)."""
     if WRAPPED_FORWARD in module.__dict__:
         module.__dict__[WRAPPED_FORWARD] = types.MethodType(type(module).forward, module)
 
 
 def _unbind(module: nn.Module) -> None:
-    """Undo :func:`_bind`: the forward the module was given (its class's, or the instance's own)."""
+    """Undo :func:`_bind`: the module's class and the forward it was given (its class's, or the instance's own)."""
     attribute, given = forward_attribute(module), module.__dict__.pop(GIVEN_FORWARD)
     if given is None:
-        del module.__dict__[attribute]
+        module.__dict__.pop(attribute, None)
     else:
         module.__dict__[attribute] = given
     module.__dict__.pop(_SLOT, None)
+    module.__class__ = given_class(module)
 
 
-def _call_original(self, slot: _Slot, args, kwargs):
-    return slot.original(self, *args, **kwargs) if slot.passes_self else slot.original(*args, **kwargs)
+def _call_original(self, given: tuple, args, kwargs):
+    """Call the forward the target was given: ``given`` is ``(function, whether it takes self)``."""
+    original, passes_self = given
+    return original(self, *args, **kwargs) if passes_self else original(*args, **kwargs)
 
 
-def _call_injection(injection: Injection, computed, replacement, mask, rank=None, leading_rows=False):
+#: the forwards targets were given, by number: a compiled graph reads a target's here by a constant
+#: number, one guard per distinct forward (a class's, shared by its modules) rather than per target
+_GIVEN: dict[int, Callable] = {}
+_GIVEN_NUMBERS: dict[Callable, int] = {}
+
+
+def _given_number(forward: Callable) -> int:
+    return _GIVEN_NUMBERS.setdefault(forward, len(_GIVEN_NUMBERS))
+
+
+def _call_injection(injection, computed, replacement, mask, rank=None, leading_rows=False):
     """The op a target's graph calls: its Injection arrives as an input, not as a constant of the
-    code, so every target of the same structure runs the same generated code."""
+    code, so every target of the same structure runs the same generated code. In a compiled graph
+    it is the Injection's constant spec instead (see :func:`_armed`)."""
+    if type(injection) is tuple:
+        spec, name, module = injection
+        return inject(spec, name, module, computed, replacement, mask, rank, leading_rows)
     return injection(computed, replacement, mask, rank, leading_rows)
+
+
+_OFF = (None, None, False)
+
+
+def _runtime_entry(slot: _Slot):
+    """This forward's ``(replacement, mask, leading_rows)`` for the target (``_OFF``: off), or None
+    outside an instrumented forward, read when it runs; records the hit."""
+    key, index = slot.constants[:2]
+    inputs = getattr(_ARMED, key, None)
+    if inputs is None:
+        return None
+    slot.take()
+    return inputs[index] or _OFF
+
+
+# in a compiled frame that is not the model's trace (a target compiled alone, a frame resumed after a
+# graph break) the entry is read at run time: folding it in would be a graph per target
+_runtime_entry_out_of_graph = torch.compiler.disable(_runtime_entry)
+
+
+def _armed(self, slot: _Slot):
+    """``(given forward, output index, entry, injection)`` for a target's forward (see _runtime_entry).
+    In the model's trace: the slot's constants folded in (one guard), the entry a value of the trace."""
+    if is_dynamo_compiling() and _in_model_trace():
+        key, index, passes_self, point_index, spec, name, forward = _constants(slot)
+        inputs = getattr(_ARMED, key, None)
+        entry = None if inputs is None else inputs[index] or _OFF
+        given = (_GIVEN[forward], passes_self)
+        return given, point_index, entry, slot.injection if _OBSERVING[0] else (spec, name, self)
+    entry = _runtime_entry_out_of_graph(slot) if is_dynamo_compiling() else _runtime_entry(slot)
+    return (slot.original, slot.passes_self), slot.point.output_index, entry, slot.injection
 
 
 def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callable:
@@ -167,12 +300,14 @@ def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callab
 def _graph_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is a node inside it: its graph's code on the module."""
     slot = self._fxreplace_slot
-    if not slot.take():
-        return _call_original(self, slot, args, kwargs)
+    given, _, entry, injection = _armed(self, slot)
+    if entry is None:
+        return _call_original(self, given, args, kwargs)
+    replacement, mask, leading_rows = entry
     return slot.graph_forward(
         self, *args, **kwargs,
-        fxreplace_replacement=slot.replacement, fxreplace_mask=slot.mask,
-        fxreplace_leading_rows=slot.leading_rows, fxreplace_injection=slot.injection,
+        fxreplace_replacement=replacement, fxreplace_mask=mask,
+        fxreplace_leading_rows=leading_rows, fxreplace_injection=injection,
     )
 
 
@@ -180,56 +315,65 @@ def _routing_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is the routing it is called with (see
     :func:`~fxreplace.injection.inject_routing`): the module runs on the replaced arguments."""
     slot = self._fxreplace_slot
-    if not slot.take():
-        return _call_original(self, slot, args, kwargs)
+    given, _, entry, _ = _armed(self, slot)
+    if entry is None:
+        return _call_original(self, given, args, kwargs)
     point = slot.point
     args, kwargs = list(args), dict(kwargs)
-    given = [args[key] if isinstance(key, int) else kwargs[key] for key in point.routing_inputs]
-    routed = inject_routing(slot.injection, given, point.num_experts, slot.replacement, slot.mask, slot.leading_rows)
+    routing = [args[key] if isinstance(key, int) else kwargs[key] for key in point.routing_inputs]
+    routed = inject_routing(slot.injection, routing, point.num_experts, *entry)
     for key, value in zip(point.routing_inputs, routed):
         if isinstance(key, int):
             args[key] = value
         else:
             kwargs[key] = value
-    return _call_original(self, slot, tuple(args), kwargs)
+    return _call_original(self, given, tuple(args), kwargs)
 
 
 def _output_point_forward(self, *args, **kwargs):
     """The forward of a target whose injection point is its output (or ``output[i]``).
 
     Eager engines call it once per target per forward, so their common case comes first:
-    a slot armed eagerly with its fed buffers, a plain tensor at ``output`` or ``output[i]``
+    an eager forward armed with the fed buffers, a plain tensor at ``output`` or ``output[i]``
     of a tuple and a call the Injection has checked with those buffers take the fast path
     (:meth:`~fxreplace.injection.CheckedCalls.fed_entry`). Anything else, and any
     tracing, goes through the Injection."""
     slot = self._fxreplace_slot
-    injection, index = slot.injection, slot.point.output_index
-    output = _call_original(self, slot, args, kwargs)
     # (Dynamo may start tracing inside an eager forward: then the Injection decides)
-    if (slot.state is SlotState.FED and type(output) is (torch.Tensor if index is None else tuple)
-            and not injection.observers and not slot.unproven and not is_dynamo_compiling()):
-        value = output if index is None else output[index]
-        if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
-            entry = injection.checked.fed_entry(value)
+    if not is_dynamo_compiling() and slot.state is SlotState.FED and not slot.unproven:
+        point_index = slot.point.output_index
+        output = _call_original(self, (slot.original, slot.passes_self), args, kwargs)
+        value = output if point_index is None else output[point_index] if type(output) is tuple else None
+        if type(value) is torch.Tensor and not slot.injection.observers:  # (not a subclass, e.g. a FakeTensor)
+            entry = slot.injection.checked.fed_entry(value)
             if entry is not None:
                 slot.state = SlotState.TAKEN
-                return _with_injected(output, index, value, entry.inject(value))
-    if not slot.take():
+                return _with_injected(output, point_index, value, entry.inject(value))
+        return _inject_output(slot, output, *_armed(self, slot)[1:])
+    given, point_index, entry, injection = _armed(self, slot)
+    return _inject_output(slot, _call_original(self, given, args, kwargs), point_index, entry, injection)
+
+
+def _inject_output(slot: _Slot, output, point_index, entry, injection):
+    """``output`` with the target's point replaced by ``entry`` (None: outside an instrumented forward)."""
+    if entry is None:
         return output
-    if index is None:
+    replacement, mask, leading_rows = entry
+    # (the slot's name and point only on error paths: each read would be a guard per target)
+    if point_index is None:
         value = output
     elif isinstance(output, (tuple, list)):
-        value = output[index]
+        value = output[point_index]
     else:
-        raise TargetError(f"{slot.point.module_name!r}: point {slot.point.point!r} indexes the output, but the module "
-                          f"returns a {type(output).__name__} (indexing would pick a row): use point='output'")
+        raise TargetError(f"{slot.target.module_name!r}: point {slot.point.point!r} indexes the output, but the "
+                          f"module returns a {type(output).__name__} (indexing would pick a row): use point='output'")
     if type(value) is not torch.Tensor:
-        _check_point_value(value, slot.point.module_name, slot.point.point)
-    injected = injection(value, slot.replacement, slot.mask, None, slot.leading_rows)
-    if (slot.unproven and slot.replacement is not None and type(injected) is torch.Tensor
-            and not is_dynamo_compiling() and not recording()):
+        _check_point_value(value, slot.target.module_name, slot.point.point)
+    injected = _call_injection(injection, value, replacement, mask, None, leading_rows)
+    if (not is_dynamo_compiling() and slot.unproven and replacement is not None and type(injected) is torch.Tensor
+            and not recording()):
         injected = _Watched.watch(injected, slot)
-    return _with_injected(output, index, value, injected)
+    return _with_injected(output, point_index, value, injected)
 
 
 class _Watched(torch.Tensor):
@@ -302,6 +446,43 @@ def _bypass_hint(model: nn.Module, missed: list[str]) -> str:
     return f"; {hints[0]}{more}"
 
 
+class _Feed:
+    """The fed buffers of a model, grouped: per group a ``[max_tokens, names, ...]`` values tensor
+    and a mask tensor (a copied feed: ``[names, max_tokens]``, a row per target; a bound one: the
+    context's mask or mask matrix), and per target ``(group, column, mask, mask row or -1)`` or
+    None. A compiled forward reads the groups (one guard each) and folds the places in (one
+    identity guard on this object, which only a first feed, a bind or a move replaces)."""
+
+    def __init__(self, storage: tuple, masks: tuple, places: tuple):
+        self.storage, self.masks, self.places = storage, masks, places
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.storage, *self.masks]
+
+    def moved(self, tensors: list[torch.Tensor]) -> "_Feed":
+        n = len(self.storage)
+        return _Feed(tuple(tensors[:n]), tuple(tensors[n:]), self.places)
+
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        return _views(self.storage, self.masks, self.places)
+
+    def traced(self) -> list:
+        """Per target ``(values, mask, True)`` or None, as views made in a compiled graph."""
+        return [None if v is None else (*v, True) for v in _views(self.storage, self.masks, _feed_places(self))]
+
+
+def _views(storage: tuple, masks: tuple, places: tuple) -> list:
+    """Per target ``(values, mask)`` at its place ``(group, column, mask, mask row or -1)``, or None."""
+    return [None if p is None else (storage[p[0]][:, p[1]], masks[p[2]] if p[3] < 0 else masks[p[2]][p[3]])
+            for p in places]
+
+
+@torch.compiler.assume_constant_result
+def _feed_places(feed: _Feed) -> tuple:
+    """``feed.places``, folded into a compiled graph and guarded by the feed's identity."""
+    return feed.places
+
+
 class Instrumentation:
     """Per-model state: resolved targets, their slots and the feed buffers."""
 
@@ -312,36 +493,49 @@ class Instrumentation:
         self.slots = slots
         self.max_tokens = max_tokens
         self.fed: list[tuple[torch.Tensor, torch.Tensor]] = []  # per target (values, mask) feed buffers, once fed
-        self.overridden = False  # whether the slots hold a forward's own replacements (not the fed buffers)
+        self.fed_inputs: list = [None] * len(slots)  # what a forward without replacements= arms: the fed buffers
+        self.feed: _Feed | None = None  # the fed buffers, grouped
+        self.last_inputs: tuple | None = None  # (weakref to the context given last, its entries): see _inputs
+        self.key = f"model_{next(_MODEL_KEYS)}"  # this model's attribute of _ARMED
+        self.trace = None  # the Dynamo trace of the model's forward that last planned (see _traced_plan)
+        for index, (slot, injection) in enumerate(zip(slots, injections)):
+            forward = _given_number(slot.original)
+            _GIVEN[forward] = slot.original
+            slot.constants = (self.key, index, slot.passes_self, slot.point.output_index, injection.spec,
+                              slot.target.module_name, forward)
         self.running = threading.Lock()  # held by the one eager forward in progress
         self.bound = False  # whether the feed buffers are a context's own tensors (feed(bind=True))
         self.unbound_by_move: str | None = None  # where a move made copies of bound buffers (dtype, device)
         self.forced: dict[str, torch.Tensor] | None = None  # see forcing()
         self.unproven = [slot for slot in slots if slot.unproven]  # see _check_watched()
 
-    def buffer_names(self, i: int) -> tuple[str, str]:
-        return f"_fxreplace_feed_{i}", f"_fxreplace_feed_mask_{i}"
+    def buffer_names(self) -> list[str]:
+        """The model's buffers the feed registered (its groups' values, then their masks)."""
+        return [] if self.feed is None else [f"_fxreplace_feed_{k}" for k in range(len(self.feed.tensors()))]
 
-    def remember_buffers(self, model: nn.Module) -> None:
-        """Keep the feed buffers at hand: the slots hold them between forwards, so a forward
-        without ``replacements=`` only arms them."""
-        self.fed = [(getattr(model, v), getattr(model, m)) for v, m in map(self.buffer_names, range(len(self.targets)))]
-        for slot, (values, mask) in zip(self.slots, self.fed):
-            slot.fed = (values, mask, True)
-            slot.hold_fed()
+    def remember_buffers(self, model: nn.Module, feed: "_Feed") -> None:
+        """Register ``feed``'s tensors as the model's buffers (they follow moves; not in its
+        ``state_dict``) and keep each target's views at hand for forwards without ``replacements=``."""
+        for name in self.buffer_names():
+            model._buffers.pop(name, None)
+        self.feed = feed
+        for name, tensor in zip(self.buffer_names(), feed.tensors()):
+            model.register_buffer(name, tensor, persistent=False)
+        self.fed = feed.views()
+        self.fed_inputs = [(values, mask, True) for values, mask in self.fed]
 
     def follow_move(self, model: nn.Module) -> None:
         """After ``model.to(...)`` (or any ``_apply``): the fed buffers are the model's new
-        tensors, so the slots read those. Bound buffers are now copies of the context the
+        tensors, so the targets read those. Bound buffers are now copies of the context the
         caller writes into: forwards refuse to run until it is fed again."""
-        if not self.fed:
+        if self.feed is None:
             return
-        moved = [(getattr(model, v), getattr(model, m)) for v, m in map(self.buffer_names, range(len(self.targets)))]
-        if all(a is b for pair, old in zip(moved, self.fed) for a, b in zip(pair, old)):
+        moved = [getattr(model, name) for name in self.buffer_names()]
+        if all(a is b for a, b in zip(moved, self.feed.tensors())):
             return
         if self.bound:
-            self.unbound_by_move = f"{moved[0][0].dtype} on {moved[0][0].device}"
-        self.remember_buffers(model)
+            self.unbound_by_move = f"{moved[0].dtype} on {moved[0].device}"
+        self.remember_buffers(model, self.feed.moved(moved))
         for injection in self.injections:
             injection.share_fed(None)
 
@@ -356,6 +550,8 @@ class Instrumentation:
             self.forced = None
 
     def arm(self, model: nn.Module, replacements) -> None:
+        """Publish this forward's per-target entries (see ``_ARMED``) and, eagerly, mark every
+        slot armed so that :meth:`finish` can tell which targets the forward reached."""
         if replacements is None and self.unbound_by_move is not None:
             raise ValueError(
                 f"the model was moved or converted after feed(bind=True): its feed buffers are now copies "
@@ -363,19 +559,50 @@ class Instrumentation:
                 "move, built or moved there (feed(ctx.to(device), bind=True))")
         if replacements is None and self.forced is not None:
             replacements = self.forced
-        if replacements is None:  # the fed buffers (or nothing), which the slots hold between forwards
+        compiling = is_dynamo_compiling()
+        if compiling:
+            _traced_begin(self)
+        if replacements is None:
+            inputs = self.feed.traced() if compiling and self.feed is not None else self.fed_inputs
             # FED only eagerly: a forward that make_fx/export/jit.trace records must reach the
             # Injection, which keeps Python state out of the recorded graph
             state = SlotState.ARMED if recording() else SlotState.FED
+        else:
+            inputs = self._inputs(replacements, compiling)
+            state = SlotState.ARMED
+        if not compiling:
             for slot in self.slots:
                 slot.state = state
-            return
+        setattr(_ARMED, self.key, inputs)
+
+    def _inputs(self, replacements, compiling: bool) -> list:
+        """Per target ``(replacement, mask, False)`` or None, from a context or a dict. Eagerly, the
+        entries of the context given last are kept (a context's tensors are fixed when it is made;
+        engines pass the same one step after step, writing into it)."""
+        if not compiling and type(replacements) is not dict:
+            last = self.last_inputs
+            if last is not None and last[0]() is replacements:
+                return last[1]
+        inputs = self._read_inputs(replacements, compiling)
+        if not compiling and isinstance(replacements, ReplacementContext):
+            self.last_inputs = (weakref.ref(replacements), inputs)
+        return inputs
+
+    def _read_inputs(self, replacements, compiling: bool) -> list:
         if not isinstance(replacements, Mapping):
             raise TypeError(f"replacements must be a ReplacementContext or a dict of tensors, got {type(replacements)}")
+        if compiling and isinstance(replacements, ReplacementContext):
+            # read by layout: one guard on the (interned) layout and one per group tensor, not per name
+            storage, mask = replacements.storage, replacements.mask
+            masks = getattr(replacements, "mask_matrix", None)
+            plan = _traced_plan(self, replacements.layout)
+            return [None if where is None else
+                    (storage[where[0]][:, where[1]], mask if where[2] < 0 else masks[where[2]], False)
+                    for where in plan]
         names = [t.capture_name for t in self.targets]
         is_context = isinstance(replacements, ReplacementContext)
-        # A context is read by target name only: a compiled graph guards on what it reads, and
-        # iterating would make it guard on the order in which the context lists its names.
+        # A context is read by target name only: iterating would make a graph guard on the
+        # order in which the context lists its names.
         tensors = ({name: replacements[name] for name in names if name in replacements} if is_context
                    else {name: replacements[name] for name in replacements})
         if len(replacements) and not any(name in tensors for name in names):
@@ -387,16 +614,17 @@ class Instrumentation:
             close = {n: closest_names(n, names, n=2) for n in unknown}
             raise KeyError(f"replacement name(s) {unknown} match no target; close capture names: {close}; "
                            f"all capture names: {names}")
-        self.overridden = True
-        for slot, name in zip(self.slots, names):
+        inputs = []
+        for name in names:
             value = tensors.get(name)
             if value is None:
-                slot.arm(None, None)  # missing from the context: this target stays off
+                inputs.append(None)  # missing from the context: this target stays off
                 continue
             mask = replacements.mask_for(name) if is_context else None
             if mask is None:
                 mask = torch.ones(value.shape[0], dtype=torch.bool, device=value.device)
-            slot.arm(value, mask)
+            inputs.append((value, mask, False))
+        return inputs
 
     @contextmanager
     def proving(self):
@@ -430,29 +658,22 @@ class Instrumentation:
                 f"check this at instrument time); {working_point(model.get_submodule(first.module_name), first.point)}")
 
     def reset(self) -> list[str]:
-        """Back to idle (the slots holding the fed buffers again); returns the targets armed
-        but not reached since :meth:`arm`."""
+        """Back to idle, nothing armed; returns the targets armed but not reached since :meth:`arm`."""
+        setattr(_ARMED, self.key, None)
         missed = [slot.target.module_name for slot in self.slots
                   if slot.state is SlotState.FED or slot.state is SlotState.ARMED]
         for slot in self.slots:
             slot.state = SlotState.IDLE
-        if self.overridden:  # a forward's own replacements: not kept past it
-            for slot in self.slots:
-                slot.hold_fed()
-            self.overridden = False
         return missed
 
     def finish(self, model: nn.Module) -> None:
         """:meth:`reset` after a forward that returned; every armed target must have been reached."""
+        if is_dynamo_compiling():
+            setattr(_ARMED, self.key, None)
+            _traced_hits(self)
+            return
         if self.unproven:
             self._check_watched(model)
-        for slot in self.slots:
-            if slot.state is not SlotState.TAKEN:
-                break
-            slot.state = SlotState.IDLE
-        else:  # the common case: every target taken, nothing overridden
-            if not self.overridden:
-                return
         missed = self.reset()
         if missed:
             raise TargetNotHitError(
@@ -511,8 +732,8 @@ class InstrumentedModel:
             if _SLOT in module.__dict__:  # the copied instance forward reads this model's slot
                 _unbind(module)
         instrument(twin, [t.as_target() for t in state.targets], max_tokens=state.max_tokens)
-        if state.fed:
-            twin._fxreplace.remember_buffers(twin)
+        if state.feed is not None:
+            twin._fxreplace.remember_buffers(twin, state.feed.moved([getattr(twin, n) for n in state.buffer_names()]))
             for injection in twin._fxreplace.injections:
                 injection.share_fed(None)
         return twin
@@ -559,11 +780,11 @@ class InstrumentedModel:
                 value = tensors.get(name)
                 if value is None or value.shape[0] != state.max_tokens:
                     raise ShapeError(f"feed(bind=True): {name!r} is missing or not {state.max_tokens} rows")
-            for i, name in enumerate(names):
-                values_name, mask_name = state.buffer_names(i)
-                self.register_buffer(values_name, tensors[name], persistent=False)
-                self.register_buffer(mask_name, replacements.mask_for(name), persistent=False)
-            state.remember_buffers(self)
+            layout = replacements.layout
+            rows = layout.mask_rows
+            places = tuple((*layout.places[name], 0, -1 if rows is None else rows[name]) for name in names)
+            masks = (replacements.mask if rows is None else replacements.mask_matrix,)
+            state.remember_buffers(self, _Feed(tuple(replacements.storage), masks, places))
             state.bound, state.unbound_by_move = True, None
             for injection, (values, mask) in zip(state.injections, state.fed):
                 injection.share_fed(values, mask)
@@ -577,28 +798,40 @@ class InstrumentedModel:
             shape = (state.max_tokens, *value.shape[1:]) if not state.fed else tuple(state.fed[i][0].shape)
             if value.shape[0] > state.max_tokens or tuple(value.shape[1:]) != shape[1:]:
                 raise ShapeError(f"feed for {name}: shape {tuple(value.shape)} does not fit the buffer {shape}")
-        for i, name in enumerate(names):
-            values_name, mask_name = state.buffer_names(i)
+        if not state.fed:
+            state.remember_buffers(self, self._new_feed(tensors))
+        for (values, mask_buf), name in zip(state.fed, names):
             value = tensors.get(name)
-            if not state.fed:  # where the target computes, whatever device the context was built on
-                device = computes_on(self.get_submodule(state.targets[i].module_name)) or value.device
-                # plain tensors even under torch.inference_mode(): later feeds and clear() may run outside it
-                with torch.inference_mode(False):
-                    self.register_buffer(values_name, value.new_zeros(state.max_tokens, *value.shape[1:], device=device),
-                                         persistent=False)
-                    self.register_buffer(mask_name, torch.zeros(state.max_tokens, dtype=torch.bool, device=device),
-                                         persistent=False)
-            values_buf, mask_buf = getattr(self, values_name), getattr(self, mask_name)
             mask_buf.fill_(False)
             if value is None:
                 continue
             tokens = value.shape[0]
-            values_buf[:tokens].copy_(value)
+            values[:tokens].copy_(value)
             mask_buf[:tokens].copy_(mask if mask is not None else torch.ones(tokens, dtype=torch.bool, device=value.device))
-        state.remember_buffers(self)
         state.bound, state.unbound_by_move = False, None
-        for injection in state.injections:
-            injection.share_fed(None)
+        for injection, (values, mask) in zip(state.injections, state.fed):
+            injection.share_fed(values, mask, hands_on=False)
+
+    def _new_feed(self, tensors: Mapping[str, torch.Tensor]) -> _Feed:
+        """Zeroed buffers for a first feed of ``tensors``, where each target computes (whatever device
+        the context was built on): a group per (dtype, row shape, device) of its capture names."""
+        state = self._fxreplace
+        groups: dict[tuple, list[str]] = {}
+        for target in state.targets:
+            value = tensors[target.capture_name]
+            device = computes_on(self.get_submodule(target.module_name)) or value.device
+            names = groups.setdefault((value.dtype, tuple(value.shape[1:]), torch.device(device)), [])
+            if target.capture_name not in names:
+                names.append(target.capture_name)
+        where = {name: (g, c) for g, names in enumerate(groups.values()) for c, name in enumerate(names)}
+        # plain tensors even under torch.inference_mode(): later feeds and clear() may run outside it
+        with torch.inference_mode(False):
+            storage = tuple(torch.zeros(state.max_tokens, len(names), *row, dtype=dtype, device=device)
+                            for (dtype, row, device), names in groups.items())
+            masks = tuple(torch.zeros(len(names), state.max_tokens, dtype=torch.bool, device=device)
+                          for (_, _, device), names in groups.items())
+        places = tuple((*where[t.capture_name], *where[t.capture_name]) for t in state.targets)
+        return _Feed(storage, masks, places)
 
     def _apply(self, fn, *args, **kwargs):
         """``to()``, ``cuda()``, ``half()``...: the fed buffers move with the model and the targets read them there."""
@@ -687,9 +920,8 @@ def uninstrument(model: nn.Module) -> nn.Module:
     state = model._fxreplace
     for target in state.targets:
         _unbind(model.get_submodule(target.module_name))
-    for i in range(len(state.targets)):
-        for name in state.buffer_names(i):
-            model._buffers.pop(name, None)
+    for name in state.buffer_names():
+        model._buffers.pop(name, None)
     del model._fxreplace
     model.__class__ = type(model).__bases__[1]
     _follow_class(model)
@@ -808,6 +1040,7 @@ def observe(model: nn.Module, callback: Callable[[str, torch.Tensor], None]):
         raise ValueError("observe() needs an instrumented model")
     state = model._fxreplace
     added = []
+    _OBSERVING[0] += 1
     for target, injection in zip(state.targets, state.injections):
         observer = functools.partial(callback, target.capture_name)
         injection.observers.append(observer)
@@ -815,5 +1048,6 @@ def observe(model: nn.Module, callback: Callable[[str, torch.Tensor], None]):
     try:
         yield
     finally:
+        _OBSERVING[0] -= 1
         for injection, observer in added:
             injection.observers.remove(observer)

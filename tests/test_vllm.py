@@ -428,7 +428,7 @@ def test_bound_feed_buffers_take_gathers_in_place():
         fed.feed(replacer.warmup_context(16), bind=True)
     buffers = replacer.warmup_context(32)
     fed.feed(buffers, bind=True)
-    assert all(getattr(fed, f"_fxreplace_feed_{i}").data_ptr() == buffers[n].data_ptr() for i, n in enumerate(names))
+    assert all(values.data_ptr() == buffers[n].data_ptr() for (values, _), n in zip(fed._fxreplace.fed, names))
     cnt = CompileCounterWithBackend("eager")
     compiled = torch.compile(fed, backend=cnt, dynamic=False)
     ids = torch.tensor([prompt])
