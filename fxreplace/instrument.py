@@ -965,7 +965,7 @@ def prove_unchanged(model: nn.Module, forward: Callable[[], object], skip: Itera
     Raises :class:`InstrumentationChangedError` naming the first target, in forward order, that differs."""
     if not isinstance(model, InstrumentedModel):
         raise ValueError("prove_unchanged() needs an instrumented model")
-    slots, skipped = model._fxreplace.slots, set(skip)
+    state, skipped = model._fxreplace, set(skip)
     changed: list[tuple[str, str]] = []
     rerunning = False
 
@@ -973,14 +973,18 @@ def prove_unchanged(model: nn.Module, forward: Callable[[], object], skip: Itera
         nonlocal rerunning
         if rerunning or changed:  # a target inside one run again: its own call was compared
             return
-        states, rerunning = [slot.state for slot in slots], True
-        for slot in slots:
+        # outside an instrumented forward for the rerun: no entry to read, no slot armed or hit
+        inputs, states, rerunning = getattr(_ARMED, state.key, None), [slot.state for slot in state.slots], True
+        setattr(_ARMED, state.key, None)
+        for slot in state.slots:
             slot.state = SlotState.IDLE
         try:
-            given = _call_original(module, module._fxreplace_slot, args, kwargs)
+            slot = module._fxreplace_slot
+            given = _call_original(module, (slot.original, slot.passes_self), args, kwargs)
         finally:
-            for slot, state in zip(slots, states):
-                slot.state = state
+            setattr(_ARMED, state.key, inputs)
+            for slot, saved in zip(state.slots, states):
+                slot.state = saved
             rerunning = False
         difference = _difference([_leaves(given)], [_leaves(output)])
         if difference is not None:
