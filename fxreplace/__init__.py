@@ -25,6 +25,7 @@ _LAZY = {
     "TargetNotHitError": "fxreplace.instrument", "instrument": "fxreplace.instrument",
     "observe": "fxreplace.instrument", "uninstrument": "fxreplace.instrument",
     "InstrumentationChangedError": "fxreplace.instrument", "check_unchanged": "fxreplace.instrument",
+    "prove_unchanged": "fxreplace.instrument",
     "check_live": "fxreplace.liveness",
     "TargetNotLiveError": "fxreplace.points",
     "TensorReplacer": "fxreplace.replacer",
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from .context import ReplacementContext
     from .export import export, export_input_name, export_inputs
     from .instrument import (InstrumentationChangedError, TargetNotHitError, check_unchanged, instrument, observe,
-                             uninstrument)
+                             prove_unchanged, uninstrument)
     from .liveness import check_live
     from .points import TargetNotLiveError
     from .replacer import TensorReplacer
@@ -114,6 +115,7 @@ __all__ = [
     "logit_validation",
     "merge_stores",
     "observe",
+    "prove_unchanged",
     "register_adapter",
     "repack_store",
     "uninstrument",

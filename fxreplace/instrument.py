@@ -986,7 +986,7 @@ def prove_unchanged(model: nn.Module, forward: Callable[[], object], skip: Itera
             for slot, saved in zip(state.slots, states):
                 slot.state = saved
             rerunning = False
-        difference = _difference([_leaves(given)], [_leaves(output)])
+        difference = _difference(_leaves(given), _leaves(output))
         if difference is not None:
             changed.append((name, difference))
 
@@ -1019,20 +1019,16 @@ def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return nan is not None and torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
 
 
-def _difference(given, instrumented) -> str | None:
-    """How two recordings of a module's calls differ, in words; None when they are bit-equal."""
-    if given is None or instrumented is None or len(given) != len(instrumented):
-        return (f"called {len(given or [])} time(s) as given, {len(instrumented or [])} instrumented"
-                if (given or instrumented) else None)
-    for call_given, call_instrumented in zip(given, instrumented):
-        if len(call_given) != len(call_instrumented):
-            return f"{len(call_given)} output tensor(s) as given, {len(call_instrumented)} instrumented"
-        for a, b in zip(call_given, call_instrumented):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                return f"an output {a.dtype} {tuple(a.shape)} as given, {b.dtype} {tuple(b.shape)} instrumented"
-            if not _bit_equal(a, b):
-                gap = (a.double() - b.double()).abs().nan_to_num(0).max().item()
-                return f"max |diff| {gap:.3g}"
+def _difference(given: list[torch.Tensor], instrumented: list[torch.Tensor]) -> str | None:
+    """How two outputs of one call (their tensors) differ, in words; None when they are bit-equal."""
+    if len(given) != len(instrumented):
+        return f"{len(given)} output tensor(s) as given, {len(instrumented)} instrumented"
+    for a, b in zip(given, instrumented):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"an output {a.dtype} {tuple(a.shape)} as given, {b.dtype} {tuple(b.shape)} instrumented"
+        if not _bit_equal(a, b):
+            gap = (a.double() - b.double()).abs().nan_to_num(0).max().item()
+            return f"max |diff| {gap:.3g}"
     return None
 
 

@@ -139,10 +139,10 @@ class Replacement:
         """Run every target's injection point once (an eager dummy forward, replacement
         off) before the engine serves, so a wrong point (e.g. a tuple output) or a
         reference whose feature width differs from the module fails the start-up
-        instead of the first request; the same dummy forward, run once more with every
-        target as it was given, proves that instrumenting changed nothing the engine
-        computes (:func:`~fxreplace.instrument.prove_unchanged`), else the start-up
-        fails naming the module."""
+        instead of the first request; on that forward each target's given forward runs
+        again on the same arguments, proving that instrumenting changed nothing the engine
+        computes (:func:`~fxreplace.instrument.prove_unchanged`), else the start-up fails
+        naming the module."""
         num_tokens = min(8, self.max_tokens)
         unprovable = self.unprovable_at_start()
         prove_unchanged(self.model, lambda: self.side.off_forward(num_tokens), skip=unprovable)

@@ -6,7 +6,6 @@ instrumentation that changed the model: :func:`report_start_error`) would reach 
 as vLLM's "Engine core initialization failed": :func:`start_errors` gives the engine's processes
 (which inherit the environment) a file to write it to, and raises it again in the command.
 
-
 While ``vllm.LLM(...)`` starts, its client waits for the engine core in a single ``zmq`` poll of
 up to ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s). pyzmq retries a poll interrupted by a signal and
 drops the exception the signal's handler raised (its ``_check_rc`` raises
