@@ -39,8 +39,8 @@ class Layout(Mapping):
             if layout is None:
                 layout = cls._interned[key] = Layout({n: p for n, p in key[0]},
                                                      None if mask_rows is None else dict(key[1]))
-                if mask_rows is None:
-                    cls._by_names[frozenset(layout.places)] = layout
+            if mask_rows is None:  # the latest asked for, even when interned before (a replacer's, made anew)
+                cls._by_names[frozenset(layout.places)] = layout
         return layout
 
     def __getitem__(self, name: str) -> tuple[int, int]:

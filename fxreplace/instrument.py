@@ -27,6 +27,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch._dynamo.symbolic_convert import InstructionTranslator as _InstructionTranslator  # no public way to ask fullgraph
 from torch._guards import TracingContext as _TracingContext  # no public way to tell a trace apart
 from torch.compiler import is_dynamo_compiling
 
@@ -108,12 +109,22 @@ def _trace_now():
 _MODEL_TRACE = [None]  # the Dynamo trace of an instrumented model's forward in progress (see _traced_begin)
 
 
+_IN_MODEL, _ONE_GRAPH, _RESUMABLE = range(3)  # how a traced target reads its entry (see _trace_kind)
+
+
 @torch.compiler.assume_constant_result
-def _in_model_trace() -> bool:
-    """Whether the running trace is an instrumented model's forward (not a target compiled alone, nor
-    a frame resumed after a graph break): folded into the graph with no guard at all."""
+def _trace_kind() -> int:
+    """How the running trace reaches a target, folded into the graph with no guard at all:
+    ``_IN_MODEL``, an instrumented model's forward (the slot's constants folded in); ``_ONE_GRAPH``,
+    a trace that may not break (``fullgraph``: vLLM compiles the inner model, below the forward that
+    arms) and reads the entry in the graph; else ``_RESUMABLE`` (a target compiled alone, a frame
+    resumed after a graph break), which reads it outside the graph: in it, a guard per target would
+    recompile the frame's code once per layer."""
     trace = _trace_now()
-    return trace is not None and _MODEL_TRACE[0] is trace
+    if trace is not None and _MODEL_TRACE[0] is trace:
+        return _IN_MODEL
+    tx = _InstructionTranslator.current_tx()
+    return _ONE_GRAPH if tx is not None and (tx.one_graph or getattr(tx, "error_on_graph_break", False)) else _RESUMABLE
 
 
 @torch.compiler.assume_constant_result
@@ -260,21 +271,22 @@ def _runtime_entry(slot: _Slot):
     return inputs[index] or _OFF
 
 
-# in a compiled frame that is not the model's trace (a target compiled alone, a frame resumed after a
-# graph break) the entry is read at run time: folding it in would be a graph per target
+# in a compiled frame that may break and is not the model's trace (a target compiled alone, a frame
+# resumed after a graph break) the entry is read at run time: folding it in would be a graph per target
 _runtime_entry_out_of_graph = torch.compiler.disable(_runtime_entry)
 
 
 def _armed(self, slot: _Slot):
     """``(given forward, output index, entry, injection)`` for a target's forward (see _runtime_entry).
     In the model's trace: the slot's constants folded in (one guard), the entry a value of the trace."""
-    if is_dynamo_compiling() and _in_model_trace():
+    kind = _trace_kind() if is_dynamo_compiling() else None
+    if kind == _IN_MODEL:
         key, index, passes_self, point_index, spec, name, forward = _constants(slot)
         inputs = getattr(_ARMED, key, None)
         entry = None if inputs is None else inputs[index] or _OFF
         given = (_GIVEN[forward], passes_self)
         return given, point_index, entry, slot.injection if _OBSERVING[0] else (spec, name, self)
-    entry = _runtime_entry_out_of_graph(slot) if is_dynamo_compiling() else _runtime_entry(slot)
+    entry = _runtime_entry_out_of_graph(slot) if kind == _RESUMABLE else _runtime_entry(slot)
     return (slot.original, slot.passes_self), slot.point.output_index, entry, slot.injection
 
 

@@ -125,21 +125,6 @@ def test_a_selection_reuses_the_graph_of_every_selection():
     assert graphs.count == 1
 
 
-def test_fed_buffers_new_values_reuse_the_graph():
-    plain, model = _model(3, max_tokens=TOKENS)
-    graphs = Graphs()
-    compiled = torch.compile(model, backend=graphs)
-    x = torch.randn(TOKENS, HIDDEN)
-    with torch.no_grad():
-        for seed in (0, 1):
-            values, ctx = _context(model.targets, seed)
-            model.feed(ctx)
-            torch.testing.assert_close(compiled(x), reference(plain, x, values, ctx.mask))
-        model.clear()
-        torch.testing.assert_close(compiled(x), plain(x))
-    assert graphs.count == 1
-
-
 def test_a_target_skipped_in_a_compiled_forward_is_an_error():
     """The hits are checked at trace time: a compiled forward that skips a target raises."""
     _, model = _model(2)
@@ -153,3 +138,61 @@ def test_a_target_skipped_in_a_compiled_forward_is_an_error():
         with torch.no_grad():
             torch.compile(model, backend="eager")(torch.randn(TOKENS, HIDDEN),
                                                   replacements=_context(model.targets, 0)[1])
+
+
+class Outer(nn.Module):
+    """A model whose forward calls its inner stack through ``run`` (vLLM compiles ``model.model``
+    on its own, with ``fullgraph=True``, below the instrumented forward that arms the targets)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.inner = Stack(n)
+        self.run = [self.inner]  # a list: the compiled inner stack is no submodule
+
+    def forward(self, x):
+        return self.run[0](x)
+
+
+@pytest.mark.parametrize("bind", [False, True], ids=["copied", "bound"])
+@pytest.mark.parametrize("inner", [False, True], ids=["model", "inner-fullgraph"])
+def test_fed_buffers_new_values_reuse_the_graph(inner, bind):
+    """Compiled whole, or its inner stack alone with ``fullgraph=True`` (vLLM's way): the fed
+    buffers are read in the graph, new values and clear() reuse it."""
+    torch.manual_seed(0)
+    plain = Stack(3).eval()
+    model = fxreplace.instrument(Outer(3).eval(), ["inner.*.gate"], max_tokens=TOKENS)
+    model.inner.load_state_dict(plain.state_dict())
+    graphs = Graphs()
+    call = model if inner else torch.compile(model, backend=graphs)
+    if inner:
+        model.run[0] = torch.compile(model.inner, backend=graphs, fullgraph=True)
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        bound = _context(model.targets, 0)[1]
+        if bind:  # once: the context then written into in place
+            model.feed(bound, bind=True)
+        for seed in (1, 2):
+            values, fed = _context(model.targets, seed, every=seed + 1)
+            if bind:
+                for name in fed:
+                    bound[name].copy_(fed[name])
+                bound.mask.copy_(fed.mask)
+            else:
+                model.feed(fed)
+            values = {name.removeprefix("inner."): value for name, value in values.items()}
+            torch.testing.assert_close(call(x), reference(plain, x, values, fed.mask))
+        model.clear()
+        torch.testing.assert_close(call(x), plain(x))
+    assert graphs.count == 1
+
+
+def test_a_hand_made_context_takes_the_layout_asked_for_last():
+    """A replacer made anew over a store whose layout another context of the same names displaced
+    (an earlier model, an earlier test) is again the layout a hand-made context takes: one graph."""
+    store_order = {"a": (0, 0), "b": (0, 1)}
+    first = fxreplace.context.Layout.of(store_order)
+    fxreplace.context.Layout.of({"b": (0, 0), "a": (0, 1)})
+    assert fxreplace.context.Layout.of(dict(store_order)) is first  # interned: the replacer's, made anew
+    ctx = ReplacementContext({"b": torch.zeros(TOKENS, EXPERTS), "a": torch.ones(TOKENS, EXPERTS)},
+                             torch.ones(TOKENS, dtype=torch.bool))
+    assert ctx.layout is first and torch.equal(ctx["a"], torch.ones(TOKENS, EXPERTS))
