@@ -24,8 +24,8 @@ _LAZY = {
     "export": "fxreplace.export", "export_input_name": "fxreplace.export", "export_inputs": "fxreplace.export",
     "TargetNotHitError": "fxreplace.instrument", "instrument": "fxreplace.instrument",
     "observe": "fxreplace.instrument", "uninstrument": "fxreplace.instrument",
-    "InstrumentationChangedError": "fxreplace.instrument", "check_unchanged": "fxreplace.instrument",
-    "prove_unchanged": "fxreplace.instrument",
+    "InstrumentationChangedError": "fxreplace.unchanged", "check_unchanged": "fxreplace.unchanged",
+    "prove_unchanged": "fxreplace.unchanged",
     "check_live": "fxreplace.liveness",
     "TargetNotLiveError": "fxreplace.points",
     "TensorReplacer": "fxreplace.replacer",
@@ -46,9 +46,9 @@ if TYPE_CHECKING:
     from .config import ConfigError, ReplacementConfig, TensorReplacementConfig
     from .context import ReplacementContext
     from .export import export, export_input_name, export_inputs
-    from .instrument import (InstrumentationChangedError, TargetNotHitError, check_unchanged, instrument, observe,
-                             prove_unchanged, uninstrument)
+    from .instrument import TargetNotHitError, instrument, observe, uninstrument
     from .liveness import check_live
+    from .unchanged import InstrumentationChangedError, check_unchanged, prove_unchanged
     from .points import TargetNotLiveError
     from .replacer import TensorReplacer
     from .engines.embedded import Runner, RunnerConfig

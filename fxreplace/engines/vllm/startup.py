@@ -29,7 +29,7 @@ import threading
 from contextlib import contextmanager
 
 from ...config import ConfigError
-from ...instrument import InstrumentationChangedError
+from ...unchanged import InstrumentationChangedError
 from ...targets import TargetError
 from .. import registry
 from . import shm
