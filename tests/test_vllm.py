@@ -367,9 +367,9 @@ def test_an_instrumentation_that_changes_the_model_fails_engine_start(ref, eager
     vLLM's dummy forward runs once with every target as it was given and once instrumented (replacement
     off), and their outputs must agree bit for bit. An injection planted to return more than it was
     given fails the start, naming the first target; every other test's engine passes the same proof."""
-    instrumentation = importlib.import_module("fxreplace.instrument")  # the module (the package binds the function)
-    given = instrumentation._with_injected
-    monkeypatch.setattr(instrumentation, "_with_injected",
+    slots = importlib.import_module("fxreplace.slots")
+    given = slots._with_injected
+    monkeypatch.setattr(slots, "_with_injected",
                         lambda output, index, value, injected: given(output, index, value, injected + 1.0))
     with pytest.raises(fxreplace.InstrumentationChangedError, match=r"instrumenting 'model.layers.0.mlp.gate' changed "
                                                                     r"what it computes with nothing replaced"):
