@@ -204,7 +204,7 @@ def _target_class(cls: type, forward: Callable) -> type:
 def follow_class(module: nn.Module) -> None:
     """Point accelerate's wrapper, where the module has one, at its class's forward: it calls the
     forward bound at dispatch, which would bypass the instrumented class (and keep it after
-    :func:`uninstrument`)."""
+    :func:`~fxreplace.instrument.uninstrument`)."""
     if WRAPPED_FORWARD in module.__dict__:
         module.__dict__[WRAPPED_FORWARD] = types.MethodType(type(module).forward, module)
 
@@ -267,7 +267,8 @@ _runtime_entry_out_of_graph = torch.compiler.disable(_runtime_entry)
 
 def _armed(self, slot: Slot):
     """``(given forward, output index, entry, injection)`` for a target's forward (see _runtime_entry).
-    In the model's trace: the slot's constants folded in (one guard), the entry a value of the trace."""
+    In the model's trace: the slot's constants folded in (one guard), the entry a value of the trace;
+    in another trace that may not break (vLLM's inner model): read as eagerly, a guard per target."""
     kind = _trace_kind() if is_dynamo_compiling() else None
     if kind == _IN_MODEL:
         key, index, passes_self, point_index, spec, name, forward = _constants(slot)
