@@ -91,7 +91,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> Validatio
     result = logit_validation(runner, reference, router_topk=getattr(config, "num_experts_per_tok", None), progress=progress)
     result.replaced = "the router logits"
     result.floor = floor
-    result.program = {"engine": "runner", "compile": cfg.compile, "dtype": "bfloat16"}
+    result.program = {"engine": "embedded", "compile": cfg.compile, "dtype": "bfloat16"}
     report = result.write_report(cfg.report_dir)
     print_summary(result)
     if cfg.compile:

@@ -256,7 +256,7 @@ def print_summary(result) -> None:
 def describe_program(program: dict) -> str:
     """The program a validation or blame examined, in words: engine, compile mode, dtype."""
     mode = "compiled (inductor)" if program.get("compile") else "eager"
-    return f"engine {program.get('engine', 'runner')}, {mode}, {program.get('dtype', '?')}"
+    return f"engine {program.get('engine', 'embedded')}, {mode}, {program.get('dtype', '?')}"
 
 
 def _short(module: str) -> str:

@@ -77,13 +77,13 @@ def test_the_batch_engine_runs_validate_and_blame(batch_engine, tmp_path, capsys
                 "6", "--components", "--out", ref]) == 0
 
     summaries = {}
-    for engine, extra in (("batch", ["--engine-args", '{"max_batch": 2}']), ("runner", [])):
+    for engine, extra in (("batch", ["--engine-args", '{"max_batch": 2}']), ("embedded", [])):
         assert cli(["validate", tgt, "--reference", ref, "--engine", engine, "--dtype", "float32", "--report-dir",
                     str(tmp_path / engine), *extra]) == 0
         summaries[engine] = json.loads((tmp_path / engine / "result.json").read_text())["summary"]
     assert "served in batches of 2" in capsys.readouterr().out
     for mode in ("off", "on"):
-        mine, builtin = summaries["batch"][mode], summaries["runner"][mode]
+        mine, builtin = summaries["batch"][mode], summaries["embedded"][mode]
         assert mine["steps"] == builtin["steps"] and mine["prompts_diverged"] == builtin["prompts_diverged"]
         assert mine["mean_kl"] == pytest.approx(builtin["mean_kl"], rel=1e-3, abs=1e-6)
     assert summaries["batch"]["off"]["mean_kl"] > 1e-3  # the fault shows

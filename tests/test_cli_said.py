@@ -215,7 +215,7 @@ def test_what_the_vllm_engine_cannot_take_is_refused_before_it_starts(work):
     line = refused(fxreplace(["capture", "clean", "--engine", "vllm", "--device", "cpu", "--prompts", "p.json",
                               "--out", "vllm-ref", *ENGINE_ARGS], work))
     assert line == ("error: --device is not a capture option of --engine vllm; hint: engines that capture with it: "
-                    "--engine runner")
+                    "--engine embedded")
     line = refused(fxreplace(["validate", "clean", "--engine", "vllm", "--device", "cpu", "--reference", "ref",
                               *ENGINE_ARGS], work))
-    assert line == "error: --device is not an option of --engine vllm; hint: engines that take it: --engine runner"
+    assert line == "error: --device is not an option of --engine vllm; hint: engines that take it: --engine embedded"

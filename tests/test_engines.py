@@ -21,14 +21,15 @@ ARCH = "Qwen3MoeForCausalLM"
 
 
 def test_engines_are_found_by_name_and_a_wrong_name_lists_them(capsys):
-    assert registry.get_engine("runner").name == "runner" and registry.get_engine("hf").name == "runner"
-    assert registry.get_engine("vllm").compiles and not registry.get_engine("runner").compiles
-    with pytest.raises(KeyError, match="no engine 'sglang'; engines: runner, vllm"):
+    assert registry.get_engine("embedded").name == "embedded" and registry.get_engine("hf").name == "embedded"
+    assert registry.get_engine("runner").name == "embedded"  # the name before one vocabulary
+    assert registry.get_engine("vllm").compiles and not registry.get_engine("embedded").compiles
+    with pytest.raises(KeyError, match="no engine 'sglang'; engines: embedded, vllm"):
         registry.get_engine("sglang")
     with pytest.raises(SystemExit) as exit_:
         cli(["validate", f"builtin:{ARCH}", "--reference", str(ROOT), "--engine", "sglang"])
     assert exit_.value.code == 2
-    assert "argument --engine: no engine 'sglang'; engines: runner, vllm" in capsys.readouterr().err
+    assert "argument --engine: no engine 'sglang'; engines: embedded, vllm" in capsys.readouterr().err
 
 
 def test_an_option_the_engine_does_not_take_is_refused_before_anything_loads(tmp_path, capsys, no_model_loads):
@@ -47,9 +48,9 @@ def test_a_capture_option_the_engine_does_not_take_is_refused_before_anything_lo
     (tmp_path / "config.json").write_text("{}")  # a model directory, never loaded
     (tmp_path / "p.json").write_text("[[1, 2, 3]]")
     for argv, option, engine, takers in (
-            (["--engine", "vllm", "--noise-floor", "bfloat16"], "--noise-floor", "vllm", "--engine runner"),
-            (["--engine", "vllm", "--device-map", "auto"], "--device-map", "vllm", "--engine runner"),
-            (["--engine-args", '{"a": 1}'], "--engine-args", "runner", "--engine vllm")):
+            (["--engine", "vllm", "--noise-floor", "bfloat16"], "--noise-floor", "vllm", "--engine embedded"),
+            (["--engine", "vllm", "--device-map", "auto"], "--device-map", "vllm", "--engine embedded"),
+            (["--engine-args", '{"a": 1}'], "--engine-args", "embedded", "--engine vllm")):
         with pytest.raises(SystemExit) as exit_:
             cli(["capture", str(tmp_path), "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "ref"), *argv])
         assert exit_.value.code == 2
@@ -63,7 +64,7 @@ def test_a_registered_engine_captures_through_its_capture_spec(tmp_path, capsys)
     """`fxreplace capture --engine NAME` hands the engine one CaptureRun (prompts as ids, what the
     reference records) and prints what it did; an engine that does not replace a store refuses
     an --out holding one before it runs."""
-    runner = registry.get_engine("runner").capture
+    runner = registry.get_engine("embedded").capture
     given = []
 
     def spy(run):
@@ -123,14 +124,14 @@ def test_the_example_engine_runs_validate_and_blame(recompute, tmp_path, capsys)
                 "6", "--components", "--out", ref]) == 0
 
     summaries = {}
-    for engine in ("recompute", "runner"):
+    for engine in ("recompute", "embedded"):
         assert cli(["validate", tgt, "--reference", ref, "--engine", engine, "--dtype", "float32", "--report-dir",
                     str(tmp_path / engine)]) == 0
         result = json.loads((tmp_path / engine / "result.json").read_text())
         assert result["program"] == {"engine": engine, "compile": False, "dtype": "float32"}
         summaries[engine] = result["summary"]
     for mode in ("off", "on"):
-        mine, builtin = summaries["recompute"][mode], summaries["runner"][mode]
+        mine, builtin = summaries["recompute"][mode], summaries["embedded"][mode]
         assert mine["steps"] == builtin["steps"] and mine["prompts_diverged"] == builtin["prompts_diverged"]
         assert mine["mean_kl"] == pytest.approx(builtin["mean_kl"], rel=1e-3, abs=1e-6)
     assert summaries["recompute"]["off"]["mean_kl"] > 1e-3  # the fault shows
@@ -141,7 +142,7 @@ def test_the_example_engine_runs_validate_and_blame(recompute, tmp_path, capsys)
              "--out", str(tmp_path / "ref2")])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip() == ("error: --engine recompute cannot capture a reference; hint: capture "
-                                               "with --engine runner or --engine vllm")
+                                               "with --engine embedded or --engine vllm")
     assert cli(["blame", tgt, "--reference", ref, "--engine", "recompute", "--dtype", "float32", "--report-dir",
                 str(tmp_path / "blame")]) == 0
     assert "program examined: engine recompute, eager, float32" in capsys.readouterr().out
@@ -160,10 +161,10 @@ def test_a_family_s_sites_are_keyed_by_the_model_code_that_registers_them():
     from fxreplace.models import get_family, register_sites
 
     family = get_family(ARCH)
-    assert family.targets_for(VllmRunner.engine) == (vllm_sites.GATE,) != family.targets
-    vllm_components = family.components_for(VllmRunner.engine)
+    assert family.targets_for(VllmRunner.model_code) == (vllm_sites.GATE,) != family.targets
+    vllm_components = family.components_for(VllmRunner.model_code)
     assert vllm_components["router"] == vllm_sites.GATE and vllm_components["layer"].adapter == "residual_stream_pair"
-    assert [(t.pattern, t.name) for t in family.targets_for(NeuronRunner.engine)] == [
+    assert [(t.pattern, t.name) for t in family.targets_for(NeuronRunner.model_code)] == [
         ("layers.*.mlp.router", "model.layers.{}.mlp.gate")]
     assert family.targets_for("sglang") == () and family.components_for("sglang") == {}
     with pytest.raises(ValueError, match="model-code sites 'vllm/Qwen3MoeForCausalLM' is already registered; pass "

@@ -223,7 +223,7 @@ def test_cli_captures_the_floor_and_gates_on_it(setups, tmp_path, capsys):
     # the floor is the target's program: the clean checkpoint, loaded in bf16 as the target is, is its own floor
     # (another program, e.g. the model cast with .bfloat16(), flips other near-ties: see docs/blame.md)
     assert data["verdict"]["floor_multiples"]["kl"] == pytest.approx(1.0, rel=0.05), data["verdict"]
-    assert data["program"] == {"engine": "runner", "compile": False, "dtype": "bfloat16"}
+    assert data["program"] == {"engine": "embedded", "compile": False, "dtype": "bfloat16"}
     page = (tmp_path / "ok" / "report.html").read_text()
     assert "id='noise-floor'" in page and "noise floor: the reference in bfloat16" in page
     assert data["gate"] == {"conditions": ["floor=2"], "passed": True, "overall": [], "prompts": {}}
@@ -300,7 +300,7 @@ def test_blame_examines_the_program_validate_ran(tmp_path, capsys):
     assert cli(["validate", arch, "--reference", str(tmp_path / "ref"), "--compile", "--report-dir",
                 str(tmp_path / "val")]) == 0
     assert json.loads((tmp_path / "val" / "result.json").read_text())["program"] == {
-        "engine": "runner", "compile": True, "dtype": "bfloat16"}
+        "engine": "embedded", "compile": True, "dtype": "bfloat16"}
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
         cli(["blame", arch, "--reference", str(tmp_path / "ref"), "--from-validation", str(tmp_path / "val"),
@@ -312,7 +312,7 @@ def test_blame_examines_the_program_validate_ran(tmp_path, capsys):
     assert f"blame examines the program validated in {tmp_path / 'val'}" in out
     assert "program examined: engine runner, compiled (inductor), bfloat16\n" in out
     assert json.loads((tmp_path / "val" / "blame.json").read_text())["program"] == {
-        "engine": "runner", "compile": True, "dtype": "bfloat16"}
+        "engine": "embedded", "compile": True, "dtype": "bfloat16"}
     assert "Program examined: engine runner, compiled (inductor), bfloat16" in (tmp_path / "val" / "blame.html").read_text()
 
 

@@ -30,7 +30,7 @@ ENGINE_MODULE = textwrap.dedent("""
         raise RuntimeError("boom")
 
     def takeover():                                        # a built-in engine's name, without replace=True
-        register_engine(_spec("runner"))
+        register_engine(_spec("embedded"))
 """)
 
 ENTRY_POINTS = textwrap.dedent("""
@@ -60,7 +60,7 @@ def installed(tmp_path, monkeypatch):
 
 def test_engines_declared_by_a_package_are_listed_without_importing_it(installed):
     names = registry.engine_names()
-    assert names[:2] == ["runner", "vllm"]
+    assert names[:2] == ["embedded", "vllm"]
     assert {"ep-module", "ep-callable", "ep-broken"} <= set(names)
     assert "fxreplace_testengines" not in sys.modules  # listing (the command line's --engine) imports nothing
     assert registry.engine_name("ep-module") == "ep-module"
@@ -80,15 +80,15 @@ def test_a_failing_entry_point_is_named_in_the_error(installed):
                                        "that name; the 'fxreplace.engines' entry point 'ep-broken' = "
                                        "'fxreplace_testengines:broken' failed to register: RuntimeError: boom"):
         registry.get_engine("ep-broken")
-    runner = registry.get_engine("runner")
-    with pytest.raises(KeyError, match="failed to register: ValueError: engine 'runner' is already registered; "
+    builtin = registry.get_engine("embedded")
+    with pytest.raises(KeyError, match="failed to register: ValueError: engine 'embedded' is already registered; "
                                        "pass replace=True to replace it"):
         registry.get_engine("ep-takeover")
-    assert registry.get_engine("runner") is runner  # not taken over
+    assert registry.get_engine("embedded") is builtin  # not taken over
 
 
 def test_an_unknown_engine_names_the_engines_there_are(installed):
-    with pytest.raises(KeyError, match="no engine 'sglang'; engines: runner, vllm, .*ep-module"):
+    with pytest.raises(KeyError, match="no engine 'sglang'; engines: embedded, vllm, .*ep-module"):
         registry.get_engine("sglang")
 
 
@@ -96,7 +96,7 @@ def test_every_registry_refuses_a_taken_name_unless_replace():
     """Families, engines, adapters and bypass hints alike: another value under a taken name is an
     error, the same value again is harmless, ``replace=True`` replaces."""
     family = get_family("Qwen3MoeForCausalLM")
-    runner = registry.get_engine("runner")
+    builtin = registry.get_engine("embedded")
 
     def identity(logits, module):
         return logits
@@ -109,8 +109,8 @@ def test_every_registry_refuses_a_taken_name_unless_replace():
     cases = [
         ("family 'Qwen3MoeForCausalLM'", lambda value, **kw: register_family(value, **kw), family,
          family.__class__(architecture=family.architecture, tiny_config=family.tiny_config, targets=())),
-        ("engine 'runner'", lambda value, **kw: registry.register_engine(value, **kw), runner,
-         registry.EngineSpec(name="runner", summary="", open_validation=None, open_blame=None)),
+        ("engine 'embedded'", lambda value, **kw: registry.register_engine(value, **kw), builtin,
+         registry.EngineSpec(name="embedded", summary="", open_validation=None, open_blame=None)),
         ("adapter 'identity'", lambda value, **kw: register_adapter("identity", value, **kw),
          __import__("fxreplace.adapters").adapters.identity, identity),
     ]

@@ -206,7 +206,7 @@ def _blame_in_process(engine: BlameRunner, reference, directory, label, *, clean
         engine.close()
     result.floor_seconds = floor_seconds
     result.seconds += floor_seconds
-    result.program = {"engine": "runner", "compile": bool(engine.compile), "dtype": name}
+    result.program = {"engine": "embedded", "compile": bool(engine.compile), "dtype": name}
     if on_demand:
         result.captured, result.capture_seconds = list(on_demand.captured), on_demand.seconds - before_search
     return result

@@ -102,7 +102,7 @@ def program_of_validation(args) -> None:
         if given is not None and key in program and given != program[key]:
             raise UsageError(f"{option} {given} contradicts the validation in {args.from_validation} ({option} "
                              f"{program[key]})", f"leave {option} out: blame examines the program validate ran")
-    args.engine = args.engine or program.get("engine", "runner")
+    args.engine = args.engine or program.get("engine", "embedded")
     args.dtype = args.dtype or program.get("dtype", "bfloat16")
     if "compile" in program:
         if args.compile is not None and args.compile != program["compile"]:

@@ -71,7 +71,7 @@ def _add_capture(command) -> None:
                               "against this reference; stored in it, it gives validate's and blame's verdicts a scale "
                               "(with --compile also the floor of the compiled program, which validate --compile reads)")
     add_dispatch_arguments(capture, "the reference (and --noise-floor's model)")
-    add_engine_arguments(capture, "runner", "runner: the HF model in this process, in float32")
+    add_engine_arguments(capture, "embedded", "embedded: the HF model in this process, in float32")
     capture.add_argument("--dtype", choices=DTYPES, default="float32", help="--engine vllm: the engine's dtype")
     add_device_argument(capture, engines=True)
     capture.set_defaults(handler="fxreplace.cli.capture:run")
@@ -82,10 +82,10 @@ def _add_validate(command) -> None:
     validate = command("validate", "teacher-forced logit validation of a target against a reference")
     validate.add_argument("model", type=model_spec, help="builtin:ARCH or a local HF directory (the target's weights)")
     validate.add_argument("--reference", required=True, type=reference_path, help="directory written by `fxreplace capture`")
-    add_engine_arguments(validate, "runner", "runner")
+    add_engine_arguments(validate, "embedded", "embedded")
     validate.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the target's dtype")
     validate.add_argument("--bucket", type=positive_int,
-                          help="--engine runner: prefill bucket in tokens (default: the longest reference sequence "
+                          help="--engine embedded: prefill bucket in tokens (default: the longest reference sequence "
                                "rounded up to a power of two); decode batch: min(8, prompts)")
     validate.add_argument("--logprobs", type=int, default=-1,
                           help="--engine vllm: log-probs per step, -1 = whole vocabulary (exact metrics); "
@@ -127,7 +127,7 @@ def _add_blame(command) -> None:
     blame.add_argument("--clean", metavar="CKPT", type=model_spec,
                        help="the clean model the reference came from (builtin:ARCH or an HF directory): components the "
                             "reference lacks are captured from it as the search needs them, stored under the reference "
-                            "directory and reused (--engine runner)")
+                            "directory and reused (--engine embedded)")
     add_dispatch_arguments(blame, "--clean (for the noise floor and the components captured on demand)")
     blame.add_argument("--allow-low-precision-reference", action="store_true",
                        help="accept a reference captured below float32 (refused otherwise); the verdict says so")

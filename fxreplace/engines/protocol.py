@@ -143,7 +143,7 @@ class RunnerSide(Protocol):
     hf_config: Any  # the model's Hugging Face config (family and default targets)
     device: torch.device  # where the model runs
     max_tokens: int  # slots of the largest forward
-    engine: str  # its name: messages, and the key of a family's targets in this runner's model code
+    model_code: str  # whose model code it runs ("vllm", "vllm-neuron"): messages, and the key of a family's sites there
 
     def replacement_class(self, select_captures: bool) -> type:
         """The replacement state of this runner, built as ``cls(side, replacement_config)``

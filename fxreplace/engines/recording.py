@@ -20,17 +20,17 @@ from ..targets import ResolvedTarget, TargetError, resolve_targets
 
 def runner_targets(side, given: Sequence | None, *, who: str, give: str) -> tuple[str, list]:
     """The model's architecture and the targets a runner side instruments: ``given``, else its family's in the
-    side's model code (``side.engine``). A family fxreplace does not know, or one declaring none there, is an
+    side's model code (``side.model_code``). A family fxreplace does not know, or one declaring none there, is an
     error starting with ``who`` that says to give them (``give``: where)."""
     arch = architecture(side.hf_config, type(side.model).__name__)
     if given is not None:
         return arch, list(given)
     try:
-        targets = list(get_family(arch).targets_for(side.engine))
+        targets = list(get_family(arch).targets_for(side.model_code))
     except KeyError as exc:
         raise TargetError(f"{who}: {exc.args[0]}; give {give}") from None
     if not targets:
-        raise TargetError(f"{who}: the {arch} family declares no targets in {side.engine}'s model code; give {give}")
+        raise TargetError(f"{who}: the {arch} family declares no targets in {side.model_code}'s model code; give {give}")
     return arch, targets
 
 

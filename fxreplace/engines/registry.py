@@ -18,10 +18,11 @@ from ..registries import Registry, describe_failures, load_entry_point
 ENTRY_POINT_GROUP = "fxreplace.engines"
 
 #: The built-in engines and the module that registers each.
-BUILTIN = {"runner": "fxreplace.engines.embedded.spec", "vllm": "fxreplace.engines.vllm.spec"}
+BUILTIN = {"embedded": "fxreplace.engines.embedded.spec", "vllm": "fxreplace.engines.vllm.spec"}
 
-#: Older names of the built-in engines (``capture --engine hf``, before one vocabulary).
-ALIASES = {"hf": "runner"}
+#: Older names of the built-in engines (``capture --engine hf``, ``--engine embedded``, before one vocabulary:
+#: an engine is what ``--engine`` picks, a runner side a serving engine's model runner).
+ALIASES = {"hf": "embedded", "runner": "embedded"}
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The embedded engine's registration (``--engine runner``): the target loaded in this process,
+"""The embedded engine's registration (``--engine embedded``): the target loaded in this process,
 instrumented, and run by fxreplace's static-shape runner (for blame, a
 :class:`~fxreplace.engines.embedded.blame_engine.BlameRunner` over it). It captures a reference
 from the Hugging Face model's own eager forwards."""
@@ -113,7 +113,7 @@ def _capture_targets(run: CaptureRun, model) -> list:
 
 
 ENGINE = register_engine(EngineSpec(
-    name="runner",
+    name="embedded",
     summary="the Hugging Face model in this process (capture: its own forwards; validate, blame: fxreplace's "
             "static-shape runner)",
     open_validation=open_validation,

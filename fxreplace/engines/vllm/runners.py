@@ -18,7 +18,7 @@ from ..protocol import StepHooks, StepLayout, StepRequests
 class VllmRunner:
     """One vLLM GPU/CPU model runner, seen through the runner protocol."""
 
-    engine = MODEL_CODE  # the family sites it reads (registered by importing .sites)
+    model_code = MODEL_CODE  # the family sites it reads (registered by importing .sites)
 
     def __init__(self, runner):
         self.runner = runner

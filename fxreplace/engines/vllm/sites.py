@@ -1,5 +1,5 @@
 """The built-in families' sites in vLLM's model code, registered under the name vLLM's runner side
-looks them up with (:attr:`~fxreplace.engines.vllm.runners.VllmRunner.engine`, "vllm"). Each
+looks them up with (:attr:`~fxreplace.engines.vllm.runners.VllmRunner.model_code`, "vllm"). Each
 capture is named as the HF reference names it, so vLLM replays an HF capture; a family of your
 own adds its sites with :func:`fxreplace.models.register_sites` ("Registering a family")."""
 

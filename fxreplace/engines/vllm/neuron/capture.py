@@ -45,7 +45,7 @@ class StepInputCapture:
         self.completed = self.dropped = 0
         self.writes = True
         self.out = Path(capture["out"])
-        self.writer = StoreWriter(self.out, metadata={"architecture": arch, "engine": side.engine,
+        self.writer = StoreWriter(self.out, metadata={"architecture": arch, "engine": side.model_code,
                                                       "dtype": dtype_name(self.dtype),
                                                       "targets": self.names})
         logger.info("fxreplace: capturing %d target(s) of %s (%s ...) into %s", len(self.names), arch, self.names[0],

@@ -21,7 +21,7 @@ class StepInputReplacement(Replacement):
 
     def __init__(self, side, config: ReplacementConfig):
         if config.select_captures:
-            raise ConfigError(f"fxreplace on {side.engine}: select_captures is not supported (each step hands the "
+            raise ConfigError(f"fxreplace on {side.model_code}: select_captures is not supported (each step hands the "
                               "compiled call one context for every target); drop select_captures")
         super().__init__(side, config, reference_device="cpu")
         self.on_host = True  # every build counts its replaced rows on the host

@@ -39,7 +39,7 @@ SHARED_KEY_HINT = (
 class NeuronRunner:
     """One vllm-neuron ``NeuronModelRunner``, seen through the runner protocol."""
 
-    engine = MODEL_CODE  # the family sites it reads (registered by importing .sites)
+    model_code = MODEL_CODE  # the family sites it reads (registered by importing .sites)
 
     def __init__(self, runner):
         if getattr(runner, internals.OWN_REPLACER, None) is not None:

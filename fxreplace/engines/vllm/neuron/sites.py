@@ -1,5 +1,5 @@
 """The built-in families' sites in the model code vllm-neuron serves, registered under the name
-its runner side looks them up with (:attr:`~fxreplace.engines.vllm.neuron.NeuronRunner.engine`):
+its runner side looks them up with (:attr:`~fxreplace.engines.vllm.neuron.NeuronRunner.model_code`):
 Qwen3-MoE in NxD's MoE layout (``layers.N.mlp.router.linear_router``), read under the HF capture
 names (:func:`fxreplace.models.nxd.nxd_router_targets`)."""
 
