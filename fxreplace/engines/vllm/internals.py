@@ -15,15 +15,18 @@ import inspect
 import re
 
 #: (module, class) -> the attributes of it that fxreplace reads or wraps.
-ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
-GPU_MODEL_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
-CPU_MODEL_RUNNER = ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")
-INPUT_BATCH = ("vllm.v1.worker.gpu_input_batch", "InputBatch")
-SCHEDULER_OUTPUT = ("vllm.v1.core.sched.output", "SchedulerOutput")
-INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
-ENGINE_CORE_REQUEST = ("vllm.v1.engine", "EngineCoreRequest")
-VALIDATION_ERROR = ("vllm.exceptions", "VLLMValidationError")
-NEW_REQUEST_DATA = ("vllm.v1.core.sched.output", "NewRequestData")
+(ENGINE_ARGS, GPU_MODEL_RUNNER, CPU_MODEL_RUNNER, INPUT_BATCH, SCHEDULER_OUTPUT, INPUT_PROCESSOR,
+ ENGINE_CORE_REQUEST, VALIDATION_ERROR, NEW_REQUEST_DATA) = (
+    ("vllm.engine.arg_utils", "EngineArgs"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput"),
+    ("vllm.v1.engine.input_processor", "InputProcessor"),
+    ("vllm.v1.engine", "EngineCoreRequest"),
+    ("vllm.exceptions", "VLLMValidationError"),
+    ("vllm.v1.core.sched.output", "NewRequestData"),
+)
 
 #: ``EngineArgs.create_engine_config``: the front end builds the engine config
 #: here (the plugin validates and wraps the fxreplace section before it).
