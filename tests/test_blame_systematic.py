@@ -18,6 +18,7 @@ from torch import nn
 
 from fxreplace.blame import MEMBER, SIGNIFICANT, Search, blame, resolve_components
 from fxreplace.capture import capture_reference
+from fxreplace.engines.protocol import Engine
 from fxreplace.metrics import BELOW_ZERO, EXPLAINS, Tolerances
 from fxreplace.words import pct
 from fxreplace.models import get_family, tiny_model
@@ -218,7 +219,12 @@ def test_layers_are_named_by_their_type():
     model = tiny_model("GptOssForCausalLM", num_hidden_layers=4,
                        layer_types=["sliding_attention", "full_attention"] * 2)
     components = resolve_components(model, get_family("GptOssForCausalLM").components)
-    search = Search(None, None, components, tolerances=Tolerances(), prompts=[0], budget=None, probes=8,
+
+    class Idle(Engine):
+        def generate(self, prompts, max_new_tokens, replace):
+            raise AssertionError("naming layers runs no pass")
+
+    search = Search(Idle(), None, components, tolerances=Tolerances(), prompts=[0], budget=None, probes=8,
                     progress=False, supply=None, observe=None, layer_types=model.config.layer_types)
     assert search._where("attention", [0, 2]) == ("every sliding attention layer", True)
     assert search._where("attention", [1, 3]) == ("every full attention layer", True)
