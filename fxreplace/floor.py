@@ -25,6 +25,7 @@ import torch
 
 from .dtypes import as_dtype, dtype_name, is_full_precision
 from .engines.embedded import Runner, RunnerConfig
+from .engines.protocol import Engine
 from .errors import FloorFileError
 from .loading import load_model
 from .reference import load_reference
@@ -134,9 +135,9 @@ def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prom
     """The reference model ``clean`` in ``dtype`` (cast when it is not: build it the way the target
     is built, e.g. loaded in ``dtype`` as the CLI loads both, for the floor to be the target's
     program), teacher-forced against ``reference`` on its prompts with nothing replaced: the
-    precision noise floor. ``compile``: the torch.compile backend the target runs under (its kernels
-    round differently from eager ones, so a compiled target's floor is the compiled reference's)."""
-    started = time.perf_counter()
+    precision noise floor, run by the embedded engine (:func:`engine_floor` for another).
+    ``compile``: the torch.compile backend the target runs under (its kernels round differently from
+    eager ones, so a compiled target's floor is the compiled reference's)."""
     indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
     longest = max(len(reference.prompt_tokens(p)) + reference.num_generated(p) for p in indices)
     bucket = 1 << (longest - 1).bit_length()
@@ -146,13 +147,23 @@ def measure_floor(clean: torch.nn.Module, reference, dtype: torch.dtype, *, prom
     runner = Runner(model, clean.config, runner_config=RunnerConfig(
         prefill_buckets=(bucket,), batch_buckets=(min(64, len(indices)),), max_len=2 * bucket, batched_prefill=True,
         teacher_forcing=True), dtype=dtype, compile=compile)
-    result = logit_validation(runner, reference, modes=("off",), prompts=indices, progress=progress)
+    program = f"the reference model in its dtype, {f'compiled ({compile})' if compile else 'eager'}, fxreplace's runner"
+    return engine_floor(runner, reference, dtype, prompts=indices, progress=progress, program=program, compile=compile)
+
+
+def engine_floor(engine: Engine, reference, dtype: torch.dtype, *, program: str, prompts: Sequence[int] | None = None,
+                 progress: bool = False, compile: str | None = None) -> NoiseFloor:
+    """The precision noise floor as ``engine`` measures it: an engine running the reference model
+    in ``dtype`` (the target's program with the reference's weights), validated against
+    ``reference`` with nothing replaced. ``program`` says what ran, for the verdict's scale."""
+    started = time.perf_counter()
+    indices = list(range(reference.num_prompts)) if prompts is None else list(prompts)
+    result = logit_validation(engine, reference, modes=("off",), prompts=indices, progress=progress)
     summary = result.summary()["off"]
     rows = {p: {"mean_kl": s["mean_kl"], "mean_top5_error": s["mean_top5_error"],
                 "first_divergence": s["first_divergence"], "steps": reference.num_generated(p)}
             for p, s in summary["prompts"].items()}
     per_step = {p: [s.top5_error for s in result.steps if s.prompt == p] for p in indices}
-    program = f"the reference model in its dtype, {f'compiled ({compile})' if compile else 'eager'}, fxreplace's runner"
     return NoiseFloor(dtype_name(dtype), rows, per_step, program, time.perf_counter() - started, compile)
 
 

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, OlmoeConfig
 from fxreplace.blame import BlameError, blame
 from fxreplace.capture import capture_reference
 from fxreplace.cli import main as cli
-from fxreplace.floor import FLOOR_MARGIN, NoiseFloor, measure_floor
+from fxreplace.engines.protocol import Engine, Generation
+from fxreplace.floor import FLOOR_MARGIN, NoiseFloor, engine_floor, measure_floor
 from fxreplace.metrics import WORSE, verdict
 from fxreplace.models import get_family, tiny_model
 from fxreplace.targets import Target
@@ -102,6 +103,36 @@ def test_the_floor_is_the_reference_model_in_bf16(setups, family):
     assert whole["mean_kl"] == pytest.approx(oracle_kl(clean, reference, torch.bfloat16), rel=0.3)
     assert whole["mean_kl"] > 1e-5 and floor.dtype == "bfloat16" and floor.covers(range(reference.num_prompts))
     assert NoiseFloor.from_dict(json.loads(json.dumps(floor.to_dict()))) == floor  # stored as JSON in the reference
+
+
+class Recompute(Engine):
+    """Another engine than the embedded one: each step the whole sequence again, no cache, no batch."""
+
+    def __init__(self, model, dtype):
+        self.model, self.dtype, self.vocab_size = copy.deepcopy(model).to(dtype), dtype, model.config.vocab_size
+
+    def generate(self, prompts, max_new_tokens, replace):
+        assert replace is False, "a floor replaces nothing"
+        done = []
+        for i, prompt in enumerate(prompts):
+            out = Generation(str(i), list(prompt))
+            with torch.no_grad():
+                for _ in range(max_new_tokens):
+                    logits = self.model(input_ids=torch.tensor([list(prompt) + out.tokens])).logits[0, -1].float()
+                    out.logits.append(logits)
+                    out.tokens.append(int(logits.argmax()))
+            done.append(out)
+        return done
+
+
+def test_any_engine_running_the_reference_model_measures_its_floor(setups):
+    """The floor is an engine's: the reference model in the target's dtype, nothing replaced. Another
+    engine over the same model and dtype measures what the embedded one does (up to its rounding)."""
+    clean, _, _, reference, floor = setups("qwen3-moe")
+    other = engine_floor(Recompute(clean, torch.bfloat16), reference, torch.bfloat16, program="recomputed")
+    ours, theirs = floor.aggregate(range(reference.num_prompts)), other.aggregate(range(reference.num_prompts))
+    assert other.dtype == "bfloat16" and other.program == "recomputed" and other.covers(range(reference.num_prompts))
+    assert theirs["mean_kl"] == pytest.approx(ours["mean_kl"], rel=0.3) and theirs["mean_kl"] > 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)
