@@ -71,7 +71,7 @@ def test_the_command_exits_2_without_a_traceback():
 
 def test_help_states_every_default(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at hyphens ("fxreplace-" "blame")
-    for command, defaults in [("validate", ["default: bfloat16", "default: fxreplace-report", "default: runner",
+    for command, defaults in [("validate", ["default: bfloat16", "default: fxreplace-report", "default: embedded",
                                             "prefill bucket", "min(8, prompts)"]),
                               ("blame", ["default: bfloat16", "default: fxreplace-blame"]),
                               ("capture", ["default: 32", "default: float32", "the family's routers"]),

@@ -341,10 +341,10 @@ def test_blame_examines_the_program_validate_ran(tmp_path, capsys):
     assert cli(["blame", arch, "--reference", str(tmp_path / "ref"), "--report-dir", str(tmp_path / "val")]) == 0
     out = capsys.readouterr().out
     assert f"blame examines the program validated in {tmp_path / 'val'}" in out
-    assert "program examined: engine runner, compiled (inductor), bfloat16\n" in out
+    assert "program examined: engine embedded, compiled (inductor), bfloat16\n" in out
     assert json.loads((tmp_path / "val" / "blame.json").read_text())["program"] == {
         "engine": "embedded", "compile": True, "dtype": "bfloat16"}
-    assert "Program examined: engine runner, compiled (inductor), bfloat16" in (tmp_path / "val" / "blame.html").read_text()
+    assert "Program examined: engine embedded, compiled (inductor), bfloat16" in (tmp_path / "val" / "blame.html").read_text()
 
 
 def test_the_cli_says_a_replacement_makes_the_target_worse(setups, tmp_path, capsys):
