@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
-from .protocol import Engine
 from ..registries import Registry, describe_failures, load_entry_point
 
 ENTRY_POINT_GROUP = "fxreplace.engines"
@@ -20,7 +19,7 @@ ENTRY_POINT_GROUP = "fxreplace.engines"
 #: The built-in engines and the module that registers each.
 BUILTIN = {"embedded": "fxreplace.engines.embedded.spec", "vllm": "fxreplace.engines.vllm.spec"}
 
-#: Older names of the built-in engines (``capture --engine hf``, ``--engine embedded``, before one vocabulary:
+#: Older names of the built-in engines (``capture --engine hf``, ``--engine runner``, before one vocabulary:
 #: an engine is what ``--engine`` picks, a runner side a serving engine's model runner).
 ALIASES = {"hf": "embedded", "runner": "embedded"}
 
