@@ -15,10 +15,11 @@ all rows off), ``fed`` (instrumented, its fed buffers cleared: replacement off) 
 ``hand`` (the same blocks edited by hand: ``torch.where(mask, replacement, computed)`` at each gate,
 the replacement and the mask passed as forward arguments: the floor of what an extra input costs).
 Compiled (inductor): per call, torch.profiler's "TorchDynamo Cache Lookup" (the guards) and the
-whole call; eager: the whole call. Medians over rounds; ratios to ``plain`` (and to ``hand``).
+whole call; eager: the whole call. Medians over rounds (``--min``: the least disturbed round, on a
+loaded machine); ratios to ``plain`` (and to ``hand``).
 Prints a table and a final JSON line.
 
-    python benchmarks/bench_host.py [--quick] [--targets 1 8 48]
+    python benchmarks/bench_host.py [--quick] [--targets 1 8 48] [--rounds R] [--min]
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ def moe_variants() -> tuple[dict, list]:
     return calls, list(widths)
 
 
-def measure(calls: dict, compiled: bool, rounds: int, per_round: int) -> dict:
-    """Per variant: median seconds per call and, compiled, median guard (cache lookup) seconds per call."""
+def measure(calls: dict, compiled: bool, rounds: int, per_round: int, statistic=statistics.median) -> dict:
+    """Per variant: seconds per call and, compiled, guard (cache lookup) seconds per call, the
+    ``statistic`` (median, or min on a loaded machine) of the rounds."""
     runs = {}
     for name, (model, call) in calls.items():
         runs[name] = (torch.compile(model, backend="inductor") if compiled else model, call)
@@ -142,10 +144,10 @@ def measure(calls: dict, compiled: bool, rounds: int, per_round: int) -> dict:
                             call(model)
                     events = [e for e in prof.key_averages() if e.key == LOOKUP]
                     lookup[name].append(sum(e.cpu_time_total for e in events) / per_round / 1e6)
-    out = {name: {"call": statistics.median(v)} for name, v in whole.items()}
+    out = {name: {"call": statistic(v)} for name, v in whole.items()}
     if compiled:
         for name, v in lookup.items():
-            out[name]["lookup"] = statistics.median(v)
+            out[name]["lookup"] = statistic(v)
     return out
 
 
@@ -166,9 +168,14 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--targets", type=int, nargs="+", default=[1, 8, 48], help="stack sizes (targets)")
     parser.add_argument("--no-moe", action="store_true", help="skip the tiny Qwen3-MoE")
+    parser.add_argument("--rounds", type=int, help="rounds per variant (default 5 with --quick, else 11)")
+    parser.add_argument("--min", action="store_true",
+                        help="the least disturbed round of each variant rather than the median (a loaded machine)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rounds, per_round = (5, 20) if args.quick else (11, 50)
+    rounds = args.rounds or rounds
+    statistic = min if args.min else statistics.median
     models = [(f"stack {n}", *stack_variants(n)) for n in args.targets]
     if not args.no_moe:
         models.append(("qwen3-moe", *moe_variants()))
@@ -181,7 +188,7 @@ def main():
         for compiled in (True, False):
             mode = "compiled" if compiled else "eager"
             torch.compiler.reset()
-            measured = measure(calls, compiled, rounds, per_round)
+            measured = measure(calls, compiled, rounds, per_round, statistic)
             rel = ratios(measured)
             results[key][mode] = {"seconds": measured, "ratios": rel}
             for name, m in measured.items():
@@ -190,6 +197,7 @@ def main():
                 vs_hand = f"{r['call_vs_hand']:7.2f}" if "call_vs_hand" in r else f"{'-':>7}"
                 print(f"{key:24} {mode:8} {name:8} {m['call'] * 1e6:9.1f} {r.get('call', 1.0):8.2f} {lookup} {vs_hand}")
     print(json.dumps({"bench": "host", "threads": 1, "rounds": rounds, "calls_per_round": per_round,
+                      "statistic": statistic.__name__,
                       "ratios": {k: {mode: v["ratios"] for mode, v in modes.items()} for k, modes in results.items()}}))
 
 

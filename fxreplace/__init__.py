@@ -23,11 +23,11 @@ _LAZY = {
     **dict.fromkeys(["ReplacementConfig", "TensorReplacementConfig"], "fxreplace.config"),
     **dict.fromkeys(["ReplacementContext"], "fxreplace.context"),
     **dict.fromkeys(["Runner", "RunnerConfig"], "fxreplace.engines.embedded"),
-    **dict.fromkeys(["BlameError", "CaptureError", "ConfigError", "SetupError", "ShapeError", "StoreError",
-                     "TargetError", "TargetNotLiveError"], "fxreplace.errors"),
+    **dict.fromkeys(["BlameError", "CaptureError", "ConfigError", "InstrumentationChangedError", "SetupError",
+                     "ShapeError", "StoreError", "TargetError", "TargetNotHitError", "TargetNotLiveError"],
+                    "fxreplace.errors"),
     **dict.fromkeys(["export", "export_input_name", "export_inputs"], "fxreplace.export"),
-    **dict.fromkeys(["InstrumentationChangedError", "TargetNotHitError", "check_unchanged", "instrument",
-                     "observe", "prove_unchanged", "uninstrument"], "fxreplace.instrument"),
+    **dict.fromkeys(["instrument", "observe", "uninstrument"], "fxreplace.instrument"),
     **dict.fromkeys(["check_live"], "fxreplace.liveness"),
     **dict.fromkeys(["Tolerances", "Verdict", "verdict"], "fxreplace.metrics"),
     **dict.fromkeys(["Reference", "load_reference"], "fxreplace.reference"),
@@ -35,6 +35,7 @@ _LAZY = {
     **dict.fromkeys(["ShardSpec"], "fxreplace.sharding"),
     **dict.fromkeys(["ReferenceStore", "StoreWriter"], "fxreplace.store"),
     **dict.fromkeys(["Target"], "fxreplace.targets"),
+    **dict.fromkeys(["check_unchanged", "prove_unchanged"], "fxreplace.unchanged"),
     **dict.fromkeys(["Gate", "ValidationResult", "logit_validation"], "fxreplace.validation"),
 }
 
@@ -46,11 +47,10 @@ if TYPE_CHECKING:
     from .config import ReplacementConfig, TensorReplacementConfig
     from .context import ReplacementContext
     from .engines.embedded import Runner, RunnerConfig
-    from .errors import (BlameError, CaptureError, ConfigError, SetupError, ShapeError, StoreError,
-                         TargetError, TargetNotLiveError)
+    from .errors import (BlameError, CaptureError, ConfigError, InstrumentationChangedError, SetupError, ShapeError,
+                         StoreError, TargetError, TargetNotHitError, TargetNotLiveError)
     from .export import export, export_input_name, export_inputs
-    from .instrument import (InstrumentationChangedError, TargetNotHitError, check_unchanged,
-                             instrument, observe, prove_unchanged, uninstrument)
+    from .instrument import instrument, observe, uninstrument
     from .liveness import check_live
     from .metrics import Tolerances, Verdict, verdict
     from .reference import Reference, load_reference
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from .sharding import ShardSpec
     from .store import ReferenceStore, StoreWriter
     from .targets import Target
+    from .unchanged import check_unchanged, prove_unchanged
     from .validation import Gate, ValidationResult, logit_validation
 
 

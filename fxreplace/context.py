@@ -7,10 +7,58 @@ contexts it builds into lives in the replacer."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Iterator
 
 import torch
+
+
+class Layout(Mapping):
+    """Where a context keeps each capture name: ``places[name]`` is ``(group, column)`` of its
+    ``storage``, and ``mask_rows[name]`` (a :class:`SelectedContext`'s) the row of its mask matrix
+    (None: every name reads the one ``mask``). Interned: equal layouts are one object, so a compiled
+    graph checks a context's whole layout with one identity guard instead of one per capture name."""
+
+    __slots__ = ("places", "mask_rows", "__weakref__")
+    _interned: dict[tuple, "Layout"] = {}
+    _by_names: dict[frozenset, "Layout"] = {}  # the latest layout of each set of names (see _pack)
+    _lock = threading.Lock()
+
+    def __init__(self, places: dict[str, tuple[int, int]], mask_rows: dict[str, int] | None):
+        self.places = places
+        self.mask_rows = mask_rows
+
+    @classmethod
+    def of(cls, places: Mapping[str, tuple[int, int]], mask_rows: Mapping[str, int] | None = None) -> "Layout":
+        if isinstance(places, Layout) and mask_rows is None and places.mask_rows is None:
+            return places
+        key = (tuple((n, tuple(p)) for n, p in places.items()), None if mask_rows is None else tuple(mask_rows.items()))
+        with cls._lock:
+            layout = cls._interned.get(key)
+            if layout is None:
+                layout = cls._interned[key] = Layout({n: p for n, p in key[0]},
+                                                     None if mask_rows is None else dict(key[1]))
+            if mask_rows is None:  # the latest asked for, even when interned before (a replacer's, made anew)
+                cls._by_names[frozenset(layout.places)] = layout
+        return layout
+
+    def __getitem__(self, name: str) -> tuple[int, int]:
+        return self.places[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.places)
+
+    def __len__(self) -> int:
+        return len(self.places)
+
+    def __eq__(self, other) -> bool:
+        return self is other if isinstance(other, Layout) else Mapping.__eq__(self, other)
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"Layout({self.places!r}, mask_rows={self.mask_rows!r})"
 
 
 class ReplacementContext(Mapping):
@@ -30,14 +78,16 @@ class ReplacementContext(Mapping):
     name's values (48 x E=128 bf16: 12 KiB), where a name-major layout scatters it into one
     256-byte read per capture name, which the memory's latency bounds at about a third of
     the speed. Made by hand (``ReplacementContext({name: [num_tokens, E]}, mask)``), the tensors
-    are copied into the same layout, grouped by dtype and row shape: a compiled graph guards on
-    its inputs' strides, and one graph serves hand-made and built contexts alike. Write into a
+    are copied into the same layout, grouped by dtype and row shape, in the order of a context of
+    the same names seen before (a replacer's): a compiled graph guards on its inputs' strides and on
+    the context's ``layout`` (one identity guard, see :class:`Layout`), and one graph serves
+    hand-made and built contexts alike. Write into a
     context's own tensors (``ctx[name]``), not into the ones it was made from.
     ``num_replaced`` counts the mask's True rows as the last build wrote them
     (None for a context made by hand).
     """
 
-    __slots__ = ("tensors", "mask", "storage", "places", "num_replaced", "__weakref__")
+    __slots__ = ("tensors", "mask", "storage", "places", "layout", "num_replaced", "__weakref__")
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor, storage: tuple[torch.Tensor, ...] = (),
                  places: Mapping[str, tuple[int, int]] | None = None):
@@ -53,10 +103,11 @@ class ReplacementContext(Mapping):
             if len(shape) < 1 or shape[0] != mask.shape[0]:
                 raise ValueError(f"replacement for {what} has shape {tuple(shape)}; expected "
                                  f"[{mask.shape[0]}, ...] to match the mask")
-        self.places = dict(places or {})
+        places = Layout.of(places or {})
         if not storage and tensors:
-            storage, self.places = _pack(tensors)
+            storage, places = _pack(tensors)
             tensors = {}
+        self.places = self.layout = places  # a SelectedContext's layout adds its mask rows
         if storage and not tensors:
             columns = [s.unbind(1) for s in storage]
             tensors = {name: columns[g][i] for name, (g, i) in self.places.items()}
@@ -122,19 +173,42 @@ class ReplacementContext(Mapping):
         return f"ReplacementContext({{{shapes}}}, active={int(self.mask.sum())}/{self.num_tokens})"
 
 
-def _pack(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], dict[str, tuple[int, int]]]:
+def _pack(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], Layout]:
     """Hand-made tensors copied into the layout a :class:`~fxreplace.TensorReplacer` builds: one
-    position-major ``[num_tokens, names, ...]`` tensor per (dtype, row shape, device), in first-seen
-    order. A compiled graph guards on its inputs' strides, so a context made by hand and one the
-    replacer built must look alike for one graph to serve both."""
-    groups: dict[tuple, list[str]] = {}
-    for name, value in tensors.items():
-        groups.setdefault((value.dtype, tuple(value.shape[1:]), value.device), []).append(name)
-    storage, places = [], {}
-    for g, names in enumerate(groups.values()):
-        storage.append(torch.stack([tensors[n].detach() for n in names], dim=1))
-        places.update({n: (g, i) for i, n in enumerate(names)})
-    return tuple(storage), places
+    position-major ``[num_tokens, names, ...]`` tensor per (dtype, row shape, device). A compiled graph
+    guards on its inputs' strides and on the context's layout, so a context made by hand takes the
+    layout a context of the same names already has (a replacer's), where its groups fit it, and
+    one graph serves both; else its names in first-seen order."""
+    def group(name):
+        value = tensors[name]
+        return (value.dtype, tuple(value.shape[1:]), value.device)
+
+    places = _known_places(tensors, group)
+    if places is None:
+        groups: dict[tuple, list[str]] = {}
+        for name in tensors:
+            groups.setdefault(group(name), []).append(name)
+        places = {n: (g, i) for g, names in enumerate(groups.values()) for i, n in enumerate(names)}
+    columns: list[list[str]] = []
+    for name, (g, i) in sorted(places.items(), key=lambda item: item[1]):
+        if g == len(columns):
+            columns.append([])
+        columns[g].append(name)
+    storage = tuple(torch.stack([tensors[n].detach() for n in names], dim=1) for names in columns)
+    return storage, Layout.of(places)
+
+
+def _known_places(tensors: Mapping[str, torch.Tensor], group) -> dict[str, tuple[int, int]] | None:
+    """The places of the latest layout of exactly these names, when each of its groups holds
+    names of one (dtype, row shape, device)."""
+    known = Layout._by_names.get(frozenset(tensors))
+    if known is None:
+        return None
+    kinds: dict[int, tuple] = {}
+    for name, (g, _) in known.places.items():
+        if kinds.setdefault(g, group(name)) != group(name):
+            return None
+    return dict(known.places) if len(set(kinds.values())) == len(kinds) else None
 
 
 def same_device(have: torch.device, want: torch.device | str) -> bool:
@@ -146,12 +220,13 @@ def same_device(have: torch.device, want: torch.device | str) -> bool:
 class SelectedContext(ReplacementContext):
     """A context replaced only at the capture names in ``selected``; the others get an all-False mask.
 
-    Every capture name gets a mask tensor of its own whatever the selection, so a compiled
-    graph sees the same inputs for every selection and one graph serves them all
-    (the search of :mod:`fxreplace.blame` replaces a different set each pass).
+    Every capture name gets a mask of its own whatever the selection: a row of one bool
+    ``[capture names, num_tokens]`` matrix (``mask_matrix``), so a compiled graph sees the same
+    inputs for every selection, one tensor whatever the number of names, and one graph serves
+    them all (the search of :mod:`fxreplace.blame` replaces a different set each pass).
     """
 
-    __slots__ = ("selected", "rows", "masks")
+    __slots__ = ("selected", "rows", "mask_matrix", "masks")
 
     def __init__(self, context: ReplacementContext, names):
         super().__init__(dict(context.items()), context.mask, context.storage, context.places)
@@ -165,8 +240,14 @@ class SelectedContext(ReplacementContext):
             if rows.dtype != torch.bool or rows.shape != context.mask.shape:
                 raise ValueError(f"select(): the rows of {m!r} must be a bool tensor of shape {tuple(context.mask.shape)}, "
                                  f"got {rows.dtype} of shape {tuple(rows.shape)}")
-        self.masks = {m: (context.mask & self.rows[m].to(context.mask.device) if m in self.rows else context.mask.clone())
-                      if m in self.selected else torch.zeros_like(context.mask) for m in context}
+        names = list(context)
+        self.mask_matrix = torch.zeros(len(names), *context.mask.shape, dtype=torch.bool, device=context.mask.device)
+        for j, m in enumerate(names):
+            if m in self.selected:
+                rows = context.mask & self.rows[m].to(context.mask.device) if m in self.rows else context.mask
+                self.mask_matrix[j] = rows
+        self.masks = dict(zip(names, self.mask_matrix.unbind(0)))
+        self.layout = Layout.of(self.places, {m: j for j, m in enumerate(names)})
 
     def mask_for(self, name: str) -> torch.Tensor:
         return self.masks[name]

@@ -59,3 +59,18 @@ class FloorFileError(ValueError):
 
 class BlameError(ValueError):
     """Inputs blame refuses before its first pass (both sides named)."""
+
+
+class TargetNotHitError(RuntimeError):
+    """A target's injection point ran zero or several times in one forward,
+    e.g. because a kernel-replaced forward skips the router."""
+
+
+class ConcurrentForwardError(RuntimeError):
+    """An instrumented model was called while it was running a forward (from another thread):
+    its targets' slots hold one forward's replacements at a time."""
+
+
+class InstrumentationChangedError(TargetError):
+    """Instrumenting changed what a target computes with nothing replaced: a verdict on this model
+    would judge another program than the one the user gave."""

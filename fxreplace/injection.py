@@ -54,10 +54,11 @@ class Injection:
         self.__name__ = "fxreplace_inject"  # name hint for FX code generation
         # eager engines call this once per target per forward with the same bound buffers
         self.checked = CheckedCalls()
+        self.spec = spec_number(self.adapter, shard)
 
-    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
+    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None, hands_on: bool = True) -> None:
         """See :meth:`CheckedCalls.share_fed`."""
-        self.checked.share_fed(values, mask)
+        self.checked.share_fed(values, mask, hands_on)
 
     def __call__(self, computed, replacement=None, mask=None, rank=None, leading_rows=False):
         if self.observers:
@@ -78,51 +79,74 @@ class Injection:
         return out
 
     def _inject(self, computed, replacement, mask, rank, leading_rows):
-        # the module's name only inside error paths: a name read on every call would be a constant
-        # that a compiled graph guards on, so targets of one structure could not share it
-        spec = self.shard
-        parts = tuple(computed) if isinstance(computed, (tuple, list)) else (computed,)
-        flats = [part.reshape(-1, part.shape[-1]) for part in parts]
-        tokens = rows_before_sharding(flats[0].shape[0], self.shard)
-        _check_dtype_and_device(self, replacement, mask, flats[0], leading_rows)
-        if leading_rows:
-            replacement, mask = replacement[:tokens], mask[:tokens]
+        return inject(self.spec, self.module_name, self.module, computed, replacement, mask, rank, leading_rows)
+
+
+#: an Injection's (adapter, shard) by its spec number: a compiled graph reads them here by a
+#: constant number, one guard per distinct spec rather than per target
+_SPECS: dict[int, tuple[Adapter, ShardSpec | None]] = {}
+_SPEC_NUMBERS: dict[tuple, int] = {}
+
+
+def spec_number(adapter: Adapter, shard: ShardSpec | None) -> int:
+    """The number of ``(adapter, shard)``, the same for equal specs."""
+    key = (adapter, None if shard is None else (shard.mode, shard.world_size,
+                                                 shard.rank if isinstance(shard.rank, int) else id(shard.rank)))
+    number = _SPEC_NUMBERS.get(key)
+    if number is None:
+        number = _SPEC_NUMBERS[key] = len(_SPEC_NUMBERS)
+        _SPECS[number] = (adapter, shard)
+    return number
+
+
+def inject(spec: int, module_name: str, module: nn.Module, computed, replacement, mask, rank=None, leading_rows=False):
+    """``where(mask, adapter(shard(replacement)), computed)`` for the Injection of spec number ``spec``
+    at ``module`` (``module_name`` for errors); ``replacement=None`` passes ``computed`` through."""
+    if replacement is None:
+        return computed
+    adapter, shard = _SPECS[spec]
+    parts = tuple(computed) if isinstance(computed, (tuple, list)) else (computed,)
+    flats = [part.reshape(-1, part.shape[-1]) for part in parts]
+    tokens = rows_before_sharding(flats[0].shape[0], shard)
+    _check_dtype_and_device(module_name, replacement, mask, flats[0], leading_rows)
+    if leading_rows:
+        replacement, mask = replacement[:tokens], mask[:tokens]
+    require(
+        replacement.dim() == 2 and replacement.shape[0] == tokens,
+        lambda: f"replacement for {module_name} has shape {tuple(replacement.shape)}, but the module computes "
+        f"{_shapes(parts)} here, so it needs [{tokens}, E]"
+        + layout_hint(shard, replacement.shape, flats[0].shape),
+    )
+    require(
+        mask.dtype == torch.bool and mask.dim() == 1 and mask.shape[0] == tokens,
+        lambda: f"mask for {module_name} must be bool [{tokens}], got {mask.dtype} {tuple(mask.shape)}",
+    )
+    if rank is None and shard is not None:
+        rank = shard.rank
+    replacement = shard_rows(replacement, shard, rank,
+                             lambda: f"tokens of the replacement for {module_name} ({shard})")
+    mask = shard_rows(mask, shard, rank, lambda: f"tokens of the mask for {module_name} ({shard})").unsqueeze(-1)
+    full = adapter(replacement, module)
+    values = tuple(full) if isinstance(full, (tuple, list)) else (full,)
+    if len(values) != len(parts):
+        raise TargetError(f"the adapter for {module_name} returns {len(values)} tensor(s) "
+                         f"{_shapes(values)}, but the point computes {len(parts)}: {_shapes(parts)}; pick one "
+                         "with point='output[i]' or use a pair adapter (e.g. 'topk_softmax_pairs') for a (weights, "
+                         "ids) point")
+    if len(values) > 1 and shard is not None and shard.mode == "expert":
+        raise ShapeError(f"{module_name}: expert sharding slices dense [T, E] values; top-k pairs hold "
+                         "global expert ids, so give this rank the full pairs (no shard spec)")
+    out = []
+    for full_value, flat, part in zip(values, flats, parts):
+        value = shard_columns(full_value, shard, rank, lambda: f"experts of {module_name} ({shard})")
         require(
-            replacement.dim() == 2 and replacement.shape[0] == tokens,
-            lambda: f"replacement for {self.module_name} has shape {tuple(replacement.shape)}, but the module computes "
-            f"{_shapes(parts)} here, so it needs [{tokens}, E]"
-            + layout_hint(spec, replacement.shape, flats[0].shape),
+            tuple(value.shape) == tuple(flat.shape),
+            lambda: f"replacement for {module_name} becomes {tuple(value.shape)} after shard/adapter, but "
+            f"the module computes {tuple(flat.shape)} (from {tuple(part.shape)})"
+            + layout_hint(shard, full_value.shape, flat.shape),
         )
-        require(
-            mask.dtype == torch.bool and mask.dim() == 1 and mask.shape[0] == tokens,
-            lambda: f"mask for {self.module_name} must be bool [{tokens}], got {mask.dtype} {tuple(mask.shape)}",
-        )
-        if rank is None and self.shard is not None:
-            rank = self.shard.rank
-        replacement = shard_rows(replacement, spec, rank,
-                                 lambda: f"tokens of the replacement for {self.module_name} ({spec})")
-        mask = shard_rows(mask, spec, rank, lambda: f"tokens of the mask for {self.module_name} ({spec})").unsqueeze(-1)
-        full = self.adapter(replacement, self.module)
-        values = tuple(full) if isinstance(full, (tuple, list)) else (full,)
-        if len(values) != len(parts):
-            raise TargetError(f"the adapter for {self.module_name} returns {len(values)} tensor(s) "
-                             f"{_shapes(values)}, but the point computes {len(parts)}: {_shapes(parts)}; pick one "
-                             "with point='output[i]' or use a pair adapter (e.g. 'topk_softmax_pairs') for a (weights, "
-                             "ids) point")
-        if len(values) > 1 and spec is not None and spec.mode == "expert":
-            raise ShapeError(f"{self.module_name}: expert sharding slices dense [T, E] values; top-k pairs hold "
-                             "global expert ids, so give this rank the full pairs (no shard spec)")
-        out = []
-        for full_value, flat, part in zip(values, flats, parts):
-            value = shard_columns(full_value, spec, rank, lambda: f"experts of {self.module_name} ({spec})")
-            require(
-                tuple(value.shape) == tuple(flat.shape),
-                lambda: f"replacement for {self.module_name} becomes {tuple(value.shape)} after shard/adapter, but "
-                f"the module computes {tuple(flat.shape)} (from {tuple(part.shape)})"
-                + layout_hint(spec, full_value.shape, flat.shape),
-            )
-            out.append(torch.where(mask, value.to(flat.dtype), flat).reshape(part.shape))
-        return rebuild(computed, out) if isinstance(computed, (tuple, list)) else out[0]
+        out.append(torch.where(mask, value.to(flat.dtype), flat).reshape(part.shape))
+    return rebuild(computed, out) if isinstance(computed, (tuple, list)) else out[0]
 
 
 def inject_routing(injection: Injection, values: list[torch.Tensor], num_experts: int | None, replacement, mask,
@@ -174,19 +198,19 @@ def with_element(sequence: tuple | list, index: int, value):
     return rebuild(sequence, parts)
 
 
-def _check_dtype_and_device(injection: Injection, replacement: torch.Tensor, mask: torch.Tensor, computed: torch.Tensor,
+def _check_dtype_and_device(module_name: str, replacement: torch.Tensor, mask: torch.Tensor, computed: torch.Tensor,
                             fed: bool = False) -> None:
     """Float replacements are cast to the computed dtype; anything else would be a
     silent change of meaning (token ids, a truncated int). Devices must agree: ``fed``
     (the max-size feed buffers) says the fix is a feed after the move, not the context."""
     if computed.dtype.is_floating_point and not replacement.dtype.is_floating_point:
-        raise TypeError(f"replacement for {injection.module_name} is {replacement.dtype}, but the module computes "
+        raise TypeError(f"replacement for {module_name} is {replacement.dtype}, but the module computes "
                         f"{computed.dtype}: give floating-point values (the captured tensor), not a cast of them")
     for what, tensor in (("replacement", replacement), ("mask", mask)):
         if tensor.device != computed.device:
             fix = ("feed() again after moving the model (the buffers follow moves of the instrumented model itself, "
                    "not of a module inside it)" if fed else f"build the context with device={str(computed.device)!r}")
-            raise ValueError(f"{what} for {injection.module_name} is on {tensor.device}, but the module computes on "
+            raise ValueError(f"{what} for {module_name} is on {tensor.device}, but the module computes on "
                              f"{computed.device}: {fix}")
 
 
@@ -240,11 +264,13 @@ class CheckedCalls:
         self.fed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fed_entries: dict[torch.Size, CheckedCall] = {}
 
-    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
-        """``values``/``mask`` are buffers that their feeder rewrites before every forward
-        (``feed(bind=True)``): a call with them whose rows are all replaced may return the
-        values' rows themselves (contiguous ones). None: no buffers are shared."""
-        self.fed = None if values is None else (values, mask)
+    def share_fed(self, values: torch.Tensor | None, mask: torch.Tensor | None = None, hands_on: bool = True) -> None:
+        """``values``/``mask`` are the fed buffers a forward without replacements reads: a call with
+        them is found by shape alone. ``hands_on``: their feeder rewrites them before every forward
+        (``feed(bind=True)``), so a call whose rows are all replaced may return the values' rows
+        themselves (contiguous ones); a copied feed's persist, so a model that writes into what a
+        target returns must get a copy. None: no buffers are shared."""
+        self.fed = None if values is None else (values, mask, hands_on)
         self.entries.clear()
         self.fed_entries.clear()
 
@@ -263,7 +289,8 @@ class CheckedCalls:
         are dropped (none holds a tensor of an earlier call), and at most ``CHECKED_SHAPES`` kept."""
         tokens = computed.shape[0]
         rows = slice(0, tokens) if leading_rows else slice(None)
-        host_mask = memoryview(mask[rows].numpy()).cast("B") if mask.device.type == "cpu" and leading_rows else None
+        read = mask[rows]  # a host mask is read without a kernel: a call replacing no row is no kernel at all
+        host_mask = memoryview(read.numpy()).cast("B") if read.device.type == "cpu" and read.is_contiguous() else None
         fed = self.fed is not None and self.fed[0] is replacement and self.fed[1] is mask and host_mask is not None
         kept = {shape: c for shape, c in self.entries.items() if c.replacement is replacement}
         self.entries = kept if len(kept) < CHECKED_SHAPES else {}
@@ -271,7 +298,8 @@ class CheckedCalls:
             replacement, mask, leading_rows, computed.dtype, computed.get_device(), mask[rows].unsqueeze(-1),
             # rows handed on only when contiguous: a built feed's are a column of its position-major storage,
             # and a kernel reading the module's output (a fused top-k) may take rows to be E apart
-            replacement[rows], host_mask, fed and replacement[rows].is_contiguous(), b"\1" * tokens, bytes(tokens))
+            replacement[rows], host_mask, fed and self.fed[2] and replacement[rows].is_contiguous(), b"\1" * tokens,
+            bytes(tokens))
         if fed:
             if len(self.fed_entries) >= CHECKED_SHAPES:
                 self.fed_entries.clear()

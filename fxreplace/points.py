@@ -174,6 +174,15 @@ def forward_attribute(module: nn.Module) -> str:
 #: where :func:`~fxreplace.instrument` keeps a target's forward attribute as it was given (None: its class's)
 GIVEN_FORWARD = "_fxreplace_given_forward"
 
+#: set on the class :func:`~fxreplace.instrument` gives a target (a subclass of the class it had)
+TARGET_CLASS = "_fxreplace_target_class"
+
+
+def given_class(module: nn.Module) -> type:
+    """The class ``module`` had before it was instrumented (its class, when it was not)."""
+    cls = type(module)
+    return cls.__bases__[0] if cls.__dict__.get(TARGET_CLASS) else cls
+
 
 def instance_forward(module: nn.Module) -> Callable | None:
     """The forward a call of ``module`` runs as given when the instance defines it (a bound method, a
@@ -186,8 +195,9 @@ def instance_forward(module: nn.Module) -> Callable | None:
         own = module.__dict__.get(forward_attribute(module))
     if own is None:
         return None
+    cls = given_class(module)
     if (isinstance(own, types.MethodType) and own.__self__ is module
-            and own.__func__ is getattr(type(module).forward, "__func__", type(module).forward)):
+            and own.__func__ is getattr(cls.forward, "__func__", cls.forward)):
         return None  # the class's forward bound to the instance (what accelerate keeps for an unchanged module)
     return own
 
@@ -234,13 +244,15 @@ def _traced_root(module: nn.Module) -> nn.Module:
     """What torch.fx traces for the forward a call of ``module`` runs: the module when its class's forward
     runs; else (fx traces a module's forward from its class) a shallow twin (the same parameters, buffers
     and children) of a class whose forward is the instance's."""
-    own = instance_forward(module)
-    if own is None:
+    own, cls = instance_forward(module), given_class(module)
+    if own is None and cls is type(module):
         return module
     twin = copy.copy(module)
     for name in ("forward", WRAPPED_FORWARD, GIVEN_FORWARD):
         twin.__dict__.pop(name, None)
-    cls = type(module)
+    if own is None:  # an instrumented target: its class's own forward
+        twin.__class__ = cls
+        return twin
     twin.__class__ = type(cls.__name__, (cls,), {"forward": _as_method(own, module), "__module__": cls.__module__})
     return twin
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxreplace.instrument import register_bypass_hint
+from fxreplace.bypass import register_bypass_hint
 from fxreplace.targets import Target
 
 from .registry import get_family

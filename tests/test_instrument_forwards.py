@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 import fxreplace.models as families
 from fxreplace import TargetError
-from fxreplace.instrument import InstrumentationChangedError, check_unchanged, instrument, observe, uninstrument
+from fxreplace.instrument import instrument, observe, uninstrument
+from fxreplace.unchanged import InstrumentationChangedError, check_unchanged
 from graph_helpers import input_ids
 
 ARCH = "Qwen3MoeForCausalLM"

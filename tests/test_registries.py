@@ -12,7 +12,7 @@ import pytest
 
 from fxreplace.adapters import register_adapter
 from fxreplace.engines import registry
-from fxreplace.instrument import _BYPASS_HINTS, register_bypass_hint
+from fxreplace.bypass import _HINTS as _BYPASS_HINTS, register_bypass_hint
 from fxreplace.models import get_family, register_family
 
 ENGINE_MODULE = textwrap.dedent("""

@@ -367,9 +367,9 @@ def test_an_instrumentation_that_changes_the_model_fails_engine_start(ref, eager
     vLLM's dummy forward runs once with every target as it was given and once instrumented (replacement
     off), and their outputs must agree bit for bit. An injection planted to return more than it was
     given fails the start, naming the first target; every other test's engine passes the same proof."""
-    instrumentation = importlib.import_module("fxreplace.instrument")  # the module (the package binds the function)
-    given = instrumentation._with_injected
-    monkeypatch.setattr(instrumentation, "_with_injected",
+    slots = importlib.import_module("fxreplace.slots")
+    given = slots._with_injected
+    monkeypatch.setattr(slots, "_with_injected",
                         lambda output, index, value, injected: given(output, index, value, injected + 1.0))
     with pytest.raises(fxreplace.InstrumentationChangedError, match=r"instrumenting 'model.layers.0.mlp.gate' changed "
                                                                     r"what it computes with nothing replaced"):
@@ -428,7 +428,7 @@ def test_bound_feed_buffers_take_gathers_in_place():
         fed.feed(replacer.warmup_context(16), bind=True)
     buffers = replacer.warmup_context(32)
     fed.feed(buffers, bind=True)
-    assert all(getattr(fed, f"_fxreplace_feed_{i}").data_ptr() == buffers[n].data_ptr() for i, n in enumerate(names))
+    assert all(values.data_ptr() == buffers[n].data_ptr() for (values, _), n in zip(fed._fxreplace.fed, names))
     cnt = CompileCounterWithBackend("eager")
     compiled = torch.compile(fed, backend=cnt, dynamic=False)
     ids = torch.tensor([prompt])

@@ -95,9 +95,9 @@ def validated(reference):
 # injection returns more than it computed, so instrumenting changes vLLM's model.
 CHANGED_INJECTION = """
 import importlib
-instrumentation = importlib.import_module("fxreplace.instrument")
-given = instrumentation._with_injected
-instrumentation._with_injected = lambda output, index, value, injected: given(output, index, value, injected + 1.0)
+slots = importlib.import_module("fxreplace.slots")
+given = slots._with_injected
+slots._with_injected = lambda output, index, value, injected: given(output, index, value, injected + 1.0)
 """
 
 

@@ -20,8 +20,9 @@ import torch
 
 from ..config import ReplacementConfig
 from ..context import ReplacementContext
-from ..instrument import instrument, prove_unchanged
+from ..instrument import instrument
 from ..models import architecture
+from ..unchanged import prove_unchanged
 from ..replacer import TensorReplacer
 from ..targets import Target, TargetError, resolve_targets
 from .protocol import StepRequests
@@ -119,7 +120,7 @@ class Replacement:
         reference whose feature width differs from the module fails the start-up
         instead of the first request; on that forward each target's given forward runs
         again on the same arguments, proving that instrumenting changed nothing the engine
-        computes (:func:`~fxreplace.instrument.prove_unchanged`), else the start-up fails
+        computes (:func:`~fxreplace.unchanged.prove_unchanged`), else the start-up fails
         naming the module."""
         num_tokens = min(8, self.max_tokens)
         unprovable = self.unprovable_at_start()

@@ -8,6 +8,7 @@ from typing import Collection, NamedTuple
 
 import torch
 
+from ..context import Layout
 from ..gather import host_bits
 from ..store import ReferenceStore
 
@@ -23,12 +24,13 @@ class ContextLayout(NamedTuple):
     sources: list[tuple[torch.Tensor, ...]]
     source_bits: list[tuple] | None
     shapes: list[tuple[int, int, torch.dtype]]  # per group: capture names, E, dtype
-    places: dict[str, tuple[int, int]]
+    places: Layout
 
     @staticmethod
     def of(sources: list[tuple[torch.Tensor, ...]], places: dict[str, tuple[int, int]], on_host: bool) -> "ContextLayout":
         shapes = [(t.shape[1], t.shape[2], t.dtype) for t in sources[0]] if sources else []
-        return ContextLayout(sources, [tuple(map(host_bits, src)) for src in sources] if on_host else None, shapes, places)
+        return ContextLayout(sources, [tuple(map(host_bits, src)) for src in sources] if on_host else None, shapes,
+                             Layout.of(places))  # interned once here, not per context built
 
     def narrowed(self, names: frozenset) -> "ContextLayout":
         """The layout of a context holding ``names`` only: a group per run of adjacent columns."""

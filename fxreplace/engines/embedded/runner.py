@@ -37,7 +37,8 @@ from transformers import StaticCache
 
 from ...devices import input_device
 from ...dtypes import as_dtype
-from ...instrument import InstrumentedModel, check_unchanged, observe
+from ...instrument import InstrumentedModel, observe
+from ...unchanged import check_unchanged
 from ...config import ReplacementConfig
 from ...context import PerRequest
 from ..protocol import Engine, Generation

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 from ...config import ConfigError
-from ...instrument import InstrumentationChangedError
+from ...unchanged import InstrumentationChangedError
 from ...targets import TargetError
 from . import shm
 

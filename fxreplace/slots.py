@@ -1,0 +1,393 @@
+"""A target's slot and the forward :func:`~fxreplace.instrument.instrument` gives it.
+
+Each target's class becomes a subclass whose forward (one per kind of point) reads the target's
+entry of the forward in progress, published per model on ``ARMED``. When the injection point is
+inside the module (e.g. router logits), the module is traced alone with ``torch.fx``,
+:func:`~fxreplace.passes.insert_replacements` adds the replacement/mask inputs to that small
+graph, and the forward runs the graph's code on the *original* module (parameters,
+``state_dict`` keys and ``load_state_dict`` untouched); when the point is the module output,
+the forward wraps the original one. In a compiled model's trace a slot's fixed data is folded in
+behind one identity guard and the entries are values of the trace, so the guards do not grow
+with the targets.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+from torch import nn
+from torch._dynamo.symbolic_convert import InstructionTranslator as _Translator  # no public way to ask fullgraph
+from torch._guards import TracingContext as _TracingContext  # no public way to tell a trace apart
+from torch.compiler import is_dynamo_compiling
+
+from .context import Layout
+from .errors import TargetNotHitError
+from .injection import Injection, inject, inject_routing, recording, with_element
+from .liveness import Watched
+from .passes import InjectionSpec, insert_replacements
+from .points import GIVEN_FORWARD, TARGET_CLASS, WRAPPED_FORWARD, InjectionPoint, forward_attribute, given_class
+from .targets import ResolvedTarget, TargetError
+
+
+class SlotState:
+    """Where a slot stands in its model's forward. Plain class attributes, not an Enum: a member
+    of an Enum takes 0.2 us to look up, and every target looks up a few per eager forward."""
+
+    IDLE = "idle"  # outside an instrumented forward: the target passes through
+    FED = "fed"  # armed eagerly with the fed buffers (output points may take the fast path)
+    ARMED = "armed"  # armed with a forward's own replacements, or while the forward is recorded
+    TAKEN = "taken"  # consumed: a second take in the same forward is an error
+
+
+class Slot:
+    """One target's part of its model's forwards: what is fixed at instrument time (its point, its
+    Injection, the forward it was given, and ``constants``: the plain values a compiled graph folds
+    in with one identity guard on the slot) and, eagerly, whether this forward reached it."""
+
+    def __init__(self, target: ResolvedTarget):
+        self.target = target
+        self.state = SlotState.IDLE
+        self.unproven = False  # an output[i] that no graph showed read: the next eager forward watches it
+        self.read: bool | None = None  # while watched: whether an op of this forward read it
+        # set by bind: the module's own forward, its point and Injection, the (shared) generated forward
+        self.original = self.passes_self = self.point = self.injection = self.graph_forward = None
+        self.constants: tuple = ()  # (model key, index, passes_self, output index, spec, name, given forward's number)
+        self.traced_in = None  # the Dynamo trace that last reached it (see _constants)
+
+    def take(self) -> None:
+        """Record that a forward reached the target (a second time is an error): eagerly, or traced
+        in a graph that may not break (Dynamo replays the change). A slot left idle was armed by a
+        compiled forward (an eager stretch between graph breaks): its graph's trace checked the hits."""
+        state = self.state
+        if state is SlotState.TAKEN:
+            raise TargetNotHitError(f"target {self.target.module_name!r} was hit twice in one forward")
+        if state is not SlotState.IDLE:
+            self.state = SlotState.TAKEN
+
+    def settle(self, key: str, index: int) -> None:
+        """Fix ``constants`` once bound: the slot is entry ``index`` of model ``key``'s (see ``ARMED``)."""
+        forward = _given_number(self.original)
+        _GIVEN[forward] = self.original
+        self.constants = (key, index, self.passes_self, self.point.output_index, self.injection.spec,
+                          self.target.module_name, forward)
+
+
+class _Armed:
+    """Per instrumented model (an attribute named by its key), the forward in progress: per target
+    ``(replacement, mask, leading_rows)`` or None (that target off). Set and cleared by the model's
+    forward; the targets read their entry here, eagerly and in a compiled graph alike. In a graph the
+    list is a value of the trace (never a guarded input), so the guards do not grow with the targets;
+    an attribute rather than a dict item, as Dynamo would guard on the dict's keys (every model's)."""
+
+
+ARMED = _Armed()
+OBSERVING = [0]  # observe() contexts open: while none is, a compiled graph folds "no observers" in
+
+
+def _trace_now():
+    """The Dynamo trace running, or None (eagerly). Read only by the constant functions below, which
+    Dynamo runs at trace time."""
+    return _TracingContext.try_get()
+
+
+_MODEL_TRACE = [None]  # the Dynamo trace of an instrumented model's forward in progress (see traced_begin)
+_IN_MODEL, _ONE_GRAPH, _RESUMABLE = range(3)  # how a traced target reads its entry (see _trace_kind)
+
+
+@torch.compiler.assume_constant_result
+def _trace_kind() -> int:
+    """How the running trace reaches a target, folded into the graph with no guard at all:
+    ``_IN_MODEL``, an instrumented model's forward (the slot's constants folded in); ``_ONE_GRAPH``,
+    a trace that may not break (``fullgraph``: vLLM compiles the inner model, below the forward that
+    arms) and reads the entry in the graph; else ``_RESUMABLE`` (a target compiled alone, a frame
+    resumed after a graph break), which reads it outside the graph: in it, a guard per target would
+    recompile the frame's code once per layer."""
+    trace = _trace_now()
+    if trace is not None and _MODEL_TRACE[0] is trace:
+        return _IN_MODEL
+    tx = _Translator.current_tx()
+    one_graph = tx is not None and (tx.one_graph or getattr(tx, "error_on_graph_break", False))
+    return _ONE_GRAPH if one_graph else _RESUMABLE
+
+
+@torch.compiler.assume_constant_result
+def _constants(slot: Slot) -> tuple:
+    """``slot.constants``, folded into the model's graph and guarded by the slot's identity alone.
+    It also records the hit (see :func:`traced_hits`)."""
+    trace = _trace_now()
+    if slot.traced_in is trace:
+        raise TargetNotHitError(f"target {slot.target.module_name!r} was hit twice in one forward")
+    slot.traced_in = trace
+    return slot.constants
+
+
+@torch.compiler.assume_constant_result
+def traced_begin(state) -> int:
+    """At trace time, as the model's forward arms: its targets record their hits in this trace."""
+    state.trace = _MODEL_TRACE[0] = _trace_now()
+    return 0
+
+
+@torch.compiler.assume_constant_result
+def traced_plan(state, layout: Layout) -> tuple:
+    """Per target, where a context of ``layout`` holds it: ``(group, column, mask row or -1)``, or
+    None. Folded into the graph, guarded by the identities of the model's state and the (interned)
+    layout: one guard each, whatever the number of targets or capture names."""
+    plan = []
+    for target in state.targets:
+        place = layout.places.get(target.capture_name)
+        rows = layout.mask_rows
+        plan.append(None if place is None else (*place, -1 if rows is None else rows[target.capture_name]))
+    return tuple(plan)
+
+
+@torch.compiler.assume_constant_result
+def traced_hits(state) -> int:
+    """At trace time, after the model's forward: every target the trace armed was reached exactly
+    once. A trace cut by a graph break is checked no further (its eager stretches check their own)."""
+    trace = _trace_now()
+    if trace is not None and state.trace is trace:
+        missed = [slot.target.module_name for slot in state.slots if slot.traced_in is not trace]
+        if missed:
+            raise TargetNotHitError(f"targets not reached in this forward (a replaced or fused forward may skip "
+                                    f"them): {missed}")
+    return 0
+
+
+def bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: Slot) -> None:
+    """Give ``module`` the forward that reads ``slot``: its class becomes a subclass whose forward
+    is one function for every target of a kind, reading everything target-specific from the slot.
+    A class, not a forward set on the instance: Dynamo checks a method an instance holds with a
+    Python guard per target (that it is bound to that instance). One function, not one per target:
+    Dynamo guards on the function a module calls, so a frame resumed after a graph break inside a
+    layer would recompile once per layer. The instance's own forward, where it has one, runs from
+    the slot; accelerate's wrapper is pointed at the class's forward."""
+    attribute = forward_attribute(module)
+    module.__dict__[GIVEN_FORWARD] = module.__dict__.get(attribute)  # what :func:`unbind` puts back
+    original = getattr(module, attribute)
+    own = isinstance(original, types.MethodType) and original.__self__ is module
+    # a method's function (the class's is shared by every module of the class) rather than a method bound to this one
+    slot.original, slot.passes_self = (original.__func__, True) if own else (original, False)
+    slot.injection, slot.point = injection, point
+    if point.graph_module is not None:
+        slot.graph_forward = _shared_graph_forward(point, injection)
+    module.__dict__[SLOT] = slot
+    forward = (_graph_point_forward if point.graph_module is not None else
+               _routing_point_forward if point.routing_inputs is not None else _output_point_forward)
+    if attribute == "forward":
+        module.__dict__.pop("forward", None)  # the instance's own forward, now the slot's
+    module.__class__ = _target_class(type(module), forward)
+    follow_class(module)
+
+
+SLOT = "_fxreplace_slot"
+_SHARED_FORWARDS: dict[tuple, Callable] = {}
+_TARGET_CLASSES: dict[tuple, type] = {}
+
+
+def _target_class(cls: type, forward: Callable) -> type:
+    """``cls`` with ``forward``, under the same name (shared by every target of the class and kind)."""
+    key = (cls, forward)
+    if key not in _TARGET_CLASSES:
+        _TARGET_CLASSES[key] = type(cls.__name__, (cls,), {"forward": forward, TARGET_CLASS: True,
+                                                           "__module__": cls.__module__,
+                                                           "__qualname__": cls.__qualname__})
+    return _TARGET_CLASSES[key]
+
+
+def follow_class(module: nn.Module) -> None:
+    """Point accelerate's wrapper, where the module has one, at its class's forward: it calls the
+    forward bound at dispatch, which would bypass the instrumented class (and keep it after
+    :func:`~fxreplace.instrument.uninstrument`)."""
+    if WRAPPED_FORWARD in module.__dict__:
+        module.__dict__[WRAPPED_FORWARD] = types.MethodType(type(module).forward, module)
+
+
+def unbind(module: nn.Module) -> None:
+    """Undo :func:`bind`: the module's class and the forward it was given (its class's, or the instance's own)."""
+    attribute, given = forward_attribute(module), module.__dict__.pop(GIVEN_FORWARD)
+    if given is None:
+        module.__dict__.pop(attribute, None)
+    else:
+        module.__dict__[attribute] = given
+    module.__dict__.pop(SLOT, None)
+    module.__class__ = given_class(module)
+
+
+def call_original(self, given: tuple, args, kwargs):
+    """Call the forward the target was given: ``given`` is ``(function, whether it takes self)``."""
+    original, passes_self = given
+    return original(self, *args, **kwargs) if passes_self else original(*args, **kwargs)
+
+
+#: the forwards targets were given, by number: a compiled graph reads a target's here by a constant
+#: number, one guard per distinct forward (a class's, shared by its modules) rather than per target
+_GIVEN: dict[int, Callable] = {}
+_GIVEN_NUMBERS: dict[Callable, int] = {}
+
+
+def _given_number(forward: Callable) -> int:
+    return _GIVEN_NUMBERS.setdefault(forward, len(_GIVEN_NUMBERS))
+
+
+def _call_injection(injection, computed, replacement, mask, rank=None, leading_rows=False):
+    """The op a target's graph calls: its Injection arrives as an input, not as a constant of the
+    code, so every target of the same structure runs the same generated code. In a compiled graph
+    it is the Injection's constant spec instead (see :func:`_armed`)."""
+    if type(injection) is tuple:
+        spec, name, module = injection
+        return inject(spec, name, module, computed, replacement, mask, rank, leading_rows)
+    return injection(computed, replacement, mask, rank, leading_rows)
+
+
+_OFF = (None, None, False)
+
+
+def _runtime_entry(slot: Slot):
+    """This forward's ``(replacement, mask, leading_rows)`` for the target (``_OFF``: off), or None
+    outside an instrumented forward, read when it runs; records the hit."""
+    key, index = slot.constants[:2]
+    inputs = getattr(ARMED, key, None)
+    if inputs is None:
+        return None
+    slot.take()
+    return inputs[index] or _OFF
+
+
+# in a compiled frame that may break and is not the model's trace (a target compiled alone, a frame
+# resumed after a graph break) the entry is read at run time: folding it in would be a graph per target
+_runtime_entry_out_of_graph = torch.compiler.disable(_runtime_entry)
+
+
+def _armed(self, slot: Slot):
+    """``(given forward, output index, entry, injection)`` for a target's forward (see _runtime_entry).
+    In the model's trace: the slot's constants folded in (one guard), the entry a value of the trace;
+    in another trace that may not break (vLLM's inner model): read as eagerly, a guard per target."""
+    kind = _trace_kind() if is_dynamo_compiling() else None
+    if kind == _IN_MODEL:
+        key, index, passes_self, point_index, spec, name, forward = _constants(slot)
+        inputs = getattr(ARMED, key, None)
+        entry = None if inputs is None else inputs[index] or _OFF
+        given = (_GIVEN[forward], passes_self)
+        return given, point_index, entry, slot.injection if OBSERVING[0] else (spec, name, self)
+    entry = _runtime_entry_out_of_graph(slot) if kind == _RESUMABLE else _runtime_entry(slot)
+    return (slot.original, slot.passes_self), slot.point.output_index, entry, slot.injection
+
+
+def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callable:
+    """The forward of the point's graph (its target traced alone) with the replacement inputs
+    added, shared by every target whose graph generates the same code over the same globals."""
+    gm = point.graph_module
+    insert_replacements(gm, [InjectionSpec("", point.point, injection, "fxreplace_replacement")],
+                        leading_rows_input="fxreplace_leading_rows")
+    graph = gm.graph
+    node = next(n for n in graph.nodes if n.op == "call_function" and n.target is injection)
+    leading = next(n for n in graph.nodes if n.op == "placeholder" and n.target == "fxreplace_leading_rows")
+    with graph.inserting_after(leading):
+        given = graph.placeholder("fxreplace_injection", default_value=None)
+    node.target, node.args = _call_injection, (given, *node.args)
+    gm.recompile()
+    forward = type(gm).forward
+    used = forward.__code__.co_names
+    key = (gm.code, tuple((name, id(value)) for name, value in forward.__globals__.items() if name in used))
+    return _SHARED_FORWARDS.setdefault(key, forward)
+
+
+def _graph_point_forward(self, *args, **kwargs):
+    """The forward of a target whose point is a node inside it: its graph's code on the module."""
+    slot = self._fxreplace_slot
+    given, _, entry, injection = _armed(self, slot)
+    if entry is None:
+        return call_original(self, given, args, kwargs)
+    replacement, mask, leading_rows = entry
+    return slot.graph_forward(
+        self, *args, **kwargs,
+        fxreplace_replacement=replacement, fxreplace_mask=mask,
+        fxreplace_leading_rows=leading_rows, fxreplace_injection=injection,
+    )
+
+
+def _routing_point_forward(self, *args, **kwargs):
+    """The forward of a target whose point is the routing it is called with (see
+    :func:`~fxreplace.injection.inject_routing`): the module runs on the replaced arguments."""
+    slot = self._fxreplace_slot
+    given, _, entry, _ = _armed(self, slot)
+    if entry is None:
+        return call_original(self, given, args, kwargs)
+    point = slot.point
+    args, kwargs = list(args), dict(kwargs)
+    routing = [args[key] if isinstance(key, int) else kwargs[key] for key in point.routing_inputs]
+    routed = inject_routing(slot.injection, routing, point.num_experts, *entry)
+    for key, value in zip(point.routing_inputs, routed):
+        if isinstance(key, int):
+            args[key] = value
+        else:
+            kwargs[key] = value
+    return call_original(self, given, tuple(args), kwargs)
+
+
+def _output_point_forward(self, *args, **kwargs):
+    """The forward of a target whose injection point is its output (or ``output[i]``).
+
+    Eager engines call it once per target per forward, so their common case comes first:
+    an eager forward armed with the fed buffers, a plain tensor at ``output`` or ``output[i]``
+    of a tuple and a call the Injection has checked with those buffers take the fast path
+    (:meth:`~fxreplace.injection.CheckedCalls.fed_entry`). Anything else, and any
+    tracing, goes through the Injection."""
+    slot = self._fxreplace_slot
+    # (Dynamo may start tracing inside an eager forward: then the Injection decides)
+    if not is_dynamo_compiling() and slot.state is SlotState.FED and not slot.unproven:
+        point_index = slot.point.output_index
+        output = call_original(self, (slot.original, slot.passes_self), args, kwargs)
+        value = output if point_index is None else output[point_index] if type(output) is tuple else None
+        if type(value) is torch.Tensor and not slot.injection.observers:  # (not a subclass, e.g. a FakeTensor)
+            entry = slot.injection.checked.fed_entry(value)
+            if entry is not None:
+                slot.state = SlotState.TAKEN
+                return _with_injected(output, point_index, value, entry.inject(value))
+        return _inject_output(slot, output, *_armed(self, slot)[1:])
+    given, point_index, entry, injection = _armed(self, slot)
+    return _inject_output(slot, call_original(self, given, args, kwargs), point_index, entry, injection)
+
+
+def _inject_output(slot: Slot, output, point_index, entry, injection):
+    """``output`` with the target's point replaced by ``entry`` (None: outside an instrumented forward)."""
+    if entry is None:
+        return output
+    replacement, mask, leading_rows = entry
+    # (the slot's name and point only on error paths: each read would be a guard per target)
+    if point_index is None:
+        value = output
+    elif isinstance(output, (tuple, list)):
+        value = output[point_index]
+    else:
+        raise TargetError(f"{slot.target.module_name!r}: point {slot.point.point!r} indexes the output, but the "
+                          f"module returns a {type(output).__name__} (indexing would pick a row): use point='output'")
+    if type(value) is not torch.Tensor:
+        _check_point_value(value, slot.target.module_name, slot.point.point)
+    injected = _call_injection(injection, value, replacement, mask, None, leading_rows)
+    if (not is_dynamo_compiling() and slot.unproven and replacement is not None and type(injected) is torch.Tensor
+            and not recording()):
+        injected = Watched.watch(injected, slot)
+    return _with_injected(output, point_index, value, injected)
+
+
+def _with_injected(output, index: int | None, value, injected):
+    if index is None:
+        return injected
+    if injected is value:  # nothing replaced: the module's own output
+        return output
+    return with_element(output, index, injected)
+
+
+def _check_point_value(value, module_name: str, where) -> None:
+    """An output point reads a tensor or a pair of tensors; anything else is an error."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return
+    fallback = " (it cannot be traced alone, so 'auto' means its output)" if where == "auto" else ""
+    raise TargetError(f"{module_name!r}: point {where!r}{fallback} is a {type(value).__name__}, not a tensor; use "
+                      "point='output[i]' or a callable point")

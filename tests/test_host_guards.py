@@ -1,0 +1,198 @@
+"""Issue 57: what a compiled instrumented model guards on does not grow with its targets, and
+nothing it leaves out lets a changed context reuse a wrong graph. A context enters a compiled
+graph as its group tensors and its mask (its layout checked by one identity guard); new values
+reuse the graph, a new shape, set of names or dtype compiles anew or runs correctly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxreplace
+from fxreplace import ReplacementContext
+
+HIDDEN, EXPERTS, TOKENS = 16, 4, 6
+
+
+class Block(nn.Module):
+    """A residual block whose gate (the target) computes routing-like logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.down = nn.Linear(HIDDEN, EXPERTS, bias=False), nn.Linear(EXPERTS, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return x + self.down(self.gate(x).softmax(-1))
+
+
+class Stack(nn.Sequential):
+    def __init__(self, n: int):
+        super().__init__(*(Block() for _ in range(n)))
+
+
+def reference(plain: Stack, x, values: dict, mask) -> torch.Tensor:
+    """The stack with each gate's rows under ``mask`` replaced by hand."""
+    for i, block in enumerate(plain):
+        computed = block.gate(x)
+        value = values.get(f"{i}.gate")
+        gate = computed if value is None else torch.where(mask.unsqueeze(-1), value.to(computed.dtype), computed)
+        x = x + block.down(gate.softmax(-1))
+    return x
+
+
+class Graphs:
+    """A backend that counts the graphs it compiles and keeps the last one's inputs."""
+
+    def __init__(self):
+        self.count = 0
+        self.inputs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.count += 1
+        self.inputs = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+        return gm.forward
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+
+
+def _model(n: int, max_tokens=None):
+    torch.manual_seed(n)
+    plain = Stack(n).eval()
+    model = fxreplace.instrument(Stack(n).eval(), ["*.gate"], max_tokens=max_tokens)
+    model.load_state_dict(plain.state_dict())
+    return plain, model
+
+
+def _context(names, seed, tokens=TOKENS, dtype=torch.float32, every=2):
+    gen = torch.Generator().manual_seed(seed)
+    values = {name: (torch.randn(tokens, EXPERTS, generator=gen) * 3).to(dtype) for name in names}
+    return values, ReplacementContext(values, torch.arange(tokens) % every == 0)
+
+
+@pytest.mark.parametrize("n", [2, 6])
+def test_a_context_enters_as_its_groups_and_mask(n):
+    """The graph's inputs: the plain model's, plus one tensor per group and the mask, whatever the targets."""
+    plain, model = _model(n)
+    counted = {}
+    for name, m, kwargs in (("plain", plain, {}), ("context", model, {"replacements": _context(model.targets, 0)[1]})):
+        graphs = Graphs()
+        with torch.no_grad():
+            torch.compile(m, backend=graphs)(torch.randn(TOKENS, HIDDEN), **kwargs)
+        counted[name] = graphs.inputs
+    assert counted["context"] == counted["plain"] + 2
+
+
+def test_new_values_reuse_the_graph_new_shapes_names_and_dtypes_are_right():
+    plain, model = _model(3)
+    graphs = Graphs()
+    compiled = torch.compile(model, backend=graphs)
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        for seed in (0, 1, 2):  # new values, new masks: one graph
+            values, ctx = _context(model.targets, seed, every=seed + 1)
+            torch.testing.assert_close(compiled(x, replacements=ctx), reference(plain, x, values, ctx.mask))
+        assert graphs.count == 1
+        cases = {
+            "a new shape": _context(model.targets, 3, tokens=TOKENS + 2),
+            "a new set of names": _context(model.targets[:2], 4),
+            "names in another order": _context(list(reversed(model.targets)) + ["9.gate"], 5),
+            "a new dtype": _context(model.targets, 6, dtype=torch.bfloat16),
+        }
+        for what, (values, ctx) in cases.items():
+            xs = torch.randn(ctx.num_tokens, HIDDEN)
+            got = compiled(xs, replacements=ctx)
+            torch.testing.assert_close(got, reference(plain, xs, values, ctx.mask), msg=what)
+        values, ctx = _context(model.targets, 7)
+        torch.testing.assert_close(compiled(x, replacements=ctx), reference(plain, x, values, ctx.mask))
+    assert graphs.count > 1  # the new shapes, names and dtypes compiled graphs of their own
+
+
+def test_a_selection_reuses_the_graph_of_every_selection():
+    """A SelectedContext's masks are the rows of one matrix: a new selection is new values."""
+    plain, model = _model(3)
+    graphs = Graphs()
+    compiled = torch.compile(model, backend=graphs)
+    x = torch.randn(TOKENS, HIDDEN)
+    values, ctx = _context(model.targets, 0)
+    with torch.no_grad():
+        for names in (model.targets[:1], model.targets[1:], []):
+            got = compiled(x, replacements=ctx.select(names))
+            torch.testing.assert_close(got, reference(plain, x, {n: values[n] for n in names}, ctx.mask))
+    assert graphs.count == 1
+
+
+def test_a_target_skipped_in_a_compiled_forward_is_an_error():
+    """The hits are checked at trace time: a compiled forward that skips a target raises."""
+    _, model = _model(2)
+
+    class Skip(Stack):
+        def forward(self, x):
+            return self[0](x)
+
+    model.__class__ = type("Skip", (type(model), Skip), {})
+    with pytest.raises(Exception, match="not reached"):
+        with torch.no_grad():
+            torch.compile(model, backend="eager")(torch.randn(TOKENS, HIDDEN),
+                                                  replacements=_context(model.targets, 0)[1])
+
+
+class Outer(nn.Module):
+    """A model whose forward calls its inner stack through ``run`` (vLLM compiles ``model.model``
+    on its own, with ``fullgraph=True``, below the instrumented forward that arms the targets)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.inner = Stack(n)
+        self.run = [self.inner]  # a list: the compiled inner stack is no submodule
+
+    def forward(self, x):
+        return self.run[0](x)
+
+
+@pytest.mark.parametrize("bind", [False, True], ids=["copied", "bound"])
+@pytest.mark.parametrize("inner", [False, True], ids=["model", "inner-fullgraph"])
+def test_fed_buffers_new_values_reuse_the_graph(inner, bind):
+    """Compiled whole, or its inner stack alone with ``fullgraph=True`` (vLLM's way): the fed
+    buffers are read in the graph, new values and clear() reuse it."""
+    torch.manual_seed(0)
+    plain = Stack(3).eval()
+    model = fxreplace.instrument(Outer(3).eval(), ["inner.*.gate"], max_tokens=TOKENS)
+    model.inner.load_state_dict(plain.state_dict())
+    graphs = Graphs()
+    call = model if inner else torch.compile(model, backend=graphs)
+    if inner:
+        model.run[0] = torch.compile(model.inner, backend=graphs, fullgraph=True)
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        bound = _context(model.targets, 0)[1]
+        if bind:  # once: the context then written into in place
+            model.feed(bound, bind=True)
+        for seed in (1, 2):
+            values, fed = _context(model.targets, seed, every=seed + 1)
+            if bind:
+                for name in fed:
+                    bound[name].copy_(fed[name])
+                bound.mask.copy_(fed.mask)
+            else:
+                model.feed(fed)
+            values = {name.removeprefix("inner."): value for name, value in values.items()}
+            torch.testing.assert_close(call(x), reference(plain, x, values, fed.mask))
+        model.clear()
+        torch.testing.assert_close(call(x), plain(x))
+    assert graphs.count == 1
+
+
+def test_a_hand_made_context_takes_the_layout_asked_for_last():
+    """A replacer made anew over a store whose layout another context of the same names displaced
+    (an earlier model, an earlier test) is again the layout a hand-made context takes: one graph."""
+    store_order = {"a": (0, 0), "b": (0, 1)}
+    first = fxreplace.context.Layout.of(store_order)
+    fxreplace.context.Layout.of({"b": (0, 0), "a": (0, 1)})
+    assert fxreplace.context.Layout.of(dict(store_order)) is first  # interned: the replacer's, made anew
+    ctx = ReplacementContext({"b": torch.zeros(TOKENS, EXPERTS), "a": torch.ones(TOKENS, EXPERTS)},
+                             torch.ones(TOKENS, dtype=torch.bool))
+    assert ctx.layout is first and torch.equal(ctx["a"], torch.ones(TOKENS, EXPERTS))
