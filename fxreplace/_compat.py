@@ -5,4 +5,25 @@ try:  # torch >= 2.10
 except ImportError:  # torch 2.8 / 2.9: the same hint under its older name
     from torch.fx.experimental.symbolic_shapes import hint_int as size_hint
 
-__all__ = ["size_hint"]
+import itertools
+import weakref
+
+__all__ = ["size_hint", "trace_key", "traced"]
+
+# torch 2.8 / 2.9's assume_constant_result takes Python constants only (2.10+ also takes an object,
+# guarded by its identity): the trace-time functions take an object's key and look it up here
+_TRACED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_TRACE_KEYS = itertools.count()
+
+
+def trace_key(obj) -> str:
+    """A name, unique in this process, that stands for ``obj`` in a compiled graph's trace-time
+    functions (also a valid attribute name); held weakly."""
+    key = f"{type(obj).__name__}_{next(_TRACE_KEYS)}"
+    _TRACED[key] = obj
+    return key
+
+
+def traced(key: str):
+    """The object :func:`trace_key` named ``key``."""
+    return _TRACED[key]

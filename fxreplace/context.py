@@ -13,6 +13,8 @@ from typing import Iterator
 
 import torch
 
+from ._compat import trace_key
+
 
 class Layout(Mapping):
     """Where a context keeps each capture name: ``places[name]`` is ``(group, column)`` of its
@@ -20,7 +22,7 @@ class Layout(Mapping):
     (None: every name reads the one ``mask``). Interned: equal layouts are one object, so a compiled
     graph checks a context's whole layout with one identity guard instead of one per capture name."""
 
-    __slots__ = ("places", "mask_rows", "__weakref__")
+    __slots__ = ("places", "mask_rows", "trace_key", "__weakref__")
     _interned: dict[tuple, "Layout"] = {}
     _by_names: dict[frozenset, "Layout"] = {}  # the latest layout of each set of names (see _pack)
     _lock = threading.Lock()
@@ -28,6 +30,7 @@ class Layout(Mapping):
     def __init__(self, places: dict[str, tuple[int, int]], mask_rows: dict[str, int] | None):
         self.places = places
         self.mask_rows = mask_rows
+        self.trace_key = trace_key(self)
 
     @classmethod
     def of(cls, places: Mapping[str, tuple[int, int]], mask_rows: Mapping[str, int] | None = None) -> "Layout":

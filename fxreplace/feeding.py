@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ._compat import trace_key, traced
 from .context import ReplacementContext
 from .devices import computes_on
 from .sharding import ShapeError
@@ -25,6 +26,7 @@ class Feed:
 
     def __init__(self, storage: tuple, masks: tuple, places: tuple):
         self.storage, self.masks, self.places = storage, masks, places
+        self.trace_key = trace_key(self)
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.storage, *self.masks]
@@ -38,7 +40,8 @@ class Feed:
 
     def traced(self) -> list:
         """Per target ``(values, mask, True)`` or None, as views made in a compiled graph."""
-        return [None if v is None else (*v, True) for v in _views(self.storage, self.masks, _feed_places(self))]
+        places = _feed_places(self.trace_key)
+        return [None if v is None else (*v, True) for v in _views(self.storage, self.masks, places)]
 
 
 def _views(storage: tuple, masks: tuple, places: tuple) -> list:
@@ -48,9 +51,9 @@ def _views(storage: tuple, masks: tuple, places: tuple) -> list:
 
 
 @torch.compiler.assume_constant_result
-def _feed_places(feed: Feed) -> tuple:
-    """``feed.places``, folded into a compiled graph and guarded by the feed's identity."""
-    return feed.places
+def _feed_places(key: str) -> tuple:
+    """``places`` of the feed named ``key``, folded into a compiled graph and guarded by that key."""
+    return traced(key).places
 
 
 class Feeding:

@@ -108,7 +108,7 @@ def inject(spec: int, module_name: str, module: nn.Module, computed, replacement
     parts = tuple(computed) if isinstance(computed, (tuple, list)) else (computed,)
     flats = [part.reshape(-1, part.shape[-1]) for part in parts]
     tokens = rows_before_sharding(flats[0].shape[0], shard)
-    _check_dtype_and_device(module_name, replacement, mask, flats[0], leading_rows)
+    _check_dtype_and_device(replacement, mask, flats[0], leading_rows, lambda: module_name)
     if leading_rows:
         replacement, mask = replacement[:tokens], mask[:tokens]
     require(
@@ -198,19 +198,21 @@ def with_element(sequence: tuple | list, index: int, value):
     return rebuild(sequence, parts)
 
 
-def _check_dtype_and_device(module_name: str, replacement: torch.Tensor, mask: torch.Tensor, computed: torch.Tensor,
-                            fed: bool = False) -> None:
+def _check_dtype_and_device(replacement: torch.Tensor, mask: torch.Tensor, computed: torch.Tensor, fed: bool,
+                            module_name: Callable[[], str]) -> None:
     """Float replacements are cast to the computed dtype; anything else would be a
     silent change of meaning (token ids, a truncated int). Devices must agree: ``fed``
-    (the max-size feed buffers) says the fix is a feed after the move, not the context."""
+    (the max-size feed buffers) says the fix is a feed after the move, not the context.
+    ``module_name`` is called on failure only: a frame Dynamo resumes after a graph break
+    holds the name, and torch 2.9 guards on a string passed on (a recompile per target)."""
     if computed.dtype.is_floating_point and not replacement.dtype.is_floating_point:
-        raise TypeError(f"replacement for {module_name} is {replacement.dtype}, but the module computes "
+        raise TypeError(f"replacement for {module_name()} is {replacement.dtype}, but the module computes "
                         f"{computed.dtype}: give floating-point values (the captured tensor), not a cast of them")
     for what, tensor in (("replacement", replacement), ("mask", mask)):
         if tensor.device != computed.device:
             fix = ("feed() again after moving the model (the buffers follow moves of the instrumented model itself, "
                    "not of a module inside it)" if fed else f"build the context with device={str(computed.device)!r}")
-            raise ValueError(f"{what} for {module_name} is on {tensor.device}, but the module computes on "
+            raise ValueError(f"{what} for {module_name()} is on {tensor.device}, but the module computes on "
                              f"{computed.device}: {fix}")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import threading
 import weakref
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 from torch.compiler import is_dynamo_compiling
 
+from ._compat import trace_key
 from .bypass import bypass_hint
 from .context import ReplacementContext
 from .errors import ConcurrentForwardError, TargetNotHitError
@@ -33,14 +33,11 @@ from .injection import Injection, recording
 from .liveness import check_watched
 from .points import (ROUTING, check_adapter_fits, check_output_point_read, computes_linear_output, describe_forward,
                      instance_forward, locate_injection_point)
-from .slots import (ARMED, OBSERVING, SLOT, Slot, SlotState, bind, follow_class, traced_begin,
+from .slots import (ARMED, SLOT, Slot, SlotState, bind, follow_class, traced_begin,
                     traced_hits, traced_plan, unbind)
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
 __all__ = ["ConcurrentForwardError", "InstrumentedModel", "TargetNotHitError", "instrument", "observe", "uninstrument"]
-
-
-_MODEL_KEYS = itertools.count()
 
 
 class Instrumentation:
@@ -56,8 +53,8 @@ class Instrumentation:
         self.fed_inputs: list = [None] * len(slots)  # what a forward without replacements= arms: the fed buffers
         self.feed: Feed | None = None  # the fed buffers, grouped
         self.last_inputs: tuple | None = None  # (weakref to the context given last, its entries): see _inputs
-        self.key = f"model_{next(_MODEL_KEYS)}"  # this model's attribute of ARMED
-        self.trace = None  # the Dynamo trace of the model's forward that last planned (see traced_plan)
+        self.key = trace_key(self)  # this model's attribute of ARMED, and its name at trace time
+        self.observers = 0  # observe() contexts open on this model
         for index, slot in enumerate(slots):
             slot.settle(self.key, index)
         self.running = threading.Lock()  # held by the one eager forward in progress
@@ -110,7 +107,7 @@ class Instrumentation:
     def observing(self, callback: Callable[[str, torch.Tensor], None]):
         """See :func:`observe` (which checks the model; :mod:`~fxreplace.liveness` calls this)."""
         added = []
-        OBSERVING[0] += 1
+        self.observers += 1
         for target, injection in zip(self.targets, self.injections):
             observer = functools.partial(callback, target.capture_name)
             injection.observers.append(observer)
@@ -118,7 +115,7 @@ class Instrumentation:
         try:
             yield
         finally:
-            OBSERVING[0] -= 1
+            self.observers -= 1
             for injection, observer in added:
                 injection.observers.remove(observer)
 
@@ -134,7 +131,7 @@ class Instrumentation:
             replacements = self.forced
         compiling = is_dynamo_compiling()
         if compiling:
-            traced_begin(self)
+            traced_begin(self.key, self.observers > 0)
         if replacements is None:
             inputs = self.feed.traced() if compiling and self.feed is not None else self.fed_inputs
             # FED only eagerly: a forward that make_fx/export/jit.trace records must reach the
@@ -168,7 +165,7 @@ class Instrumentation:
             # read by layout: one guard on the (interned) layout and one per group tensor, not per name
             storage, mask = replacements.storage, replacements.mask
             masks = getattr(replacements, "mask_matrix", None)
-            plan = traced_plan(self, replacements.layout)
+            plan = traced_plan(self.key, replacements.layout.trace_key)
             return [None if where is None else
                     (storage[where[0]][:, where[1]], mask if where[2] < 0 else masks[where[2]], False)
                     for where in plan]
@@ -212,7 +209,7 @@ class Instrumentation:
         """:meth:`reset` after a forward that returned; every armed target must have been reached."""
         if is_dynamo_compiling():
             setattr(ARMED, self.key, None)
-            traced_hits(self)
+            traced_hits(self.key)
             return
         if self.unproven:
             check_watched(self, model)

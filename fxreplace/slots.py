@@ -14,6 +14,7 @@ with the targets.
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Callable
 
 import torch
@@ -22,7 +23,7 @@ from torch._dynamo.symbolic_convert import InstructionTranslator as _Translator 
 from torch._guards import TracingContext as _TracingContext  # no public way to tell a trace apart
 from torch.compiler import is_dynamo_compiling
 
-from .context import Layout
+from ._compat import trace_key, traced
 from .errors import TargetNotHitError
 from .injection import Injection, inject, inject_routing, recording, with_element
 from .liveness import Watched
@@ -54,7 +55,7 @@ class Slot:
         # set by bind: the module's own forward, its point and Injection, the (shared) generated forward
         self.original = self.passes_self = self.point = self.injection = self.graph_forward = None
         self.constants: tuple = ()  # (model key, index, passes_self, output index, spec, name, given forward's number)
-        self.traced_in = None  # the Dynamo trace that last reached it (see _constants)
+        self.trace_key = trace_key(self)
 
     def take(self) -> None:
         """Record that a forward reached the target (a second time is an error): eagerly, or traced
@@ -83,7 +84,6 @@ class _Armed:
 
 
 ARMED = _Armed()
-OBSERVING = [0]  # observe() contexts open: while none is, a compiled graph folds "no observers" in
 
 
 def _trace_now():
@@ -93,6 +93,14 @@ def _trace_now():
 
 
 _MODEL_TRACE = [None]  # the Dynamo trace of an instrumented model's forward in progress (see traced_begin)
+# The Dynamo trace that last reached each slot and last armed each model, by trace key: kept off the
+# objects a module holds, which torch 2.9's dict-tag guards would then see change under a graph
+# compiled before (a spurious recompile); held weakly, as a trace holds its whole graph
+_TRACED_IN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# per model key, whether observe() was open on the model as its latest trace began: a graph of a
+# model nobody observes folds "no observers" in (a model's own flag: a capture observing its model
+# for its whole life leaves the graphs of every other model alone)
+_OBSERVED: dict[str, bool] = {}
 _IN_MODEL, _ONE_GRAPH, _RESUMABLE = range(3)  # how a traced target reads its entry (see _trace_kind)
 
 
@@ -113,28 +121,37 @@ def _trace_kind() -> int:
 
 
 @torch.compiler.assume_constant_result
-def _constants(slot: Slot) -> tuple:
-    """``slot.constants``, folded into the model's graph and guarded by the slot's identity alone.
-    It also records the hit (see :func:`traced_hits`)."""
+def _constants(key: str) -> tuple:
+    """``slot.constants`` of the slot named ``key``, folded into the model's graph and guarded by
+    that key alone. It also records the hit (see :func:`traced_hits`)."""
+    slot = traced(key)
     trace = _trace_now()
-    if slot.traced_in is trace:
-        raise TargetNotHitError(f"target {slot.target.module_name!r} was hit twice in one forward")
-    slot.traced_in = trace
-    return slot.constants
+    observed = _OBSERVED.get(slot.constants[0], False)
+    if trace is not None:
+        if _TRACED_IN.get(key) is trace:
+            raise TargetNotHitError(f"target {slot.target.module_name!r} was hit twice in one forward")
+        _TRACED_IN[key] = trace
+    return (*slot.constants, observed)
 
 
 @torch.compiler.assume_constant_result
-def traced_begin(state) -> int:
-    """At trace time, as the model's forward arms: its targets record their hits in this trace."""
-    state.trace = _MODEL_TRACE[0] = _trace_now()
+def traced_begin(key: str, observed: bool) -> int:
+    """At trace time, as the model's forward arms: its targets record their hits in this trace
+    and read whether it is ``observed`` (``key``: the model's
+    :class:`~fxreplace.instrument.Instrumentation`)."""
+    _OBSERVED[key] = observed
+    trace = _MODEL_TRACE[0] = _trace_now()
+    if trace is not None:
+        _TRACED_IN[key] = trace
     return 0
 
 
 @torch.compiler.assume_constant_result
-def traced_plan(state, layout: Layout) -> tuple:
+def traced_plan(key: str, layout_key: str) -> tuple:
     """Per target, where a context of ``layout`` holds it: ``(group, column, mask row or -1)``, or
     None. Folded into the graph, guarded by the identities of the model's state and the (interned)
     layout: one guard each, whatever the number of targets or capture names."""
+    state, layout = traced(key), traced(layout_key)
     plan = []
     for target in state.targets:
         place = layout.places.get(target.capture_name)
@@ -144,12 +161,13 @@ def traced_plan(state, layout: Layout) -> tuple:
 
 
 @torch.compiler.assume_constant_result
-def traced_hits(state) -> int:
+def traced_hits(key: str) -> int:
     """At trace time, after the model's forward: every target the trace armed was reached exactly
     once. A trace cut by a graph break is checked no further (its eager stretches check their own)."""
+    state = traced(key)
     trace = _trace_now()
-    if trace is not None and state.trace is trace:
-        missed = [slot.target.module_name for slot in state.slots if slot.traced_in is not trace]
+    if trace is not None and _TRACED_IN.get(key) is trace:
+        missed = [slot.target.module_name for slot in state.slots if _TRACED_IN.get(slot.trace_key) is not trace]
         if missed:
             raise TargetNotHitError(f"targets not reached in this forward (a replaced or fused forward may skip "
                                     f"them): {missed}")
@@ -267,11 +285,11 @@ def _armed(self, slot: Slot):
     in another trace that may not break (vLLM's inner model): read as eagerly, a guard per target."""
     kind = _trace_kind() if is_dynamo_compiling() else None
     if kind == _IN_MODEL:
-        key, index, passes_self, point_index, spec, name, forward = _constants(slot)
+        key, index, passes_self, point_index, spec, name, forward, observed = _constants(slot.trace_key)
         inputs = getattr(ARMED, key, None)
         entry = None if inputs is None else inputs[index] or _OFF
         given = (_GIVEN[forward], passes_self)
-        return given, point_index, entry, slot.injection if OBSERVING[0] else (spec, name, self)
+        return given, point_index, entry, slot.injection if observed else (spec, name, self)
     entry = _runtime_entry_out_of_graph(slot) if kind == _RESUMABLE else _runtime_entry(slot)
     return (slot.original, slot.passes_self), slot.point.output_index, entry, slot.injection
 

@@ -196,3 +196,28 @@ def test_a_hand_made_context_takes_the_layout_asked_for_last():
     ctx = ReplacementContext({"b": torch.zeros(TOKENS, EXPERTS), "a": torch.ones(TOKENS, EXPERTS)},
                              torch.ones(TOKENS, dtype=torch.bool))
     assert ctx.layout is first and torch.equal(ctx["a"], torch.ones(TOKENS, EXPERTS))
+
+
+def test_observing_one_model_leaves_another_models_graph_alone():
+    """observe() is per model: a capture that observes its own model for its whole life neither
+    recompiles nor reroutes the graph of another model; observing the compiled model itself is
+    seen in its graph, and closing it returns to the first graph."""
+    plain, model = _model(2)
+    _, other = _model(2)
+    graphs = Graphs()
+    compiled = torch.compile(model, backend=graphs)
+    x = torch.randn(TOKENS, HIDDEN)
+    values, ctx = _context(model.targets, 0)
+    want = reference(plain, x, values, ctx.mask)
+    seen, own = [], []
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, replacements=ctx), want)
+        with fxreplace.observe(other, lambda name, computed: seen.append(name)):
+            torch.testing.assert_close(compiled(x, replacements=ctx), want)
+            other(x)
+        assert graphs.count == 1 and seen == other.targets
+        with fxreplace.observe(model, lambda name, computed: own.append((name, computed.shape))):
+            torch.testing.assert_close(compiled(x, replacements=ctx), want)
+        assert own == [(name, (TOKENS, EXPERTS)) for name in model.targets] and graphs.count == 2
+        torch.testing.assert_close(compiled(x, replacements=ctx), want)
+    assert graphs.count == 2

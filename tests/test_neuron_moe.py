@@ -11,6 +11,7 @@ from torch.export import Dim
 
 import fxreplace
 import fxreplace.models as families
+import fxreplace.models.neuron_moe  # noqa: F401  (its config, read below; the registry imports a family lazily)
 from fxreplace.instrument import instrument
 from graph_helpers import OverrideLinear, input_ids, off_context, random_context
 
