@@ -11,7 +11,8 @@ the same on a CPU, so it is measured here, on models whose compute is small besi
 
 Variants, called in turn (interleaved) in one process on one thread, over the same weights:
 ``plain`` (the model given), ``context`` (instrumented, ``replacements=`` a context of every target,
-all rows off), ``fed`` (instrumented, its fed buffers cleared: replacement off) and, for the stacks,
+all rows off), for the stacks ``rows on`` (the same model, a context replacing every other row),
+``fed`` (instrumented, its fed buffers cleared: replacement off) and, for the stacks,
 ``hand`` (the same blocks edited by hand: ``torch.where(mask, replacement, computed)`` at each gate,
 the replacement and the mask passed as forward arguments: the floor of what an extra input costs).
 Compiled (inductor): per call, torch.profiler's "TorchDynamo Cache Lookup" (the guards) and the
@@ -86,12 +87,15 @@ def stack_variants(n: int) -> tuple[dict, list]:
     names = with_context.targets
     off = ReplacementContext({name: torch.zeros(TOKENS, EXPERTS) for name in names},
                              torch.zeros(TOKENS, dtype=torch.bool))
+    every_other = torch.arange(TOKENS) % 2 == 0
+    on = ReplacementContext({name: torch.randn(TOKENS, EXPERTS) for name in names}, every_other)
     fed.feed(off)
     fed.clear()
     x = torch.randn(TOKENS, HIDDEN)
     zeros = [torch.zeros(TOKENS, EXPERTS) for _ in names]
     mask = torch.zeros(TOKENS, dtype=torch.bool)
     calls = {"plain": (plain, lambda m: m(x)), "context": (with_context, lambda m: m(x, replacements=off)),
+             "rows on": (with_context, lambda m: m(x, replacements=on)),
              "fed": (fed, lambda m: m(x)), "hand": (hand, lambda m: m(x, zeros, mask))}
     return calls, names
 

@@ -55,13 +55,16 @@ class Instrumentation:
         self.last_inputs: tuple | None = None  # (weakref to the context given last, its entries): see _inputs
         self.key = trace_key(self)  # this model's attribute of ARMED, and its name at trace time
         self.observers = 0  # observe() contexts open on this model
+        self.forward_off = [False]  # see Slot.forward_off
+        self.host_masks = _HostMasks()
         for index, slot in enumerate(slots):
-            slot.settle(self.key, index)
+            slot.settle(self.key, index, self.forward_off)
         self.running = threading.Lock()  # held by the one eager forward in progress
         self.bound = False  # whether the feed buffers are a context's own tensors (feed(bind=True))
         self.unbound_by_move: str | None = None  # where a move made copies of bound buffers (dtype, device)
         self.forced: dict[str, torch.Tensor] | None = None  # see forcing()
         self.unproven = [slot for slot in slots if slot.unproven]  # see _check_watched()
+        self.unchecked = list(slots)  # not yet reached by an eager forward's general path (see finish)
 
     def buffer_names(self) -> list[str]:
         """The model's buffers the feed registered (its groups' values, then their masks)."""
@@ -139,11 +142,22 @@ class Instrumentation:
             state = SlotState.ARMED if recording() else SlotState.FED
         else:
             inputs = self._inputs(replacements, compiling)
-            state = SlotState.ARMED
+            state = SlotState.ARMED if recording() else SlotState.GIVEN
         if not compiling:
+            self.forward_off[0] = (self.observers == 0 and not self.unchecked and not recording()
+                                   and self.host_masks.all_off(self._masks(replacements)))
             for slot in self.slots:
                 slot.state = state
         setattr(ARMED, self.key, inputs)
+
+    def _masks(self, replacements) -> tuple | None:
+        """The masks this forward's entries read (None: a dict's, made per entry)."""
+        if replacements is None:
+            return () if self.feed is None else self.feed.masks
+        if isinstance(replacements, ReplacementContext):
+            matrix = getattr(replacements, "mask_matrix", None)
+            return (replacements.mask,) if matrix is None else (matrix,)
+        return None
 
     def _inputs(self, replacements, compiling: bool) -> list:
         """Per target ``(replacement, mask, False)`` or None, from a context or a dict. Eagerly, the
@@ -199,11 +213,20 @@ class Instrumentation:
     def reset(self) -> list[str]:
         """Back to idle, nothing armed; returns the targets armed but not reached since :meth:`arm`."""
         setattr(ARMED, self.key, None)
+        self.forward_off[0] = False
         missed = [slot.target.module_name for slot in self.slots
-                  if slot.state is SlotState.FED or slot.state is SlotState.ARMED]
+                  if slot.state is not SlotState.IDLE and slot.state is not SlotState.TAKEN]
         for slot in self.slots:
             slot.state = SlotState.IDLE
         return missed
+
+    def _mark_checked(self) -> None:
+        """After an eager forward returned: the targets it reached took the general path, which
+        checked what each point reads; later forwards may take the fast paths."""
+        for slot in self.unchecked:
+            if slot.state is SlotState.TAKEN:
+                slot.checked = True
+        self.unchecked = [slot for slot in self.unchecked if not slot.checked]
 
     def finish(self, model: nn.Module) -> None:
         """:meth:`reset` after a forward that returned; every armed target must have been reached."""
@@ -213,6 +236,8 @@ class Instrumentation:
             return
         if self.unproven:
             check_watched(self, model)
+        if self.unchecked:
+            self._mark_checked()
         missed = self.reset()
         if missed:
             raise TargetNotHitError(
@@ -380,3 +405,23 @@ def observe(model: nn.Module, callback: Callable[[str, torch.Tensor], None]):
         raise ValueError("observe() needs an instrumented model")
     with model._fxreplace.observing(callback):
         yield
+
+
+
+class _HostMasks:
+    """Whether a forward's masks replace no row, read on the host with no op: through byte views
+    of the masks seen last (engines write a context's mask in place, step after step)."""
+
+    def __init__(self):
+        self.masks: tuple = ()
+        self.views: list = []
+
+    def all_off(self, masks: tuple | None) -> bool:
+        if masks is None:
+            return False
+        if len(masks) != len(self.masks) or any(a is not b for a, b in zip(masks, self.masks)):
+            if not all(m.is_cpu and m.is_contiguous() and m.dtype == torch.bool for m in masks):
+                return False  # a device mask would be a sync
+            self.masks = masks
+            self.views = [(memoryview(m.numpy()).cast("B"), bytes(m.numel())) for m in masks]
+        return all(view == zeros for view, zeros in self.views)

@@ -38,7 +38,8 @@ class SlotState:
 
     IDLE = "idle"  # outside an instrumented forward: the target passes through
     FED = "fed"  # armed eagerly with the fed buffers (output points may take the fast path)
-    ARMED = "armed"  # armed with a forward's own replacements, or while the forward is recorded
+    GIVEN = "given"  # armed eagerly with a forward's own replacements (output points may take the fast path)
+    ARMED = "armed"  # armed while the forward is recorded (make_fx, export, jit.trace)
     TAKEN = "taken"  # consumed: a second take in the same forward is an error
 
 
@@ -51,6 +52,10 @@ class Slot:
         self.target = target
         self.state = SlotState.IDLE
         self.unproven = False  # an output[i] that no graph showed read: the next eager forward watches it
+        self.checked = False  # an eager forward reached it by the general path, which checks what the point reads
+        # shared by the model's slots: [whether its eager forward in progress replaces no row at all]; a
+        # flag beside the state, not a state, as a graph compiled inside that forward reads the state
+        self.forward_off = [False]
         self.read: bool | None = None  # while watched: whether an op of this forward read it
         # set by bind: the module's own forward, its point and Injection, the (shared) generated forward
         self.original = self.passes_self = self.point = self.injection = self.graph_forward = None
@@ -67,8 +72,9 @@ class Slot:
         if state is not SlotState.IDLE:
             self.state = SlotState.TAKEN
 
-    def settle(self, key: str, index: int) -> None:
+    def settle(self, key: str, index: int, forward_off: list) -> None:
         """Fix ``constants`` once bound: the slot is entry ``index`` of model ``key``'s (see ``ARMED``)."""
+        self.forward_off = forward_off
         forward = _given_number(self.original)
         _GIVEN[forward] = self.original
         self.constants = (key, index, self.passes_self, self.point.output_index, self.injection.spec,
@@ -313,9 +319,20 @@ def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callab
     return _SHARED_FORWARDS.setdefault(key, forward)
 
 
+def _skipped(slot: Slot) -> bool:
+    """Eagerly, whether this forward replaces nothing (see ``forward_off``): then the hit is
+    recorded and the target runs its own forward, at the cost of a plain call."""
+    if not is_dynamo_compiling() and slot.forward_off[0] and slot.state is not SlotState.TAKEN:
+        slot.state = SlotState.TAKEN
+        return True
+    return False
+
+
 def _graph_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is a node inside it: its graph's code on the module."""
     slot = self._fxreplace_slot
+    if _skipped(slot):
+        return call_original(self, (slot.original, slot.passes_self), args, kwargs)
     given, _, entry, injection = _armed(self, slot)
     if entry is None:
         return call_original(self, given, args, kwargs)
@@ -331,6 +348,8 @@ def _routing_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is the routing it is called with (see
     :func:`~fxreplace.injection.inject_routing`): the module runs on the replaced arguments."""
     slot = self._fxreplace_slot
+    if _skipped(slot):
+        return call_original(self, (slot.original, slot.passes_self), args, kwargs)
     given, _, entry, _ = _armed(self, slot)
     if entry is None:
         return call_original(self, given, args, kwargs)
@@ -349,25 +368,37 @@ def _routing_point_forward(self, *args, **kwargs):
 def _output_point_forward(self, *args, **kwargs):
     """The forward of a target whose injection point is its output (or ``output[i]``).
 
-    Eager engines call it once per target per forward, so their common case comes first:
-    an eager forward armed with the fed buffers, a plain tensor at ``output`` or ``output[i]``
-    of a tuple and a call the Injection has checked with those buffers take the fast path
-    (:meth:`~fxreplace.injection.CheckedCalls.fed_entry`). Anything else, and any
-    tracing, goes through the Injection."""
+    Eager engines call it once per target per forward, so their common case comes first: an
+    eager, unrecorded forward (fed buffers or its own replacements) with no observer takes the
+    fast path of :func:`_checked_output_point`. Anything else, and any tracing, goes through
+    the Injection."""
     slot = self._fxreplace_slot
-    # (Dynamo may start tracing inside an eager forward: then the Injection decides)
-    if not is_dynamo_compiling() and slot.state is SlotState.FED and not slot.unproven:
-        point_index = slot.point.output_index
-        output = call_original(self, (slot.original, slot.passes_self), args, kwargs)
-        value = output if point_index is None else output[point_index] if type(output) is tuple else None
-        if type(value) is torch.Tensor and not slot.injection.observers:  # (not a subclass, e.g. a FakeTensor)
-            entry = slot.injection.checked.fed_entry(value)
-            if entry is not None:
-                slot.state = SlotState.TAKEN
-                return _with_injected(output, point_index, value, entry.inject(value))
-        return _inject_output(slot, output, *_armed(self, slot)[1:])
+    if _skipped(slot):
+        return call_original(self, (slot.original, slot.passes_self), args, kwargs)
+    if not is_dynamo_compiling():  # (Dynamo may start tracing inside an eager forward: then the Injection decides)
+        state = slot.state
+        if ((state is SlotState.FED or state is SlotState.GIVEN) and slot.checked and not slot.unproven
+                and not slot.injection.observers):
+            return _checked_output_point(self, slot, state is SlotState.FED, args, kwargs)
     given, point_index, entry, injection = _armed(self, slot)
     return _inject_output(slot, call_original(self, given, args, kwargs), point_index, entry, injection)
+
+
+def _checked_output_point(self, slot: Slot, fed: bool, args, kwargs):
+    """An eager, unrecorded forward at an output point: a target off in it returns the module's output;
+    a call the Injection checked before (fed buffers: by shape alone) runs its cached where."""
+    point_index = slot.point.output_index
+    output = call_original(self, (slot.original, slot.passes_self), args, kwargs)
+    entry = _runtime_entry(slot)
+    if entry is None or entry[0] is None:
+        return output
+    value = output if point_index is None else output[point_index] if type(output) is tuple else None
+    if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
+        checked = slot.injection.checked
+        call = checked.fed_entry(value) if fed else checked.lookup(value, *entry)
+        if call is not None:
+            return _with_injected(output, point_index, value, call.inject(value))
+    return _inject_output(slot, output, point_index, entry, slot.injection)
 
 
 def _inject_output(slot: Slot, output, point_index, entry, injection):

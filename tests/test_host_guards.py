@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fxreplace
-from fxreplace import ReplacementContext
+from fxreplace import ReplacementContext, TargetNotHitError
 
 HIDDEN, EXPERTS, TOKENS = 16, 4, 6
 
@@ -221,3 +221,49 @@ def test_observing_one_model_leaves_another_models_graph_alone():
         assert own == [(name, (TOKENS, EXPERTS)) for name in model.targets] and graphs.count == 2
         torch.testing.assert_close(compiled(x, replacements=ctx), want)
     assert graphs.count == 2
+
+
+def _ops(call) -> tuple[list[str], torch.Tensor]:
+    """The aten ops a call runs, in order (the profiler: a dispatch mode would be a recording)."""
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = call()
+    return [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("aten::")], out
+
+
+@pytest.mark.parametrize("variant", ["context", "fed", "never fed"])
+def test_an_eager_forward_replacing_nothing_runs_the_plain_models_ops(variant):
+    """Eagerly, a forward whose host masks replace no row costs each target a plain call: after
+    the first forward (which checks every point) and once its masks are known, the instrumented
+    model dispatches exactly the plain model's ops and returns its bits; one row on brings the
+    replacement back."""
+    plain, model = _model(3, max_tokens=TOKENS)
+    x = torch.randn(TOKENS, HIDDEN)
+    values, ctx = _context(model.targets, 0, every=TOKENS + 1)  # row 0 on
+    off = ReplacementContext(values, torch.zeros(TOKENS, dtype=torch.bool))
+    kwargs = {"replacements": off} if variant == "context" else {}
+    if variant == "fed":
+        model.feed(ctx)
+        model.clear()
+    first, _ = _ops(lambda: model(x, **kwargs))
+    _ops(lambda: model(x, **kwargs))  # (reads the masks' bytes through views it keeps)
+    plain_ops, want = _ops(lambda: plain(x))
+    later, got = _ops(lambda: model(x, **kwargs))
+    assert later == plain_ops and torch.equal(got, want)
+    assert (first == plain_ops) == (variant == "never fed")  # the first forward checks every point
+    if variant == "fed":
+        model.feed(ctx)
+    on = {"replacements": ctx} if variant != "fed" else {}
+    if variant != "never fed":
+        with torch.no_grad():
+            torch.testing.assert_close(model(x, **on), reference(plain, x, values, ctx.mask))
+
+
+def test_a_target_hit_twice_in_a_forward_replacing_nothing_is_an_error():
+    _, model = _model(2)
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        model(x)  # checked: later forwards that replace nothing take the plain calls
+        block = model[0]
+        block.forward = lambda h: h + block.down(block.gate(h).softmax(-1)) + 0 * block.gate(h)[:, :1]
+        with pytest.raises(TargetNotHitError, match="hit twice"):
+            model(x)

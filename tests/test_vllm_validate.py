@@ -96,8 +96,15 @@ def validated(reference):
 CHANGED_INJECTION = """
 import importlib
 slots = importlib.import_module("fxreplace.slots")
-given = slots._with_injected
-slots._with_injected = lambda output, index, value, injected: given(output, index, value, injected + 1.0)
+given = slots._output_point_forward  # the forward instrumenting gives a target whose point is its output
+
+
+def changed(self, *args, **kwargs):
+    out = given(self, *args, **kwargs)  # vLLM's linear layers return (output, bias)
+    return (out[0] + 1.0, *out[1:]) if isinstance(out, tuple) else out + 1.0
+
+
+slots._output_point_forward = changed
 """
 
 
