@@ -328,12 +328,19 @@ def _skipped(slot: Slot) -> bool:
     return False
 
 
+def _inner_point_entry(self, slot: Slot):
+    """``(given forward, entry, injection)`` for a target whose point is inside its forward; the
+    entry None when the forward replaces nothing (see :func:`_skipped`) or runs outside one."""
+    if _skipped(slot):
+        return (slot.original, slot.passes_self), None, slot.injection
+    given, _, entry, injection = _armed(self, slot)
+    return given, entry, injection
+
+
 def _graph_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is a node inside it: its graph's code on the module."""
     slot = self._fxreplace_slot
-    if _skipped(slot):
-        return call_original(self, (slot.original, slot.passes_self), args, kwargs)
-    given, _, entry, injection = _armed(self, slot)
+    given, entry, injection = _inner_point_entry(self, slot)
     if entry is None:
         return call_original(self, given, args, kwargs)
     replacement, mask, leading_rows = entry
@@ -348,9 +355,7 @@ def _routing_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is the routing it is called with (see
     :func:`~fxreplace.injection.inject_routing`): the module runs on the replaced arguments."""
     slot = self._fxreplace_slot
-    if _skipped(slot):
-        return call_original(self, (slot.original, slot.passes_self), args, kwargs)
-    given, _, entry, _ = _armed(self, slot)
+    given, entry, _ = _inner_point_entry(self, slot)
     if entry is None:
         return call_original(self, given, args, kwargs)
     point = slot.point
