@@ -144,7 +144,8 @@ class Instrumentation:
             inputs = self._inputs(replacements, compiling)
             state = SlotState.ARMED if recording() else SlotState.GIVEN
         if not compiling:
-            self.forward_off[0] = (self.observers == 0 and not self.unchecked and not recording()
+            # (an unproven output[i] is watched on every forward until one proves it: none skips it)
+            self.forward_off[0] = (self.observers == 0 and not self.unchecked and not self.unproven and not recording()
                                    and self.host_masks.all_off(self._masks(replacements)))
             for slot in self.slots:
                 slot.state = state
