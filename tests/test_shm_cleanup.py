@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from fxreplace.engines.vllm.shm import Cleanup
+from fxreplace.engines.vllm.shm import Cleanup, segments, unused
 
 HOLD = """
 import mmap, sys, time
@@ -50,11 +50,37 @@ def test_another_live_engines_segment_is_kept(tmp_path):
         other.wait()
 
 
+SEMAPHORE = """
+import multiprocessing, sys
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, sem.mp-*, as an engine's processes make
+print("locked", flush=True)
+sys.stdin.read()  # held until told
+"""
+
+
+def test_another_engines_starting_lock_is_kept():
+    """glibc makes a named semaphore under a temporary name and links ``sem.mp-*`` to it afterwards,
+    so its creator's mapping never shows that name: the sweep after one engine's teardown must still
+    see it in use (it took a sibling engine's locks while that one started, which then failed)."""
+    cleanup = Cleanup()
+    other = subprocess.Popen([sys.executable, "-c", SEMAPHORE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)  # another command's engine, starting
+    try:
+        assert other.stdout.readline() == "locked\n"
+        created = segments() - cleanup.before
+        assert created and all(name.startswith("sem.mp-") for name in created)
+        assert unused(created) == []
+        assert cleanup.after_teardown(wait_s=0.2, own_wait_s=0.2) == [] and segments() >= created
+    finally:
+        other.communicate("")
+    assert not created & segments()  # its creator's resource tracker unlinked it at exit
+
+
 LEAKED = """
 import sys
 from multiprocessing import shared_memory
 from pathlib import Path
-from fxreplace.engines.vllm.shm import Cleanup
+from fxreplace.engines.vllm.shm import Cleanup, segments, unused
 
 cleanup = Cleanup()
 segment = shared_memory.SharedMemory(create=True, size=4096)  # registered with this process's resource tracker

@@ -14,6 +14,7 @@ process maps or holds open are leftovers.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -47,23 +48,34 @@ def unused(names, shm: Path = SHM) -> list[str]:
 
 
 def _users(names, shm: Path = SHM) -> dict[str, set[int]]:
-    """For each segment of ``names``, the live processes that map it or hold it open."""
+    """For each segment of ``names``, the live processes that map it or hold it open. A segment
+    is known by its inode, not its path: glibc makes a named semaphore under a temporary name,
+    maps it, then links the final name (``sem.mp-*``), so its creator's mapping never shows that
+    name (a sweep by path took a starting engine's locks for leftovers)."""
     users: dict[str, set[int]] = {name: set() for name in names}
     if not users:
         return users
+    by_inode = {}
+    for name in names:
+        try:
+            by_inode[(shm / name).stat().st_ino] = name
+        except OSError:  # gone meanwhile
+            pass
+    device = shm.stat().st_dev
     inside = f"{shm.resolve()}/"
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            used = [line[line.index(inside):] for line in (proc / "maps").read_text().splitlines() if inside in line]
+            mapped = [int(line.split(maxsplit=5)[4]) for line in (proc / "maps").read_text().splitlines()
+                      if inside in line]
             fds = list((proc / "fd").iterdir())
         except OSError:  # gone meanwhile, or another user's (whose segments are not ours to unlink)
             continue
-        used += [target for target in map(_link_target, fds) if target.startswith(inside)]
-        for path in used:
-            name = path.removeprefix(inside).removesuffix(" (deleted)")
-            if name in users:
+        mapped += [inode for inode in map(functools.partial(_inode_on, device), fds) if inode is not None]
+        for inode in mapped:
+            name = by_inode.get(inode)
+            if name is not None:
                 users[name].add(int(proc.name))
     return users
 
@@ -116,8 +128,10 @@ def _forget(names) -> None:
             resource_tracker.unregister(f"/{name}", "shared_memory")
 
 
-def _link_target(fd: Path) -> str:
+def _inode_on(device: int, fd: Path) -> int | None:
+    """The inode of the file ``fd`` holds open when it is on ``device``, else None."""
     try:
-        return os.readlink(fd)
+        stat = fd.stat()
     except OSError:  # closed meanwhile
-        return ""
+        return None
+    return stat.st_ino if stat.st_dev == device else None
