@@ -22,6 +22,13 @@ from .adapters import Adapter, get_adapter, identity, routing_matrix, routing_pa
 from .sharding import ShapeError, ShardSpec, layout_hint, require, rows_before_sharding, shard_columns, shard_rows
 from .targets import TargetError
 
+
+def host_bytes(mask: torch.Tensor) -> memoryview | None:
+    """The bytes of a host mask (contiguous), read with no op and no kernel, else None (a device
+    mask would be a sync); a view, so a later read sees what was written into the mask since."""
+    return memoryview(mask.numpy()).cast("B") if mask.device.type == "cpu" and mask.is_contiguous() else None
+
+
 def recording() -> bool:
     """Whether the running code is traced into a graph by Dynamo, or recorded by
     make_fx/export/AOTAutograd (a dispatch mode) or torch.jit.trace (torch_neuronx.trace)."""
@@ -292,7 +299,7 @@ class CheckedCalls:
         tokens = computed.shape[0]
         rows = slice(0, tokens) if leading_rows else slice(None)
         read = mask[rows]  # a host mask is read without a kernel: a call replacing no row is no kernel at all
-        host_mask = memoryview(read.numpy()).cast("B") if read.device.type == "cpu" and read.is_contiguous() else None
+        host_mask = host_bytes(read)
         fed = self.fed is not None and self.fed[0] is replacement and self.fed[1] is mask and host_mask is not None
         kept = {shape: c for shape, c in self.entries.items() if c.replacement is replacement}
         self.entries = kept if len(kept) < CHECKED_SHAPES else {}

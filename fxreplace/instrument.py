@@ -29,7 +29,7 @@ from .bypass import bypass_hint
 from .context import ReplacementContext
 from .errors import ConcurrentForwardError, TargetNotHitError
 from .feeding import Feed, Feeding
-from .injection import Injection, recording
+from .injection import Injection, host_bytes, recording
 from .liveness import check_watched
 from .points import (ROUTING, check_adapter_fits, check_output_point_read, computes_linear_output, describe_forward,
                      instance_forward, locate_injection_point)
@@ -408,7 +408,6 @@ def observe(model: nn.Module, callback: Callable[[str, torch.Tensor], None]):
         yield
 
 
-
 class _HostMasks:
     """Whether a forward's masks replace no row, read on the host with no op: through byte views
     of the masks seen last (engines write a context's mask in place, step after step)."""
@@ -421,8 +420,9 @@ class _HostMasks:
         if masks is None:
             return False
         if len(masks) != len(self.masks) or any(a is not b for a, b in zip(masks, self.masks)):
-            if not all(m.is_cpu and m.is_contiguous() and m.dtype == torch.bool for m in masks):
-                return False  # a device mask would be a sync
+            views = [host_bytes(m) if m.dtype == torch.bool else None for m in masks]
+            if any(view is None for view in views):
+                return False
             self.masks = masks
-            self.views = [(memoryview(m.numpy()).cast("B"), bytes(m.numel())) for m in masks]
+            self.views = [(view, bytes(len(view))) for view in views]
         return all(view == zeros for view, zeros in self.views)
