@@ -15,6 +15,9 @@ all rows off), for the stacks ``rows on`` (the same model, a context replacing e
 ``fed`` (instrumented, its fed buffers cleared: replacement off) and, for the stacks,
 ``hand`` (the same blocks edited by hand: ``torch.where(mask, replacement, computed)`` at each gate,
 the replacement and the mask passed as forward arguments: the floor of what an extra input costs).
+Compiled only, ``context, filtered`` and ``fed, filtered``: the same two variants on models compiled
+with ``options={"guard_filter_fn": fxreplace.guard_filter}`` (fxreplace's own module-level guards
+dropped).
 Compiled (inductor): per call, torch.profiler's "TorchDynamo Cache Lookup" (the guards) and the
 whole call; eager: the whole call. Medians over rounds (``--min``: the least disturbed round, on a
 loaded machine); ratios to ``plain`` (and to ``hand``).
@@ -35,11 +38,12 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from fxreplace import ReplacementContext, instrument, observe
+from fxreplace import ReplacementContext, guard_filter, instrument, observe
 from fxreplace.models import get_family, tiny_model
 
 HIDDEN, EXPERTS, TOKENS = 64, 8, 16
 LOOKUP = "TorchDynamo Cache Lookup"
+FILTERED = ", filtered"  # a variant compiled with fxreplace's guard filter (compiled only)
 
 
 class Block(nn.Module):
@@ -91,12 +95,16 @@ def stack_variants(n: int) -> tuple[dict, list]:
     on = ReplacementContext({name: torch.randn(TOKENS, EXPERTS) for name in names}, every_other)
     fed.feed(off)
     fed.clear()
+    # the same variants, each on its own copy compiled with the guard filter
+    context_filtered, fed_filtered = copy.deepcopy(with_context), copy.deepcopy(fed)
     x = torch.randn(TOKENS, HIDDEN)
     zeros = [torch.zeros(TOKENS, EXPERTS) for _ in names]
     mask = torch.zeros(TOKENS, dtype=torch.bool)
     calls = {"plain": (plain, lambda m: m(x)), "context": (with_context, lambda m: m(x, replacements=off)),
              "rows on": (with_context, lambda m: m(x, replacements=on)),
-             "fed": (fed, lambda m: m(x)), "hand": (hand, lambda m: m(x, zeros, mask))}
+             "fed": (fed, lambda m: m(x)), "hand": (hand, lambda m: m(x, zeros, mask)),
+             "context" + FILTERED: (context_filtered, lambda m: m(x, replacements=off)),
+             "fed" + FILTERED: (fed_filtered, lambda m: m(x))}
     return calls, names
 
 
@@ -116,9 +124,13 @@ def moe_variants() -> tuple[dict, list]:
                              torch.zeros(TOKENS, dtype=torch.bool))
     fed.feed(off)
     fed.clear()
+    context_filtered, fed_filtered = copy.deepcopy(with_context), copy.deepcopy(fed)
     calls = {"plain": (plain, lambda m: m(input_ids=ids, use_cache=False).logits),
              "context": (with_context, lambda m: m(input_ids=ids, use_cache=False, replacements=off).logits),
-             "fed": (fed, lambda m: m(input_ids=ids, use_cache=False).logits)}
+             "fed": (fed, lambda m: m(input_ids=ids, use_cache=False).logits),
+             "context" + FILTERED: (context_filtered,
+                                    lambda m: m(input_ids=ids, use_cache=False, replacements=off).logits),
+             "fed" + FILTERED: (fed_filtered, lambda m: m(input_ids=ids, use_cache=False).logits)}
     return calls, list(widths)
 
 
@@ -127,7 +139,8 @@ def measure(calls: dict, compiled: bool, rounds: int, per_round: int, statistic=
     ``statistic`` (median, or min on a loaded machine) of the rounds."""
     runs = {}
     for name, (model, call) in calls.items():
-        runs[name] = (torch.compile(model, backend="inductor") if compiled else model, call)
+        options = {"guard_filter_fn": guard_filter} if name.endswith(FILTERED) else None
+        runs[name] = (torch.compile(model, backend="inductor", options=options) if compiled else model, call)
     whole = {name: [] for name in runs}
     lookup = {name: [] for name in runs}
     with torch.no_grad():
@@ -161,7 +174,7 @@ def groups(calls: dict, compiled: bool) -> list[dict]:
     one model's graphs before another's on every call (a cost of two models in one process, not of
     one model's guards)."""
     if not compiled:
-        return [calls]
+        return [{name: call for name, call in calls.items() if not name.endswith(FILTERED)}]
     baseline = [name for name in ("plain", "hand") if name in calls]
     models: dict[int, list[str]] = {}
     for name, (model, _) in calls.items():
@@ -199,7 +212,7 @@ def main():
     if not args.no_moe:
         models.append(("qwen3-moe", *moe_variants()))
     results = {}
-    print(f"{'model (targets)':24} {'mode':8} {'variant':8} {'call us':>9} {'x plain':>8} {'lookup us':>10} "
+    print(f"{'model (targets)':24} {'mode':8} {'variant':17} {'call us':>9} {'x plain':>8} {'lookup us':>10} "
           f"{'x plain':>8} {'x hand':>7}")
     for label, calls, names in models:
         key = f"{label} ({len(names)})"
@@ -218,7 +231,7 @@ def main():
                 r = rel.get(name, {})
                 lookup = f"{m['lookup'] * 1e6:10.1f} {r.get('lookup', 1.0):8.2f}" if compiled else f"{'-':>10} {'-':>8}"
                 vs_hand = f"{r['call_vs_hand']:7.2f}" if "call_vs_hand" in r else f"{'-':>7}"
-                print(f"{key:24} {mode:8} {name:8} {m['call'] * 1e6:9.1f} {r.get('call', 1.0):8.2f} {lookup} {vs_hand}")
+                print(f"{key:24} {mode:8} {name:17} {m['call'] * 1e6:9.1f} {r.get('call', 1.0):8.2f} {lookup} {vs_hand}")
     print(json.dumps({"bench": "host", "threads": 1, "rounds": rounds, "calls_per_round": per_round,
                       "statistic": statistic.__name__,
                       "ratios": {k: {mode: v["ratios"] for mode, v in modes.items()} for k, modes in results.items()}}))

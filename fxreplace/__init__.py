@@ -27,6 +27,7 @@ _LAZY = {
                      "ShapeError", "StoreError", "TargetError", "TargetNotHitError", "TargetNotLiveError"],
                     "fxreplace.errors"),
     **dict.fromkeys(["export", "export_input_name", "export_inputs"], "fxreplace.export"),
+    **dict.fromkeys(["guard_filter"], "fxreplace.guards"),
     **dict.fromkeys(["instrument", "observe", "uninstrument"], "fxreplace.instrument"),
     **dict.fromkeys(["check_live"], "fxreplace.liveness"),
     **dict.fromkeys(["Tolerances", "Verdict", "verdict"], "fxreplace.metrics"),
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from .errors import (BlameError, CaptureError, ConfigError, InstrumentationChangedError, SetupError, ShapeError,
                          StoreError, TargetError, TargetNotHitError, TargetNotLiveError)
     from .export import export, export_input_name, export_inputs
+    from .guards import guard_filter
     from .instrument import instrument, observe, uninstrument
     from .liveness import check_live
     from .metrics import Tolerances, Verdict, verdict

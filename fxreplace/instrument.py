@@ -41,7 +41,13 @@ __all__ = ["ConcurrentForwardError", "InstrumentedModel", "TargetNotHitError", "
 
 
 class Instrumentation:
-    """Per-model state: resolved targets, their slots and the feed buffers."""
+    """Per-model state: resolved targets, their slots and the feed buffers. With ``__slots__``, as
+    a compiled model's trace calls its methods: a method of an object with a ``__dict__`` costs a
+    guard per call of the compiled model (that the instance does not shadow it)."""
+
+    __slots__ = ("targets", "points", "injections", "slots", "max_tokens", "fed", "fed_inputs", "feed", "last_inputs",
+                 "key", "observers", "forward_off", "host_masks", "running", "bound", "unbound_by_move", "forced",
+                 "unproven", "unchecked", "__weakref__")
 
     def __init__(self, targets: list[ResolvedTarget], points, injections, slots, max_tokens):
         self.targets = targets
@@ -137,15 +143,15 @@ class Instrumentation:
             traced_begin(self.key, self.observers > 0)
         if replacements is None:
             inputs = self.feed.traced() if compiling and self.feed is not None else self.fed_inputs
-            # FED only eagerly: a forward that make_fx/export/jit.trace records must reach the
-            # Injection, which keeps Python state out of the recorded graph
-            state = SlotState.ARMED if recording() else SlotState.FED
         else:
             inputs = self._inputs(replacements, compiling)
-            state = SlotState.ARMED if recording() else SlotState.GIVEN
         if not compiling:
+            # FED or GIVEN only unrecorded: a forward that make_fx/export/jit.trace records must reach the
+            # Injection, which keeps Python state out of the recorded graph
+            recorded = recording()
+            state = SlotState.ARMED if recorded else SlotState.FED if replacements is None else SlotState.GIVEN
             # (an unproven output[i] is watched on every forward until one proves it: none skips it)
-            self.forward_off[0] = (self.observers == 0 and not self.unchecked and not self.unproven and not recording()
+            self.forward_off[0] = (self.observers == 0 and not self.unchecked and not self.unproven and not recorded
                                    and self.host_masks.all_off(self._masks(replacements)))
             for slot in self.slots:
                 slot.state = state
@@ -174,8 +180,6 @@ class Instrumentation:
         return inputs
 
     def _read_inputs(self, replacements, compiling: bool) -> list:
-        if not isinstance(replacements, Mapping):
-            raise TypeError(f"replacements must be a ReplacementContext or a dict of tensors, got {type(replacements)}")
         if compiling and isinstance(replacements, ReplacementContext):
             # read by layout: one guard on the (interned) layout and one per group tensor, not per name
             storage, mask = replacements.storage, replacements.mask
@@ -184,6 +188,8 @@ class Instrumentation:
             return [None if where is None else
                     (storage[where[0]][:, where[1]], mask if where[2] < 0 else masks[where[2]], False)
                     for where in plan]
+        if not isinstance(replacements, Mapping):
+            raise TypeError(f"replacements must be a ReplacementContext or a dict of tensors, got {type(replacements)}")
         names = [t.capture_name for t in self.targets]
         is_context = isinstance(replacements, ReplacementContext)
         # A context is read by target name only: iterating would make a graph guard on the

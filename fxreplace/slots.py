@@ -46,7 +46,15 @@ class SlotState:
 class Slot:
     """One target's part of its model's forwards: what is fixed at instrument time (its point, its
     Injection, the forward it was given, and ``constants``: the plain values a compiled graph folds
-    in with one identity guard on the slot) and, eagerly, whether this forward reached it."""
+    in with one identity guard on the slot) and, eagerly, whether this forward reached it.
+
+    The steps of a target's forward are the slot's methods, and the slot has ``__slots__``: Dynamo
+    guards the slot's type once per target, and a method of an object without a ``__dict__`` needs
+    no guard of its own, where each module-level function a trace calls costs a guard on every call
+    of the compiled model."""
+
+    __slots__ = ("target", "state", "unproven", "checked", "forward_off", "read", "original", "passes_self", "point",
+                 "injection", "graph_forward", "constants", "trace_key", "__weakref__")
 
     def __init__(self, target: ResolvedTarget):
         self.target = target
@@ -80,6 +88,102 @@ class Slot:
         self.constants = (key, index, self.passes_self, self.point.output_index, self.injection.spec,
                           self.target.module_name, forward)
 
+    def call_original(self, module: nn.Module, given: tuple, args, kwargs):
+        """Call the forward the target was given: ``given`` is ``(function, whether it takes self)``."""
+        original, passes_self = given
+        return original(module, *args, **kwargs) if passes_self else original(*args, **kwargs)
+
+    def call_own(self, module: nn.Module, args, kwargs):
+        """The target's own forward, as it was given."""
+        return self.call_original(module, (self.original, self.passes_self), args, kwargs)
+
+    def runtime_entry(self):
+        """This forward's ``(replacement, mask, leading_rows)`` for the target (``_OFF``: off), or None
+        outside an instrumented forward, read when it runs; records the hit."""
+        key, index = self.constants[:2]
+        inputs = getattr(ARMED, key, None)
+        if inputs is None:
+            return None
+        self.take()
+        return inputs[index] or _OFF
+
+    def armed(self, module: nn.Module):
+        """``(given forward, output index, entry, injection)`` for the target's forward (see
+        :meth:`runtime_entry`). In the model's trace: the slot's constants folded in (one guard), the
+        entry a value of the trace; in another trace that may not break (vLLM's inner model): read as
+        eagerly, a guard per target."""
+        kind, constants = _traced_slot(self.trace_key) if is_dynamo_compiling() else (None, ())
+        if kind == _IN_MODEL:
+            key, index, passes_self, point_index, spec, name, forward, observed = constants
+            inputs = getattr(ARMED, key, None)
+            entry = None if inputs is None else inputs[index] or _OFF
+            given = (_GIVEN[forward], passes_self)
+            return given, point_index, entry, self.injection if observed else (spec, name, module)
+        entry = _runtime_entry_out_of_graph(self) if kind == _RESUMABLE else self.runtime_entry()
+        return (self.original, self.passes_self), self.point.output_index, entry, self.injection
+
+    def skipped(self) -> bool:
+        """Eagerly, whether this forward replaces nothing (see ``forward_off``): then the hit is
+        recorded and the target runs its own forward, at the cost of a plain call."""
+        if self.forward_off[0] and self.state is not SlotState.TAKEN:
+            self.state = SlotState.TAKEN
+            return True
+        return False
+
+    def inner_entry(self, module: nn.Module):
+        """``(given forward, entry, injection)`` for a target whose point is inside its forward; the
+        entry None when the forward replaces nothing (see :meth:`skipped`) or runs outside one."""
+        if not is_dynamo_compiling() and self.skipped():
+            return (self.original, self.passes_self), None, self.injection
+        given, _, entry, injection = self.armed(module)
+        return given, entry, injection
+
+    def checked_output_point(self, module: nn.Module, fed: bool, args, kwargs):
+        """An eager, unrecorded forward at an output point: a target off in it returns the module's output;
+        a call the Injection checked before (fed buffers: by shape alone) runs its cached where."""
+        point_index = self.point.output_index
+        output = self.call_own(module, args, kwargs)
+        entry = self.runtime_entry()
+        if entry is None or entry[0] is None:
+            return output
+        value = output if point_index is None else output[point_index] if type(output) is tuple else None
+        if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
+            checked = self.injection.checked
+            call = checked.fed_entry(value) if fed else checked.lookup(value, *entry)
+            if call is not None:
+                return self.with_injected(output, point_index, value, call.inject(value))
+        return self.inject_output(output, point_index, entry, self.injection)
+
+    def inject_output(self, output, point_index, entry, injection):
+        """``output`` with the target's point replaced by ``entry`` (None: outside an instrumented forward)."""
+        if entry is None:
+            return output
+        replacement, mask, leading_rows = entry
+        # (the slot's name and point only on error paths: each read would be a guard per target)
+        if point_index is None:
+            value = output
+        elif isinstance(output, (tuple, list)):
+            value = output[point_index]
+        else:
+            raise TargetError(f"{self.target.module_name!r}: point {self.point.point!r} indexes the output, but the "
+                              f"module returns a {type(output).__name__} (indexing would pick a row): use "
+                              "point='output'")
+        if type(value) is not torch.Tensor:
+            _check_point_value(value, self.target.module_name, self.point.point)
+        injected = _call_injection(injection, value, replacement, mask, None, leading_rows)
+        if (not is_dynamo_compiling() and self.unproven and replacement is not None
+                and type(injected) is torch.Tensor and not recording()):
+            injected = Watched.watch(injected, self)
+        return self.with_injected(output, point_index, value, injected)
+
+    def with_injected(self, output, index: int | None, value, injected):
+        """``output`` with its point (``output[index]``, or all of it) now ``injected``."""
+        if index is None:
+            return injected
+        if injected is value:  # nothing replaced: the module's own output
+            return output
+        return with_element(output, index, injected)
+
 
 class _Armed:
     """Per instrumented model (an attribute named by its key), the forward in progress: per target
@@ -107,37 +211,28 @@ _TRACED_IN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 # model nobody observes folds "no observers" in (a model's own flag: a capture observing its model
 # for its whole life leaves the graphs of every other model alone)
 _OBSERVED: dict[str, bool] = {}
-_IN_MODEL, _ONE_GRAPH, _RESUMABLE = range(3)  # how a traced target reads its entry (see _trace_kind)
+_IN_MODEL, _ONE_GRAPH, _RESUMABLE = range(3)  # how a traced target reads its entry (see _traced_slot)
 
 
 @torch.compiler.assume_constant_result
-def _trace_kind() -> int:
-    """How the running trace reaches a target, folded into the graph with no guard at all:
-    ``_IN_MODEL``, an instrumented model's forward (the slot's constants folded in); ``_ONE_GRAPH``,
-    a trace that may not break (``fullgraph``: vLLM compiles the inner model, below the forward that
-    arms) and reads the entry in the graph; else ``_RESUMABLE`` (a target compiled alone, a frame
-    resumed after a graph break), which reads it outside the graph: in it, a guard per target would
-    recompile the frame's code once per layer."""
+def _traced_slot(key: str) -> tuple:
+    """``(how the running trace reaches the slot named key, its constants)``, folded into the graph
+    and guarded by that key alone. The kind: ``_IN_MODEL``, an instrumented model's forward, with
+    ``slot.constants`` and whether the model is observed (the hit recorded, see :func:`traced_hits`);
+    ``_ONE_GRAPH``, a trace that may not break (``fullgraph``: vLLM compiles the inner model, below
+    the forward that arms), which reads the entry in the graph; else ``_RESUMABLE`` (a target
+    compiled alone, a frame resumed after a graph break), which reads it outside the graph: in it, a
+    guard per target would recompile the frame's code once per layer."""
     trace = _trace_now()
     if trace is not None and _MODEL_TRACE[0] is trace:
-        return _IN_MODEL
-    tx = _Translator.current_tx()
-    one_graph = tx is not None and (tx.one_graph or getattr(tx, "error_on_graph_break", False))
-    return _ONE_GRAPH if one_graph else _RESUMABLE
-
-
-@torch.compiler.assume_constant_result
-def _constants(key: str) -> tuple:
-    """``slot.constants`` of the slot named ``key``, folded into the model's graph and guarded by
-    that key alone. It also records the hit (see :func:`traced_hits`)."""
-    slot = traced(key)
-    trace = _trace_now()
-    observed = _OBSERVED.get(slot.constants[0], False)
-    if trace is not None:
+        slot = traced(key)
         if _TRACED_IN.get(key) is trace:
             raise TargetNotHitError(f"target {slot.target.module_name!r} was hit twice in one forward")
         _TRACED_IN[key] = trace
-    return (*slot.constants, observed)
+        return _IN_MODEL, (*slot.constants, _OBSERVED.get(slot.constants[0], False))
+    tx = _Translator.current_tx()
+    one_graph = tx is not None and (tx.one_graph or getattr(tx, "error_on_graph_break", False))
+    return (_ONE_GRAPH if one_graph else _RESUMABLE), ()
 
 
 @torch.compiler.assume_constant_result
@@ -240,12 +335,6 @@ def unbind(module: nn.Module) -> None:
     module.__class__ = given_class(module)
 
 
-def call_original(self, given: tuple, args, kwargs):
-    """Call the forward the target was given: ``given`` is ``(function, whether it takes self)``."""
-    original, passes_self = given
-    return original(self, *args, **kwargs) if passes_self else original(*args, **kwargs)
-
-
 #: the forwards targets were given, by number: a compiled graph reads a target's here by a constant
 #: number, one guard per distinct forward (a class's, shared by its modules) rather than per target
 _GIVEN: dict[int, Callable] = {}
@@ -268,36 +357,9 @@ def _call_injection(injection, computed, replacement, mask, rank=None, leading_r
 
 _OFF = (None, None, False)
 
-
-def _runtime_entry(slot: Slot):
-    """This forward's ``(replacement, mask, leading_rows)`` for the target (``_OFF``: off), or None
-    outside an instrumented forward, read when it runs; records the hit."""
-    key, index = slot.constants[:2]
-    inputs = getattr(ARMED, key, None)
-    if inputs is None:
-        return None
-    slot.take()
-    return inputs[index] or _OFF
-
-
 # in a compiled frame that may break and is not the model's trace (a target compiled alone, a frame
 # resumed after a graph break) the entry is read at run time: folding it in would be a graph per target
-_runtime_entry_out_of_graph = torch.compiler.disable(_runtime_entry)
-
-
-def _armed(self, slot: Slot):
-    """``(given forward, output index, entry, injection)`` for a target's forward (see _runtime_entry).
-    In the model's trace: the slot's constants folded in (one guard), the entry a value of the trace;
-    in another trace that may not break (vLLM's inner model): read as eagerly, a guard per target."""
-    kind = _trace_kind() if is_dynamo_compiling() else None
-    if kind == _IN_MODEL:
-        key, index, passes_self, point_index, spec, name, forward, observed = _constants(slot.trace_key)
-        inputs = getattr(ARMED, key, None)
-        entry = None if inputs is None else inputs[index] or _OFF
-        given = (_GIVEN[forward], passes_self)
-        return given, point_index, entry, slot.injection if observed else (spec, name, self)
-    entry = _runtime_entry_out_of_graph(slot) if kind == _RESUMABLE else _runtime_entry(slot)
-    return (slot.original, slot.passes_self), slot.point.output_index, entry, slot.injection
+_runtime_entry_out_of_graph = torch.compiler.disable(Slot.runtime_entry)
 
 
 def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callable:
@@ -319,30 +381,12 @@ def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callab
     return _SHARED_FORWARDS.setdefault(key, forward)
 
 
-def _skipped(slot: Slot) -> bool:
-    """Eagerly, whether this forward replaces nothing (see ``forward_off``): then the hit is
-    recorded and the target runs its own forward, at the cost of a plain call."""
-    if not is_dynamo_compiling() and slot.forward_off[0] and slot.state is not SlotState.TAKEN:
-        slot.state = SlotState.TAKEN
-        return True
-    return False
-
-
-def _inner_point_entry(self, slot: Slot):
-    """``(given forward, entry, injection)`` for a target whose point is inside its forward; the
-    entry None when the forward replaces nothing (see :func:`_skipped`) or runs outside one."""
-    if _skipped(slot):
-        return (slot.original, slot.passes_self), None, slot.injection
-    given, _, entry, injection = _armed(self, slot)
-    return given, entry, injection
-
-
 def _graph_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is a node inside it: its graph's code on the module."""
     slot = self._fxreplace_slot
-    given, entry, injection = _inner_point_entry(self, slot)
+    given, entry, injection = slot.inner_entry(self)
     if entry is None:
-        return call_original(self, given, args, kwargs)
+        return slot.call_original(self, given, args, kwargs)
     replacement, mask, leading_rows = entry
     return slot.graph_forward(
         self, *args, **kwargs,
@@ -355,9 +399,9 @@ def _routing_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is the routing it is called with (see
     :func:`~fxreplace.injection.inject_routing`): the module runs on the replaced arguments."""
     slot = self._fxreplace_slot
-    given, entry, _ = _inner_point_entry(self, slot)
+    given, entry, _ = slot.inner_entry(self)
     if entry is None:
-        return call_original(self, given, args, kwargs)
+        return slot.call_original(self, given, args, kwargs)
     point = slot.point
     args, kwargs = list(args), dict(kwargs)
     routing = [args[key] if isinstance(key, int) else kwargs[key] for key in point.routing_inputs]
@@ -367,7 +411,7 @@ def _routing_point_forward(self, *args, **kwargs):
             args[key] = value
         else:
             kwargs[key] = value
-    return call_original(self, given, tuple(args), kwargs)
+    return slot.call_original(self, given, tuple(args), kwargs)
 
 
 def _output_point_forward(self, *args, **kwargs):
@@ -375,65 +419,18 @@ def _output_point_forward(self, *args, **kwargs):
 
     Eager engines call it once per target per forward, so their common case comes first: an
     eager, unrecorded forward (fed buffers or its own replacements) with no observer takes the
-    fast path of :func:`_checked_output_point`. Anything else, and any tracing, goes through
+    fast path of :meth:`Slot.checked_output_point`. Anything else, and any tracing, goes through
     the Injection."""
     slot = self._fxreplace_slot
-    if _skipped(slot):
-        return call_original(self, (slot.original, slot.passes_self), args, kwargs)
     if not is_dynamo_compiling():  # (Dynamo may start tracing inside an eager forward: then the Injection decides)
+        if slot.skipped():
+            return slot.call_own(self, args, kwargs)
         state = slot.state
         if ((state is SlotState.FED or state is SlotState.GIVEN) and slot.checked and not slot.unproven
                 and not slot.injection.observers):
-            return _checked_output_point(self, slot, state is SlotState.FED, args, kwargs)
-    given, point_index, entry, injection = _armed(self, slot)
-    return _inject_output(slot, call_original(self, given, args, kwargs), point_index, entry, injection)
-
-
-def _checked_output_point(self, slot: Slot, fed: bool, args, kwargs):
-    """An eager, unrecorded forward at an output point: a target off in it returns the module's output;
-    a call the Injection checked before (fed buffers: by shape alone) runs its cached where."""
-    point_index = slot.point.output_index
-    output = call_original(self, (slot.original, slot.passes_self), args, kwargs)
-    entry = _runtime_entry(slot)
-    if entry is None or entry[0] is None:
-        return output
-    value = output if point_index is None else output[point_index] if type(output) is tuple else None
-    if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
-        checked = slot.injection.checked
-        call = checked.fed_entry(value) if fed else checked.lookup(value, *entry)
-        if call is not None:
-            return _with_injected(output, point_index, value, call.inject(value))
-    return _inject_output(slot, output, point_index, entry, slot.injection)
-
-
-def _inject_output(slot: Slot, output, point_index, entry, injection):
-    """``output`` with the target's point replaced by ``entry`` (None: outside an instrumented forward)."""
-    if entry is None:
-        return output
-    replacement, mask, leading_rows = entry
-    # (the slot's name and point only on error paths: each read would be a guard per target)
-    if point_index is None:
-        value = output
-    elif isinstance(output, (tuple, list)):
-        value = output[point_index]
-    else:
-        raise TargetError(f"{slot.target.module_name!r}: point {slot.point.point!r} indexes the output, but the "
-                          f"module returns a {type(output).__name__} (indexing would pick a row): use point='output'")
-    if type(value) is not torch.Tensor:
-        _check_point_value(value, slot.target.module_name, slot.point.point)
-    injected = _call_injection(injection, value, replacement, mask, None, leading_rows)
-    if (not is_dynamo_compiling() and slot.unproven and replacement is not None and type(injected) is torch.Tensor
-            and not recording()):
-        injected = Watched.watch(injected, slot)
-    return _with_injected(output, point_index, value, injected)
-
-
-def _with_injected(output, index: int | None, value, injected):
-    if index is None:
-        return injected
-    if injected is value:  # nothing replaced: the module's own output
-        return output
-    return with_element(output, index, injected)
+            return slot.checked_output_point(self, state is SlotState.FED, args, kwargs)
+    given, point_index, entry, injection = slot.armed(self)
+    return slot.inject_output(slot.call_original(self, given, args, kwargs), point_index, entry, injection)
 
 
 def _check_point_value(value, module_name: str, where) -> None:

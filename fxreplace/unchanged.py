@@ -12,7 +12,7 @@ from torch import nn
 from .errors import InstrumentationChangedError
 from .instrument import InstrumentedModel
 from .points import describe_forward
-from .slots import ARMED, SlotState, call_original
+from .slots import ARMED, SlotState
 from .targets import TargetError
 
 
@@ -52,7 +52,7 @@ def prove_unchanged(model: nn.Module, forward: Callable[[], object], skip: Itera
             slot.state = SlotState.IDLE
         try:
             slot = module._fxreplace_slot
-            given = call_original(module, (slot.original, slot.passes_self), args, kwargs)
+            given = slot.call_own(module, args, kwargs)
         finally:
             setattr(ARMED, state.key, inputs)
             for slot, saved in zip(state.slots, states):

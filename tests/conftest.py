@@ -15,8 +15,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # shapes, so the one-graph compile and export tests are main-only). Tests elsewhere can
 # carry @pytest.mark.compat themselves; tests/test_xla.py carries the xla marker.
 COMPAT_MODULES = {
-    "test_config.py", "test_gather.py", "test_matching.py", "test_neuron_moe.py", "test_replacer.py", "test_store.py",
-    "test_targets.py", "test_torch_only.py",
+    "test_config.py", "test_gather.py", "test_host_guards.py", "test_matching.py", "test_neuron_moe.py",
+    "test_replacer.py", "test_store.py", "test_targets.py", "test_torch_only.py",
 }
 COMPAT_TESTS = {
     "test_instrument.py::test_targets_and_model_identity",

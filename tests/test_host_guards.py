@@ -5,6 +5,8 @@ reuse the graph, a new shape, set of names or dtype compiles anew or runs correc
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -59,6 +61,12 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+# compiled as given, and with fxreplace's guard filter (its own module-level guards dropped): the
+# same graphs, the same recompiles
+FILTERS = pytest.mark.parametrize("options", [{}, {"guard_filter_fn": fxreplace.guard_filter}],
+                                  ids=["all-guards", "guard-filter"])
+
+
 def _model(n: int, max_tokens=None):
     torch.manual_seed(n)
     plain = Stack(n).eval()
@@ -86,10 +94,11 @@ def test_a_context_enters_as_its_groups_and_mask(n):
     assert counted["context"] == counted["plain"] + 2
 
 
-def test_new_values_reuse_the_graph_new_shapes_names_and_dtypes_are_right():
+@FILTERS
+def test_new_values_reuse_the_graph_new_shapes_names_and_dtypes_are_right(options):
     plain, model = _model(3)
     graphs = Graphs()
-    compiled = torch.compile(model, backend=graphs)
+    compiled = torch.compile(model, backend=graphs, options=options)
     x = torch.randn(TOKENS, HIDDEN)
     with torch.no_grad():
         for seed in (0, 1, 2):  # new values, new masks: one graph
@@ -108,14 +117,15 @@ def test_new_values_reuse_the_graph_new_shapes_names_and_dtypes_are_right():
             torch.testing.assert_close(got, reference(plain, xs, values, ctx.mask), msg=what)
         values, ctx = _context(model.targets, 7)
         torch.testing.assert_close(compiled(x, replacements=ctx), reference(plain, x, values, ctx.mask))
-    assert graphs.count > 1  # the new shapes, names and dtypes compiled graphs of their own
+    assert graphs.count == 1 + len(cases)  # the new shapes, names and dtypes compiled graphs of their own
 
 
-def test_a_selection_reuses_the_graph_of_every_selection():
+@FILTERS
+def test_a_selection_reuses_the_graph_of_every_selection(options):
     """A SelectedContext's masks are the rows of one matrix: a new selection is new values."""
     plain, model = _model(3)
     graphs = Graphs()
-    compiled = torch.compile(model, backend=graphs)
+    compiled = torch.compile(model, backend=graphs, options=options)
     x = torch.randn(TOKENS, HIDDEN)
     values, ctx = _context(model.targets, 0)
     with torch.no_grad():
@@ -153,9 +163,10 @@ class Outer(nn.Module):
         return self.run[0](x)
 
 
+@FILTERS
 @pytest.mark.parametrize("bind", [False, True], ids=["copied", "bound"])
 @pytest.mark.parametrize("inner", [False, True], ids=["model", "inner-fullgraph"])
-def test_fed_buffers_new_values_reuse_the_graph(inner, bind):
+def test_fed_buffers_new_values_reuse_the_graph(inner, bind, options):
     """Compiled whole, or its inner stack alone with ``fullgraph=True`` (vLLM's way): the fed
     buffers are read in the graph, new values and clear() reuse it."""
     torch.manual_seed(0)
@@ -163,9 +174,9 @@ def test_fed_buffers_new_values_reuse_the_graph(inner, bind):
     model = fxreplace.instrument(Outer(3).eval(), ["inner.*.gate"], max_tokens=TOKENS)
     model.inner.load_state_dict(plain.state_dict())
     graphs = Graphs()
-    call = model if inner else torch.compile(model, backend=graphs)
+    call = model if inner else torch.compile(model, backend=graphs, options=options)
     if inner:
-        model.run[0] = torch.compile(model.inner, backend=graphs, fullgraph=True)
+        model.run[0] = torch.compile(model.inner, backend=graphs, fullgraph=True, options=options)
     x = torch.randn(TOKENS, HIDDEN)
     with torch.no_grad():
         bound = _context(model.targets, 0)[1]
@@ -198,14 +209,15 @@ def test_a_hand_made_context_takes_the_layout_asked_for_last():
     assert ctx.layout is first and torch.equal(ctx["a"], torch.ones(TOKENS, EXPERTS))
 
 
-def test_observing_one_model_leaves_another_models_graph_alone():
+@FILTERS
+def test_observing_one_model_leaves_another_models_graph_alone(options):
     """observe() is per model: a capture that observes its own model for its whole life neither
     recompiles nor reroutes the graph of another model; observing the compiled model itself is
     seen in its graph, and closing it returns to the first graph."""
     plain, model = _model(2)
     _, other = _model(2)
     graphs = Graphs()
-    compiled = torch.compile(model, backend=graphs)
+    compiled = torch.compile(model, backend=graphs, options=options)
     x = torch.randn(TOKENS, HIDDEN)
     values, ctx = _context(model.targets, 0)
     want = reference(plain, x, values, ctx.mask)
@@ -221,6 +233,60 @@ def test_observing_one_model_leaves_another_models_graph_alone():
         assert own == [(name, (TOKENS, EXPERTS)) for name in model.targets] and graphs.count == 2
         torch.testing.assert_close(compiled(x, replacements=ctx), want)
     assert graphs.count == 2
+
+
+def _scaled(x):
+    """A module-level function of the user's model: rebinding it must recompile."""
+    return x * 2
+
+
+class ScaledStack(Stack):
+    def forward(self, x):
+        return _scaled(super().forward(x))
+
+
+def test_the_guard_filter_keeps_every_guard_of_a_plain_model():
+    kept = []
+
+    def recording(entries):
+        decisions = fxreplace.guard_filter(entries)
+        kept.extend(decisions)
+        return decisions
+
+    with torch.no_grad():
+        torch.compile(ScaledStack(2).eval(), backend=Graphs(), options={"guard_filter_fn": recording})(
+            torch.randn(TOKENS, HIDDEN))
+    assert kept and all(kept)
+
+
+def test_the_guard_filter_keeps_the_users_globals_and_drops_fxreplaces(monkeypatch):
+    """Rebinding a function the user's model calls recompiles a model compiled with the filter;
+    fxreplace's own module-level guards are the ones it drops."""
+    torch.manual_seed(0)
+    plain = ScaledStack(2).eval()
+    model = fxreplace.instrument(ScaledStack(2).eval(), ["*.gate"])
+    model.load_state_dict(plain.state_dict())
+    graphs, dropped = Graphs(), []
+
+    def recording(entries):
+        decisions = fxreplace.guard_filter(entries)
+        dropped.extend(entry.name for entry, keep in zip(entries, decisions) if not keep)
+        return decisions
+
+    compiled = torch.compile(model, backend=graphs, options={"guard_filter_fn": recording})
+    x = torch.randn(TOKENS, HIDDEN)
+    values, ctx = _context(model.targets, 0)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, replacements=ctx), reference(plain, x, values, ctx.mask) * 2)
+        monkeypatch.setattr(f"{__name__}._scaled", lambda y: y * 3)
+        torch.testing.assert_close(compiled(x, replacements=ctx), reference(plain, x, values, ctx.mask) * 3)
+    assert graphs.count == 2
+    # what it dropped: names reached through fxreplace's modules, or globals of the frame compiled
+    # (InstrumentedModel.forward's module) that fxreplace defines; never a local, an input or the user's
+    instrument_globals = vars(importlib.import_module("fxreplace.instrument"))
+    roots = {name.split("']")[0].removeprefix("G['") for name in dropped}
+    assert dropped and all(name.startswith("G[") for name in dropped), dropped
+    assert all(root.startswith("__import_fxreplace") or root in instrument_globals for root in roots), roots
 
 
 def _ops(call) -> tuple[list[str], torch.Tensor]:

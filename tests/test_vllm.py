@@ -368,9 +368,9 @@ def test_an_instrumentation_that_changes_the_model_fails_engine_start(ref, eager
     off), and their outputs must agree bit for bit. An injection planted to return more than it was
     given fails the start, naming the first target; every other test's engine passes the same proof."""
     slots = importlib.import_module("fxreplace.slots")
-    given = slots._with_injected
-    monkeypatch.setattr(slots, "_with_injected",
-                        lambda output, index, value, injected: given(output, index, value, injected + 1.0))
+    given = slots.Slot.with_injected
+    monkeypatch.setattr(slots.Slot, "with_injected",
+                        lambda slot, output, index, value, injected: given(slot, output, index, value, injected + 1.0))
     with pytest.raises(fxreplace.InstrumentationChangedError, match=r"instrumenting 'model.layers.0.mlp.gate' changed "
                                                                     r"what it computes with nothing replaced"):
         LLM(model=ref.ckpt, dtype="float32", max_model_len=128, enforce_eager=eager,

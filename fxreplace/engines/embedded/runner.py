@@ -37,6 +37,7 @@ from transformers import StaticCache
 
 from ...devices import input_device
 from ...dtypes import as_dtype
+from ...guards import guard_filter
 from ...instrument import InstrumentedModel, observe
 from ...unchanged import check_unchanged
 from ...config import ReplacementConfig
@@ -212,7 +213,8 @@ class Runner(Engine):
                 self.graphs_compiled += 1
                 return backend(gm, example_inputs)
 
-            model = torch.compile(model, backend=counting_backend)
+            # fxreplace's own module-level guards dropped: per step, Dynamo checks the model's and the inputs'
+            model = torch.compile(model, backend=counting_backend, options={"guard_filter_fn": guard_filter})
         self.model = model
         self.observed = observed
         self.config = config
