@@ -348,7 +348,7 @@ def _given_number(forward: Callable) -> int:
 def _call_injection(injection, computed, replacement, mask, rank=None, leading_rows=False):
     """The op a target's graph calls: its Injection arrives as an input, not as a constant of the
     code, so every target of the same structure runs the same generated code. In a compiled graph
-    it is the Injection's constant spec instead (see :func:`_armed`)."""
+    it is the Injection's constant spec instead (see :meth:`Slot.armed`)."""
     if type(injection) is tuple:
         spec, name, module = injection
         return inject(spec, name, module, computed, replacement, mask, rank, leading_rows)
