@@ -18,9 +18,11 @@ the replacement and the mask passed as forward arguments: the floor of what an e
 Compiled only, ``context, filtered`` and ``fed, filtered``: the same two variants on models compiled
 with ``options={"guard_filter_fn": fxreplace.guard_filter}`` (fxreplace's own module-level guards
 dropped).
-Compiled (inductor): per call, torch.profiler's "TorchDynamo Cache Lookup" (the guards) and the
-whole call; eager: the whole call. Medians over rounds (``--min``: the least disturbed round, on a
-loaded machine); ratios to ``plain`` (and to ``hand``).
+Compiled (inductor): per call, torch.profiler's "TorchDynamo Cache Lookup", the guards' own check
+timed directly (the compiled forward's guard manager run on the locals the call starts with: the
+same guards without the profiler's own cost and variance) and the whole call; eager: the whole call. Medians over rounds (``--min``: the least disturbed round, on a
+loaded machine); ratios to ``plain`` (and to ``hand``): the median over rounds of each round's ratio
+(the variants of a round run side by side, so a slow stretch of the machine cancels out).
 Prints a table and a final JSON line.
 
     python benchmarks/bench_host.py [--quick] [--targets 1 8 48] [--rounds R] [--min]
@@ -32,10 +34,12 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # no public way to reach a frame's guards
 from torch.profiler import ProfilerActivity, profile
 
 from fxreplace import ReplacementContext, guard_filter, instrument, observe
@@ -44,6 +48,7 @@ from fxreplace.models import get_family, tiny_model
 HIDDEN, EXPERTS, TOKENS = 64, 8, 16
 LOOKUP = "TorchDynamo Cache Lookup"
 FILTERED = ", filtered"  # a variant compiled with fxreplace's guard filter (compiled only)
+GUARD_CHECKS = 2000  # direct guard checks per round and variant
 
 
 class Block(nn.Module):
@@ -134,19 +139,49 @@ def moe_variants() -> tuple[dict, list]:
     return calls, list(widths)
 
 
-def measure(calls: dict, compiled: bool, rounds: int, per_round: int, statistic=statistics.median) -> dict:
-    """Per variant: seconds per call and, compiled, guard (cache lookup) seconds per call, the
-    ``statistic`` (median, or min on a loaded machine) of the rounds."""
+def forward_locals(model, call) -> dict:
+    """The locals ``model``'s forward starts with for ``call`` (what Dynamo's guards read), its cells included."""
+    forward = type(model).forward
+    seen: dict = {}
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code is forward.__code__ and not seen:
+            seen.update(frame.f_locals)
+
+    sys.settrace(tracer)
+    try:
+        call(model)
+    finally:
+        sys.settrace(None)
+    seen.update(zip(forward.__code__.co_freevars, (cell.cell_contents for cell in forward.__closure__ or ())))
+    return seen
+
+
+def guard_check(model, call):
+    """A function that runs the guards of ``model``'s compiled forward that pass for ``call``, once."""
+    frame = forward_locals(model, call)
+    passing = [e.guard_manager for e in _debug_get_cache_entry_list(type(model).forward.__code__)
+               if e.guard_manager.check(frame)]
+    if not passing:
+        raise RuntimeError(f"no compiled graph of {type(model).__name__} passes its guards for this call")
+    return lambda: passing[0].check(frame)
+
+
+def measure(calls: dict, compiled: bool, rounds: int, per_round: int) -> dict:
+    """Per variant, per round: seconds per call and, compiled, guard seconds per call: torch.profiler's
+    cache lookup, and the guards' own check timed directly (``guards``)."""
     runs = {}
     for name, (model, call) in calls.items():
         options = {"guard_filter_fn": guard_filter} if name.endswith(FILTERED) else None
         runs[name] = (torch.compile(model, backend="inductor", options=options) if compiled else model, call)
     whole = {name: [] for name in runs}
     lookup = {name: [] for name in runs}
+    checks = {name: [] for name in runs}
     with torch.no_grad():
         for model, call in runs.values():  # warm up (compiles)
             for _ in range(3):
                 call(model)
+        guards = {name: guard_check(calls[name][0], call) for name, (_, call) in runs.items()} if compiled else {}
         for r in range(rounds):
             order = list(runs) if r % 2 == 0 else list(reversed(runs))  # interleaved, both orders
             for name in order:
@@ -161,11 +196,13 @@ def measure(calls: dict, compiled: bool, rounds: int, per_round: int, statistic=
                             call(model)
                     events = [e for e in prof.key_averages() if e.key == LOOKUP]
                     lookup[name].append(sum(e.cpu_time_total for e in events) / per_round / 1e6)
-    out = {name: {"call": statistic(v)} for name, v in whole.items()}
-    if compiled:
-        for name, v in lookup.items():
-            out[name]["lookup"] = statistic(v)
-    return out
+                    check = guards[name]
+                    start = time.perf_counter()
+                    for _ in range(GUARD_CHECKS):
+                        check()
+                    checks[name].append((time.perf_counter() - start) / GUARD_CHECKS)
+    return {name: {"call": whole[name], **({"lookup": lookup[name], "guards": checks[name]} if compiled else {})}
+            for name in runs}
 
 
 def groups(calls: dict, compiled: bool) -> list[dict]:
@@ -183,15 +220,19 @@ def groups(calls: dict, compiled: bool) -> list[dict]:
     return [{name: calls[name] for name in baseline[:1] + names + baseline[1:]} for names in models.values()]
 
 
-def ratios(measured: dict) -> dict:
-    plain = measured["plain"]
+def ratios(rounds: dict) -> dict:
+    """Per variant, the median over rounds of its figure over ``plain``'s (and ``hand``'s) in the same
+    round: pairs measured side by side, so a slower stretch of the machine cancels out."""
+    def paired(name, base, key):
+        return statistics.median(a / b for a, b in zip(rounds[name][key], rounds[base][key]))
+
     out = {}
-    for name, m in measured.items():
+    for name, m in rounds.items():
         if name == "plain":
             continue
-        out[name] = {key: m[key] / plain[key] for key in m}
-        if "hand" in measured and name != "hand":
-            out[name]["call_vs_hand"] = m["call"] / measured["hand"]["call"]
+        out[name] = {key: paired(name, "plain", key) for key in m}
+        if "hand" in rounds and name != "hand":
+            out[name]["call_vs_hand"] = paired(name, "hand", "call")
     return out
 
 
@@ -213,7 +254,7 @@ def main():
         models.append(("qwen3-moe", *moe_variants()))
     results = {}
     print(f"{'model (targets)':24} {'mode':8} {'variant':17} {'call us':>9} {'x plain':>8} {'lookup us':>10} "
-          f"{'x plain':>8} {'x hand':>7}")
+          f"{'x plain':>8} {'guards us':>10} {'x plain':>8} {'x hand':>7}")
     for label, calls, names in models:
         key = f"{label} ({len(names)})"
         results[key] = {}
@@ -222,14 +263,16 @@ def main():
             measured, rel = {}, {}
             for group in groups(calls, compiled):
                 torch.compiler.reset()
-                m = measure(group, compiled, rounds, per_round, statistic)
-                r = ratios(m)
+                per = measure(group, compiled, rounds, per_round)
+                m = {name: {key: statistic(v) for key, v in figures.items()} for name, figures in per.items()}
+                r = ratios(per)
                 measured.update({k: v for k, v in m.items() if k not in measured})
                 rel.update({k: v for k, v in r.items() if k not in rel})
             results[key][mode] = {"seconds": measured, "ratios": rel}
             for name, m in measured.items():
                 r = rel.get(name, {})
-                lookup = f"{m['lookup'] * 1e6:10.1f} {r.get('lookup', 1.0):8.2f}" if compiled else f"{'-':>10} {'-':>8}"
+                lookup = (f"{m['lookup'] * 1e6:10.1f} {r.get('lookup', 1.0):8.2f} {m['guards'] * 1e6:10.2f} "
+                          f"{r.get('guards', 1.0):8.2f}") if compiled else f"{'-':>10} {'-':>8} {'-':>10} {'-':>8}"
                 vs_hand = f"{r['call_vs_hand']:7.2f}" if "call_vs_hand" in r else f"{'-':>7}"
                 print(f"{key:24} {mode:8} {name:17} {m['call'] * 1e6:9.1f} {r.get('call', 1.0):8.2f} {lookup} {vs_hand}")
     print(json.dumps({"bench": "host", "threads": 1, "rounds": rounds, "calls_per_round": per_round,
