@@ -20,7 +20,8 @@ with ``options={"guard_filter_fn": fxreplace.guard_filter}`` (fxreplace's own mo
 dropped).
 Compiled (inductor): per call, torch.profiler's "TorchDynamo Cache Lookup", the guards' own check
 timed directly (the compiled forward's guard manager run on the locals the call starts with: the
-same guards without the profiler's own cost and variance) and the whole call; eager: the whole call. Medians over rounds (``--min``: the least disturbed round, on a
+same guards without the profiler's own cost and variance), warm (in a loop) and cold (once right
+after each call, as a step sees them), and the whole call; eager: the whole call. Medians over rounds (``--min``: the least disturbed round, on a
 loaded machine); ratios to ``plain`` (and to ``hand``): the median over rounds of each round's ratio
 (the variants of a round run side by side, so a slow stretch of the machine cancels out).
 Prints a table and a final JSON line.
@@ -177,6 +178,7 @@ def measure(calls: dict, compiled: bool, rounds: int, per_round: int) -> dict:
     whole = {name: [] for name in runs}
     lookup = {name: [] for name in runs}
     checks = {name: [] for name in runs}
+    cold = {name: [] for name in runs}  # one guard check right after each call, as a step sees it
     with torch.no_grad():
         for model, call in runs.values():  # warm up (compiles)
             for _ in range(3):
@@ -201,7 +203,15 @@ def measure(calls: dict, compiled: bool, rounds: int, per_round: int) -> dict:
                     for _ in range(GUARD_CHECKS):
                         check()
                     checks[name].append((time.perf_counter() - start) / GUARD_CHECKS)
-    return {name: {"call": whole[name], **({"lookup": lookup[name], "guards": checks[name]} if compiled else {})}
+                    after_call = []
+                    for _ in range(per_round):
+                        call(model)
+                        start = time.perf_counter()
+                        check()
+                        after_call.append(time.perf_counter() - start)
+                    cold[name].append(statistics.median(after_call))
+    return {name: {"call": whole[name],
+                   **({"lookup": lookup[name], "guards": checks[name], "cold": cold[name]} if compiled else {})}
             for name in runs}
 
 
@@ -254,7 +264,7 @@ def main():
         models.append(("qwen3-moe", *moe_variants()))
     results = {}
     print(f"{'model (targets)':24} {'mode':8} {'variant':17} {'call us':>9} {'x plain':>8} {'lookup us':>10} "
-          f"{'x plain':>8} {'guards us':>10} {'x plain':>8} {'x hand':>7}")
+          f"{'x plain':>8} {'guards us':>10} {'x plain':>8} {'cold us':>8} {'x plain':>8} {'x hand':>7}")
     for label, calls, names in models:
         key = f"{label} ({len(names)})"
         results[key] = {}
@@ -272,7 +282,8 @@ def main():
             for name, m in measured.items():
                 r = rel.get(name, {})
                 lookup = (f"{m['lookup'] * 1e6:10.1f} {r.get('lookup', 1.0):8.2f} {m['guards'] * 1e6:10.2f} "
-                          f"{r.get('guards', 1.0):8.2f}") if compiled else f"{'-':>10} {'-':>8} {'-':>10} {'-':>8}"
+                          f"{r.get('guards', 1.0):8.2f} {m['cold'] * 1e6:8.2f} {r.get('cold', 1.0):8.2f}"
+                          ) if compiled else f"{'-':>10} {'-':>8} {'-':>10} {'-':>8} {'-':>8} {'-':>8}"
                 vs_hand = f"{r['call_vs_hand']:7.2f}" if "call_vs_hand" in r else f"{'-':>7}"
                 print(f"{key:24} {mode:8} {name:17} {m['call'] * 1e6:9.1f} {r.get('call', 1.0):8.2f} {lookup} {vs_hand}")
     print(json.dumps({"bench": "host", "threads": 1, "rounds": rounds, "calls_per_round": per_round,
