@@ -156,23 +156,38 @@ def inject(spec: int, module_name: str, module: nn.Module, computed, replacement
     return rebuild(computed, out) if isinstance(computed, (tuple, list)) else out[0]
 
 
-def inject_routing(injection: Injection, values: list[torch.Tensor], num_experts: int | None, replacement, mask,
-                   leading_rows=False) -> list[torch.Tensor]:
+def call_injection(injection, computed, replacement, mask, rank=None, leading_rows=False):
+    """Call a target's Injection, or in a compiled model's trace what stands for it: ``(spec, module
+    name, module)``, the constants :func:`inject` reads (an Injection object would be guarded per target)."""
+    if type(injection) is tuple:
+        spec, name, module = injection
+        return inject(spec, name, module, computed, replacement, mask, rank, leading_rows)
+    return injection(computed, replacement, mask, rank, leading_rows)
+
+
+def _name_of(injection: Injection | tuple) -> str:
+    """The target's name, for errors only (in a trace each read of an Injection is a guard)."""
+    return injection[1] if type(injection) is tuple else injection.module_name
+
+
+def inject_routing(injection: Injection | tuple, values: list[torch.Tensor], num_experts: int | None, replacement,
+                   mask, leading_rows=False) -> list[torch.Tensor]:
     """The routing a module is called with (point ``"routing"``), replaced. One value is a dense
     ``[T, E]`` matrix and goes through ``injection`` as it is. A (top-k weights, expert ids) pair, in
     either order, goes through it as the dense matrix it stands for (so a capture records, and a
     replacement holds, ``[T, E]`` rows); rows the injection changed are read back as their top-k,
-    the others keep the pair as computed, bit for bit and in its order."""
+    the others keep the pair as computed, bit for bit and in its order. ``injection``: as
+    :func:`call_injection` takes it."""
     if len(values) == 1:
         if not values[0].is_floating_point():
-            raise TargetError(f"{injection.module_name!r}: point 'routing': the one argument computed from a top-k "
+            raise TargetError(f"{_name_of(injection)!r}: point 'routing': the one argument computed from a top-k "
                               f"is {values[0].dtype} {tuple(values[0].shape)}, expert ids without their weights (the "
                               "module takes weights from elsewhere and picks the chosen ones itself); target the router "
                               "instead")
-        return [injection(values[0], replacement, mask, None, leading_rows)]
+        return [call_injection(injection, values[0], replacement, mask, None, leading_rows)]
     floats = [v.is_floating_point() for v in values]
     if floats.count(True) != 1 or values[0].shape != values[1].shape:
-        raise TargetError(f"{injection.module_name!r}: point 'routing' is called with "
+        raise TargetError(f"{_name_of(injection)!r}: point 'routing' is called with "
                           f"{', '.join(f'{v.dtype} {tuple(v.shape)}' for v in values)}; a routing pair is float "
                           "weights and integer expert ids of one shape [T, k]")
     w, i = (0, 1) if floats[0] else (1, 0)
@@ -180,7 +195,7 @@ def inject_routing(injection: Injection, values: list[torch.Tensor], num_experts
     k = weights.shape[-1]
     flat_weights, flat_ids = weights.reshape(-1, k), ids.reshape(-1, k)
     dense = routing_matrix(flat_weights, flat_ids, num_experts)
-    injected = injection(dense, replacement, mask, None, leading_rows)
+    injected = call_injection(injection, dense, replacement, mask, None, leading_rows)
     if injected is dense:  # nothing replaced: the pair as computed
         return values
     changed = ((injected != dense) & ~(injected.isnan() & dense.isnan())).any(-1, keepdim=True)

@@ -6,9 +6,9 @@ inside the module (e.g. router logits), the module is traced alone with ``torch.
 :func:`~fxreplace.passes.insert_replacements` adds the replacement/mask inputs to that small
 graph, and the forward runs the graph's code on the *original* module (parameters,
 ``state_dict`` keys and ``load_state_dict`` untouched); when the point is the module output,
-the forward wraps the original one. In a compiled model's trace a slot's fixed data is folded in
-behind one identity guard and the entries are values of the trace, so the guards do not grow
-with the targets.
+the forward wraps the original one. In a compiled model's trace a target's fixed data is folded
+in, named by a key in the module's ``__dict__``, its slot never read, and the entries are values of
+the trace, so the guards per target are one string the plain model's guards already reach.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.compiler import is_dynamo_compiling
 
 from ._compat import trace_key, traced
 from .errors import TargetNotHitError
-from .injection import Injection, inject, inject_routing, recording, with_element
+from .injection import Injection, call_injection, inject_routing, recording, with_element
 from .liveness import Watched
 from .passes import InjectionSpec, insert_replacements
 from .points import GIVEN_FORWARD, TARGET_CLASS, WRAPPED_FORWARD, InjectionPoint, forward_attribute, given_class
@@ -43,18 +43,92 @@ class SlotState:
     TAKEN = "taken"  # consumed: a second take in the same forward is an error
 
 
-class Slot:
-    """One target's part of its model's forwards: what is fixed at instrument time (its point, its
-    Injection, the forward it was given, and ``constants``: the plain values a compiled graph folds
-    in with one identity guard on the slot) and, eagerly, whether this forward reached it.
+class _Steps:
+    """The steps of a target's forward that read nothing of the target's slot. In a compiled
+    model's trace a target's forward runs them on one shared object (``_STEPS``) with the constants
+    its trace folded in (see :func:`_traced_slot`) and never reads its slot: each slot a trace reads
+    adds guards per target, and cold ones, as the compiled call itself never touches a slot.
+    Methods of an object with ``__slots__``: no guard of their own (see :class:`Slot`)."""
 
-    The steps of a target's forward are the slot's methods, and the slot has ``__slots__``: Dynamo
-    guards the slot's type once per target, and a method of an object without a ``__dict__`` needs
-    no guard of its own, where each module-level function a trace calls costs a guard on every call
-    of the compiled model."""
+    __slots__ = ()
+
+    def entered(self, module: nn.Module) -> tuple:
+        """``(steps, given forward, point data, entry, injection)`` for the target's forward (see
+        :meth:`Slot.armed`); ``steps``: this object in the model's trace, else the target's slot.
+        Eagerly, a forward that replaces nothing (see :meth:`Slot.skipped`) gets no entry."""
+        if is_dynamo_compiling():
+            kind, constants = _traced_slot(module._fxreplace_key)
+            if kind == _IN_MODEL:
+                return (self, *self.in_model(module, constants))
+            slot = module._fxreplace_slot
+        else:
+            slot, kind = module._fxreplace_slot, None
+            if slot.skipped():
+                return slot, (slot.original, slot.passes_self), slot.point_data, None, slot.injection
+        return (slot, *slot.armed(kind))
+
+    def in_model(self, module: nn.Module, constants: tuple) -> tuple:
+        """``(given forward, point data, entry, injection)`` in the model's trace: the target's
+        constants folded in, the entry a value of the trace, and for the Injection the constants
+        :func:`~fxreplace.injection.inject` reads (the Injection itself where the model is observed)."""
+        key, index, passes_self, spec, name, forward, point_data, observed = constants
+        inputs = getattr(ARMED, key, None)
+        entry = None if inputs is None else inputs[index] or _OFF
+        injection = module._fxreplace_slot.injection if observed else (spec, name, module)
+        return (_FORWARDS[forward], passes_self), point_data, entry, injection
+
+    def call_original(self, module: nn.Module, given: tuple, args, kwargs):
+        """Call the forward the target was given: ``given`` is ``(function, whether it takes self)``."""
+        original, passes_self = given
+        return original(module, *args, **kwargs) if passes_self else original(*args, **kwargs)
+
+    def inject_output(self, module: nn.Module, output, point_index, entry, injection):
+        """``output`` with the target's point replaced by ``entry`` (None: outside an instrumented forward)."""
+        if entry is None:
+            return output
+        replacement, mask, leading_rows = entry
+        if point_index is None:
+            value = output
+        elif isinstance(output, (tuple, list)):
+            value = output[point_index]
+        else:
+            slot = module._fxreplace_slot  # (the slot's name and point only on error paths: guards per target)
+            raise TargetError(f"{slot.target.module_name!r}: point {slot.point.point!r} indexes the output, but the "
+                              f"module returns a {type(output).__name__} (indexing would pick a row): use "
+                              "point='output'")
+        if type(value) is not torch.Tensor:
+            _check_point_value(value, module)
+        injected = self.watched(call_injection(injection, value, replacement, mask, None, leading_rows), replacement)
+        return self.with_injected(output, point_index, value, injected)
+
+    def watched(self, injected, replacement):
+        """``injected``, watched where the target's slot asks for it (see :meth:`Slot.watched`)."""
+        return injected
+
+    def with_injected(self, output, index: int | None, value, injected):
+        """``output`` with its point (``output[index]``, or all of it) now ``injected``."""
+        if index is None:
+            return injected
+        if injected is value:  # nothing replaced: the module's own output
+            return output
+        return with_element(output, index, injected)
+
+
+_STEPS = _Steps()
+
+
+class Slot(_Steps):
+    """One target's part of its model's forwards: what is fixed at instrument time (its point, its
+    Injection, the forward it was given, and ``constants``: the plain values a compiled model's
+    graph folds in, see :func:`_traced_slot`) and, eagerly, whether this forward reached it.
+
+    The steps of a target's forward are the slot's methods, and the slot has ``__slots__``: a trace
+    that reads the slot (vLLM's inner model, a frame resumed after a graph break) guards its type
+    once per target, and a method of an object without a ``__dict__`` needs no guard of its own,
+    where each module-level function a trace calls costs a guard on every call of the compiled model."""
 
     __slots__ = ("target", "state", "unproven", "checked", "forward_off", "read", "original", "passes_self", "point",
-                 "injection", "graph_forward", "constants", "trace_key", "__weakref__")
+                 "point_data", "injection", "constants", "trace_key", "__weakref__")
 
     def __init__(self, target: ResolvedTarget):
         self.target = target
@@ -65,9 +139,9 @@ class Slot:
         # flag beside the state, not a state, as a graph compiled inside that forward reads the state
         self.forward_off = [False]
         self.read: bool | None = None  # while watched: whether an op of this forward read it
-        # set by bind: the module's own forward, its point and Injection, the (shared) generated forward
-        self.original = self.passes_self = self.point = self.injection = self.graph_forward = None
-        self.constants: tuple = ()  # (model key, index, passes_self, output index, spec, name, given forward's number)
+        # set by bind: the module's own forward, its point and Injection, what its forward reads of the point
+        self.original = self.passes_self = self.point = self.point_data = self.injection = None
+        self.constants: tuple = ()  # (model key, index, passes_self, spec, name, given forward's number, point_data)
         self.trace_key = trace_key(self)
 
     def take(self) -> None:
@@ -83,15 +157,8 @@ class Slot:
     def settle(self, key: str, index: int, forward_off: list) -> None:
         """Fix ``constants`` once bound: the slot is entry ``index`` of model ``key``'s (see ``ARMED``)."""
         self.forward_off = forward_off
-        forward = _given_number(self.original)
-        _GIVEN[forward] = self.original
-        self.constants = (key, index, self.passes_self, self.point.output_index, self.injection.spec,
-                          self.target.module_name, forward)
-
-    def call_original(self, module: nn.Module, given: tuple, args, kwargs):
-        """Call the forward the target was given: ``given`` is ``(function, whether it takes self)``."""
-        original, passes_self = given
-        return original(module, *args, **kwargs) if passes_self else original(*args, **kwargs)
+        self.constants = (key, index, self.passes_self, self.injection.spec, self.target.module_name,
+                          _forward_number(self.original), self.point_data)
 
     def call_own(self, module: nn.Module, args, kwargs):
         """The target's own forward, as it was given."""
@@ -107,20 +174,13 @@ class Slot:
         self.take()
         return inputs[index] or _OFF
 
-    def armed(self, module: nn.Module):
-        """``(given forward, output index, entry, injection)`` for the target's forward (see
-        :meth:`runtime_entry`). In the model's trace: the slot's constants folded in (one guard), the
-        entry a value of the trace; in another trace that may not break (vLLM's inner model): read as
-        eagerly, a guard per target."""
-        kind, constants = _traced_slot(self.trace_key) if is_dynamo_compiling() else (None, ())
-        if kind == _IN_MODEL:
-            key, index, passes_self, point_index, spec, name, forward, observed = constants
-            inputs = getattr(ARMED, key, None)
-            entry = None if inputs is None else inputs[index] or _OFF
-            given = (_GIVEN[forward], passes_self)
-            return given, point_index, entry, self.injection if observed else (spec, name, module)
+    def armed(self, kind) -> tuple:
+        """``(given forward, point data, entry, injection)`` for the target's forward outside its
+        model's trace (``kind``: see :func:`_traced_slot`, None eagerly): the entry read as eagerly,
+        a guard per target in a trace that may not break (vLLM's inner model), or outside the graph
+        in one that may (see :data:`_runtime_entry_out_of_graph`)."""
         entry = _runtime_entry_out_of_graph(self) if kind == _RESUMABLE else self.runtime_entry()
-        return (self.original, self.passes_self), self.point.output_index, entry, self.injection
+        return (self.original, self.passes_self), self.point_data, entry, self.injection
 
     def skipped(self) -> bool:
         """Eagerly, whether this forward replaces nothing (see ``forward_off``): then the hit is
@@ -130,18 +190,10 @@ class Slot:
             return True
         return False
 
-    def inner_entry(self, module: nn.Module):
-        """``(given forward, entry, injection)`` for a target whose point is inside its forward; the
-        entry None when the forward replaces nothing (see :meth:`skipped`) or runs outside one."""
-        if not is_dynamo_compiling() and self.skipped():
-            return (self.original, self.passes_self), None, self.injection
-        given, _, entry, injection = self.armed(module)
-        return given, entry, injection
-
     def checked_output_point(self, module: nn.Module, fed: bool, args, kwargs):
         """An eager, unrecorded forward at an output point: a target off in it returns the module's output;
         a call the Injection checked before (fed buffers: by shape alone) runs its cached where."""
-        point_index = self.point.output_index
+        point_index = self.point_data
         output = self.call_own(module, args, kwargs)
         entry = self.runtime_entry()
         if entry is None or entry[0] is None:
@@ -152,37 +204,14 @@ class Slot:
             call = checked.fed_entry(value) if fed else checked.lookup(value, *entry)
             if call is not None:
                 return self.with_injected(output, point_index, value, call.inject(value))
-        return self.inject_output(output, point_index, entry, self.injection)
+        return self.inject_output(module, output, point_index, entry, self.injection)
 
-    def inject_output(self, output, point_index, entry, injection):
-        """``output`` with the target's point replaced by ``entry`` (None: outside an instrumented forward)."""
-        if entry is None:
-            return output
-        replacement, mask, leading_rows = entry
-        # (the slot's name and point only on error paths: each read would be a guard per target)
-        if point_index is None:
-            value = output
-        elif isinstance(output, (tuple, list)):
-            value = output[point_index]
-        else:
-            raise TargetError(f"{self.target.module_name!r}: point {self.point.point!r} indexes the output, but the "
-                              f"module returns a {type(output).__name__} (indexing would pick a row): use "
-                              "point='output'")
-        if type(value) is not torch.Tensor:
-            _check_point_value(value, self.target.module_name, self.point.point)
-        injected = _call_injection(injection, value, replacement, mask, None, leading_rows)
+    def watched(self, injected, replacement):
+        """Eagerly, an output the slot is unproven for (see ``unproven``) is watched for reads."""
         if (not is_dynamo_compiling() and self.unproven and replacement is not None
                 and type(injected) is torch.Tensor and not recording()):
-            injected = Watched.watch(injected, self)
-        return self.with_injected(output, point_index, value, injected)
-
-    def with_injected(self, output, index: int | None, value, injected):
-        """``output`` with its point (``output[index]``, or all of it) now ``injected``."""
-        if index is None:
-            return injected
-        if injected is value:  # nothing replaced: the module's own output
-            return output
-        return with_element(output, index, injected)
+            return Watched.watch(injected, self)
+        return injected
 
 
 class _Armed:
@@ -291,10 +320,13 @@ def bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: S
     slot.original, slot.passes_self = (original.__func__, True) if own else (original, False)
     slot.injection, slot.point = injection, point
     if point.graph_module is not None:
-        slot.graph_forward = _shared_graph_forward(point, injection)
+        slot.point_data, forward = _forward_number(_shared_graph_forward(point, injection)), _graph_point_forward
+    elif point.routing_inputs is not None:
+        slot.point_data, forward = (point.routing_inputs, point.num_experts), _routing_point_forward
+    else:
+        slot.point_data, forward = point.output_index, _output_point_forward
     module.__dict__[SLOT] = slot
-    forward = (_graph_point_forward if point.graph_module is not None else
-               _routing_point_forward if point.routing_inputs is not None else _output_point_forward)
+    module.__dict__[KEY] = slot.trace_key  # what the model's trace reads, never the slot (see _Steps)
     if attribute == "forward":
         module.__dict__.pop("forward", None)  # the instance's own forward, now the slot's
     module.__class__ = _target_class(type(module), forward)
@@ -302,6 +334,7 @@ def bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: S
 
 
 SLOT = "_fxreplace_slot"
+KEY = "_fxreplace_key"
 _SHARED_FORWARDS: dict[tuple, Callable] = {}
 _TARGET_CLASSES: dict[tuple, type] = {}
 
@@ -332,27 +365,21 @@ def unbind(module: nn.Module) -> None:
     else:
         module.__dict__[attribute] = given
     module.__dict__.pop(SLOT, None)
+    module.__dict__.pop(KEY, None)
     module.__class__ = given_class(module)
 
 
-#: the forwards targets were given, by number: a compiled graph reads a target's here by a constant
-#: number, one guard per distinct forward (a class's, shared by its modules) rather than per target
-_GIVEN: dict[int, Callable] = {}
-_GIVEN_NUMBERS: dict[Callable, int] = {}
+#: the forwards targets were given and the graph forwards of inner points, by number: a compiled
+#: graph reads a target's here by a constant number, one guard per distinct forward (a class's,
+#: shared by its modules) rather than per target
+_FORWARDS: dict[int, Callable] = {}
+_FORWARD_NUMBERS: dict[Callable, int] = {}
 
 
-def _given_number(forward: Callable) -> int:
-    return _GIVEN_NUMBERS.setdefault(forward, len(_GIVEN_NUMBERS))
-
-
-def _call_injection(injection, computed, replacement, mask, rank=None, leading_rows=False):
-    """The op a target's graph calls: its Injection arrives as an input, not as a constant of the
-    code, so every target of the same structure runs the same generated code. In a compiled graph
-    it is the Injection's constant spec instead (see :meth:`Slot.armed`)."""
-    if type(injection) is tuple:
-        spec, name, module = injection
-        return inject(spec, name, module, computed, replacement, mask, rank, leading_rows)
-    return injection(computed, replacement, mask, rank, leading_rows)
+def _forward_number(forward: Callable) -> int:
+    number = _FORWARD_NUMBERS.setdefault(forward, len(_FORWARD_NUMBERS))
+    _FORWARDS[number] = forward
+    return number
 
 
 _OFF = (None, None, False)
@@ -373,7 +400,8 @@ def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callab
     leading = next(n for n in graph.nodes if n.op == "placeholder" and n.target == "fxreplace_leading_rows")
     with graph.inserting_after(leading):
         given = graph.placeholder("fxreplace_injection", default_value=None)
-    node.target, node.args = _call_injection, (given, *node.args)
+    # the Injection an input, not a constant of the code: targets of one structure share the code
+    node.target, node.args = call_injection, (given, *node.args)
     gm.recompile()
     forward = type(gm).forward
     used = forward.__code__.co_names
@@ -383,12 +411,11 @@ def _shared_graph_forward(point: InjectionPoint, injection: Injection) -> Callab
 
 def _graph_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is a node inside it: its graph's code on the module."""
-    slot = self._fxreplace_slot
-    given, entry, injection = slot.inner_entry(self)
+    steps, given, graph_forward, entry, injection = _STEPS.entered(self)
     if entry is None:
-        return slot.call_original(self, given, args, kwargs)
+        return steps.call_original(self, given, args, kwargs)
     replacement, mask, leading_rows = entry
-    return slot.graph_forward(
+    return _FORWARDS[graph_forward](
         self, *args, **kwargs,
         fxreplace_replacement=replacement, fxreplace_mask=mask,
         fxreplace_leading_rows=leading_rows, fxreplace_injection=injection,
@@ -398,20 +425,18 @@ def _graph_point_forward(self, *args, **kwargs):
 def _routing_point_forward(self, *args, **kwargs):
     """The forward of a target whose point is the routing it is called with (see
     :func:`~fxreplace.injection.inject_routing`): the module runs on the replaced arguments."""
-    slot = self._fxreplace_slot
-    given, entry, _ = slot.inner_entry(self)
+    steps, given, (routing_inputs, num_experts), entry, injection = _STEPS.entered(self)
     if entry is None:
-        return slot.call_original(self, given, args, kwargs)
-    point = slot.point
+        return steps.call_original(self, given, args, kwargs)
     args, kwargs = list(args), dict(kwargs)
-    routing = [args[key] if isinstance(key, int) else kwargs[key] for key in point.routing_inputs]
-    routed = inject_routing(slot.injection, routing, point.num_experts, *entry)
-    for key, value in zip(point.routing_inputs, routed):
+    routing = [args[key] if isinstance(key, int) else kwargs[key] for key in routing_inputs]
+    routed = inject_routing(injection, routing, num_experts, *entry)
+    for key, value in zip(routing_inputs, routed):
         if isinstance(key, int):
             args[key] = value
         else:
             kwargs[key] = value
-    return slot.call_original(self, given, tuple(args), kwargs)
+    return steps.call_original(self, given, tuple(args), kwargs)
 
 
 def _output_point_forward(self, *args, **kwargs):
@@ -421,24 +446,26 @@ def _output_point_forward(self, *args, **kwargs):
     eager, unrecorded forward (fed buffers or its own replacements) with no observer takes the
     fast path of :meth:`Slot.checked_output_point`. Anything else, and any tracing, goes through
     the Injection."""
-    slot = self._fxreplace_slot
     if not is_dynamo_compiling():  # (Dynamo may start tracing inside an eager forward: then the Injection decides)
+        slot = self._fxreplace_slot
         if slot.skipped():
             return slot.call_own(self, args, kwargs)
         state = slot.state
         if ((state is SlotState.FED or state is SlotState.GIVEN) and slot.checked and not slot.unproven
                 and not slot.injection.observers):
             return slot.checked_output_point(self, state is SlotState.FED, args, kwargs)
-    given, point_index, entry, injection = slot.armed(self)
-    return slot.inject_output(slot.call_original(self, given, args, kwargs), point_index, entry, injection)
+    steps, given, point_index, entry, injection = _STEPS.entered(self)
+    return steps.inject_output(self, steps.call_original(self, given, args, kwargs), point_index, entry, injection)
 
 
-def _check_point_value(value, module_name: str, where) -> None:
+def _check_point_value(value, module: nn.Module) -> None:
     """An output point reads a tensor or a pair of tensors; anything else is an error."""
     if isinstance(value, torch.Tensor):
         return
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return
+    slot = module._fxreplace_slot
+    where = slot.point.point
     fallback = " (it cannot be traced alone, so 'auto' means its output)" if where == "auto" else ""
-    raise TargetError(f"{module_name!r}: point {where!r}{fallback} is a {type(value).__name__}, not a tensor; use "
+    raise TargetError(f"{slot.target.module_name!r}: point {where!r}{fallback} is a {type(value).__name__}, not a tensor; use "
                       "point='output[i]' or a callable point")

@@ -333,3 +333,31 @@ def test_a_target_hit_twice_in_a_forward_replacing_nothing_is_an_error():
         block.forward = lambda h: h + block.down(block.gate(h).softmax(-1)) + 0 * block.gate(h)[:, :1]
         with pytest.raises(TargetNotHitError, match="hit twice"):
             model(x)
+
+
+@pytest.mark.parametrize("context", [True, False], ids=["context", "fed"])
+def test_each_target_adds_one_guard_its_key_never_its_slot(context):
+    """Per target, a compiled model's trace reads one string in the target module's own ``__dict__``
+    (which the plain model's guards reach anyway), never the target's slot: a guard on a slot reads
+    an object the compiled call never touches, cold in the caches after each step."""
+    counts = {}
+    for n in (2, 6):
+        plain, model = _model(n, max_tokens=None if context else TOKENS)
+        x = torch.randn(TOKENS, HIDDEN)
+        ctx = _context(model.targets, 0)[1]
+        if not context:
+            model.feed(ctx)
+        for name, m, kwargs in (("plain", plain, {}), ("model", model, {"replacements": ctx} if context else {})):
+            seen = []
+            torch._dynamo.reset()
+            compiled = torch.compile(m, backend="eager", options={
+                "guard_filter_fn": lambda entries: seen.extend(entries) or fxreplace.guard_filter(entries)})
+            with torch.no_grad():
+                compiled(x, **kwargs)
+            counts[name, n] = [e.name for e in seen]
+    per_target = (len(counts["model", 6]) - len(counts["plain", 6]) - len(counts["model", 2])
+                  + len(counts["plain", 2])) / 4
+    assert per_target == 1
+    assert sorted(name for name in counts["model", 6] if "_fxreplace_key" in name) == [
+        f"self._modules['{i}']._modules['gate']._fxreplace_key" for i in range(6)]
+    assert not [name for name in counts["model", 6] if "_fxreplace_slot" in name]
