@@ -1,7 +1,7 @@
 """``guard_filter``: a ``torch.compile`` guard filter that drops Dynamo's guards on fxreplace's own code.
 
 A compiled instrumented model's trace runs fxreplace's Python (the forward that arms the targets,
-each target's slot, the Injection), and Dynamo guards every module-level function, class and
+each target's forward, the Injection), and Dynamo guards every module-level function, class and
 registry that Python reaches: a few dozen checks on every call of the compiled model, whatever its
 size, each re-proving that fxreplace's modules still hold what they held at import. They always
 do (fxreplace never rebinds them; its registries only grow, and a graph reads them by a constant
