@@ -44,6 +44,19 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.compat)
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_dispatch_exclusion(request):
+    """A test must not leave torch's Python dispatch key excluded (a ``no_dispatch()`` never
+    exited): every later compile in that process would fail on its fake tensors, far from the
+    cause (seen once in CI, 12 compile tests of one xdist worker). The test that leaves it fails
+    here, named, and the key is restored for the tests after it."""
+    yield
+    torch = sys.modules.get("torch")  # (tests that never import torch stay without it)
+    if torch is not None and torch._C._dispatch_tls_local_exclude_set().has(torch._C.DispatchKey.Python):
+        torch._C._dispatch_tls_set_dispatch_key_excluded(torch._C.DispatchKey.Python, False)
+        pytest.fail(f"{request.node.nodeid} left torch's Python dispatch key excluded (a no_dispatch() not exited)")
+
+
 _CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT")
 
 
