@@ -46,15 +46,23 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(autouse=True)
 def no_leaked_dispatch_exclusion(request):
-    """A test must not leave torch's Python dispatch key excluded (a ``no_dispatch()`` never
-    exited): every later compile in that process would fail on its fake tensors, far from the
-    cause (seen once in CI, 12 compile tests of one xdist worker). The test that leaves it fails
-    here, named, and the key is restored for the tests after it."""
-    yield
+    """A test must not leave torch's dispatch keys excluded (a ``no_dispatch()`` never exited
+    excludes Python, PythonTLSSnapshot and PreDispatch): every later compile or export in that
+    process would fail on its fake tensors, far from the cause (seen in CI, 12 compile tests of
+    one xdist worker). The test that leaves them fails here, named, and each key is put back
+    as it was, so the tests after it run as they would have."""
     torch = sys.modules.get("torch")  # (tests that never import torch stay without it)
-    if torch is not None and torch._C._dispatch_tls_local_exclude_set().has(torch._C.DispatchKey.Python):
-        torch._C._dispatch_tls_set_dispatch_key_excluded(torch._C.DispatchKey.Python, False)
-        pytest.fail(f"{request.node.nodeid} left torch's Python dispatch key excluded (a no_dispatch() not exited)")
+    before = torch._C._dispatch_tls_local_exclude_set() if torch is not None else None
+    yield
+    if before is None:
+        return
+    after = torch._C._dispatch_tls_local_exclude_set()
+    changed = [key for key in torch._C.DispatchKey.__members__.values() if after.has(key) != before.has(key)]
+    for key in changed:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, before.has(key))
+    if changed:
+        left = ", ".join(f"{key.name} {'excluded' if after.has(key) else 'no longer excluded'}" for key in changed)
+        pytest.fail(f"{request.node.nodeid} left torch's dispatch keys changed: {left} (a no_dispatch() not exited)")
 
 
 _CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT")
