@@ -64,7 +64,7 @@ class _Steps:
         else:
             slot, kind = module._fxreplace_slot, None
             if slot.skipped():
-                return slot, (slot.original, slot.passes_self), slot.point_data, None, slot.injection
+                return slot, slot.given, slot.point_data, None, slot.injection
         return (slot, *slot.armed(kind))
 
     def in_model(self, module: nn.Module, constants: tuple) -> tuple:
@@ -92,10 +92,8 @@ class _Steps:
         elif isinstance(output, (tuple, list)):
             value = output[point_index]
         else:
-            slot = module._fxreplace_slot  # (the slot's name and point only on error paths: guards per target)
-            raise TargetError(f"{slot.target.module_name!r}: point {slot.point.point!r} indexes the output, but the "
-                              f"module returns a {type(output).__name__} (indexing would pick a row): use "
-                              "point='output'")
+            raise _point_error(module, f"indexes the output, but the module returns a {type(output).__name__} "
+                                       "(indexing would pick a row): use point='output'")
         if type(value) is not torch.Tensor:
             _check_point_value(value, module)
         injected = self.watched(call_injection(injection, value, replacement, mask, None, leading_rows), replacement)
@@ -127,7 +125,7 @@ class Slot(_Steps):
     once per target, and a method of an object without a ``__dict__`` needs no guard of its own,
     where each module-level function a trace calls costs a guard on every call of the compiled model."""
 
-    __slots__ = ("target", "state", "unproven", "checked", "forward_off", "read", "original", "passes_self", "point",
+    __slots__ = ("target", "state", "unproven", "checked", "forward_off", "read", "given", "point",
                  "point_data", "injection", "constants", "trace_key", "__weakref__")
 
     def __init__(self, target: ResolvedTarget):
@@ -139,8 +137,9 @@ class Slot(_Steps):
         # flag beside the state, not a state, as a graph compiled inside that forward reads the state
         self.forward_off = [False]
         self.read: bool | None = None  # while watched: whether an op of this forward read it
-        # set by bind: the module's own forward, its point and Injection, what its forward reads of the point
-        self.original = self.passes_self = self.point = self.point_data = self.injection = None
+        # set by bind: the forward the module was given, as ``(function, whether it takes self)``, its
+        # point and Injection, what its forward reads of the point
+        self.given = self.point = self.point_data = self.injection = None
         self.constants: tuple = ()  # (model key, index, passes_self, spec, name, given forward's number, point_data)
         self.trace_key = trace_key(self)
 
@@ -157,12 +156,13 @@ class Slot(_Steps):
     def settle(self, key: str, index: int, forward_off: list) -> None:
         """Fix ``constants`` once bound: the slot is entry ``index`` of model ``key``'s (see ``ARMED``)."""
         self.forward_off = forward_off
-        self.constants = (key, index, self.passes_self, self.injection.spec, self.target.module_name,
-                          _forward_number(self.original), self.point_data)
+        original, passes_self = self.given
+        self.constants = (key, index, passes_self, self.injection.spec, self.target.module_name,
+                          _forward_number(original), self.point_data)
 
     def call_own(self, module: nn.Module, args, kwargs):
         """The target's own forward, as it was given."""
-        return self.call_original(module, (self.original, self.passes_self), args, kwargs)
+        return self.call_original(module, self.given, args, kwargs)
 
     def runtime_entry(self):
         """This forward's ``(replacement, mask, leading_rows)`` for the target (``_OFF``: off), or None
@@ -180,7 +180,7 @@ class Slot(_Steps):
         a guard per target in a trace that may not break (vLLM's inner model), or outside the graph
         in one that may (see :data:`_runtime_entry_out_of_graph`)."""
         entry = _runtime_entry_out_of_graph(self) if kind == _RESUMABLE else self.runtime_entry()
-        return (self.original, self.passes_self), self.point_data, entry, self.injection
+        return self.given, self.point_data, entry, self.injection
 
     def skipped(self) -> bool:
         """Eagerly, whether this forward replaces nothing (see ``forward_off``): then the hit is
@@ -317,7 +317,7 @@ def bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: S
     original = getattr(module, attribute)
     own = isinstance(original, types.MethodType) and original.__self__ is module
     # a method's function (the class's is shared by every module of the class) rather than a method bound to this one
-    slot.original, slot.passes_self = (original.__func__, True) if own else (original, False)
+    slot.given = (original.__func__, True) if own else (original, False)
     slot.injection, slot.point = injection, point
     if point.graph_module is not None:
         slot.point_data, forward = _forward_number(_shared_graph_forward(point, injection)), _graph_point_forward
@@ -464,8 +464,13 @@ def _check_point_value(value, module: nn.Module) -> None:
         return
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return
+    raise _point_error(module, f"is a {type(value).__name__}, not a tensor; use point='output[i]' or a callable point")
+
+
+def _point_error(module: nn.Module, problem: str) -> TargetError:
+    """The error of the target ``module``'s point, named: read from its slot, on error paths only
+    (a trace that reads a slot guards it, see :class:`_Steps`)."""
     slot = module._fxreplace_slot
     where = slot.point.point
     fallback = " (it cannot be traced alone, so 'auto' means its output)" if where == "auto" else ""
-    raise TargetError(f"{slot.target.module_name!r}: point {where!r}{fallback} is a {type(value).__name__}, not a tensor; use "
-                      "point='output[i]' or a callable point")
+    return TargetError(f"{slot.target.module_name!r}: point {where!r}{fallback} {problem}")
