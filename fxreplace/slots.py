@@ -45,37 +45,12 @@ class SlotState:
 
 class _Steps:
     """The steps of a target's forward that read nothing of the target's slot. In a compiled
-    model's trace a target's forward runs them on one shared object (``_STEPS``) with the constants
-    its trace folded in (see :func:`_traced_slot`) and never reads its slot: each slot a trace reads
-    adds guards per target, and cold ones, as the compiled call itself never touches a slot.
+    model's trace a target's forward runs them on one shared object (``_STEPS``, see :class:`_Start`)
+    with the constants its trace folded in (see :func:`_traced_slot`) and never reads its slot: each
+    slot a trace reads adds guards per target, and cold ones, as the compiled call never touches a slot.
     Methods of an object with ``__slots__``: no guard of their own (see :class:`Slot`)."""
 
     __slots__ = ()
-
-    def entered(self, module: nn.Module) -> tuple:
-        """``(steps, given forward, point data, entry, injection)`` for the target's forward (see
-        :meth:`Slot.armed`); ``steps``: this object in the model's trace, else the target's slot.
-        Eagerly, a forward that replaces nothing (see :meth:`Slot.skipped`) gets no entry."""
-        if is_dynamo_compiling():
-            kind, constants = _traced_slot(module._fxreplace_key)
-            if kind == _IN_MODEL:
-                return (self, *self.in_model(module, constants))
-            slot = module._fxreplace_slot
-        else:
-            slot, kind = module._fxreplace_slot, None
-            if slot.skipped():
-                return slot, slot.given, slot.point_data, None, slot.injection
-        return (slot, *slot.armed(kind))
-
-    def in_model(self, module: nn.Module, constants: tuple) -> tuple:
-        """``(given forward, point data, entry, injection)`` in the model's trace: the target's
-        constants folded in, the entry a value of the trace, and for the Injection the constants
-        :func:`~fxreplace.injection.inject` reads (the Injection itself where the model is observed)."""
-        key, index, passes_self, spec, name, forward, point_data, observed = constants
-        inputs = getattr(ARMED, key, None)
-        entry = None if inputs is None else inputs[index] or _OFF
-        injection = module._fxreplace_slot.injection if observed else (spec, name, module)
-        return (_FORWARDS[forward], passes_self), point_data, entry, injection
 
     def call_original(self, module: nn.Module, given: tuple, args, kwargs):
         """Call the forward the target was given: ``given`` is ``(function, whether it takes self)``."""
@@ -112,7 +87,39 @@ class _Steps:
         return with_element(output, index, injected)
 
 
-_STEPS = _Steps()
+class _Start(_Steps):
+    """Where every target's forward starts (``_STEPS.entered``): which steps run it, the model's
+    shared ones or the target's slot."""
+
+    __slots__ = ()
+
+    def entered(self, module: nn.Module) -> tuple:
+        """``(steps, given forward, point data, entry, injection)`` for the target's forward (see
+        :meth:`Slot.armed`); ``steps``: this object in the model's trace, else the target's slot.
+        Eagerly, a forward that replaces nothing (see :meth:`Slot.skipped`) gets no entry."""
+        if is_dynamo_compiling():
+            kind, constants = _traced_slot(module._fxreplace_key)
+            if kind == _IN_MODEL:
+                return (self, *self.in_model(module, constants))
+            slot = module._fxreplace_slot
+        else:
+            slot, kind = module._fxreplace_slot, None
+            if slot.skipped():
+                return slot, slot.given, slot.point_data, None, slot.injection
+        return (slot, *slot.armed(kind))
+
+    def in_model(self, module: nn.Module, constants: tuple) -> tuple:
+        """``(given forward, point data, entry, injection)`` in the model's trace: the target's
+        constants folded in, the entry a value of the trace, and for the Injection the constants
+        :func:`~fxreplace.injection.inject` reads (the Injection itself where the model is observed)."""
+        key, index, passes_self, spec, name, forward, point_data, observed = constants
+        inputs = getattr(ARMED, key, None)
+        entry = None if inputs is None else inputs[index] or _OFF
+        injection = module._fxreplace_slot.injection if observed else (spec, name, module)
+        return (_FORWARDS[forward], passes_self), point_data, entry, injection
+
+
+_STEPS = _Start()
 
 
 class Slot(_Steps):
