@@ -1,6 +1,8 @@
 """Reference capture, teacher-forced validation, the CLI and the demo."""
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -217,10 +219,15 @@ def test_cli_capture_validate_inspect(tmp_path, capsys):
         cli(["validate", str(tmp_path / "other"), "--reference", str(tmp_path / "ref")])
 
 
-def test_demo_end_to_end_compiled(tmp_path, capsys):
-    """The README's main job, shortened: compiled bf16 target, both modes, report written."""
-    assert cli(["demo", "--prompts", "4", "--new-tokens", "8", "--report-dir", str(tmp_path / "report")]) == 0
-    out = capsys.readouterr().out
+def test_demo_end_to_end_compiled(tmp_path):
+    """The README's main job, shortened: compiled bf16 target, both modes, report written. In a
+    process of its own, as the README runs it (in the suite's process, about one run in two left
+    torch's dispatch keys excluded as the demo ended: a torch-side leak not traced to its call yet,
+    which failed every later compile of that xdist worker)."""
+    proc = subprocess.run([sys.executable, "-m", "fxreplace", "demo", "--prompts", "4", "--new-tokens", "8",
+                           "--report-dir", str(tmp_path / "report")], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
     assert "verdict:" in out and "router agreement" in out
     assert "graphs compiled: 2 " in out, "one prefill and one decode bucket; on/off must not recompile"
     for name, min_size in [("report.html", 2000), ("error_per_step.png", 10000), ("router_agreement.png", 5000), ("result.json", 1000)]:
