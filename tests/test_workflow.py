@@ -222,8 +222,8 @@ def test_cli_capture_validate_inspect(tmp_path, capsys):
 def test_demo_end_to_end_compiled(tmp_path):
     """The README's main job, shortened: compiled bf16 target, both modes, report written. In a
     process of its own, as the README runs it (in the suite's process, about one run in two left
-    torch's dispatch keys excluded as the demo ended: a torch-side leak not traced to its call yet,
-    which failed every later compile of that xdist worker)."""
+    torch's dispatch keys excluded as the demo ended, failing every later compile of that xdist
+    worker: a leak not yet traced to its call, in torch or fxreplace)."""
     proc = subprocess.run([sys.executable, "-m", "fxreplace", "demo", "--prompts", "4", "--new-tokens", "8",
                            "--report-dir", str(tmp_path / "report")], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
