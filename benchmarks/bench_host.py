@@ -15,6 +15,12 @@ all rows off), for the stacks ``rows on`` (the same model, a context replacing e
 ``fed`` (instrumented, its fed buffers cleared: replacement off) and, for the stacks,
 ``hand`` (the same blocks edited by hand: ``torch.where(mask, replacement, computed)`` at each gate,
 the replacement and the mask passed as forward arguments: the floor of what an extra input costs).
+Eager only, for the stacks, the floor of instrument()'s design, written without fxreplace: ``frames``
+(each gate's class given a forward that calls the class's own, as instrument() gives each target,
+and the model a forward that takes ``replacements=``: the Python frames alone, no state, no check)
+and ``frames, where`` (the same, each gate reading its entry of the forward in progress from a list the
+model's forward sets, and applying it with ``torch.where``: what a forward replacing rows cannot do
+without). ``fed`` (cleared) is read against ``frames``, ``rows on`` against ``frames, where``.
 Compiled only, ``context, filtered`` and ``fed, filtered``: the same two variants on models compiled
 with ``options={"guard_filter_fn": fxreplace.guard_filter}`` (fxreplace's own module-level guards
 dropped).
@@ -49,6 +55,8 @@ from fxreplace.models import get_family, tiny_model
 HIDDEN, EXPERTS, TOKENS = 64, 8, 16
 LOOKUP = "TorchDynamo Cache Lookup"
 FILTERED = ", filtered"  # a variant compiled with fxreplace's guard filter (compiled only)
+FRAMES, FRAMES_WHERE = "frames", "frames, where"  # the design's floor, written without fxreplace (eager only)
+FLOOR_OF = {"fed": FRAMES, "rows on": FRAMES_WHERE}  # the eager variants read against a floor
 GUARD_CHECKS = 2000  # direct guard checks per round and variant
 
 
@@ -85,6 +93,38 @@ class HandStack(Stack):
         return x
 
 
+class FramedGate(nn.Linear):
+    """A gate whose class forward calls the class's own, as instrument() gives each target its class: with
+    the model's entries armed, it reads its own and applies it (``FRAMED_ENTRIES``, set per forward)."""
+
+    def forward(self, *args, **kwargs):
+        computed = nn.Linear.forward(self, *args, **kwargs)
+        entry = FRAMED_ENTRIES[self.framed_index]
+        return computed if entry is None else torch.where(entry[1], entry[0], computed)
+
+
+FRAMED_ENTRIES: list = []  # per gate (replacement, mask column) or None, for the forward in progress
+
+
+class FramedStack(Stack):
+    """The stack with :class:`FramedGate` gates and a forward that takes ``replacements=`` (a list of
+    per-gate entries, None: all off) and publishes them for the forward, as an instrumented model arms."""
+
+    def __init__(self, plain: Stack):
+        super().__init__(0)
+        self.blocks = copy.deepcopy(plain.blocks)
+        for index, block in enumerate(self.blocks):
+            block.gate.__class__, block.gate.framed_index = FramedGate, index
+        self.off = [None] * len(self.blocks)
+
+    def forward(self, *args, replacements=None, **kwargs):
+        FRAMED_ENTRIES[:] = self.off if replacements is None else replacements
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            FRAMED_ENTRIES[:] = self.off
+
+
 def stack_variants(n: int) -> tuple[dict, list]:
     """The plain stack, the same weights instrumented twice (a context, fed buffers) and edited by hand."""
     torch.manual_seed(n)
@@ -106,9 +146,12 @@ def stack_variants(n: int) -> tuple[dict, list]:
     x = torch.randn(TOKENS, HIDDEN)
     zeros = [torch.zeros(TOKENS, EXPERTS) for _ in names]
     mask = torch.zeros(TOKENS, dtype=torch.bool)
+    framed = FramedStack(plain)
+    framed_on = [(on[name], every_other.unsqueeze(-1)) for name in names]
     calls = {"plain": (plain, lambda m: m(x)), "context": (with_context, lambda m: m(x, replacements=off)),
              "rows on": (with_context, lambda m: m(x, replacements=on)),
              "fed": (fed, lambda m: m(x)), "hand": (hand, lambda m: m(x, zeros, mask)),
+             FRAMES: (framed, lambda m: m(x)), FRAMES_WHERE: (framed, lambda m: m(x, replacements=framed_on)),
              "context" + FILTERED: (context_filtered, lambda m: m(x, replacements=off)),
              "fed" + FILTERED: (fed_filtered, lambda m: m(x))}
     return calls, names
@@ -225,7 +268,7 @@ def groups(calls: dict, compiled: bool) -> list[dict]:
     baseline = [name for name in ("plain", "hand") if name in calls]
     models: dict[int, list[str]] = {}
     for name, (model, _) in calls.items():
-        if name not in baseline:
+        if name not in baseline and name not in (FRAMES, FRAMES_WHERE):
             models.setdefault(id(model), []).append(name)
     return [{name: calls[name] for name in baseline[:1] + names + baseline[1:]} for names in models.values()]
 
@@ -243,6 +286,8 @@ def ratios(rounds: dict) -> dict:
         out[name] = {key: paired(name, "plain", key) for key in m}
         if "hand" in rounds and name != "hand":
             out[name]["call_vs_hand"] = paired(name, "hand", "call")
+        if FLOOR_OF.get(name) in rounds:
+            out[name]["call_vs_floor"] = paired(name, FLOOR_OF[name], "call")
     return out
 
 
@@ -264,7 +309,7 @@ def main():
         models.append(("qwen3-moe", *moe_variants()))
     results = {}
     print(f"{'model (targets)':24} {'mode':8} {'variant':17} {'call us':>9} {'x plain':>8} {'lookup us':>10} "
-          f"{'x plain':>8} {'guards us':>10} {'x plain':>8} {'cold us':>8} {'x plain':>8} {'x hand':>7}")
+          f"{'x plain':>8} {'guards us':>10} {'x plain':>8} {'cold us':>8} {'x plain':>8} {'x hand':>7} {'x floor':>8}")
     for label, calls, names in models:
         key = f"{label} ({len(names)})"
         results[key] = {}
@@ -285,7 +330,9 @@ def main():
                           f"{r.get('guards', 1.0):8.2f} {m['cold'] * 1e6:8.2f} {r.get('cold', 1.0):8.2f}"
                           ) if compiled else f"{'-':>10} {'-':>8} {'-':>10} {'-':>8} {'-':>8} {'-':>8}"
                 vs_hand = f"{r['call_vs_hand']:7.2f}" if "call_vs_hand" in r else f"{'-':>7}"
-                print(f"{key:24} {mode:8} {name:17} {m['call'] * 1e6:9.1f} {r.get('call', 1.0):8.2f} {lookup} {vs_hand}")
+                vs_floor = f"{r['call_vs_floor']:8.2f}" if "call_vs_floor" in r else f"{'-':>8}"
+                print(f"{key:24} {mode:8} {name:17} {m['call'] * 1e6:9.1f} {r.get('call', 1.0):8.2f} {lookup} {vs_hand} "
+                      f"{vs_floor}")
     print(json.dumps({"bench": "host", "threads": 1, "rounds": rounds, "calls_per_round": per_round,
                       "statistic": statistic.__name__,
                       "ratios": {k: {mode: v["ratios"] for mode, v in modes.items()} for k, modes in results.items()}}))
