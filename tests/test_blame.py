@@ -426,7 +426,11 @@ def test_captured_parts_join_the_reference_where_they_lie(cleans, references, bl
     result = blame(plant(clean, attention(1)), directory, clean=clean, progress=False)
     full = blamed("attention")
     assert [(o.kind, o.layer) for o in result.origins] == [(o.kind, o.layer) for o in full.origins] == [("attention", 1)]
-    assert [b.component for b in result.ranking] == [b.component for b in full.ranking]
+    # the same rows and shares; rows whose shares tie to ~1e-7 (a layer's router and experts here) may swap
+    # places, as the parts were captured in forwards of their own
+    assert result.ranking[0].component == full.ranking[0].component
+    assert ({b.component: b.share for b in result.ranking}
+            == pytest.approx({b.component: b.share for b in full.ranking}, abs=1e-5))
     comps = resolve_components(clean, get_family(ARCH).components)
     on_disk = OnDemand(clean, load_reference(directory), comps, directory)
     in_memory = OnDemand(clean, load_reference(directory), comps, None)
