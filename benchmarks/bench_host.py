@@ -126,7 +126,8 @@ class FramedStack(Stack):
 
 
 def stack_variants(n: int) -> tuple[dict, list]:
-    """The plain stack, the same weights instrumented twice (a context, fed buffers) and edited by hand."""
+    """The plain stack, the same weights instrumented twice (a context, fed buffers), edited by hand, and
+    framed (the design's floor, see :class:`FramedStack`)."""
     torch.manual_seed(n)
     plain = Stack(n).eval()
     targets = ["blocks.*.gate"]
