@@ -13,8 +13,10 @@ Variants, called in turn (interleaved) in one process on one thread, over the sa
 ``plain`` (the model given), ``context`` (instrumented, ``replacements=`` a context of every target,
 all rows off), for the stacks ``rows on`` (the same model, a context replacing every other row),
 ``fed`` (instrumented, its fed buffers cleared: replacement off) and, for the stacks,
-``hand`` (the same blocks edited by hand: ``torch.where(mask, replacement, computed)`` at each gate,
-the replacement and the mask passed as forward arguments: the floor of what an extra input costs).
+``hand`` (the same model edited by hand: each block's forward takes its gate's replacement and the
+mask as arguments and applies ``torch.where(mask, replacement, computed)`` to the gate's output: the
+floor of what an extra input costs; until 2026-12-06 13:00 UTC the twin also folded each block's
+forward into the stack's loop, one module call fewer per block than the model it stands for).
 Eager only, for the stacks, the floor of instrument()'s design, written without fxreplace: ``frames``
 (each gate's class given a forward that calls the class's own, as instrument() gives each target,
 and the model a forward that takes ``replacements=``: the Python frames alone, no state, no check)
@@ -83,13 +85,25 @@ class Stack(nn.Module):
         return x
 
 
+class HandBlock(Block):
+    """The block edited by hand to replace its gate's output: what a port's author would write."""
+
+    def forward(self, x, replacement, keep):
+        return x + self.down(torch.where(keep, replacement, self.gate(x)).softmax(-1))
+
+
 class HandStack(Stack):
-    """The stack edited by hand to replace each gate's output: what a port's author would write."""
+    """The stack of :class:`HandBlock`, each block called with its replacement and the mask: the same
+    modules, calls and kernels as the plain stack, plus an input and a ``where`` per target."""
+
+    def __init__(self, n: int):
+        super().__init__(0)
+        self.blocks = nn.ModuleList(HandBlock() for _ in range(n))
 
     def forward(self, x, replacements, mask):
         keep = mask.unsqueeze(-1)
         for block, replacement in zip(self.blocks, replacements):
-            x = x + block.down(torch.where(keep, replacement, block.gate(x)).softmax(-1))
+            x = block(x, replacement, keep)
         return x
 
 
