@@ -22,7 +22,11 @@ class Feed:
     and a mask tensor (a copied feed: ``[names, max_tokens]``, a row per target; a bound one: the
     context's mask or mask matrix), and per target ``(group, column, mask, mask row or -1)`` or
     None. A compiled forward reads the groups (one guard each) and folds the places in (one
-    identity guard on this object, which only a first feed, a bind or a move replaces)."""
+    identity guard on this object, which only a first feed, a bind or a move replaces). With
+    ``__slots__``: a compiled forward calls :meth:`traced`, and a method of an object with a
+    ``__dict__`` costs a guard per call (that the instance does not shadow it)."""
+
+    __slots__ = ("storage", "masks", "places", "trace_key", "__weakref__")
 
     def __init__(self, storage: tuple, masks: tuple, places: tuple):
         self.storage, self.masks, self.places = storage, masks, places
