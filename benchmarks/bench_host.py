@@ -14,9 +14,9 @@ Variants, called in turn (interleaved) in one process on one thread, over the sa
 all rows off), for the stacks ``rows on`` (the same model, a context replacing every other row),
 ``fed`` (instrumented, its fed buffers cleared: replacement off) and, for the stacks,
 ``hand`` (the same model edited by hand: each block's forward takes its gate's replacement and the
-mask as arguments and applies ``torch.where(mask, replacement, computed)`` to the gate's output: the
-floor of what an extra input costs; until 2026-12-06 13:00 UTC the twin also folded each block's
-forward into the stack's loop, one module call fewer per block than the model it stands for).
+mask as arguments and applies ``torch.where(mask, replacement, computed)`` to the gate's output; its
+modules and calls are the plain stack's, so it differs from it by the inputs and the ``where`` alone:
+the floor of what an extra input costs).
 Eager only, for the stacks, the floor of instrument()'s design, written without fxreplace: ``frames``
 (each gate's class given a forward that calls the class's own, as instrument() gives each target,
 and the model a forward that takes ``replacements=``: the Python frames alone, no state, no check)
