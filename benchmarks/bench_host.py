@@ -283,7 +283,7 @@ def groups(calls: dict, compiled: bool) -> list[dict]:
     baseline = [name for name in ("plain", "hand") if name in calls]
     models: dict[int, list[str]] = {}
     for name, (model, _) in calls.items():
-        if name not in baseline and name not in (FRAMES, FRAMES_WHERE):
+        if name not in baseline and name not in FLOOR_OF.values():  # the floors run eagerly only
             models.setdefault(id(model), []).append(name)
     return [{name: calls[name] for name in baseline[:1] + names + baseline[1:]} for names in models.values()]
 
