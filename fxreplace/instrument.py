@@ -47,7 +47,7 @@ class Instrumentation:
 
     __slots__ = ("targets", "points", "injections", "slots", "max_tokens", "fed", "fed_inputs", "feed", "last_inputs",
                  "key", "observers", "forward_off", "host_masks", "running", "bound", "unbound_by_move", "forced",
-                 "unproven", "unchecked", "__weakref__")
+                 "unproven", "unchecked", "proofs", "__weakref__")
 
     def __init__(self, targets: list[ResolvedTarget], points, injections, slots, max_tokens):
         self.targets = targets
@@ -71,6 +71,7 @@ class Instrumentation:
         self.forced: dict[str, torch.Tensor] | None = None  # see forcing()
         self.unproven = [slot for slot in slots if slot.unproven]  # see _check_watched()
         self.unchecked = list(slots)  # not yet reached by an eager forward's general path (see finish)
+        self.proofs = 0  # open proving() contexts
 
     def buffer_names(self) -> list[str]:
         """The model's buffers the feed registered (its groups' values, then their masks)."""
@@ -113,6 +114,17 @@ class Instrumentation:
             self.forced = None
 
     @contextmanager
+    def proving(self):
+        """While inside, every eager forward runs the targets' instrumented forwards through their
+        general path, even one that replaces nothing (which would run the forwards they were given,
+        see ``forward_off``): what a proof of them needs."""
+        self.proofs += 1
+        try:
+            yield
+        finally:
+            self.proofs -= 1
+
+    @contextmanager
     def observing(self, callback: Callable[[str, torch.Tensor], None]):
         """See :func:`observe` (which checks the model; :mod:`~fxreplace.liveness` calls this)."""
         added = []
@@ -150,8 +162,10 @@ class Instrumentation:
             # Injection, which keeps Python state out of the recorded graph
             recorded = recording()
             state = SlotState.ARMED if recorded else SlotState.FED if replacements is None else SlotState.GIVEN
-            # (an unproven output[i] is watched on every forward until one proves it: none skips it)
-            self.forward_off[0] = (self.observers == 0 and not self.unchecked and not self.unproven and not recorded
+            # (an unproven output[i] is watched on every forward until one proves it, and a proof runs
+            # the instrumented forwards it proves: neither skips them)
+            self.forward_off[0] = (self.observers == 0 and not self.unchecked and not self.unproven
+                                   and not self.proofs and not recorded
                                    and self.host_masks.all_off(self._masks(replacements)))
             for slot in self.slots:
                 slot.state = state

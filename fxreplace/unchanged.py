@@ -67,7 +67,8 @@ def prove_unchanged(model: nn.Module, forward: Callable[[], object], skip: Itera
         functools.partial(compare, name=t.module_name), with_kwargs=True, prepend=True)
         for t in model._fxreplace.targets if t.module_name not in skipped]
     try:
-        forward()
+        with state.proving():  # the instrumented forwards are what is proven, even in a forward replacing nothing
+            forward()
     finally:
         for hook in hooks:
             hook.remove()

@@ -367,3 +367,21 @@ def test_each_target_adds_one_guard_its_key_never_its_slot(context):
     assert sorted(name for name in counts["model", 6] if "_fxreplace_key" in name) == [
         f"self._modules['{i}']._modules['gate']._fxreplace_key" for i in range(6)]
     assert not [name for name in counts["model", 6] if "_fxreplace_slot" in name]
+
+
+def test_the_proof_of_an_unchanged_model_runs_the_instrumented_forwards_replacing_nothing(monkeypatch):
+    """prove_unchanged() proves the instrumented forwards, also through an engine's forward that
+    replaces nothing (fed buffers cleared) after the model was checked, whose targets would otherwise
+    take the plain calls: an injection planted to return more than it was given is found."""
+    _, model = _model(2, max_tokens=TOKENS)
+    x = torch.randn(TOKENS, HIDDEN)
+    model.feed(_context(model.targets, 0)[1])
+    model.clear()
+    with torch.no_grad():
+        model(x)
+        slots = importlib.import_module("fxreplace.slots")
+        given = slots.Slot.with_injected
+        monkeypatch.setattr(slots.Slot, "with_injected",
+                            lambda slot, output, index, value, injected: given(slot, output, index, value, injected + 1))
+        with pytest.raises(fxreplace.InstrumentationChangedError, match=r"instrumenting '0\.gate' changed"):
+            fxreplace.prove_unchanged(model, lambda: model(x))
