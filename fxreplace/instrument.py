@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 import threading
 import weakref
 from collections.abc import Mapping
@@ -439,10 +440,15 @@ class _HostMasks:
     def all_off(self, masks: tuple | None) -> bool:
         if masks is None:
             return False
-        if len(masks) != len(self.masks) or any(a is not b for a, b in zip(masks, self.masks)):
+        if len(masks) != len(self.masks) or not all(map(operator.is_, masks, self.masks)):
             views = [host_bytes(m) if m.dtype == torch.bool else None for m in masks]
             if any(view is None for view in views):
                 return False
             self.masks = masks
             self.views = [(view, bytes(len(view))) for view in views]
-        return all(view == zeros for view, zeros in self.views)
+        for view, zeros in self.views:
+            # a copy and a memcmp: comparing the view itself unpacks it byte by byte (30x slower on an
+            # engine's [48 names, 8192 tokens] mask)
+            if view.tobytes() != zeros:
+                return False
+        return True
