@@ -288,22 +288,40 @@ def groups(calls: dict, compiled: bool) -> list[dict]:
     return [{name: calls[name] for name in baseline[:1] + names + baseline[1:]} for names in models.values()]
 
 
-def ratios(rounds: dict) -> dict:
-    """Per variant, the median over rounds of its figure over ``plain``'s (and ``hand``'s) in the same
-    round: pairs measured side by side, so a slower stretch of the machine cancels out."""
-    def paired(name, base, key):
-        return statistics.median(a / b for a, b in zip(rounds[name][key], rounds[base][key]))
+def ratios(rounds: dict) -> tuple[dict, dict]:
+    """Per variant, the median over rounds of its figure over ``plain``'s (and ``hand``'s, and its floor's)
+    in the same round: pairs measured side by side, so a slower stretch of the machine cancels out; and
+    the spread of those per-round ratios (first and third quartiles), against which a goal is read."""
+    medians, spreads = {}, {}
 
-    out = {}
+    def paired(name, base, key, out):
+        per_round = [a / b for a, b in zip(rounds[name][key], rounds[base][key])]
+        medians[name][out] = statistics.median(per_round)
+        quartiles = statistics.quantiles(per_round, n=4, method="inclusive") if len(per_round) > 1 else per_round * 3
+        spreads[name][out] = (quartiles[0], quartiles[-1])
+
     for name, m in rounds.items():
         if name == "plain":
             continue
-        out[name] = {key: paired(name, "plain", key) for key in m}
+        medians[name], spreads[name] = {}, {}
+        for key in m:
+            paired(name, "plain", key, key)
         if "hand" in rounds and name != "hand":
-            out[name]["call_vs_hand"] = paired(name, "hand", "call")
+            paired(name, "hand", "call", "call_vs_hand")
         if FLOOR_OF.get(name) in rounds:
-            out[name]["call_vs_floor"] = paired(name, FLOOR_OF[name], "call")
-    return out
+            paired(name, FLOOR_OF[name], "call", "call_vs_floor")
+    return medians, spreads
+
+
+def goal_figure(variant: str, compiled: bool) -> str | None:
+    """The ratio issue 57 sets a goal on for ``variant`` (None: a baseline or a floor): compiled, the
+    cache lookup over plain's; eagerly, a forward given a context over the hand-edited twin's, one
+    with its fed buffers cleared over plain's."""
+    if variant in ("plain", "hand", *FLOOR_OF.values()):
+        return None
+    if compiled:
+        return "lookup"
+    return "call_vs_hand" if variant in ("rows on", "context") else "call"
 
 
 def main():
@@ -324,21 +342,23 @@ def main():
         models.append(("qwen3-moe", *moe_variants()))
     results = {}
     print(f"{'model (targets)':24} {'mode':8} {'variant':17} {'call us':>9} {'x plain':>8} {'lookup us':>10} "
-          f"{'x plain':>8} {'guards us':>10} {'x plain':>8} {'cold us':>8} {'x plain':>8} {'x hand':>7} {'x floor':>8}")
+          f"{'x plain':>8} {'guards us':>10} {'x plain':>8} {'cold us':>8} {'x plain':>8} {'x hand':>7} {'x floor':>8} "
+          f"{'goal figure, quartiles':>26}")
     for label, calls, names in models:
         key = f"{label} ({len(names)})"
         results[key] = {}
         for compiled in (True, False):
             mode = "compiled" if compiled else "eager"
-            measured, rel = {}, {}
+            measured, rel, spread = {}, {}, {}
             for group in groups(calls, compiled):
                 torch.compiler.reset()
                 per = measure(group, compiled, rounds, per_round)
                 m = {name: {key: statistic(v) for key, v in figures.items()} for name, figures in per.items()}
-                r = ratios(per)
+                r, q = ratios(per)
                 measured.update({k: v for k, v in m.items() if k not in measured})
                 rel.update({k: v for k, v in r.items() if k not in rel})
-            results[key][mode] = {"seconds": measured, "ratios": rel}
+                spread.update({k: v for k, v in q.items() if k not in spread})
+            results[key][mode] = {"seconds": measured, "ratios": rel, "quartiles": spread}
             for name, m in measured.items():
                 r = rel.get(name, {})
                 lookup = (f"{m['lookup'] * 1e6:10.1f} {r.get('lookup', 1.0):8.2f} {m['guards'] * 1e6:10.2f} "
@@ -346,11 +366,15 @@ def main():
                           ) if compiled else f"{'-':>10} {'-':>8} {'-':>10} {'-':>8} {'-':>8} {'-':>8}"
                 vs_hand = f"{r['call_vs_hand']:7.2f}" if "call_vs_hand" in r else f"{'-':>7}"
                 vs_floor = f"{r['call_vs_floor']:8.2f}" if "call_vs_floor" in r else f"{'-':>8}"
+                goal = goal_figure(name, compiled)
+                quartiles = f"{goal:>14} {spread[name][goal][0]:5.2f}-{spread[name][goal][1]:4.2f}" if goal else f"{'-':>26}"
                 print(f"{key:24} {mode:8} {name:17} {m['call'] * 1e6:9.1f} {r.get('call', 1.0):8.2f} {lookup} {vs_hand} "
-                      f"{vs_floor}")
+                      f"{vs_floor} {quartiles}")
     print(json.dumps({"bench": "host", "threads": 1, "rounds": rounds, "calls_per_round": per_round,
                       "statistic": statistic.__name__,
-                      "ratios": {k: {mode: v["ratios"] for mode, v in modes.items()} for k, modes in results.items()}}))
+                      "ratios": {k: {mode: v["ratios"] for mode, v in modes.items()} for k, modes in results.items()},
+                      "quartiles": {k: {mode: v["quartiles"] for mode, v in modes.items()}
+                                    for k, modes in results.items()}}))
 
 
 if __name__ == "__main__":
