@@ -273,6 +273,14 @@ def measure(calls: dict, compiled: bool, rounds: int, per_round: int) -> dict:
             for name in runs}
 
 
+def never_compiled(calls: dict) -> dict:
+    """``calls`` on copies of their models (one per model, as variants share them): eager forwards of a model
+    Dynamo never traced, as an eager user runs it (a traced instrumented model keeps fxreplace's forward per
+    target, see fxreplace.slots.GivenForwards)."""
+    copies: dict[int, nn.Module] = {}
+    return {name: (copies.setdefault(id(model), copy.deepcopy(model)), call) for name, (model, call) in calls.items()}
+
+
 def groups(calls: dict, compiled: bool) -> list[dict]:
     """The variants measured side by side. Compiled, each instrumented model apart (with the plain
     and hand-edited ones): instrumented models share the code of their forward, so Dynamo would check
@@ -350,7 +358,7 @@ def main():
         for compiled in (True, False):
             mode = "compiled" if compiled else "eager"
             measured, rel, spread = {}, {}, {}
-            for group in groups(calls, compiled):
+            for group in groups(calls if compiled else never_compiled(calls), compiled):
                 torch.compiler.reset()
                 per = measure(group, compiled, rounds, per_round)
                 m = {name: {key: statistic(v) for key, v in figures.items()} for name, figures in per.items()}

@@ -8,7 +8,15 @@ except ImportError:  # torch 2.8 / 2.9: the same hint under its older name
 import itertools
 import weakref
 
-__all__ = ["size_hint", "trace_key", "traced"]
+import torch
+
+__all__ = ["SUBSTITUTES_MODULE_METHODS", "size_hint", "trace_key", "traced"]
+
+#: whether Dynamo runs a function's substitute (``torch.compiler.substitute_in_graph``) where it meets the
+#: function as a method held in a module's ``__dict__``: torch 2.13 does, in every trace; 2.9 traces the
+#: function itself (checked), and the versions between were not checked. Without it the targets' given
+#: forwards are never put in place (see :class:`~fxreplace.slots.GivenForwards`).
+SUBSTITUTES_MODULE_METHODS = torch.__version__ >= "2.13"
 
 # torch 2.8 / 2.9's assume_constant_result takes Python constants only (2.10+ also takes an object,
 # guarded by its identity): the trace-time functions take an object's key and look it up here

@@ -34,7 +34,7 @@ from .injection import Injection, host_bytes, recording
 from .liveness import check_watched
 from .points import (ROUTING, check_adapter_fits, check_output_point_read, computes_linear_output, describe_forward,
                      instance_forward, locate_injection_point)
-from .slots import (ARMED, SLOT, Slot, SlotState, bind, follow_class, traced_begin,
+from .slots import (ARMED, SLOT, GivenForwards, Slot, SlotState, bind, follow_class, traced_begin,
                     traced_hits, traced_plan, unbind)
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
@@ -48,9 +48,10 @@ class Instrumentation:
 
     __slots__ = ("targets", "points", "injections", "slots", "max_tokens", "fed", "fed_inputs", "feed", "last_inputs",
                  "key", "observers", "forward_off", "host_masks", "running", "bound", "unbound_by_move", "forced",
-                 "unproven", "unchecked", "proofs", "__weakref__")
+                 "unproven", "unchecked", "proofs", "given_forwards", "__weakref__")
 
-    def __init__(self, targets: list[ResolvedTarget], points, injections, slots, max_tokens):
+    def __init__(self, targets: list[ResolvedTarget], points, injections, slots, max_tokens,
+                 given_forwards: GivenForwards | None):
         self.targets = targets
         self.points = points
         self.injections = injections
@@ -73,6 +74,7 @@ class Instrumentation:
         self.unproven = [slot for slot in slots if slot.unproven]  # see _check_watched()
         self.unchecked = list(slots)  # not yet reached by an eager forward's general path (see finish)
         self.proofs = 0  # open proving() contexts
+        self.given_forwards = given_forwards  # put in place by forwards that replace nothing (see arm)
 
     def buffer_names(self) -> list[str]:
         """The model's buffers the feed registered (its groups' values, then their masks)."""
@@ -141,9 +143,10 @@ class Instrumentation:
             for injection, observer in added:
                 injection.observers.remove(observer)
 
-    def arm(self, model: nn.Module, replacements) -> None:
+    def arm(self, model: nn.Module, replacements, compiling: bool) -> None:
         """Publish this forward's per-target entries (see ``ARMED``) and, eagerly, mark every
-        slot armed so that :meth:`finish` can tell which targets the forward reached."""
+        slot armed so that :meth:`finish` can tell which targets the forward reached
+        (``compiling``: the forward is traced by Dynamo)."""
         if replacements is None and self.unbound_by_move is not None:
             raise ValueError(
                 f"the model was moved or converted after feed(bind=True): its feed buffers are now copies "
@@ -151,7 +154,6 @@ class Instrumentation:
                 "move, built or moved there (feed(ctx.to(device), bind=True))")
         if replacements is None and self.forced is not None:
             replacements = self.forced
-        compiling = is_dynamo_compiling()
         if compiling:
             traced_begin(self.key, self.observers > 0)
         if replacements is None:
@@ -165,9 +167,12 @@ class Instrumentation:
             state = SlotState.ARMED if recorded else SlotState.FED if replacements is None else SlotState.GIVEN
             # (an unproven output[i] is watched on every forward until one proves it, and a proof runs
             # the instrumented forwards it proves: neither skips them)
-            self.forward_off[0] = (self.observers == 0 and not self.unchecked and not self.unproven
-                                   and not self.proofs and not recorded
-                                   and self.host_masks.all_off(self._masks(replacements)))
+            off = (self.observers == 0 and not self.unchecked and not self.unproven and not self.proofs
+                   and not recorded and self.host_masks.all_off(self._masks(replacements)))
+            given = self.given_forwards
+            if given is not None and not (off and given.place()):
+                given.withdraw()
+            self.forward_off[0] = off
             for slot in self.slots:
                 slot.state = state
         setattr(ARMED, self.key, inputs)
@@ -250,11 +255,17 @@ class Instrumentation:
                 slot.checked = True
         self.unchecked = [slot for slot in self.unchecked if not slot.checked]
 
-    def finish(self, model: nn.Module) -> None:
+    def finish(self, model: nn.Module, compiling: bool) -> None:
         """:meth:`reset` after a forward that returned; every armed target must have been reached."""
-        if is_dynamo_compiling():
+        if compiling:
             setattr(ARMED, self.key, None)
             traced_hits(self.key)
+            return
+        if self.given_forwards is not None and self.given_forwards.placed:
+            # the targets ran the forwards they were given, which record no hit (a forward that replaces
+            # nothing computes the given model however often it reaches one; the first forward and every
+            # one that may replace check the hits); still armed, for a compiled region inside (see take)
+            self.reset()
             return
         if self.unproven:
             check_watched(self, model)
@@ -282,19 +293,20 @@ class InstrumentedModel(Feeding):
         (give each thread its own ``copy.deepcopy(model)``). Inside a compiled graph the
         check is not traced: callers of a compiled model serialize their calls themselves."""
         state = self._fxreplace
-        exclusive = not is_dynamo_compiling()
+        compiling = is_dynamo_compiling()
+        exclusive = not compiling
         if exclusive and not state.running.acquire(blocking=False):
             raise ConcurrentForwardError(
                 f"this instrumented {type(self).__name__} is already running a forward (in another thread): one "
                 "instrumented model runs one forward at a time; give each thread its own copy.deepcopy(model)")
         try:
             try:
-                state.arm(self, replacements)
+                state.arm(self, replacements, compiling)
                 output = super().forward(*args, **kwargs)
             except BaseException:
                 state.reset()  # a failed forward must leave no replacement armed for later calls
                 raise
-            state.finish(self)
+            state.finish(self, compiling)
         finally:
             if exclusive:
                 state.running.release()
@@ -385,9 +397,10 @@ def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: i
         points.append(point)
         injections.append(injection)
         slots.append(slot)
-    for target, point, injection, slot in zip(resolved, points, injections, slots):
-        bind(model.get_submodule(target.module_name), point, injection, slot)
-    model._fxreplace = Instrumentation(resolved, points, injections, slots, max_tokens)
+    modules = [model.get_submodule(target.module_name) for target in resolved]
+    for module, point, injection, slot in zip(modules, points, injections, slots):
+        bind(module, point, injection, slot)
+    model._fxreplace = Instrumentation(resolved, points, injections, slots, max_tokens, GivenForwards.of(modules))
     model.__class__ = _instrumented_class(type(model))
     follow_class(model)
     return model

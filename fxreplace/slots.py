@@ -23,7 +23,7 @@ from torch._dynamo.symbolic_convert import InstructionTranslator as _Translator 
 from torch._guards import TracingContext as _TracingContext  # no public way to tell a trace apart
 from torch.compiler import is_dynamo_compiling
 
-from ._compat import trace_key, traced
+from ._compat import SUBSTITUTES_MODULE_METHODS, trace_key, traced
 from .errors import TargetNotHitError
 from .injection import Injection, call_injection, inject_routing, recording, with_element
 from .liveness import Watched
@@ -266,6 +266,7 @@ def _traced_slot(key: str) -> tuple:
             raise TargetNotHitError(f"target {slot.target.module_name!r} was hit twice in one forward")
         _TRACED_IN[key] = trace
         return _IN_MODEL, (*slot.constants, _OBSERVED.get(slot.constants[0], False))
+    retire_given_forwards(traced(key).constants[0])
     tx = _Translator.current_tx()
     one_graph = tx is not None and (tx.one_graph or getattr(tx, "error_on_graph_break", False))
     return (_ONE_GRAPH if one_graph else _RESUMABLE), ()
@@ -276,6 +277,10 @@ def traced_begin(key: str, observed: bool) -> int:
     """At trace time, as the model's forward arms: its targets record their hits in this trace
     and read whether it is ``observed`` (``key``: the model's
     :class:`~fxreplace.instrument.Instrumentation`)."""
+    given = traced(key).given_forwards
+    if given is not None:  # withdrawn before the trace reads a target (see GivenForwards)
+        given.retire()
+        given.withdraw()
     _OBSERVED[key] = observed
     trace = _MODEL_TRACE[0] = _trace_now()
     if trace is not None:
@@ -374,6 +379,100 @@ def unbind(module: nn.Module) -> None:
     module.__dict__.pop(SLOT, None)
     module.__dict__.pop(KEY, None)
     module.__class__ = given_class(module)
+
+
+class GivenForwards:
+    """The forwards the targets were given, put in place of their instrumented ones (in each target's
+    ``__dict__``) for the eager forwards that replace nothing: such a forward then costs what the
+    given model's does, no frame of fxreplace's per target. Placed by such a forward and left in place
+    until a forward that may replace a row (or is recorded, observed or proven) withdraws them: a write
+    per target, paid when a run of forwards changes kind. Safe in any Dynamo trace, however it starts
+    (torch.compile, an AOT full-graph capture as vLLM's, a compiled region inside the forward): each
+    placed forward is a stand-in that every trace runs as the instrumented forward (see
+    :func:`_stand_in`). A trace that reaches the model (its forward, or a target: a compiled region
+    inside it) retires them: its guards check each target's ``__dict__``, so a compiled call after a
+    forward that placed them would compile the other state again."""
+
+    __slots__ = ("places", "placed", "retired")
+
+    def __init__(self, places: list[tuple[dict, str, types.MethodType, object]]):
+        # per target: its __dict__, the attribute its forward is called from, the given forward's
+        # stand-in bound to it, and what the attribute holds withdrawn (None: nothing, the class's forward)
+        self.places = places
+        self.placed = False
+        self.retired = False
+
+    @classmethod
+    def of(cls, modules: list[nn.Module]) -> "GivenForwards | None":
+        """The targets' (``modules``, bound) given forwards; None where one has no stand-in (not a
+        Python function taking the module: that model keeps a frame per target, see :meth:`Slot.skipped`),
+        and on a torch whose traces would run a stand-in as the given forward."""
+        if not SUBSTITUTES_MODULE_METHODS:
+            return None
+        places = []
+        for module in modules:
+            function, passes_self = module.__dict__[SLOT].given
+            if not passes_self or type(function) is not types.FunctionType:
+                return None
+            attribute = forward_attribute(module)
+            places.append((module.__dict__, attribute, types.MethodType(_stand_in(function), module),
+                           module.__dict__.get(attribute)))
+        return cls(places)
+
+    def place(self) -> bool:
+        """Put the given forwards in place (unless retired); whether they are."""
+        if not self.placed and not self.retired:
+            for namespace, attribute, given, _ in self.places:
+                namespace[attribute] = given
+            self.placed = True
+        return self.placed
+
+    def withdraw(self) -> None:
+        """The instrumented forwards back in place."""
+        if self.placed:
+            for namespace, attribute, _, withdrawn in self.places:
+                if withdrawn is None:
+                    del namespace[attribute]
+                else:
+                    namespace[attribute] = withdrawn
+            self.placed = False
+
+    def retire(self) -> None:
+        """Never place them again; those in place stay until the next forward or trace of the model
+        withdraws them (a trace that read one checks, as it ends, that it is still there)."""
+        self.retired = True
+
+
+def retire_given_forwards(model_key: str) -> None:
+    """At trace time, as a Dynamo trace reaches a target of the model named ``model_key``: no given
+    forward placed from now on."""
+    given = traced(model_key).given_forwards
+    if given is not None:
+        given.retire()
+
+
+def _instrumented_forward(self, *args, **kwargs):
+    """What a Dynamo trace runs where a target's given forward is in place: its instrumented forward."""
+    return type(self).forward(self, *args, **kwargs)
+
+
+_STAND_INS: dict[types.FunctionType, types.FunctionType] = {}
+
+
+def _stand_in(function: types.FunctionType) -> types.FunctionType:
+    """A copy of ``function`` (its code, globals, defaults and cells): called, it is the function; in
+    any Dynamo trace, it is :func:`_instrumented_forward` (``torch.compiler.substitute_in_graph``, which
+    Dynamo applies wherever it meets the copy: a module's ``__dict__`` included). One per function,
+    kept for the process, as Dynamo knows it by identity."""
+    stand_in = _STAND_INS.get(function)
+    if stand_in is None:
+        stand_in = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                                      function.__defaults__, function.__closure__)
+        stand_in.__kwdefaults__, stand_in.__qualname__ = function.__kwdefaults__, function.__qualname__
+        stand_in.__module__ = function.__module__
+        torch.compiler.substitute_in_graph(stand_in, skip_signature_check=True)(_instrumented_forward)
+        _STAND_INS[function] = stand_in
+    return stand_in
 
 
 #: the forwards targets were given and the graph forwards of inner points, by number: a compiled

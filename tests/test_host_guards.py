@@ -13,6 +13,7 @@ from torch import nn
 
 import fxreplace
 from fxreplace import ReplacementContext, TargetNotHitError
+from fxreplace._compat import SUBSTITUTES_MODULE_METHODS
 
 HIDDEN, EXPERTS, TOKENS = 16, 4, 6
 
@@ -324,15 +325,84 @@ def test_an_eager_forward_replacing_nothing_runs_the_plain_models_ops(variant):
             torch.testing.assert_close(model(x, **on), reference(plain, x, values, ctx.mask))
 
 
-def test_a_target_hit_twice_in_a_forward_replacing_nothing_is_an_error():
-    _, model = _model(2)
+def _given_in_place(model) -> bool:
+    """Whether every target's ``__dict__`` holds its given forward (see fxreplace.slots.GivenForwards)."""
+    return all("forward" in model.get_submodule(name).__dict__ for name in model.targets)
+
+
+def test_a_forward_replacing_nothing_runs_the_given_forwards_and_one_that_may_replace_checks_the_hits():
+    """After the first forward (which checks every point), a forward that replaces nothing runs the forwards the
+    targets were given, put in their place (on a torch whose traces see through them): a target reached twice
+    there computes what the given model computes, and the first forward that may replace a row names it. On an
+    older torch each target runs its instrumented forward, which counts the hit."""
+    plain, model = _model(2)
     x = torch.randn(TOKENS, HIDDEN)
     with torch.no_grad():
-        model(x)  # checked: later forwards that replace nothing take the plain calls
-        block = model[0]
-        block.forward = lambda h: h + block.down(block.gate(h).softmax(-1)) + 0 * block.gate(h)[:, :1]
+        model(x)
+        assert not _given_in_place(model)  # the first forward checks every point
+        for m in (plain, model):
+            m[0].forward = (lambda b: lambda h: h + b.down(b.gate(h).softmax(-1)) + 0 * b.gate(h)[:, :1])(m[0])
+        if SUBSTITUTES_MODULE_METHODS:
+            assert torch.equal(model(x), plain(x))
+            assert _given_in_place(model)
+        else:
+            with pytest.raises(TargetNotHitError, match="hit twice"):
+                model(x)
+            assert not _given_in_place(model)
         with pytest.raises(TargetNotHitError, match="hit twice"):
-            model(x)
+            model(x, replacements=_context(model.targets, 0)[1])
+        assert not _given_in_place(model)
+
+
+NO_GUARDS = {"guard_filter_fn": lambda entries: [False] * len(entries)}  # as vLLM compiles
+
+
+def test_a_trace_begun_while_the_given_forwards_are_in_place_injects():
+    """A compiled region inside the model traced during a forward that replaces nothing (the given forwards in
+    place) still traces the instrumented forwards: the graph, run with no guard checked (as vLLM runs its inner
+    model; its compiled engine's AOT capture, which runs no compile callback, in test_vllm), replaces rows in
+    later forwards. Once traced, the model places the given forwards no more."""
+    torch.manual_seed(0)
+    plain = Stack(3).eval()
+    model = fxreplace.instrument(Outer(3).eval(), ["inner.*.gate"], max_tokens=TOKENS)
+    model.inner.load_state_dict(plain.state_dict())
+    x = torch.randn(TOKENS, HIDDEN)
+    values, ctx = _context(model.targets, 1)
+    with torch.no_grad():
+        model.feed(ctx)
+        model.clear()
+        model(x)  # the first forward checks every point
+        model.run[0] = torch.compile(model.inner, fullgraph=True, backend="eager", options=NO_GUARDS)
+        placed = []
+        model.inner[0].register_forward_pre_hook(lambda *_: placed.append(_given_in_place(model)))
+        assert torch.equal(model(x), plain(x))  # traced now
+        assert placed == [SUBSTITUTES_MODULE_METHODS]
+        model.feed(ctx)
+        values = {name.removeprefix("inner."): value for name, value in values.items()}
+        torch.testing.assert_close(model(x), reference(plain, x, values, ctx.mask))
+        model.clear()
+        model(x)
+        assert not _given_in_place(model)
+
+
+def test_a_compiled_model_called_between_eager_forwards_replacing_nothing_compiles_once():
+    """Eager forwards that replace nothing before and between the calls of the compiled model: one graph (its
+    trace takes the given forwards out for good, which its guards would otherwise see come and go)."""
+    plain, model = _model(2, max_tokens=TOKENS)
+    x = torch.randn(TOKENS, HIDDEN)
+    graphs = Graphs()
+    compiled = torch.compile(model, backend=graphs)
+    with torch.no_grad():
+        model.feed(_context(model.targets, 0)[1])
+        model.clear()
+        model(x)
+        model(x)
+        assert _given_in_place(model) == SUBSTITUTES_MODULE_METHODS
+        for _ in range(2):
+            assert torch.equal(compiled(x), plain(x))
+            assert torch.equal(model(x), plain(x))
+            assert not _given_in_place(model)
+    assert graphs.count == 1
 
 
 @pytest.mark.parametrize("context", [True, False], ids=["context", "fed"])
