@@ -375,7 +375,8 @@ def main():
                 vs_hand = f"{r['call_vs_hand']:7.2f}" if "call_vs_hand" in r else f"{'-':>7}"
                 vs_floor = f"{r['call_vs_floor']:8.2f}" if "call_vs_floor" in r else f"{'-':>8}"
                 goal = goal_figure(name, compiled)
-                quartiles = f"{goal:>14} {spread[name][goal][0]:5.2f}-{spread[name][goal][1]:4.2f}" if goal else f"{'-':>26}"
+                low, high = spread.get(name, {}).get(goal, (None, None))  # (no hand twin: the MoE)
+                quartiles = f"{goal:>14} {low:5.2f}-{high:4.2f}" if low is not None else f"{'-':>26}"
                 print(f"{key:24} {mode:8} {name:17} {m['call'] * 1e6:9.1f} {r.get('call', 1.0):8.2f} {lookup} {vs_hand} "
                       f"{vs_floor} {quartiles}")
     print(json.dumps({"bench": "host", "threads": 1, "rounds": rounds, "calls_per_round": per_round,

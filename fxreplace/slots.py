@@ -420,17 +420,24 @@ class GivenForwards:
         return cls(places)
 
     def place(self) -> bool:
-        """Put the given forwards in place (unless retired); whether they are."""
+        """Put the given forwards in place (unless retired); whether they are. A target whose forward
+        attribute now holds something else (a forward set on it, hooks dispatched after instrument())
+        is left as it is, and the given forwards are placed no more."""
         if not self.placed and not self.retired:
+            if any(namespace.get(attribute) is not withdrawn for namespace, attribute, _, withdrawn in self.places):
+                self.retired = True
+                return False
             for namespace, attribute, given, _ in self.places:
                 namespace[attribute] = given
             self.placed = True
         return self.placed
 
     def withdraw(self) -> None:
-        """The instrumented forwards back in place."""
+        """The instrumented forwards back in place (where a given one still is)."""
         if self.placed:
-            for namespace, attribute, _, withdrawn in self.places:
+            for namespace, attribute, given, withdrawn in self.places:
+                if namespace.get(attribute) is not given:
+                    continue
                 if withdrawn is None:
                     del namespace[attribute]
                 else:

@@ -354,6 +354,31 @@ def test_a_forward_replacing_nothing_runs_the_given_forwards_and_one_that_may_re
         assert not _given_in_place(model)
 
 
+def test_a_forward_set_on_a_target_after_instrument_is_never_overwritten():
+    """A forward set on a target after instrument() (a port swapping code in) stays, whether the given forwards were
+    in place when it was set (a forward that may replace leaves it) or not (they are placed no more)."""
+    plain, model = _model(2)
+    x = torch.randn(TOKENS, HIDDEN)
+    ctx = _context(model.targets, 0)[1]
+    with torch.no_grad():
+        model(x)
+        model(x)
+        assert _given_in_place(model) == SUBSTITUTES_MODULE_METHODS
+        own = model[0].gate.forward = lambda h: plain[0].gate(h)  # set while in place
+        with pytest.raises(TargetNotHitError, match=r"not reached.*'0\.gate'"):
+            model(x, replacements=ctx)
+        assert model[0].gate.__dict__["forward"] is own and "forward" not in model[1].gate.__dict__
+        del model[0].gate.forward
+        model(x, replacements=ctx)
+        own = model[1].gate.forward = lambda h: plain[1].gate(h)  # set while not in place
+        with pytest.raises(TargetNotHitError, match=r"not reached.*'1\.gate'"):
+            model(x)
+        assert model[1].gate.__dict__["forward"] is own and "forward" not in model[0].gate.__dict__
+        del model[1].gate.forward
+        model(x)
+        assert not _given_in_place(model)  # placed no more
+
+
 NO_GUARDS = {"guard_filter_fn": lambda entries: [False] * len(entries)}  # as vLLM compiles
 
 
