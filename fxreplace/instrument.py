@@ -237,15 +237,17 @@ class Instrumentation:
             inputs.append((value, mask, False))
         return inputs
 
-    def reset(self) -> list[str]:
-        """Back to idle, nothing armed; returns the targets armed but not reached since :meth:`arm`."""
+    def reset(self) -> None:
+        """Back to idle, nothing armed."""
         setattr(ARMED, self.key, None)
         self.forward_off[0] = False
-        missed = [slot.target.module_name for slot in self.slots
-                  if slot.state is not SlotState.IDLE and slot.state is not SlotState.TAKEN]
         for slot in self.slots:
             slot.state = SlotState.IDLE
-        return missed
+
+    def _missed(self) -> list[str]:
+        """The targets armed but not reached since :meth:`arm`."""
+        return [slot.target.module_name for slot in self.slots
+                if slot.state is not SlotState.IDLE and slot.state is not SlotState.TAKEN]
 
     def _mark_checked(self) -> None:
         """After an eager forward returned: the targets it reached took the general path, which
@@ -271,7 +273,8 @@ class Instrumentation:
             check_watched(self, model)
         if self.unchecked:
             self._mark_checked()
-        missed = self.reset()
+        missed = self._missed()
+        self.reset()
         if missed:
             raise TargetNotHitError(
                 f"targets not reached in this forward (a replaced or fused forward may skip them): {missed}"
