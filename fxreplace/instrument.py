@@ -34,8 +34,8 @@ from .injection import Injection, host_bytes, recording
 from .liveness import check_watched
 from .points import (ROUTING, check_adapter_fits, check_output_point_read, computes_linear_output, describe_forward,
                      instance_forward, locate_injection_point)
-from .slots import (ARMED, SLOT, GivenForwards, Slot, SlotState, bind, follow_class, traced_begin,
-                    traced_hits, traced_plan, unbind)
+from .slots import (ARMED, SLOT, GivenForwards, Slot, SlotState, bind, follow_class, inputs_signature,
+                    traced_begin, traced_hits, traced_plan, unbind)
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
 __all__ = ["ConcurrentForwardError", "InstrumentedModel", "TargetNotHitError", "instrument", "observe", "uninstrument"]
@@ -143,10 +143,10 @@ class Instrumentation:
             for injection, observer in added:
                 injection.observers.remove(observer)
 
-    def arm(self, model: nn.Module, replacements, compiling: bool) -> None:
+    def arm(self, model: nn.Module, replacements, compiling: bool, args: tuple, kwargs: dict) -> None:
         """Publish this forward's per-target entries (see ``ARMED``) and, eagerly, mark every
         slot armed so that :meth:`finish` can tell which targets the forward reached
-        (``compiling``: the forward is traced by Dynamo)."""
+        (``compiling``: the forward is traced by Dynamo; ``args``, ``kwargs``: the model's inputs)."""
         if replacements is None and self.unbound_by_move is not None:
             raise ValueError(
                 f"the model was moved or converted after feed(bind=True): its feed buffers are now copies "
@@ -170,8 +170,10 @@ class Instrumentation:
             off = (self.observers == 0 and not self.unchecked and not self.unproven and not self.proofs
                    and not recorded and self.host_masks.all_off(self._masks(replacements)))
             given = self.given_forwards
-            if given is not None and not (off and given.place()):
-                given.withdraw()
+            if given is not None:
+                given.signature = None if given.retired else inputs_signature(args, kwargs)
+                if not (off and given.place()):
+                    given.withdraw()
             self.forward_off[0] = off
             for slot in self.slots:
                 slot.state = state
@@ -275,6 +277,8 @@ class Instrumentation:
             self._mark_checked()
         missed = self._missed()
         self.reset()
+        if not missed and self.given_forwards is not None and not self.given_forwards.retired:
+            self.given_forwards.hits_checked()
         if missed:
             raise TargetNotHitError(
                 f"targets not reached in this forward (a replaced or fused forward may skip them): {missed}"
@@ -304,7 +308,7 @@ class InstrumentedModel(Feeding):
                 "instrumented model runs one forward at a time; give each thread its own copy.deepcopy(model)")
         try:
             try:
-                state.arm(self, replacements, compiling)
+                state.arm(self, replacements, compiling, args, kwargs)
                 output = super().forward(*args, **kwargs)
             except BaseException:
                 state.reset()  # a failed forward must leave no replacement armed for later calls

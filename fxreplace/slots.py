@@ -391,9 +391,12 @@ class GivenForwards:
     placed forward is a stand-in that every trace runs as the instrumented forward (see
     :func:`_stand_in`). A trace that reaches the model (its forward, or a target: a compiled region
     inside it) retires them: its guards check each target's ``__dict__``, so a compiled call after a
-    forward that placed them would compile the other state again."""
+    forward that placed them would compile the other state again. A forward with the given forwards in
+    place checks no hit: they are placed only for inputs of a signature (see :func:`inputs_signature`)
+    that a forward checking every hit has run, so a path first taken (a decode step after the prefill,
+    where a fused kernel skips a target) is checked."""
 
-    __slots__ = ("places", "placed", "retired")
+    __slots__ = ("places", "placed", "retired", "checked", "signature")
 
     def __init__(self, places: list[tuple[dict, str, types.MethodType, object]]):
         # per target: its __dict__, the attribute its forward is called from, the given forward's
@@ -401,6 +404,8 @@ class GivenForwards:
         self.places = places
         self.placed = False
         self.retired = False
+        self.checked: set[tuple] = set()  # the input signatures of forwards that checked every hit
+        self.signature: tuple | None = None  # the forward in progress's
 
     @classmethod
     def of(cls, modules: list[nn.Module]) -> "GivenForwards | None":
@@ -420,10 +425,13 @@ class GivenForwards:
         return cls(places)
 
     def place(self) -> bool:
-        """Put the given forwards in place (unless retired); whether they are. A target whose forward
-        attribute now holds something else (a forward set on it, hooks dispatched after instrument())
-        is left as it is, and the given forwards are placed no more."""
-        if not self.placed and not self.retired:
+        """Put the given forwards in place for the forward in progress (unless retired, or its signature
+        is new); whether they are. A target whose forward attribute now holds something else (a forward
+        set on it, hooks dispatched after instrument()) is left as it is, and the given forwards are
+        placed no more."""
+        if self.retired or self.signature not in self.checked:
+            return False
+        if not self.placed:
             if any(namespace.get(attribute) is not withdrawn for namespace, attribute, _, withdrawn in self.places):
                 self.retired = True
                 return False
@@ -444,10 +452,32 @@ class GivenForwards:
                     namespace[attribute] = withdrawn
             self.placed = False
 
+    def hits_checked(self) -> None:
+        """The forward in progress checked every hit: its signature's later forwards may place them."""
+        if len(self.checked) >= _SIGNATURES_KEPT:
+            self.checked.clear()
+        self.checked.add(self.signature)
+
     def retire(self) -> None:
         """Never place them again; those in place stay until the next forward or trace of the model
         withdraws them (a trace that read one checks, as it ends, that it is still there)."""
         self.retired = True
+
+
+_SIGNATURES_KEPT = 1024  # an engine's distinct batch shapes; past that, each is checked again
+
+
+def inputs_signature(args: tuple, kwargs: dict) -> tuple:
+    """What decides a forward's path that the host sees before it runs: its tensors' shapes and its
+    plain flags (a fused kernel that skips a target is chosen by a shape, e.g. one token a sequence, or a flag)."""
+    signature = tuple(map(_signature_of, args))
+    return signature + tuple(zip(kwargs, map(_signature_of, kwargs.values()))) if kwargs else signature
+
+
+def _signature_of(value):
+    if type(value) is torch.Tensor or isinstance(value, torch.Tensor):
+        return value.shape
+    return value if value is None or type(value) in (bool, int, str) else type(value)
 
 
 def retire_given_forwards(model_key: str) -> None:

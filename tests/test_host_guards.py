@@ -354,6 +354,28 @@ def test_a_forward_replacing_nothing_runs_the_given_forwards_and_one_that_may_re
         assert not _given_in_place(model)
 
 
+def test_a_forward_replacing_nothing_on_inputs_of_a_new_shape_checks_the_hits():
+    """The given forwards are put in place only for inputs of a signature (shapes, flags) that a forward checking
+    every hit has run: a path first taken, as a decode step whose fused kernel skips a target, is named with
+    nothing replaced."""
+    _, model = _model(2)
+
+    class FusedDecode(Stack):
+        def forward(self, x):
+            return self[1](x) if x.shape[0] == 1 else super().forward(x)
+
+    model.__class__ = type("FusedDecode", (type(model), FusedDecode), {})
+    prefill, decode = torch.randn(TOKENS, HIDDEN), torch.randn(1, HIDDEN)
+    with torch.no_grad():
+        model(prefill)
+        model(prefill)
+        assert _given_in_place(model) == SUBSTITUTES_MODULE_METHODS
+        with pytest.raises(TargetNotHitError, match=r"not reached.*\['0\.gate'\]"):
+            model(decode)
+        model(prefill)
+        assert _given_in_place(model) == SUBSTITUTES_MODULE_METHODS
+
+
 def test_a_forward_set_on_a_target_after_instrument_is_never_overwritten():
     """A forward set on a target after instrument() (a port swapping code in) stays, whether the given forwards were
     in place when it was set (a forward that may replace leaves it) or not (they are placed no more)."""
