@@ -475,7 +475,7 @@ def inputs_signature(args: tuple, kwargs: dict) -> tuple:
 
 
 def _signature_of(value):
-    if type(value) is torch.Tensor or isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor):
         return value.shape
     return value if value is None or type(value) in (bool, int, str) else type(value)
 
