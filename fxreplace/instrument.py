@@ -34,7 +34,7 @@ from .injection import Injection, host_bytes, recording
 from .liveness import check_watched
 from .points import (ROUTING, check_adapter_fits, check_output_point_read, computes_linear_output, describe_forward,
                      instance_forward, locate_injection_point)
-from .slots import (ARMED, SLOT, GivenForwards, Slot, SlotState, bind, follow_class, inputs_signature,
+from .slots import (ARMED, SLOT, ForwardPath, GivenForwards, Slot, SlotState, bind, follow_class, inputs_signature,
                     traced_begin, traced_hits, traced_plan, unbind)
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
 
@@ -47,7 +47,7 @@ class Instrumentation:
     guard per call of the compiled model (that the instance does not shadow it)."""
 
     __slots__ = ("targets", "points", "injections", "slots", "max_tokens", "fed", "fed_inputs", "feed", "last_inputs",
-                 "key", "observers", "forward_off", "host_masks", "running", "bound", "unbound_by_move", "forced",
+                 "key", "observers", "forward_path", "host_masks", "running", "bound", "unbound_by_move", "forced",
                  "unproven", "unchecked", "proofs", "given_forwards", "__weakref__")
 
     def __init__(self, targets: list[ResolvedTarget], points, injections, slots, max_tokens,
@@ -63,10 +63,10 @@ class Instrumentation:
         self.last_inputs: tuple | None = None  # (weakref to the context given last, its entries): see _inputs
         self.key = trace_key(self)  # this model's attribute of ARMED, and its name at trace time
         self.observers = 0  # observe() contexts open on this model
-        self.forward_off = [False]  # see Slot.forward_off
+        self.forward_path = [ForwardPath.GENERAL]  # shared by the slots (see ForwardPath)
         self.host_masks = _HostMasks()
         for index, slot in enumerate(slots):
-            slot.settle(self.key, index, self.forward_off)
+            slot.settle(self.key, index, self.forward_path)
         self.running = threading.Lock()  # held by the one eager forward in progress
         self.bound = False  # whether the feed buffers are a context's own tensors (feed(bind=True))
         self.unbound_by_move: str | None = None  # where a move made copies of bound buffers (dtype, device)
@@ -120,7 +120,7 @@ class Instrumentation:
     def proving(self):
         """While inside, every eager forward runs the targets' instrumented forwards through their
         general path, even one that replaces nothing (which would run the forwards they were given,
-        see ``forward_off``): what a proof of them needs."""
+        see :class:`~fxreplace.slots.ForwardPath`): what a proof of them needs."""
         self.proofs += 1
         try:
             yield
@@ -166,15 +166,17 @@ class Instrumentation:
             recorded = recording()
             state = SlotState.ARMED if recorded else SlotState.FED if replacements is None else SlotState.GIVEN
             # (an unproven output[i] is watched on every forward until one proves it, and a proof runs
-            # the instrumented forwards it proves: neither skips them)
-            off = (self.observers == 0 and not self.unchecked and not self.unproven and not self.proofs
-                   and not recorded and self.host_masks.all_off(self._masks(replacements)))
+            # the instrumented forwards it proves: neither takes a lean path)
+            checked = (self.observers == 0 and not self.unchecked and not self.unproven and not self.proofs
+                       and not recorded)
+            off = checked and self.host_masks.all_off(self._masks(replacements))
             given = self.given_forwards
             if given is not None:
                 given.signature = None if given.retired else inputs_signature(args, kwargs)
                 if not (off and given.place()):
                     given.withdraw()
-            self.forward_off[0] = off
+            self.forward_path[0] = (ForwardPath.OFF if off else ForwardPath.CHECKED if checked
+                                    else ForwardPath.GENERAL)
             for slot in self.slots:
                 slot.state = state
         setattr(ARMED, self.key, inputs)
@@ -242,7 +244,7 @@ class Instrumentation:
     def reset(self) -> None:
         """Back to idle, nothing armed."""
         setattr(ARMED, self.key, None)
-        self.forward_off[0] = False
+        self.forward_path[0] = ForwardPath.GENERAL
         for slot in self.slots:
             slot.state = SlotState.IDLE
 

@@ -43,6 +43,18 @@ class SlotState:
     TAKEN = "taken"  # consumed: a second take in the same forward is an error
 
 
+class ForwardPath:
+    """What the output points of an eager forward run, decided once per forward by the model's arm and
+    shared by its slots (``Slot.forward_path``): beside the slot states, not one of them, as a graph
+    compiled inside the forward reads the states (and would be compiled again for each path)."""
+
+    GENERAL = None  # each target's point reaches the Injection (which checks it, or reuses its check of the same call)
+    OFF = "off"  # the forward replaces no row: each target runs its own forward
+    # every target was checked by an earlier forward and none is observed, watched, proven or recorded:
+    # each output point applies the call the Injection checked for its computed shape (see Slot.checked_output)
+    CHECKED = "checked"
+
+
 class _Steps:
     """The steps of a target's forward that read nothing of the target's slot. In a compiled
     model's trace a target's forward runs them on one shared object (``_STEPS``, see :class:`_Start`)
@@ -132,7 +144,7 @@ class Slot(_Steps):
     once per target, and a method of an object without a ``__dict__`` needs no guard of its own,
     where each module-level function a trace calls costs a guard on every call of the compiled model."""
 
-    __slots__ = ("target", "state", "unproven", "checked", "forward_off", "read", "given", "point",
+    __slots__ = ("target", "state", "unproven", "checked", "forward_path", "read", "given", "point",
                  "point_data", "injection", "constants", "trace_key", "__weakref__")
 
     def __init__(self, target: ResolvedTarget):
@@ -140,9 +152,7 @@ class Slot(_Steps):
         self.state = SlotState.IDLE
         self.unproven = False  # an output[i] that no graph showed read: the next eager forward watches it
         self.checked = False  # an eager forward reached it by the general path, which checks what the point reads
-        # shared by the model's slots: [whether its eager forward in progress replaces no row at all]; a
-        # flag beside the state, not a state, as a graph compiled inside that forward reads the state
-        self.forward_off = [False]
+        self.forward_path = [ForwardPath.GENERAL]  # shared by the model's slots (see ForwardPath)
         self.read: bool | None = None  # while watched: whether an op of this forward read it
         # set by bind: the forward the module was given, as ``(function, whether it takes self)``, its
         # point and Injection, what its forward reads of the point
@@ -160,9 +170,9 @@ class Slot(_Steps):
         if state is not SlotState.IDLE:
             self.state = SlotState.TAKEN
 
-    def settle(self, key: str, index: int, forward_off: list) -> None:
+    def settle(self, key: str, index: int, forward_path: list) -> None:
         """Fix ``constants`` once bound: the slot is entry ``index`` of model ``key``'s (see ``ARMED``)."""
-        self.forward_off = forward_off
+        self.forward_path = forward_path
         original, passes_self = self.given
         self.constants = (key, index, passes_self, self.injection.spec, self.target.module_name,
                           _forward_number(original), self.point_data)
@@ -190,21 +200,21 @@ class Slot(_Steps):
         return self.given, self.point_data, entry, self.injection
 
     def skipped(self) -> bool:
-        """Eagerly, whether this forward replaces nothing (see ``forward_off``): then the hit is
+        """Eagerly, whether this forward replaces nothing (see :class:`ForwardPath`): then the hit is
         recorded and the target runs its own forward, at the cost of a plain call."""
-        if self.forward_off[0] and self.state is not SlotState.TAKEN:
+        if self.forward_path[0] is ForwardPath.OFF and self.state is not SlotState.TAKEN:
             self.state = SlotState.TAKEN
             return True
         return False
 
-    def checked_output_point(self, module: nn.Module, fed: bool, args, kwargs):
-        """An eager, unrecorded forward at an output point: a target off in it returns the module's output;
-        a call the Injection checked before (fed buffers: by shape alone) runs its cached where."""
-        point_index = self.point_data
-        output = self.call_own(module, args, kwargs)
-        entry = self.runtime_entry()
+    def checked_output(self, module: nn.Module, output, fed: bool):
+        """An eager output point's ``output`` in a forward whose targets were all checked (see
+        :class:`ForwardPath`): its entry applied by the call the Injection checked for the computed shape
+        (fed buffers: by shape alone); a call not checked yet goes through the Injection."""
+        entry = getattr(ARMED, self.constants[0])[self.constants[1]]
         if entry is None or entry[0] is None:
             return output
+        point_index = self.point_data
         value = output if point_index is None else output[point_index] if type(output) is tuple else None
         if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
             checked = self.injection.checked
@@ -585,18 +595,17 @@ def _routing_point_forward(self, *args, **kwargs):
 def _output_point_forward(self, *args, **kwargs):
     """The forward of a target whose injection point is its output (or ``output[i]``).
 
-    Eager engines call it once per target per forward, so their common case comes first: an
-    eager, unrecorded forward (fed buffers or its own replacements) with no observer takes the
-    fast path of :meth:`Slot.checked_output_point`. Anything else, and any tracing, goes through
-    the Injection."""
+    Eager engines call it once per target per forward, so their common cases come first: an eager
+    forward that replaces nothing runs the target's own forward, one whose targets were all checked
+    applies the checked call (see :class:`ForwardPath`), each recording the hit (a second hit takes the
+    general path, which says so). Anything else, and any tracing, goes through the Injection."""
     if not is_dynamo_compiling():  # (Dynamo may start tracing inside an eager forward: then the Injection decides)
         slot = self._fxreplace_slot
-        if slot.skipped():
-            return slot.call_own(self, args, kwargs)
-        state = slot.state
-        if ((state is SlotState.FED or state is SlotState.GIVEN) and slot.checked and not slot.unproven
-                and not slot.injection.observers):
-            return slot.checked_output_point(self, state is SlotState.FED, args, kwargs)
+        path, state = slot.forward_path[0], slot.state
+        if path is not ForwardPath.GENERAL and state is not SlotState.TAKEN:
+            slot.state = SlotState.TAKEN
+            output = slot.call_own(self, args, kwargs)
+            return output if path is ForwardPath.OFF else slot.checked_output(self, output, state is SlotState.FED)
     steps, given, point_index, entry, injection = _STEPS.entered(self)
     return steps.inject_output(self, steps.call_original(self, given, args, kwargs), point_index, entry, injection)
 

@@ -376,6 +376,35 @@ def test_a_forward_replacing_nothing_on_inputs_of_a_new_shape_checks_the_hits():
         assert _given_in_place(model) == SUBSTITUTES_MODULE_METHODS
 
 
+def test_a_forward_of_checked_targets_applies_the_checked_calls_and_checks_what_is_new(monkeypatch):
+    """Once a forward checked every target, a forward replacing rows applies each target's checked call
+    (the Injection's full check runs no more): values and mask written into the context in place are
+    read, a new context is checked once, and a shape nobody checked is refused naming the target."""
+    from fxreplace.injection import Injection
+    from fxreplace.sharding import ShapeError
+
+    plain, model = _model(2)
+    full_checks = []
+    inject = Injection._inject
+    monkeypatch.setattr(Injection, "_inject", lambda self, computed, *a: full_checks.append(self.module_name)
+                        or inject(self, computed, *a))
+    ctx = _context(model.targets, 0)[1]
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        for step in range(3):
+            expected = reference(plain, x, {name: ctx[name] for name in model.targets}, ctx.mask)
+            torch.testing.assert_close(model(x, replacements=ctx), expected)
+            ctx["1.gate"].add_(1.0)  # the engine writes the next step's rows in place
+            ctx.mask.copy_(torch.arange(TOKENS) % 3 == step)
+        assert full_checks == ["0.gate", "1.gate"]
+        other_values, other = _context(model.targets, 1)
+        for _ in range(2):
+            torch.testing.assert_close(model(x, replacements=other), reference(plain, x, other_values, other.mask))
+        assert full_checks == ["0.gate", "1.gate"] * 2
+        with pytest.raises(ShapeError, match=r"0\.gate has shape \(6, 4\), but the module computes \(5, 4\)"):
+            model(x[:TOKENS - 1], replacements=other)
+
+
 def test_a_forward_set_on_a_target_after_instrument_is_never_overwritten():
     """A forward set on a target after instrument() (a port swapping code in) stays, whether the given forwards were
     in place when it was set (a forward that may replace leaves it) or not (they are placed no more)."""
