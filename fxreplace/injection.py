@@ -249,11 +249,12 @@ CHECKED_SHAPES = 8  # batch shapes whose checked calls are kept (an engine's com
 
 class CheckedCall(NamedTuple):
     """What an eager call of an Injection checked, for one computed shape: the buffers it
-    was called with, the computed dtype and device, and views of the buffers' rows it reads."""
+    was called with, the computed shape, dtype and device, and views of the buffers' rows it reads."""
 
     replacement: torch.Tensor
     mask: torch.Tensor
     leading_rows: bool
+    shape: torch.Size
     dtype: torch.dtype
     device: int
     mask_column: torch.Tensor
@@ -266,6 +267,10 @@ class CheckedCall(NamedTuple):
     def matches(self, computed: torch.Tensor, replacement, mask, leading_rows) -> bool:
         return (self.replacement is replacement and self.mask is mask and self.leading_rows is leading_rows
                 and self.dtype is computed.dtype and self.device == computed.get_device())
+
+    def fits(self, computed: torch.Tensor) -> bool:
+        """Whether ``computed`` is what this call was checked for (the buffers being the same)."""
+        return computed.shape == self.shape and computed.dtype is self.dtype and computed.get_device() == self.device
 
     def inject(self, computed: torch.Tensor) -> torch.Tensor:
         """``where(mask, rows, computed)``; a host mask that replaces no row, or every row
@@ -319,7 +324,7 @@ class CheckedCalls:
         kept = {shape: c for shape, c in self.entries.items() if c.replacement is replacement}
         self.entries = kept if len(kept) < CHECKED_SHAPES else {}
         entry = self.entries[computed.shape] = CheckedCall(
-            replacement, mask, leading_rows, computed.dtype, computed.get_device(), mask[rows].unsqueeze(-1),
+            replacement, mask, leading_rows, computed.shape, computed.dtype, computed.get_device(), mask[rows].unsqueeze(-1),
             # rows handed on only when contiguous: a built feed's are a column of its position-major storage,
             # and a kernel reading the module's output (a fused top-k) may take rows to be E apart
             replacement[rows], host_mask, fed and self.fed[2] and replacement[rows].is_contiguous(), b"\1" * tokens,

@@ -48,7 +48,7 @@ class Instrumentation:
 
     __slots__ = ("targets", "points", "injections", "slots", "max_tokens", "fed", "fed_inputs", "feed", "last_inputs",
                  "key", "observers", "forward_path", "host_masks", "running", "bound", "unbound_by_move", "forced",
-                 "unproven", "unchecked", "proofs", "given_forwards", "__weakref__")
+                 "unproven", "unchecked", "proofs", "given_forwards", "replay_inputs", "__weakref__")
 
     def __init__(self, targets: list[ResolvedTarget], points, injections, slots, max_tokens,
                  given_forwards: GivenForwards | None):
@@ -75,6 +75,9 @@ class Instrumentation:
         self.unchecked = list(slots)  # not yet reached by an eager forward's general path (see finish)
         self.proofs = 0  # open proving() contexts
         self.given_forwards = given_forwards  # put in place by forwards that replace nothing (see arm)
+        # the inputs of the last forward whose every target applied a checked call or had nothing to replace:
+        # a forward on the same ones replays those calls (see ForwardPath.REPLAY)
+        self.replay_inputs: list | None = None
 
     def buffer_names(self) -> list[str]:
         """The model's buffers the feed registered (its groups' values, then their masks)."""
@@ -175,8 +178,11 @@ class Instrumentation:
                 given.signature = None if given.retired else inputs_signature(args, kwargs)
                 if not (off and given.place()):
                     given.withdraw()
-            self.forward_path[0] = (ForwardPath.OFF if off else ForwardPath.CHECKED if checked
-                                    else ForwardPath.GENERAL)
+            path = (ForwardPath.OFF if off else ForwardPath.GENERAL if not checked
+                    else ForwardPath.REPLAY if inputs is self.replay_inputs else ForwardPath.CHECKED)
+            if path is ForwardPath.CHECKED:
+                self.replay_inputs = None  # the targets' applied calls are this forward's from now on
+            self.forward_path[0] = path
             for slot in self.slots:
                 slot.state = state
         setattr(ARMED, self.key, inputs)
@@ -278,6 +284,9 @@ class Instrumentation:
         if self.unchecked:
             self._mark_checked()
         missed = self._missed()
+        if not missed and (self.forward_path[0] is ForwardPath.CHECKED or self.forward_path[0] is ForwardPath.REPLAY):
+            self.replay_inputs = (getattr(ARMED, self.key) if all(slot.applied is not None for slot in self.slots)
+                                  else None)
         self.reset()
         if not missed and self.given_forwards is not None and not self.given_forwards.retired:
             self.given_forwards.hits_checked()

@@ -53,6 +53,10 @@ class ForwardPath:
     # every target was checked by an earlier forward and none is observed, watched, proven or recorded:
     # each output point applies the call the Injection checked for its computed shape (see Slot.checked_output)
     CHECKED = "checked"
+    # the same, on the inputs (the context, or the fed buffers) of the last such forward, in which every
+    # target applied a checked call or had nothing to replace: each applies that call again where its
+    # output fits it (shape, dtype, device), with nothing to look up (an engine's steady state)
+    REPLAY = "replay"
 
 
 class _Steps:
@@ -144,7 +148,7 @@ class Slot(_Steps):
     once per target, and a method of an object without a ``__dict__`` needs no guard of its own,
     where each module-level function a trace calls costs a guard on every call of the compiled model."""
 
-    __slots__ = ("target", "state", "unproven", "checked", "forward_path", "read", "given", "point",
+    __slots__ = ("target", "state", "unproven", "checked", "forward_path", "applied", "read", "given", "point",
                  "point_data", "injection", "constants", "trace_key", "__weakref__")
 
     def __init__(self, target: ResolvedTarget):
@@ -153,6 +157,8 @@ class Slot(_Steps):
         self.unproven = False  # an output[i] that no graph showed read: the next eager forward watches it
         self.checked = False  # an eager forward reached it by the general path, which checks what the point reads
         self.forward_path = [ForwardPath.GENERAL]  # shared by the model's slots (see ForwardPath)
+        # what the target's last checked output applied: a CheckedCall, NOTHING_APPLIED (its entry off), None (neither)
+        self.applied = None
         self.read: bool | None = None  # while watched: whether an op of this forward read it
         # set by bind: the forward the module was given, as ``(function, whether it takes self)``, its
         # point and Injection, what its forward reads of the point
@@ -207,19 +213,29 @@ class Slot(_Steps):
             return True
         return False
 
-    def checked_output(self, module: nn.Module, output, fed: bool):
+    def checked_output(self, module: nn.Module, output, fed: bool, replay: bool):
         """An eager output point's ``output`` in a forward whose targets were all checked (see
         :class:`ForwardPath`): its entry applied by the call the Injection checked for the computed shape
-        (fed buffers: by shape alone); a call not checked yet goes through the Injection."""
-        entry = getattr(ARMED, self.constants[0])[self.constants[1]]
-        if entry is None or entry[0] is None:
-            return output
+        (fed buffers: by shape alone), or with ``replay`` the call applied last where the output fits it;
+        a call not checked yet goes through the Injection."""
         point_index = self.point_data
         value = output if point_index is None else output[point_index] if type(output) is tuple else None
+        if replay:
+            call = self.applied
+            if call is NOTHING_APPLIED:
+                return output
+            if type(value) is torch.Tensor and call.fits(value):
+                return self.with_injected(output, point_index, value, call.inject(value))
+        entry = getattr(ARMED, self.constants[0])[self.constants[1]]
+        if entry is None or entry[0] is None:
+            self.applied = NOTHING_APPLIED
+            return output
+        self.applied = None
         if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
             checked = self.injection.checked
             call = checked.fed_entry(value) if fed else checked.lookup(value, *entry)
             if call is not None:
+                self.applied = call
                 return self.with_injected(output, point_index, value, call.inject(value))
         return self.inject_output(module, output, point_index, entry, self.injection)
 
@@ -536,6 +552,7 @@ def _forward_number(forward: Callable) -> int:
 
 
 _OFF = (None, None, False)
+NOTHING_APPLIED = _OFF  # a slot's ``applied`` where its entry was off
 
 # in a compiled frame that may break and is not the model's trace (a target compiled alone, a frame
 # resumed after a graph break) the entry is read at run time: folding it in would be a graph per target
@@ -597,7 +614,7 @@ def _output_point_forward(self, *args, **kwargs):
 
     Eager engines call it once per target per forward, so their common cases come first: an eager
     forward that replaces nothing runs the target's own forward, one whose targets were all checked
-    applies the checked call (see :class:`ForwardPath`), each recording the hit (a second hit takes the
+    applies the checked call (or replays the last one, see :class:`ForwardPath`), each recording the hit (a second hit takes the
     general path, which says so). Anything else, and any tracing, goes through the Injection."""
     if not is_dynamo_compiling():  # (Dynamo may start tracing inside an eager forward: then the Injection decides)
         slot = self._fxreplace_slot
@@ -605,7 +622,9 @@ def _output_point_forward(self, *args, **kwargs):
         if path is not ForwardPath.GENERAL and state is not SlotState.TAKEN:
             slot.state = SlotState.TAKEN
             output = slot.call_own(self, args, kwargs)
-            return output if path is ForwardPath.OFF else slot.checked_output(self, output, state is SlotState.FED)
+            if path is ForwardPath.OFF:
+                return output
+            return slot.checked_output(self, output, state is SlotState.FED, path is ForwardPath.REPLAY)
     steps, given, point_index, entry, injection = _STEPS.entered(self)
     return steps.inject_output(self, steps.call_original(self, given, args, kwargs), point_index, entry, injection)
 

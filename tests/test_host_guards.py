@@ -405,6 +405,38 @@ def test_a_forward_of_checked_targets_applies_the_checked_calls_and_checks_what_
             model(x[:TOKENS - 1], replacements=other)
 
 
+def test_a_forward_on_the_inputs_of_the_last_replays_its_calls_only_where_they_fit():
+    """A forward on the inputs of the forward before (here the fed buffers) replays each target's checked
+    call: a computed dtype that changed (autocast) goes through the full check, and a forward on a context
+    checked before that failed half way leaves no call of its own to be replayed on the fed buffers."""
+    plain, model = _model(2, max_tokens=TOKENS)
+    fed, other = _context(model.targets, 0)[1], _context(model.targets, 1)[1]
+    model.feed(fed)
+    x = torch.randn(TOKENS, HIDDEN)
+
+    def expected(context):
+        return reference(plain, x, {name: context[name] for name in model.targets}, context.mask)
+
+    def fails_in_block_1(h):
+        raise ValueError("a port's bug in block 1")
+
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(x), expected(fed))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(model(x), expected(fed))
+        for _ in range(2):
+            torch.testing.assert_close(model(x), expected(fed))
+        torch.testing.assert_close(model(x, replacements=other), expected(other))
+        for _ in range(2):
+            torch.testing.assert_close(model(x), expected(fed))
+        model[1].forward = fails_in_block_1
+        with pytest.raises(ValueError, match="block 1"):  # block 0's gate applies the context's checked call
+            model(x, replacements=other)
+        del model[1].forward
+        torch.testing.assert_close(model(x), expected(fed))
+
+
 def test_a_forward_set_on_a_target_after_instrument_is_never_overwritten():
     """A forward set on a target after instrument() (a port swapping code in) stays, whether the given forwards were
     in place when it was set (a forward that may replace leaves it) or not (they are placed no more)."""
