@@ -219,11 +219,11 @@ class Slot(_Steps):
         (fed buffers: by shape alone), or with ``replay`` the call applied last where the output fits it;
         a call not checked yet goes through the Injection."""
         point_index = self.point_data
-        value = output if point_index is None else output[point_index] if type(output) is tuple else None
         if replay:
             call = self.applied
             if call is NOTHING_APPLIED:
                 return output
+            value = _point_value(output, point_index)
             if type(value) is torch.Tensor and call.fits(value):
                 return self.with_injected(output, point_index, value, call.inject(value))
         entry = getattr(ARMED, self.constants[0])[self.constants[1]]
@@ -231,6 +231,7 @@ class Slot(_Steps):
             self.applied = NOTHING_APPLIED
             return output
         self.applied = None
+        value = _point_value(output, point_index)
         if type(value) is torch.Tensor:  # (not a subclass, e.g. a FakeTensor)
             checked = self.injection.checked
             call = checked.fed_entry(value) if fed else checked.lookup(value, *entry)
@@ -627,6 +628,12 @@ def _output_point_forward(self, *args, **kwargs):
             return slot.checked_output(self, output, state is SlotState.FED, path is ForwardPath.REPLAY)
     steps, given, point_index, entry, injection = _STEPS.entered(self)
     return steps.inject_output(self, steps.call_original(self, given, args, kwargs), point_index, entry, injection)
+
+
+def _point_value(output, point_index: int | None):
+    """What an output point reads of ``output`` on the checked paths: all of it, or element
+    ``point_index`` of a tuple (None for anything else: the Injection's path says what is wrong)."""
+    return output if point_index is None else output[point_index] if type(output) is tuple else None
 
 
 def _check_point_value(value, module: nn.Module) -> None:
