@@ -266,7 +266,7 @@ class CheckedCall(NamedTuple):
 
     def matches(self, computed: torch.Tensor, replacement, mask, leading_rows) -> bool:
         return (self.replacement is replacement and self.mask is mask and self.leading_rows is leading_rows
-                and self.fits(computed))
+                and self.dtype is computed.dtype and self.device == computed.get_device())
 
     def fits(self, computed: torch.Tensor) -> bool:
         """Whether ``computed`` is what this call was checked for (the buffers being the same)."""
@@ -324,8 +324,7 @@ class CheckedCalls:
         kept = {shape: c for shape, c in self.entries.items() if c.replacement is replacement}
         self.entries = kept if len(kept) < CHECKED_SHAPES else {}
         entry = self.entries[computed.shape] = CheckedCall(
-            replacement, mask, leading_rows, computed.shape, computed.dtype, computed.get_device(),
-            mask[rows].unsqueeze(-1),
+            replacement, mask, leading_rows, computed.shape, computed.dtype, computed.get_device(), mask[rows].unsqueeze(-1),
             # rows handed on only when contiguous: a built feed's are a column of its position-major storage,
             # and a kernel reading the module's output (a fused top-k) may take rows to be E apart
             replacement[rows], host_mask, fed and self.fed[2] and replacement[rows].is_contiguous(), b"\1" * tokens,

@@ -615,9 +615,8 @@ def _output_point_forward(self, *args, **kwargs):
 
     Eager engines call it once per target per forward, so their common cases come first: an eager
     forward that replaces nothing runs the target's own forward, one whose targets were all checked
-    applies the checked call (or replays the last one, see :class:`ForwardPath`), each recording the
-    hit (a second hit takes the general path, which says so). Anything else, and any tracing, goes
-    through the Injection."""
+    applies the checked call (or replays the last one, see :class:`ForwardPath`), each recording the hit (a second hit takes the
+    general path, which says so). Anything else, and any tracing, goes through the Injection."""
     if not is_dynamo_compiling():  # (Dynamo may start tracing inside an eager forward: then the Injection decides)
         slot = self._fxreplace_slot
         path, state = slot.forward_path[0], slot.state
