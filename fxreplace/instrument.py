@@ -164,10 +164,7 @@ class Instrumentation:
         else:
             inputs = self._inputs(replacements, compiling)
         if not compiling:
-            # FED or GIVEN only unrecorded: a forward that make_fx/export/jit.trace records must reach the
-            # Injection, which keeps Python state out of the recorded graph
             recorded = recording()
-            state = SlotState.ARMED if recorded else SlotState.FED if replacements is None else SlotState.GIVEN
             # (an unproven output[i] is watched on every forward until one proves it, and a proof runs
             # the instrumented forwards it proves: neither takes a lean path)
             checked = (self.observers == 0 and not self.unchecked and not self.unproven and not self.proofs
@@ -176,8 +173,16 @@ class Instrumentation:
             given = self.given_forwards
             if given is not None:
                 given.signature = None if given.retired else inputs_signature(args, kwargs)
-                if not (off and given.place()):
-                    given.withdraw()
+                if off and given.place():
+                    # the targets run the forwards they were given: no slot armed, no hit checked (see finish);
+                    # the entries published for a compiled region inside, whose trace arms the slots (see
+                    # retire_given_forwards)
+                    setattr(ARMED, self.key, inputs)
+                    return
+                given.withdraw()
+            # FED or GIVEN only unrecorded: a forward that make_fx/export/jit.trace records must reach the
+            # Injection, which keeps Python state out of the recorded graph
+            state = SlotState.ARMED if recorded else SlotState.FED if replacements is None else SlotState.GIVEN
             path = (ForwardPath.OFF if off else ForwardPath.GENERAL if not checked
                     else ForwardPath.REPLAY if inputs is self.replay_inputs else ForwardPath.CHECKED)
             if path is ForwardPath.CHECKED:
@@ -273,11 +278,16 @@ class Instrumentation:
             setattr(ARMED, self.key, None)
             traced_hits(self.key)
             return
-        if self.given_forwards is not None and self.given_forwards.placed:
+        given = self.given_forwards
+        if given is not None and given.placed:
             # the targets ran the forwards they were given, which record no hit (a forward that replaces
             # nothing computes the given model however often it reaches one; the first forward and every
-            # one that may replace check the hits); still armed, for a compiled region inside (see take)
-            self.reset()
+            # one that may replace check the hits); only the entries were armed, and the slots by a trace
+            # that retired the given forwards
+            if given.retired:
+                self.reset()
+            else:
+                setattr(ARMED, self.key, None)
             return
         if self.unproven:
             check_watched(self, model)

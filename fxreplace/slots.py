@@ -509,9 +509,14 @@ def _signature_of(value):
 
 def retire_given_forwards(model_key: str) -> None:
     """At trace time, as a Dynamo trace reaches a target of the model named ``model_key``: no given
-    forward placed from now on."""
-    given = traced(model_key).given_forwards
+    forward placed from now on. A trace begun inside an eager forward that placed them (which armed
+    no slot) arms the slots, so that its graph records each hit, as it would in any other forward."""
+    state = traced(model_key)
+    given = state.given_forwards
     if given is not None:
+        if given.placed and not given.retired:
+            for slot in state.slots:
+                slot.state = SlotState.ARMED
         given.retire()
 
 
