@@ -39,7 +39,9 @@ class SlotState:
     IDLE = "idle"  # outside an instrumented forward: the target passes through
     FED = "fed"  # armed eagerly with the fed buffers (output points may take the fast path)
     GIVEN = "given"  # armed eagerly with a forward's own replacements (output points may take the fast path)
-    ARMED = "armed"  # armed while the forward is recorded (make_fx, export, jit.trace)
+    # armed while the forward is recorded (make_fx, export, jit.trace), or by a Dynamo trace begun inside an eager
+    # forward that armed no slot (see retire_given_forwards)
+    ARMED = "armed"
     TAKEN = "taken"  # consumed: a second take in the same forward is an error
 
 
