@@ -512,11 +512,12 @@ def _signature_of(value):
 def retire_given_forwards(model_key: str) -> None:
     """At trace time, as a Dynamo trace reaches a target of the model named ``model_key``: no given
     forward placed from now on. A trace begun inside an eager forward that placed them (which armed
-    no slot) arms the slots, so that its graph records each hit, as it would in any other forward."""
+    no slot, only published the entries) arms the slots, so that its graph records each hit, as it
+    would in any other forward."""
     state = traced(model_key)
     given = state.given_forwards
     if given is not None:
-        if given.placed and not given.retired:
+        if given.placed and not given.retired and getattr(ARMED, model_key, None) is not None:
             for slot in state.slots:
                 slot.state = SlotState.ARMED
         given.retire()
