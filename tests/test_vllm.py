@@ -184,6 +184,9 @@ def _run_engine(ref: Ref, kind: str) -> dict:
             res["targets"] = [t.pattern for t in state.targets]
         res["instrumented"] = state is not None
         runner = _runner(llm)  # per-step wrappers live on the configured runner instance only
+        if state is not None:  # the key named in the config vLLM hashes, and the key its model reads by
+            named = str(fxv.parse_config(runner.vllm_config.additional_config)).rpartition("@")[2]
+            res["graph_keys"] = (named, state.model._fxreplace.key)
         res["wrapped"] = [m for m in ("execute_model", "_model_forward") if m in vars(runner)]
     finally:
         _close(llm)
@@ -286,6 +289,33 @@ def test_config_carrier_hash_and_pickle(tmp_path):
     neuron = {"neuron_config": {"tensor_replacement": TensorReplacementConfig(tensors_path=tmp_path / "tensors.pt")}}
     assert fxv.parse_config(neuron).config.to_dict() == {"tensors_path": str(tmp_path / "tensors.pt")}
     assert fxv.parse_config({}) is None and fxv.parse_config({"other": 1}) is None
+
+
+def test_an_engine_names_its_models_key_in_the_config_hash(tmp_path):
+    """vLLM files a compiled graph (torch >= 2.10: Dynamo's bytecode too, loaded without tracing) under
+    a hash of the config; the graph reads the replacements by its model's key. Each engine names its
+    model's key in the fxreplace section, under either config key, so a graph saved for one model is
+    never loaded for another one (another engine of the same process), and loaded again for its own."""
+    from fxreplace.engines.vllm.config import name_graph_key
+
+    tensors = {0: {"m": torch.randn(5, 4)}}
+    carrier = fxv.FxReplaceConfig(tensors=tensors, prompt_token_ids=[[1, 2, 3]])
+    (tmp_path / "tensors.pt").write_bytes(b"")
+    neuron = TensorReplacementConfig(tensors_path=tmp_path / "tensors.pt")
+
+    def hashed(section: dict, key: str) -> str:
+        additional = dict(section)  # each engine's own
+        name_graph_key(additional, key)
+        assert fxv.parse_config(additional).config is fxv.parse_config(section).config  # the same configuration
+        return json.dumps(additional, sort_keys=True)  # what vLLM hashes a dict additional_config by
+
+    for section in ({"fxreplace": carrier}, {"neuron_config": {"tensor_replacement": fxv.FxReplaceConfig(neuron)}}):
+        first, second = hashed(section, "Instrumentation_7"), hashed(section, "Instrumentation_9")
+        assert first != second and first == hashed(section, "Instrumentation_7")
+    again = {"fxreplace": carrier}
+    name_graph_key(again, "Instrumentation_7")
+    name_graph_key(again, "Instrumentation_9")  # named again: the later key replaces the earlier
+    assert str(again["fxreplace"]) == f"{carrier}@Instrumentation_9"
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -458,6 +488,8 @@ def test_bound_feed_buffers_take_gathers_in_place():
 def test_known_prompts_match_hf_with_forced_router(ref, engine, kind):
     res = engine(kind)
     assert res["instrumented"] and res["errors"] == 0
+    named, model_key = res["graph_keys"]  # (the compiled engine's config is under neuron_config)
+    assert named == model_key and model_key.startswith("Instrumentation_")
     assert res["targets"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     for name in ref.known:
         out = res["outs"][name]

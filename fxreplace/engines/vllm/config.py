@@ -178,6 +178,24 @@ def parse_config(additional_config: Any) -> FxReplaceConfig | None:
     return raw if isinstance(raw, FxReplaceConfig) else FxReplaceConfig(raw)
 
 
+def name_graph_key(additional_config: Any, graph_key: str) -> None:
+    """In an engine, once its model is instrumented: the fxreplace section of ``additional_config`` (a
+    dict) now also names ``graph_key``, the key by which the model's compiled graph reads its entries
+    (see :data:`fxreplace.slots.ARMED`). vLLM files the graphs it compiles under a hash of the config:
+    a graph saved for another model (another engine of this process, whose model has another key)
+    would read that model's entries, so it must never be loaded for this one. (An ``additional_config``
+    that is not a dict is hashed by its own ``compute_hash``, which fxreplace's section cannot extend.)"""
+    if not isinstance(additional_config, dict):
+        return
+    carrier = parse_config(additional_config)
+    named = _restore(carrier.config, f"{str(carrier).split('@')[0]}@{graph_key}")
+    if CONFIG_KEY in additional_config:
+        additional_config[CONFIG_KEY] = named
+    else:
+        neuron = additional_config[NEURON_KEYS[0]] = dict(additional_config[NEURON_KEYS[0]])
+        neuron[NEURON_KEYS[1]] = named
+
+
 def wrap_in_place(additional_config: Any) -> None:
     """Replace the fxreplace section of a dict ``additional_config`` by an
     :class:`FxReplaceConfig`, so vLLM can hash and pickle it. No-op when absent."""

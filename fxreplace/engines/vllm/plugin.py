@@ -39,7 +39,7 @@ from ...replacer.sources import reference_capture_names, reference_token_ids
 from ...targets import TargetError
 from . import internals
 from .neuron import internals as neuron_internals
-from .config import NEURON_KEYS, ConfigError, parse_config, refuse_unsupported, wrap_in_place
+from .config import NEURON_KEYS, ConfigError, name_graph_key, parse_config, refuse_unsupported, wrap_in_place
 from .runners import VllmRunner
 from .startup import report_start_error
 from ..replacement import NoTargetOnThisStage
@@ -255,17 +255,22 @@ def attach_state(side, config) -> None:
 
 
 def _attach_state(side, config) -> None:
-    runner = side.runner
     if config.config.capture is not None:
-        state = side.capture_class()(side, config.config.capture)
-        setattr(runner, internals.STATE_ATTR, state)
-        side.install(state.hooks())
+        _keep(side, side.capture_class()(side, config.config.capture))
     else:
         try:
             state = side.replacement_class(config.config.select_captures)(side, config.config)
         except NoTargetOnThisStage as exc:
             logger.info("fxreplace: %s", exc)
             return
-        setattr(runner, internals.STATE_ATTR, state)
-        side.install(state.hooks())
+        _keep(side, state)
         state.check_points()
+
+
+def _keep(side, state) -> None:
+    """``state`` kept on its runner, its hooks installed, and its model's key named in the config
+    that vLLM files the model's compiled graphs under (see :func:`~.config.name_graph_key`)."""
+    runner = side.runner
+    setattr(runner, internals.STATE_ATTR, state)
+    name_graph_key(runner.vllm_config.additional_config, state.model._fxreplace.key)
+    side.install(state.hooks())
