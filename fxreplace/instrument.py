@@ -33,7 +33,7 @@ from .feeding import Feed, Feeding
 from .injection import Injection, host_bytes, recording
 from .liveness import check_watched
 from .points import (ROUTING, check_adapter_fits, check_output_point_read, computes_linear_output, describe_forward,
-                     instance_forward, locate_injection_point)
+                     function_copy, instance_forward, locate_injection_point)
 from .slots import (ARMED, SLOT, ForwardPath, GivenForwards, Slot, SlotState, bind, follow_class, inputs_signature,
                     traced_begin, traced_hits, traced_plan, unbind)
 from .targets import ResolvedTarget, TargetError, TargetLike, closest_names, resolve_targets
@@ -370,17 +370,15 @@ class InstrumentedModel(Feeding):
         return [t.module_name for t in self._fxreplace.targets]
 
 
-_instrumented_classes: dict[type, type] = {}
-
-
 def _instrumented_class(cls: type) -> type:
-    """A subclass with the same name, so e.g. ``save_pretrained`` records the
-    original architecture."""
-    if cls not in _instrumented_classes:
-        _instrumented_classes[cls] = type(
-            cls.__name__, (InstrumentedModel, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        )
-    return _instrumented_classes[cls]
+    """A subclass of ``cls`` for one model, with the same name (so e.g. ``save_pretrained`` records the
+    original architecture), whose forward is :meth:`InstrumentedModel.forward` on a code object of its
+    own: Dynamo keeps compiled graphs per code object and compiles at most ``recompile_limit`` (8) for
+    one, and each instrumented model compiles its own graphs (their guards name its slots), so on a
+    shared code object the ninth instrumented model compiled in a process would run eagerly."""
+    return type(cls.__name__, (InstrumentedModel, cls), {"forward": function_copy(InstrumentedModel.forward),
+                                                         "__module__": cls.__module__,
+                                                         "__qualname__": cls.__qualname__})
 
 
 def instrument(model: nn.Module, targets: Iterable[TargetLike], *, max_tokens: int | None = None) -> nn.Module:

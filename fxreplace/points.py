@@ -166,6 +166,17 @@ class InjectionPoint:
 WRAPPED_FORWARD = "_old_forward"
 
 
+def function_copy(function: types.FunctionType) -> types.FunctionType:
+    """``function`` on a code object of its own (its globals, defaults, cells and names kept): called,
+    it is the function; to Dynamo, which keeps compiled graphs and counts recompiles per code object,
+    another function."""
+    copied = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                                function.__defaults__, function.__closure__)
+    copied.__kwdefaults__, copied.__qualname__ = function.__kwdefaults__, function.__qualname__
+    copied.__module__ = function.__module__
+    return copied
+
+
 def forward_attribute(module: nn.Module) -> str:
     """Where a module's own forward is called from: inside accelerate's wrapper when it has one."""
     return WRAPPED_FORWARD if WRAPPED_FORWARD in module.__dict__ else "forward"

@@ -28,7 +28,8 @@ from .errors import TargetNotHitError
 from .injection import Injection, call_injection, inject_routing, recording, with_element
 from .liveness import Watched
 from .passes import InjectionSpec, insert_replacements
-from .points import GIVEN_FORWARD, TARGET_CLASS, WRAPPED_FORWARD, InjectionPoint, forward_attribute, given_class
+from .points import (GIVEN_FORWARD, TARGET_CLASS, WRAPPED_FORWARD, InjectionPoint, forward_attribute, function_copy,
+                     given_class)
 from .targets import ResolvedTarget, TargetError
 
 
@@ -538,10 +539,7 @@ def _stand_in(function: types.FunctionType) -> types.FunctionType:
     kept for the process, as Dynamo knows it by identity."""
     stand_in = _STAND_INS.get(function)
     if stand_in is None:
-        stand_in = types.FunctionType(function.__code__, function.__globals__, function.__name__,
-                                      function.__defaults__, function.__closure__)
-        stand_in.__kwdefaults__, stand_in.__qualname__ = function.__kwdefaults__, function.__qualname__
-        stand_in.__module__ = function.__module__
+        stand_in = function_copy(function)
         torch.compiler.substitute_in_graph(stand_in, skip_signature_check=True)(_instrumented_forward)
         _STAND_INS[function] = stand_in
     return stand_in

@@ -95,6 +95,22 @@ def test_a_context_enters_as_its_groups_and_mask(n):
     assert counted["context"] == counted["plain"] + 2
 
 
+def test_each_instrumented_model_is_compiled_however_many_a_process_compiles():
+    """Dynamo compiles at most ``recompile_limit`` graphs per code object, then runs the frame eagerly
+    with only a warning. Each instrumented model compiles graphs of its own (its guards name its slots),
+    so each has a forward of its own: one model more than the limit is still compiled, and right."""
+    limit = 2
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch._dynamo.config.patch(recompile_limit=limit), torch.no_grad():
+        for seed in range(limit + 1):
+            plain, model = _model(2 + seed % 2)
+            graphs = Graphs()
+            values, ctx = _context(model.targets, seed)
+            got = torch.compile(model, backend=graphs)(x, replacements=ctx)
+            assert graphs.count == 1, f"instrumented model {seed + 1} of {limit + 1} ran eagerly"
+            torch.testing.assert_close(got, reference(plain, x, values, ctx.mask))
+
+
 @FILTERS
 def test_new_values_reuse_the_graph_new_shapes_names_and_dtypes_are_right(options):
     plain, model = _model(3)
