@@ -188,12 +188,17 @@ def name_graph_key(additional_config: Any, graph_key: str) -> None:
     if not isinstance(additional_config, dict):
         return
     carrier = parse_config(additional_config)
-    named = _restore(carrier.config, f"{str(carrier).split('@')[0]}@{graph_key}")
+    _put_section(additional_config, _restore(carrier.config, f"{str(carrier).split('@')[0]}@{graph_key}"))
+
+
+def _put_section(additional_config: dict, carrier: FxReplaceConfig) -> None:
+    """``carrier`` where the fxreplace section of ``additional_config`` is (its own key or neuron_config's)."""
     if CONFIG_KEY in additional_config:
-        additional_config[CONFIG_KEY] = named
+        additional_config[CONFIG_KEY] = carrier
     else:
-        neuron = additional_config[NEURON_KEYS[0]] = dict(additional_config[NEURON_KEYS[0]])
-        neuron[NEURON_KEYS[1]] = named
+        neuron = dict(additional_config[NEURON_KEYS[0]])
+        neuron[NEURON_KEYS[1]] = carrier
+        additional_config[NEURON_KEYS[0]] = neuron
 
 
 def wrap_in_place(additional_config: Any) -> None:
@@ -203,9 +208,4 @@ def wrap_in_place(additional_config: Any) -> None:
         return
     if find_config(additional_config) is None:
         return
-    if CONFIG_KEY in additional_config:
-        additional_config[CONFIG_KEY] = parse_config(additional_config)
-    else:
-        neuron = dict(additional_config[NEURON_KEYS[0]])
-        neuron[NEURON_KEYS[1]] = parse_config(additional_config)
-        additional_config[NEURON_KEYS[0]] = neuron
+    _put_section(additional_config, parse_config(additional_config))
