@@ -170,9 +170,12 @@ class Instrumentation:
             checked = (self.observers == 0 and not self.unchecked and not self.unproven and not self.proofs
                        and not recorded)
             off = checked and self.host_masks.all_off(self._masks(replacements))
+            replay = checked and not off and inputs is self.replay_inputs
             given = self.given_forwards
             if given is not None:
-                given.signature = None if given.retired else inputs_signature(args, kwargs)
+                # a replayed forward takes no signature (an engine's steady step, whose host work is all of its
+                # cost): the first forward of its signature that replaces nothing records it (see hits_checked)
+                given.signature = None if given.retired or replay else inputs_signature(args, kwargs)
                 if off and given.place():
                     # the targets run the forwards they were given: no slot armed, no hit checked (see finish);
                     # the entries published for a compiled region inside, whose trace arms the slots (see
@@ -184,7 +187,7 @@ class Instrumentation:
             # Injection, which keeps Python state out of the recorded graph
             state = SlotState.ARMED if recorded else SlotState.FED if replacements is None else SlotState.GIVEN
             path = (ForwardPath.OFF if off else ForwardPath.GENERAL if not checked
-                    else ForwardPath.REPLAY if inputs is self.replay_inputs else ForwardPath.CHECKED)
+                    else ForwardPath.REPLAY if replay else ForwardPath.CHECKED)
             if path is ForwardPath.CHECKED:
                 self.replay_inputs = None  # the targets' applied calls are this forward's from now on
             self.forward_path[0] = path
@@ -252,17 +255,21 @@ class Instrumentation:
             inputs.append((value, mask, False))
         return inputs
 
-    def reset(self) -> None:
-        """Back to idle, nothing armed."""
+    def reset(self) -> tuple[list[str], bool]:
+        """Back to idle, nothing armed. Returns what the forward left, read in the same pass over the
+        slots: the targets armed but not reached since :meth:`arm`, and whether every target applied a
+        checked call or had nothing to replace (see ``replay_inputs``)."""
         setattr(ARMED, self.key, None)
         self.forward_path[0] = ForwardPath.GENERAL
+        missed, replayable = [], True
         for slot in self.slots:
+            state = slot.state
+            if state is not SlotState.IDLE and state is not SlotState.TAKEN:
+                missed.append(slot.target.module_name)
+            if slot.applied is None:
+                replayable = False
             slot.state = SlotState.IDLE
-
-    def _missed(self) -> list[str]:
-        """The targets armed but not reached since :meth:`arm`."""
-        return [slot.target.module_name for slot in self.slots
-                if slot.state is not SlotState.IDLE and slot.state is not SlotState.TAKEN]
+        return missed, replayable
 
     def _mark_checked(self) -> None:
         """After an eager forward returned: the targets it reached took the general path, which
@@ -293,11 +300,10 @@ class Instrumentation:
             check_watched(self, model)
         if self.unchecked:
             self._mark_checked()
-        missed = self._missed()
-        if not missed and (self.forward_path[0] is ForwardPath.CHECKED or self.forward_path[0] is ForwardPath.REPLAY):
-            self.replay_inputs = (getattr(ARMED, self.key) if all(slot.applied is not None for slot in self.slots)
-                                  else None)
-        self.reset()
+        path, inputs = self.forward_path[0], getattr(ARMED, self.key)
+        missed, replayable = self.reset()
+        if not missed and (path is ForwardPath.CHECKED or path is ForwardPath.REPLAY):
+            self.replay_inputs = inputs if replayable else None
         if not missed and self.given_forwards is not None and not self.given_forwards.retired:
             self.given_forwards.hits_checked()
         if missed:

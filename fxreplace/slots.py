@@ -151,7 +151,7 @@ class Slot(_Steps):
     once per target, and a method of an object without a ``__dict__`` needs no guard of its own,
     where each module-level function a trace calls costs a guard on every call of the compiled model."""
 
-    __slots__ = ("target", "state", "unproven", "checked", "forward_path", "applied", "read", "given", "point",
+    __slots__ = ("target", "state", "unproven", "checked", "forward_path", "applied", "read", "given", "own", "point",
                  "point_data", "injection", "constants", "trace_key", "__weakref__")
 
     def __init__(self, target: ResolvedTarget):
@@ -163,9 +163,10 @@ class Slot(_Steps):
         # what the target's last checked output applied: a CheckedCall, NOTHING_APPLIED (its entry off), None (neither)
         self.applied = None
         self.read: bool | None = None  # while watched: whether an op of this forward read it
-        # set by bind: the forward the module was given, as ``(function, whether it takes self)``, its
-        # point and Injection, what its forward reads of the point
-        self.given = self.point = self.point_data = self.injection = None
+        # set by bind: the forward the module was given, as ``(function, whether it takes self)`` and bound to the
+        # module (``own``: what eager forwards call, no frame of fxreplace's between), its point and Injection,
+        # what its forward reads of the point
+        self.given = self.own = self.point = self.point_data = self.injection = None
         self.constants: tuple = ()  # (model key, index, passes_self, spec, name, given forward's number, point_data)
         self.trace_key = trace_key(self)
 
@@ -185,10 +186,6 @@ class Slot(_Steps):
         original, passes_self = self.given
         self.constants = (key, index, passes_self, self.injection.spec, self.target.module_name,
                           _forward_number(original), self.point_data)
-
-    def call_own(self, module: nn.Module, args, kwargs):
-        """The target's own forward, as it was given."""
-        return self.call_original(module, self.given, args, kwargs)
 
     def runtime_entry(self):
         """This forward's ``(replacement, mask, leading_rows)`` for the target (``_OFF``: off), or None
@@ -226,9 +223,13 @@ class Slot(_Steps):
             call = self.applied
             if call is NOTHING_APPLIED:
                 return output
-            value = _point_value(output, point_index)
-            if type(value) is torch.Tensor and call.fits(value):
-                return self.with_injected(output, point_index, value, call.inject(value))
+            if point_index is None:  # (the common case first: a replayed step calls this once per target)
+                if type(output) is torch.Tensor and call.fits(output):
+                    return call.inject(output)
+            else:
+                value = _point_value(output, point_index)
+                if type(value) is torch.Tensor and call.fits(value):
+                    return self.with_injected(output, point_index, value, call.inject(value))
         entry = getattr(ARMED, self.constants[0])[self.constants[1]]
         if entry is None or entry[0] is None:
             self.applied = NOTHING_APPLIED
@@ -360,6 +361,7 @@ def bind(module: nn.Module, point: InjectionPoint, injection: Injection, slot: S
     own = isinstance(original, types.MethodType) and original.__self__ is module
     # a method's function (the class's is shared by every module of the class) rather than a method bound to this one
     slot.given = (original.__func__, True) if own else (original, False)
+    slot.own = original
     slot.injection, slot.point = injection, point
     if point.graph_module is not None:
         slot.point_data, forward = _forward_number(_shared_graph_forward(point, injection)), _graph_point_forward
@@ -483,7 +485,10 @@ class GivenForwards:
             self.placed = False
 
     def hits_checked(self) -> None:
-        """The forward in progress checked every hit: its signature's later forwards may place them."""
+        """The forward in progress checked every hit: its signature's later forwards may place them
+        (a forward that took no signature, a replayed one, records none)."""
+        if self.signature is None:
+            return
         if len(self.checked) >= _SIGNATURES_KEPT:
             self.checked.clear()
         self.checked.add(self.signature)
@@ -628,7 +633,7 @@ def _output_point_forward(self, *args, **kwargs):
         path, state = slot.forward_path[0], slot.state
         if path is not ForwardPath.GENERAL and state is not SlotState.TAKEN:
             slot.state = SlotState.TAKEN
-            output = slot.call_own(self, args, kwargs)
+            output = slot.own(*args, **kwargs)
             if path is ForwardPath.OFF:
                 return output
             return slot.checked_output(self, output, state is SlotState.FED, path is ForwardPath.REPLAY)

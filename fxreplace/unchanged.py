@@ -52,7 +52,7 @@ def prove_unchanged(model: nn.Module, forward: Callable[[], object], skip: Itera
             slot.state = SlotState.IDLE
         try:
             slot = module._fxreplace_slot
-            given = slot.call_own(module, args, kwargs)
+            given = slot.own(*args, **kwargs)
         finally:
             setattr(ARMED, state.key, inputs)
             for slot, saved in zip(state.slots, states):

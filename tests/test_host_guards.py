@@ -453,6 +453,36 @@ def test_a_forward_on_the_inputs_of_the_last_replays_its_calls_only_where_they_f
         torch.testing.assert_close(model(x), expected(fed))
 
 
+def test_a_replayed_forward_checks_every_hit(monkeypatch):
+    """A forward on the context of the forward before replays each target's checked call (an engine's steady
+    step: no full check, no input signature taken, one pass over the slots as it ends) and still refuses a
+    target its model skipped or reached twice, naming it; a forward after such a failure is right."""
+    from fxreplace.injection import Injection
+
+    plain, model = _model(2)
+    full_checks = []
+    inject = Injection._inject
+    monkeypatch.setattr(Injection, "_inject", lambda self, computed, *a: full_checks.append(self.module_name)
+                        or inject(self, computed, *a))
+    values, ctx = _context(model.targets, 0)
+    x = torch.randn(TOKENS, HIDDEN)
+    gate = plain[1].gate
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(x, replacements=ctx), reference(plain, x, values, ctx.mask))
+        assert full_checks == ["0.gate", "1.gate"]  # the first forward checked; the others replayed
+        model[1].forward = lambda h: h + model[1].down(gate(h).softmax(-1))  # a port's block 1 skips its gate
+        with pytest.raises(TargetNotHitError, match=r"not reached.*\['1\.gate'\]"):
+            model(x, replacements=ctx)
+        model[1].forward = lambda h: h + model[1].down((model[1].gate(h) + model[1].gate(h)).softmax(-1))
+        with pytest.raises(TargetNotHitError, match=r"'1\.gate' was hit twice in one forward"):
+            model(x, replacements=ctx)
+        del model[1].forward
+        assert full_checks == ["0.gate", "1.gate"]  # both failed forwards were replays
+        for _ in range(2):
+            torch.testing.assert_close(model(x, replacements=ctx), reference(plain, x, values, ctx.mask))
+
+
 def test_a_forward_set_on_a_target_after_instrument_is_never_overwritten():
     """A forward set on a target after instrument() (a port swapping code in) stays, whether the given forwards were
     in place when it was set (a forward that may replace leaves it) or not (they are placed no more)."""
