@@ -223,13 +223,9 @@ class Slot(_Steps):
             call = self.applied
             if call is NOTHING_APPLIED:
                 return output
-            if point_index is None:  # (the common case first: a replayed step calls this once per target)
-                if type(output) is torch.Tensor and call.fits(output):
-                    return call.inject(output)
-            else:
-                value = _point_value(output, point_index)
-                if type(value) is torch.Tensor and call.fits(value):
-                    return self.with_injected(output, point_index, value, call.inject(value))
+            value = _point_value(output, point_index)
+            if type(value) is torch.Tensor and call.fits(value):
+                return self.with_injected(output, point_index, value, call.inject(value))
         entry = getattr(ARMED, self.constants[0])[self.constants[1]]
         if entry is None or entry[0] is None:
             self.applied = NOTHING_APPLIED

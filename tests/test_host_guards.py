@@ -455,8 +455,8 @@ def test_a_forward_on_the_inputs_of_the_last_replays_its_calls_only_where_they_f
 
 def test_a_replayed_forward_checks_every_hit(monkeypatch):
     """A forward on the context of the forward before replays each target's checked call (an engine's steady
-    step: no full check, no input signature taken, one pass over the slots as it ends) and still refuses a
-    target its model skipped or reached twice, naming it; a forward after such a failure is right."""
+    step: no full check) and still refuses a target its model skipped or reached twice, naming it; a forward
+    after such a failure is right."""
     from fxreplace.injection import Injection
 
     plain, model = _model(2)
