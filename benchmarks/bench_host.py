@@ -22,7 +22,10 @@ Eager only, for the stacks, the floor of instrument()'s design, written without 
 and the model a forward that takes ``replacements=``: the Python frames alone, no state, no check)
 and ``frames, where`` (the same, each gate reading its entry of the forward in progress from a list the
 model's forward sets, and applying it with ``torch.where``: what a forward replacing rows cannot do
-without). ``fed`` (cleared) is read against ``frames``, ``rows on`` against ``frames, where``.
+without), and ``frames, checked`` (the same with the checks a user of a forward replacing rows relies on,
+written as plainly as Python allows: one forward at a time, each gate reached once and every gate
+reached, each output fitting its replacement in shape, dtype and device before the ``where``: the floor
+of a checked design). ``fed`` (cleared) is read against ``frames``, ``rows on`` against ``frames, checked``.
 Compiled only, ``context, filtered`` and ``fed, filtered``: the same two variants on models compiled
 with ``options={"guard_filter_fn": fxreplace.guard_filter}`` (fxreplace's own module-level guards
 dropped).
@@ -44,6 +47,7 @@ import copy
 import json
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -57,8 +61,10 @@ from fxreplace.models import get_family, tiny_model
 HIDDEN, EXPERTS, TOKENS = 64, 8, 16
 LOOKUP = "TorchDynamo Cache Lookup"
 FILTERED = ", filtered"  # a variant compiled with fxreplace's guard filter (compiled only)
-FRAMES, FRAMES_WHERE = "frames", "frames, where"  # the design's floor, written without fxreplace (eager only)
-FLOOR_OF = {"fed": FRAMES, "rows on": FRAMES_WHERE}  # the eager variants read against a floor
+# the design's floors, written without fxreplace (eager only)
+FRAMES, FRAMES_WHERE, FRAMES_CHECKED = "frames", "frames, where", "frames, checked"
+FLOORS = (FRAMES, FRAMES_WHERE, FRAMES_CHECKED)
+FLOOR_OF = {"fed": FRAMES, "rows on": FRAMES_CHECKED}  # the eager variants read against a floor
 GUARD_CHECKS = 2000  # direct guard checks per round and variant
 
 
@@ -139,9 +145,69 @@ class FramedStack(Stack):
             FRAMED_ENTRIES[:] = self.off
 
 
+class CheckedGate(nn.Linear):
+    """A gate whose class forward does what a target replacing rows must check, as instrument()'s targets
+    do: that the forward reaches it once and that its output fits its entry (its ``checked_step``, a
+    :class:`CheckedStep`)."""
+
+    def forward(self, *args, **kwargs):
+        computed = nn.Linear.forward(self, *args, **kwargs)
+        step = self.checked_step
+        if step.reached:
+            raise RuntimeError(f"gate {step.index} reached twice in one forward")
+        step.reached = True
+        if step.entry is None:
+            return computed
+        replacement, keep, shape, dtype, device = step.entry
+        if computed.shape != shape or computed.dtype is not dtype or computed.get_device() != device:
+            raise ValueError(f"gate {step.index}: its output ({computed.dtype} {list(computed.shape)} on "
+                             f"{computed.device}) does not fit its replacement")
+        return torch.where(keep, replacement, computed)
+
+
+CHECKED_RUNNING = threading.Lock()  # held by the checked forward in progress (the floor's one-at-a-time check)
+
+
+class CheckedStep:
+    """A checked gate's part of the forward in progress: whether it was reached, and its entry
+    ``(replacement, mask column, shape, dtype, device index)`` (the fit read once, when the entry was made)."""
+
+    __slots__ = ("index", "reached", "entry")
+
+    def __init__(self, index: int):
+        self.index, self.reached, self.entry = index, False, None
+
+
+class CheckedStack(Stack):
+    """The stack with :class:`CheckedGate` gates and a forward that takes ``replacements=`` (per gate an entry,
+    see :class:`CheckedStep`, or None: all off): one forward at a time, every gate reached."""
+
+    def __init__(self, plain: Stack):
+        super().__init__(0)
+        self.blocks = copy.deepcopy(plain.blocks)
+        self.steps = [CheckedStep(index) for index in range(len(self.blocks))]
+        for block, step in zip(self.blocks, self.steps):
+            block.gate.__class__, block.gate.checked_step = CheckedGate, step
+        self.off = [None] * len(self.blocks)
+
+    def forward(self, *args, replacements=None, **kwargs):
+        if not CHECKED_RUNNING.acquire(blocking=False):
+            raise RuntimeError("a checked stack is already running a forward")
+        try:
+            for step, entry in zip(self.steps, self.off if replacements is None else replacements):
+                step.reached, step.entry = False, entry
+            output = super().forward(*args, **kwargs)
+        finally:
+            CHECKED_RUNNING.release()
+        unreached = [step.index for step in self.steps if not step.reached]
+        if unreached:
+            raise RuntimeError(f"gates not reached: {unreached}")
+        return output
+
+
 def stack_variants(n: int) -> tuple[dict, list]:
     """The plain stack, the same weights instrumented twice (a context, fed buffers), edited by hand, and
-    framed (the design's floor, see :class:`FramedStack`)."""
+    framed (the design's floors, see :class:`FramedStack` and :class:`CheckedStack`)."""
     torch.manual_seed(n)
     plain = Stack(n).eval()
     targets = ["blocks.*.gate"]
@@ -164,12 +230,14 @@ def stack_variants(n: int) -> tuple[dict, list]:
     x = torch.randn(TOKENS, HIDDEN)
     zeros = [torch.zeros(TOKENS, EXPERTS) for _ in names]
     mask = torch.zeros(TOKENS, dtype=torch.bool)
-    framed = FramedStack(plain)
+    framed, checked = FramedStack(plain), CheckedStack(plain)
     framed_on = [(on[name], every_other.unsqueeze(-1)) for name in names]
+    checked_on = [(r, keep, r.shape, r.dtype, r.get_device()) for r, keep in framed_on]
     calls = {"plain": (plain, lambda m: m(x)), "context": (with_context, lambda m: m(x, replacements=off)),
              "rows on": (rows_on, lambda m: m(x, replacements=on)),
              "fed": (fed, lambda m: m(x)), "hand": (hand, lambda m: m(x, zeros, mask)),
              FRAMES: (framed, lambda m: m(x)), FRAMES_WHERE: (framed, lambda m: m(x, replacements=framed_on)),
+             FRAMES_CHECKED: (checked, lambda m: m(x, replacements=checked_on)),
              "context" + FILTERED: (context_filtered, lambda m: m(x, replacements=off)),
              "fed" + FILTERED: (fed_filtered, lambda m: m(x))}
     return calls, names
@@ -294,7 +362,7 @@ def groups(calls: dict, compiled: bool) -> list[dict]:
     baseline = [name for name in ("plain", "hand") if name in calls]
     models: dict[int, list[str]] = {}
     for name, (model, _) in calls.items():
-        if name not in baseline and name not in FLOOR_OF.values():  # the floors run eagerly only
+        if name not in baseline and name not in FLOORS:  # the floors run eagerly only
             models.setdefault(id(model), []).append(name)
     return [{name: calls[name] for name in baseline[:1] + names + baseline[1:]} for names in models.values()]
 
@@ -328,7 +396,7 @@ def goal_figure(variant: str, compiled: bool) -> str | None:
     """The ratio issue 57 sets a goal on for ``variant`` (None: a baseline or a floor): compiled, the
     cache lookup over plain's; eagerly, a forward given a context over the hand-edited twin's, one
     with its fed buffers cleared over plain's."""
-    if variant in ("plain", "hand", *FLOOR_OF.values()):
+    if variant in ("plain", "hand", *FLOORS):
         return None
     if compiled:
         return "lookup"
