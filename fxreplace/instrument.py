@@ -271,6 +271,13 @@ class Instrumentation:
             slot.state = SlotState.IDLE
         return missed, replayable
 
+    def abandon(self) -> None:
+        """After a forward that raised: :meth:`reset` (no replacement left armed for later calls), and no
+        forward replays the calls of the one before (a target whose replay did not fit may have dropped its
+        call on the way to the error: an engine's next step, on the same context, is checked anew)."""
+        self.reset()
+        self.replay_inputs = None
+
     def _mark_checked(self) -> None:
         """After an eager forward returned: the targets it reached took the general path, which
         checked what each point reads; later forwards may take the fast paths."""
@@ -338,7 +345,7 @@ class InstrumentedModel(Feeding):
                 state.arm(self, replacements, compiling, args, kwargs)
                 output = super().forward(*args, **kwargs)
             except BaseException:
-                state.reset()  # a failed forward must leave no replacement armed for later calls
+                state.abandon()
                 raise
             state.finish(self, compiling)
         finally:

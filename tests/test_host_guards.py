@@ -483,6 +483,26 @@ def test_a_replayed_forward_checks_every_hit(monkeypatch):
             torch.testing.assert_close(model(x, replacements=ctx), reference(plain, x, values, ctx.mask))
 
 
+def test_a_replayed_step_that_fails_leaves_the_next_step_on_the_context_right():
+    """An engine's steady step (a replay) given a batch its context does not fit is refused naming the
+    target, and the next step on the same context is right: the failed step dropped the call its target
+    replayed, so the next is checked anew and then replayed again."""
+    from fxreplace.sharding import ShapeError
+
+    plain, model = _model(2)
+    values, ctx = _context(model.targets, 0)
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x, replacements=ctx)
+        assert model._fxreplace.replay_inputs is not None
+        with pytest.raises(ShapeError, match=r"0\.gate has shape \(6, 4\), but the module computes \(5, 4\)"):
+            model(x[:TOKENS - 1], replacements=ctx)
+        for _ in range(3):
+            torch.testing.assert_close(model(x, replacements=ctx), reference(plain, x, values, ctx.mask))
+        assert model._fxreplace.replay_inputs is not None
+
+
 def test_a_forward_set_on_a_target_after_instrument_is_never_overwritten():
     """A forward set on a target after instrument() (a port swapping code in) stays, whether the given forwards were
     in place when it was set (a forward that may replace leaves it) or not (they are placed no more)."""
