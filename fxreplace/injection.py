@@ -268,9 +268,13 @@ class CheckedCall(NamedTuple):
         return (self.replacement is replacement and self.mask is mask and self.leading_rows is leading_rows
                 and self.dtype is computed.dtype and self.device == computed.get_device())
 
-    def fits(self, computed: torch.Tensor) -> bool:
-        """Whether ``computed`` is what this call was checked for (the buffers being the same)."""
-        return computed.shape == self.shape and computed.dtype is self.dtype and computed.get_device() == self.device
+    def replayed(self, computed) -> torch.Tensor | None:
+        """This call applied again to ``computed`` where it is what the call was checked for (a plain
+        tensor of the same shape, dtype and device; the buffers being the same), else None."""
+        if (type(computed) is torch.Tensor and computed.shape == self.shape and computed.dtype is self.dtype
+                and computed.get_device() == self.device):
+            return self.inject(computed)
+        return None
 
     def inject(self, computed: torch.Tensor) -> torch.Tensor:
         """``where(mask, rows, computed)``; a host mask that replaces no row, or every row

@@ -213,19 +213,21 @@ class Slot(_Steps):
             return True
         return False
 
-    def checked_output(self, module: nn.Module, output, fed: bool, replay: bool):
+    def replayed(self, output):
+        """An eager output point's ``output`` in a replayed forward (see :class:`ForwardPath`): the call
+        its target applied last, applied again where the output fits it; None where it does not."""
+        point_index = self.point_data
+        if point_index is None:
+            return self.applied.replayed(output)
+        value = _point_value(output, point_index)
+        injected = self.applied.replayed(value)
+        return None if injected is None else self.with_injected(output, point_index, value, injected)
+
+    def checked_output(self, module: nn.Module, output, fed: bool):
         """An eager output point's ``output`` in a forward whose targets were all checked (see
         :class:`ForwardPath`): its entry applied by the call the Injection checked for the computed shape
-        (fed buffers: by shape alone), or with ``replay`` the call applied last where the output fits it;
-        a call not checked yet goes through the Injection."""
+        (fed buffers: by shape alone); a call not checked yet goes through the Injection."""
         point_index = self.point_data
-        if replay:
-            call = self.applied
-            if call is NOTHING_APPLIED:
-                return output
-            value = _point_value(output, point_index)
-            if type(value) is torch.Tensor and call.fits(value):
-                return self.with_injected(output, point_index, value, call.inject(value))
         entry = getattr(ARMED, self.constants[0])[self.constants[1]]
         if entry is None or entry[0] is None:
             self.applied = NOTHING_APPLIED
@@ -560,7 +562,18 @@ def _forward_number(forward: Callable) -> int:
 
 
 _OFF = (None, None, False)
-NOTHING_APPLIED = _OFF  # a slot's ``applied`` where its entry was off
+
+
+class _NothingApplied:
+    """A slot's ``applied`` where its entry was off: replayed, its output is left as computed."""
+
+    __slots__ = ()
+
+    def replayed(self, computed):
+        return computed
+
+
+NOTHING_APPLIED = _NothingApplied()
 
 # in a compiled frame that may break and is not the model's trace (a target compiled alone, a frame
 # resumed after a graph break) the entry is read at run time: folding it in would be a graph per target
@@ -632,7 +645,11 @@ def _output_point_forward(self, *args, **kwargs):
             output = slot.own(*args, **kwargs)
             if path is ForwardPath.OFF:
                 return output
-            return slot.checked_output(self, output, state is SlotState.FED, path is ForwardPath.REPLAY)
+            if path is ForwardPath.REPLAY:
+                replayed = slot.replayed(output)
+                if replayed is not None:
+                    return replayed
+            return slot.checked_output(self, output, state is SlotState.FED)
     steps, given, point_index, entry, injection = _STEPS.entered(self)
     return steps.inject_output(self, steps.call_original(self, given, args, kwargs), point_index, entry, injection)
 

@@ -503,6 +503,59 @@ def test_a_replayed_step_that_fails_leaves_the_next_step_on_the_context_right():
         assert model._fxreplace.replay_inputs is not None
 
 
+class PairGate(nn.Linear):
+    """A gate returning ``(logits, probabilities)``: its target's point is ``output[0]``."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits, logits.softmax(-1)
+
+
+class PairBlock(Block):
+    def __init__(self):
+        super().__init__()
+        self.gate = PairGate(HIDDEN, EXPERTS, bias=False)
+
+    def forward(self, x):
+        logits, probabilities = self.gate(x)
+        return x + self.down(logits.softmax(-1) + probabilities)
+
+
+def test_a_replayed_forward_applies_output_i_points_and_leaves_a_target_without_rows_as_computed(monkeypatch):
+    """Replayed forwards (the context of the forward before) apply an ``output[0]`` point's checked call to
+    that element of the module's tuple, and leave a target the context holds no rows for as computed: each
+    step equals the replacement applied by hand, with one full check per target that has rows."""
+    from fxreplace.injection import Injection
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(PairBlock(), PairBlock()).eval()
+    model = fxreplace.instrument(nn.Sequential(PairBlock(), PairBlock()).eval(),
+                                 [fxreplace.Target("*.gate", point="output[0]")])
+    model.load_state_dict(plain.state_dict())
+    full_checks = []
+    inject = Injection._inject
+    monkeypatch.setattr(Injection, "_inject", lambda self, computed, *a: full_checks.append(self.module_name)
+                        or inject(self, computed, *a))
+    ctx = _context(["0.gate"], 0)[1]  # no rows for 1.gate
+
+    def expected(x):
+        for i, block in enumerate(plain):
+            logits, probabilities = block.gate(x)
+            if i == 0:
+                logits = torch.where(ctx.mask.unsqueeze(-1), ctx["0.gate"], logits)
+            x = x + block.down(logits.softmax(-1) + probabilities)
+        return x
+
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        for step in range(4):
+            assert torch.equal(model(x, replacements=ctx), expected(x)), step
+            ctx["0.gate"].add_(1.0)  # the engine writes the next step's rows in place
+            ctx.mask.copy_(torch.arange(TOKENS) % 3 == step)
+        assert model._fxreplace.replay_inputs is not None  # the last forwards were replays
+    assert full_checks == ["0.gate"]
+
+
 def test_a_forward_set_on_a_target_after_instrument_is_never_overwritten():
     """A forward set on a target after instrument() (a port swapping code in) stays, whether the given forwards were
     in place when it was set (a forward that may replace leaves it) or not (they are placed no more)."""
