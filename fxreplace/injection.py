@@ -120,9 +120,12 @@ def inject(spec: int, module_name: str, module: nn.Module, computed, replacement
         replacement, mask = replacement[:tokens], mask[:tokens]
     require(
         replacement.dim() == 2 and replacement.shape[0] == tokens,
-        lambda: f"replacement for {module_name} has shape {tuple(replacement.shape)}, but the module computes "
-        f"{_shapes(parts)} here, so it needs [{tokens}, E]"
-        + layout_hint(shard, replacement.shape, flats[0].shape),
+        lambda: (f"{module_name} computes {_shapes(parts)} here, more rows than the {replacement.shape[0]} of the "
+                 "feed buffers: instrument(..., max_tokens=N) sizes them, N the most tokens one forward computes"
+                 if leading_rows and replacement.dim() == 2 and replacement.shape[0] < tokens else
+                 f"replacement for {module_name} has shape {tuple(replacement.shape)}, but the module computes "
+                 f"{_shapes(parts)} here, so it needs [{tokens}, E]"
+                 + layout_hint(shard, replacement.shape, flats[0].shape)),
     )
     require(
         mask.dtype == torch.bool and mask.dim() == 1 and mask.shape[0] == tokens,

@@ -177,6 +177,17 @@ def test_feed_needs_max_tokens(plain):
         fresh.feed(off_context(GATES, E))
 
 
+def test_a_fed_forward_longer_than_max_tokens_names_max_tokens(plain):
+    """A forward computing more rows than the feed buffers hold is refused in the words of the fix
+    (max_tokens), not as a replacement of a shape the user never gave."""
+    fed = instrument(copy.deepcopy(plain), ["model.layers.*.mlp.gate"], max_tokens=TOKENS // 2)
+    fed.feed(random_context(GATES, E, tokens=TOKENS // 2))
+    with torch.no_grad(), pytest.raises(ShapeError, match=(
+            rf"model\.layers\.0\.mlp\.gate computes \({TOKENS}, {E}\) here, more rows than the {TOKENS // 2} of the "
+            r"feed buffers: instrument\(\.\.\., max_tokens=N\) sizes them")):
+        fed(input_ids=input_ids())
+
+
 # --------------------------------------------------------------------------- layouts and adapters
 
 
