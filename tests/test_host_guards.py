@@ -9,11 +9,15 @@ import importlib
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
 from torch import nn
 
 import fxreplace
 from fxreplace import ReplacementContext, TargetNotHitError
 from fxreplace._compat import SUBSTITUTES_MODULE_METHODS
+from fxreplace.sharding import ShapeError
 
 HIDDEN, EXPERTS, TOKENS = 16, 4, 6
 
@@ -682,3 +686,76 @@ def test_the_proof_of_an_unchanged_model_runs_the_instrumented_forwards_replacin
                             lambda slot, output, index, value, injected: given(slot, output, index, value, injected + 1))
         with pytest.raises(fxreplace.InstrumentationChangedError, match=r"instrumenting '0\.gate' changed"):
             fxreplace.prove_unchanged(model, lambda: model(x))
+
+
+class EngineSteps(RuleBasedStateMachine):
+    """An engine's eager steps in any order, on one instrumented model that keeps its fast paths (checked
+    calls, replays, the forwards given to targets) between them: contexts given again and written in place,
+    fed buffers fed, cleared and read by a shorter batch, autocast, and batches a context does not fit.
+    Every step that runs equals the replacement applied by hand; a step given a batch its context does not
+    fit is refused naming the target, unless its mask replaces no row (then it is the plain model's step),
+    and the next step on that context is right."""
+
+    def __init__(self):
+        super().__init__()
+        self.plain, self.model = _model(2, max_tokens=TOKENS)
+        self.contexts = [_context(self.model.targets, seed)[1] for seed in range(2)] + [_context(["0.gate"], 2)[1]]
+        self.fed = _context(self.model.targets, 3)[1]
+        self.model.feed(self.fed)
+        self.fed_on = True
+        self.x = torch.randn(TOKENS, HIDDEN)
+
+    def expected(self, x, context):
+        if context is None:
+            return self.plain(x)
+        rows = x.shape[0]
+        return reference(self.plain, x, {name: context[name][:rows] for name in self.model.targets if name in context},
+                         context.mask[:rows])
+
+    @rule(which=st.integers(0, 2), autocast=st.booleans())
+    def step_on_a_context(self, which, autocast):
+        ctx = self.contexts[which]
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got, expected = self.model(self.x, replacements=ctx), self.expected(self.x, ctx)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+    @rule(rows=st.sampled_from([TOKENS, 3]))
+    def step_on_the_fed_buffers(self, rows):
+        x = self.x[:rows]
+        with torch.no_grad():
+            expected = self.expected(x, self.fed if self.fed_on else None)
+            torch.testing.assert_close(self.model(x), expected, rtol=0, atol=0)
+
+    @rule(which=st.integers(0, 2))
+    def step_on_a_batch_the_context_does_not_fit(self, which):
+        ctx, x = self.contexts[which], self.x[:TOKENS - 1]
+        with torch.no_grad():
+            try:
+                got = self.model(x, replacements=ctx)
+            except ShapeError as error:
+                assert "0.gate has shape (6, 4), but the module computes (5, 4)" in str(error)
+            else:
+                assert not ctx.mask.any() and torch.equal(got, self.plain(x))
+        self.step_on_a_context(which, autocast=False)  # the engine's next step, on the same context
+
+    @rule(which=st.integers(0, 2), seed=st.integers(0, 2**16), step=st.integers(0, 9))
+    def write_a_context_in_place(self, which, seed, step):
+        ctx = self.contexts[which]
+        for name in self.model.targets:
+            if name in ctx:
+                ctx[name].add_(float(step))
+        ctx.mask.copy_(torch.rand(TOKENS, generator=torch.Generator().manual_seed(seed)) > step / 10)
+
+    @rule()
+    def clear_the_fed_buffers(self):
+        self.model.clear()
+        self.fed_on = False
+
+    @rule()
+    def feed_again(self):
+        self.model.feed(self.fed)
+        self.fed_on = True
+
+
+TestEngineSteps = EngineSteps.TestCase
+TestEngineSteps.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
