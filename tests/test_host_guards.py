@@ -401,7 +401,6 @@ def test_a_forward_of_checked_targets_applies_the_checked_calls_and_checks_what_
     (the Injection's full check runs no more): values and mask written into the context in place are
     read, a new context is checked once, and a shape nobody checked is refused naming the target."""
     from fxreplace.injection import Injection
-    from fxreplace.sharding import ShapeError
 
     plain, model = _model(2)
     full_checks = []
@@ -491,8 +490,6 @@ def test_a_replayed_step_that_fails_leaves_the_next_step_on_the_context_right():
     """An engine's steady step (a replay) given a batch its context does not fit is refused naming the
     target, and the next step on the same context is right: the failed step dropped the call its target
     replayed, so the next is checked anew and then replayed again."""
-    from fxreplace.sharding import ShapeError
-
     plain, model = _model(2)
     values, ctx = _context(model.targets, 0)
     x = torch.randn(TOKENS, HIDDEN)
