@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxreplace.blame import SIGNIFICANT, blame, resolve_components
+from fxreplace.blame import SIGNIFICANT, SharedClass, blame, resolve_components
 from fxreplace.components import family_components
 from fxreplace.capture import capture_reference
 from fxreplace.metrics import DIVERGED, EXPLAINS, compare_steps
@@ -518,7 +518,7 @@ def oracle_decode(clean, target, reference, replaced_sets: list[list[str]]) -> l
     return results
 
 
-def decide_code(clean, target, reference, modules: list[str], decode: bool) -> tuple[str | None, dict]:
+def decide_code(clean, target, reference, modules: list[str], decode: bool, each: bool = True) -> tuple[str | None, dict]:
     """None when the oracle confirms a code fault's modules as the ground truth (replaced together they remove
     >= EXPLAINS of the divergence; each one, left out, leaves >= MEMBER: blame's bar for a layer of a systematic
     fault), else why not; and the oracle's figures (the part each module's replacement removes alone)."""
@@ -534,7 +534,7 @@ def decide_code(clean, target, reference, modules: list[str], decode: bool) -> t
         return "the target does not diverge", figures
     if removed(off, together) < EXPLAINS:
         return f"the planted modules replaced explain {removed(off, together):.0%} (< {EXPLAINS:.0%})", figures
-    for m, rest_ in zip(modules, without):
+    for m, rest_ in zip(modules, without if each else []):  # (a class's instances: one fix, however many matter)
         if removed(off, together) - removed(off, rest_) < MEMBER:
             adds = removed(off, together) - removed(off, rest_)
             return f"{m} adds {adds:.1%} beside the others (< {MEMBER:.0%})", figures
@@ -597,12 +597,17 @@ def run_code_case(cf, fault, placement, clean, reference, rng: random.Random, re
         target = fault.plant(clean, layers)
         modules = [f"model.layers.{k}.{fault.module}" for k in layers]
         expected = [(fault.kind, k) for k in layers]
+        if fault.in_class:  # every module running the faulty class, whose instances the kinds' components cover
+            faulty = type(target.model.norm)
+            modules = [name for name, module in target.named_modules() if type(module) is faulty]
+            expected = [(kind, k) for k in layers for kind in fault.kind.split(" and ")]
+            expected.append(("final", None))  # the final norm runs it: what arises after the layers is the fault's
         if fault.beside:  # a weight fault of another kind in another layer
             weight, layer = fault.beside
             module, kind = weight(target, layer)
             modules.append(module)
             expected.append((kind, layer))
-        why, figures = decide_code(clean, target, reference, modules, fault.decode)
+        why, figures = decide_code(clean, target, reference, modules, fault.decode, each=not fault.in_class)
         if why is None:
             break
         refused.append(f"{fault.family} {fault.name}, {placement} {layers}: {why}")
@@ -620,7 +625,13 @@ def run_code_case(cf, fault, placement, clean, reference, rng: random.Random, re
            "verdict": verdict, "drift": False, **score(expected, result),
            "systematic": None if found is None else {"kind": found.kind, "layers": found.layers, "where": found.where,
                                                      "alone": [round(a, 3) for a in found.alone]}}
-    if placement == "every layer":  # one systematic fault of the right kind naming every faulty layer (and its group:
+    if fault.in_class:  # one fault named by its class, the kinds it reaches in every layer and after them
+        name = type(target.model.norm).__name__
+        row["systematic_ok"] = (isinstance(found, SharedClass) and found.classes[0] == name and found.every
+                                and found.kind == " and ".join(f"the {k}" for k in fault.kind.split(" and "))
+                                and verdict.startswith(f"1 systematic fault: {name}, the class that ")
+                                and "diffuse" not in verdict and "independent" not in verdict)
+    elif placement == "every layer":  # one systematic fault of the right kind naming every faulty layer (and its group:
         # every layer, every MoE layer, every sliding attention layer), no drift talk
         row["systematic_ok"] = (found is not None and found.kind == fault.kind and found.layers == layers
                                 and found.where == fault.where and found.every

@@ -145,13 +145,26 @@ def rope_scaling_ignored(model, layers):
     return ported(model, "self_attn", layers, forward=forward)
 
 
+def norm_weight_offset_forward(self, x):
+    """An RMSNorm scaling by (1 + weight), Gemma's convention, on weights stored for ``weight``."""
+    return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
 def norm_weight_offset(model, layers):
-    """The input RMSNorm scales by (1 + weight), Gemma's convention, on weights stored for ``weight``."""
+    """The input RMSNorm scales by (1 + weight)."""
+    return ported(model, "input_layernorm", layers, forward=norm_weight_offset_forward)
 
-    def forward(self, x):
-        return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
-    return ported(model, "input_layernorm", layers, forward=forward)
+def norm_class_offset(model, layers):
+    """The port's RMSNorm *class* scales by (1 + weight): every norm running it does, in every layer (input and
+    post-attention norms, Qwen3's q/k norms) and the final norm after them (``layers`` is not read)."""
+    model = copy.deepcopy(model)
+    norm = type(model.model.norm)
+    faulty = type(f"Ported{norm.__name__}", (norm,), {"forward": norm_weight_offset_forward})
+    for module in model.modules():
+        if type(module) is norm:
+            module.__class__ = faulty
+    return model
 
 
 # ---------------------------------------------------------------------------------------------- mlp / experts
@@ -274,6 +287,7 @@ class CodeFault:
     interaction: bool = False  # every layer's fault interacts: one layer replaced alone makes the target worse
     layers: tuple = ()  # planted in these layers only (with ``beside``)
     beside: tuple = ()  # (weight fault, its layer): planted beside the code fault, an independent source
+    in_class: bool = False  # planted in the class every instance runs (the final norm too): ``kind`` joins the kinds
 
 
 FAULTS = [
@@ -313,6 +327,12 @@ FAULTS = [
               "linkedin/Liger-Kernel#74", single=False),
     CodeFault("rmsnorm offset (interaction)", QWEN, norm_weight_offset, "input_layernorm", "attention",
               "linkedin/Liger-Kernel#74", single=False, interaction=True),
+    # the norm class itself: every norm of the model runs it, so origins of two kinds in every layer and a part after
+    # the layers: one fault, named by its class
+    CodeFault("rmsnorm offset in its class", LLAMA, norm_class_offset, "", "attention and mlp",
+              "linkedin/Liger-Kernel#74", single=False, in_class=True),
+    CodeFault("rmsnorm offset in its class", QWEN, norm_class_offset, "", "attention and experts",
+              "linkedin/Liger-Kernel#74", single=False, in_class=True),
     # a code fault beside a weight fault of another kind: two independent sources, the systematic one not
     # swallowing the other (a routing replacement also undoes a router-weight fault: it is downstream)
     CodeFault("attention scale + router rows", QWEN, scale_from_hidden_size, "self_attn", "attention",

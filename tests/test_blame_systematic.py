@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxreplace.blame import MEMBER, SIGNIFICANT, Search, blame, resolve_components
+from fxreplace.blame import MEMBER, SIGNIFICANT, Search, SharedClass, blame, resolve_components
+from fxreplace.blame.covers import AFTER_LAYERS, component_covers
 from fxreplace.capture import capture_reference
 from fxreplace.engines.protocol import Engine
 from fxreplace.metrics import BELOW_ZERO, EXPLAINS, Tolerances
@@ -325,3 +326,120 @@ def test_a_systematic_fault_beside_a_weight_fault_of_another_kind_names_both(set
     assert f"; layer {router} router model.layers.{router}.mlp.gate (" in result.verdict, result.verdict
     assert "diffuse" not in result.verdict and not result.diffuse and "independent" not in found.describe()
     assert result.confident and result.explained >= EXPLAINS
+
+
+def norm_class_offset(model):
+    """The port's RMSNorm class scales by (1 + weight) (linkedin/Liger-Kernel#74), so every norm running it does:
+    each layer's input and post-attention norms (and Qwen3's q/k norms) and the final norm after the layers."""
+    model = copy.deepcopy(model)
+    norm = type(model.model.norm)
+
+    def forward(self, x):
+        return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    faulty = type(f"Ported{norm.__name__}", (norm,), {"forward": forward})
+    for module in model.modules():
+        if type(module) is norm:
+            module.__class__ = faulty
+    return model
+
+
+@pytest.mark.parametrize("arch, kinds, instances", [
+    (LLAMA, "the attention and the mlp", "input_layernorm, post_attention_layernorm"),
+    (QWEN, "the attention and the experts", "input_layernorm, self_attn.q_norm, self_attn.k_norm, post_attention_layernorm"),
+])
+def test_a_bug_in_the_norm_class_every_layer_runs_is_one_fault_naming_the_class(setups, arch, kinds, instances):
+    """One class every layer's attention and MLP run (through their norms), and the final norm too: origins of two
+    kinds in every layer and a part after the layers, which read as "diffuse drift". It is one fault, named by its
+    class, with the norms running it; leaving any of the replaced components out leaves its own part."""
+    clean, reference = setups(arch, {})
+    target = norm_class_offset(clean)
+    result = blame(target, reference, progress=False)
+    found = result.systematic
+    norm = type(target.model.norm).__name__
+    assert isinstance(found, SharedClass) and found.classes[0] == norm and found.every, result.verdict
+    assert result.verdict.startswith(
+        f"1 systematic fault: {norm}, the class that {kinds} of every layer run ({instances}) and, after the last "
+        "layer, model.norm: "), result.verdict
+    assert f"fix {norm} (its forward" in result.verdict and f"input_layernorm ({norm}), self_attn (" in result.verdict
+    assert f"`fxreplace repro write --component model.layers.0.input_layernorm` runs one of its modules alone" \
+        in result.verdict and found.module == "model.layers.0.input_layernorm"
+    assert "diffuse" not in result.verdict and "independent" not in result.verdict and not result.diffuse
+    assert found.layers == list(range(LAYERS)) and len(found.components) == 2 * LAYERS
+    assert all(part >= MEMBER for part in found.left_out) and result.confident, found
+    # what arises in the layers is what it removes; the rest arises after them, where the final norm runs it
+    assert found.explained >= EXPLAINS * found.whole and found.whole < 1 - SIGNIFICANT
+    assert sorted(o.component for o in result.origins) == sorted(found.components)
+
+
+def test_faults_of_two_kinds_and_after_the_layers_are_not_a_class(setups):
+    """Weights flipped in layer 0's attention, layer 2's MLP and the final norm: origins of two kinds and a part
+    after the layers, as a norm class's bug gives. The class is tried (every attention and MLP replaced, each left
+    out in turn), but a sound attention or MLP left out leaves nothing: not one class at fault wherever it runs."""
+    clean, reference = setups(LLAMA, {})
+    target = copy.deepcopy(clean)
+    with torch.no_grad():
+        target.model.layers[0].self_attn.o_proj.weight[:4] *= -3.0
+        target.model.layers[2].mlp.down_proj.weight[:4] *= -3.0
+        target.model.norm.weight[:8] *= 3.0
+    result = blame(target, reference, progress=False)
+    tried = [p.replaced for p in result.passes if len(p.replaced) == 2 * LAYERS]  # every attention and mlp replaced
+    assert tried, "the class was not tried: this test no longer exercises its refusal"
+    assert result.systematic is None and "the class that" not in result.verdict, result.verdict
+    # float32 does not drift: the part after the layers is a place of its own, not "diffuse drift"
+    assert result.verdict.startswith("3 independent sources: layer 0 attention model.layers.0.self_attn ("), \
+        result.verdict
+    assert "; layer 2 mlp model.layers.2.mlp (" in result.verdict and not result.diffuse
+    assert "; after the last layer, model.norm (LlamaRMSNorm), lm_head (Linear) (" in result.verdict
+
+
+def test_a_fault_after_the_layers_beside_one_in_them_is_two_sources_not_drift(setups):
+    """A float32 target with an attention fault in layer 0 and the final norm's weights scaled: the layers after 0
+    add nothing and the rest arises after them. That is two places, not a drift building up across the layers."""
+    clean, reference = setups(LLAMA, {})
+    target = copy.deepcopy(clean)
+    with torch.no_grad():
+        target.model.layers[0].self_attn.o_proj.weight[:4] *= -3.0
+        target.model.norm.weight[:8] *= 3.0
+    result = blame(target, reference, progress=False)
+    assert not result.diffuse and [(o.kind, o.layer) for o in result.origins] == [("attention", 0)], result.verdict
+    assert result.verdict.startswith("2 independent sources: layer 0 attention model.layers.0.self_attn ("), \
+        result.verdict
+    assert "; after the last layer, model.norm (LlamaRMSNorm), lm_head (Linear) (" in result.verdict
+    assert "; replacing the one in the layers removes " in result.verdict and "diffuse" not in result.verdict
+
+
+def test_the_verdict_names_what_a_kinds_replacement_spans(setups):
+    """Replacing the MLP's output also undoes its post-attention norm: a norm bug in every layer is blamed on the
+    mlp kind, and the advice names both modules and their classes (the MLP's own repro then agrees: the verdict
+    says that points before it)."""
+    clean, reference = setups(LLAMA, {})
+    target = ported(clean, "post_attention_layernorm", forward=lambda self, x: (1 + self.weight) * (
+        x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)))
+    result = blame(target, reference, progress=False)
+    assert result.systematic is not None and result.systematic.kind == "mlp", result.verdict
+    assert ("what replacing the mlp spans in each layer, post_attention_layernorm (PortedLlamaRMSNorm), "
+            "mlp (LlamaMLP): their classes") in result.verdict, result.verdict
+    assert "where its module agrees with the reference on the reference's inputs, the fault is in what runs before it" \
+        in result.verdict
+
+
+def test_covers_name_the_modules_between_points_in_the_order_they_run():
+    """A component's cover: what runs in its layer since the point before it, in the order modules finish,
+    and what outside the layers it is called with."""
+    model = tiny_model(QWEN, seed=0, num_hidden_layers=2)
+    covers = component_covers(model, resolve_components(model, get_family(QWEN).components))
+    words = {name: cover.words() for name, cover in covers.items()}
+    assert words["model.embed_tokens"] == "model.embed_tokens (Embedding)"
+    # the rotary embedding runs once, outside the layers, and hands every attention its cos/sin
+    assert words["model.layers.1.self_attn"] == ("model.rotary_emb (Qwen3MoeRotaryEmbedding), input_layernorm "
+                                                 "(Qwen3MoeRMSNorm), self_attn (Qwen3MoeAttention)")
+    assert words["model.layers.1.mlp.gate"] == "post_attention_layernorm (Qwen3MoeRMSNorm), mlp.gate (Qwen3MoeTopKRouter)"
+    # the routing the experts are called with: the router's code after its logits and the block handing it on
+    assert words["model.layers.1.mlp.experts"] == ("post_attention_layernorm (Qwen3MoeRMSNorm), mlp.gate "
+                                                   "(Qwen3MoeTopKRouter), mlp (Qwen3MoeSparseMoeBlock)")
+    assert words["model.layers.1.mlp"] == "post_attention_layernorm (Qwen3MoeRMSNorm), mlp (Qwen3MoeSparseMoeBlock)"
+    assert words[AFTER_LAYERS] == "model.norm (Qwen3MoeRMSNorm), lm_head (Linear)"
+    assert "Qwen3MoeExperts" in covers["model.layers.1.mlp"].classes
+    assert covers["model.layers.1.self_attn"].holding("Qwen3MoeRMSNorm") == [
+        "input_layernorm", "self_attn.q_norm", "self_attn.k_norm"]

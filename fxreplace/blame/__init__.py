@@ -30,14 +30,15 @@ from ..metrics import Tolerances, no_scale
 from ..models import architecture
 from ..reference import load_reference
 from ..targets import TargetLike
+from .covers import Cover, component_covers
 from .ondemand import OnDemand
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameError, BlameResult, LayerShare, NonFinite, Origin, Pass,
-                     Systematic)
+                     SharedClass, Systematic)
 from .passes import LAYER, PROBES, default_budget
 from .search import Search
 from .systematic import MEMBER
 
-__all__ = ["blame", "search", "Component", "resolve_components", "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "Systematic", "LAYER",
+__all__ = ["blame", "search", "Component", "resolve_components", "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "Systematic", "SharedClass", "LAYER",
            "SIGNIFICANT", "MAX_ORIGINS", "MEMBER", "MAX_BATCH", "PROBES", "default_budget", "layer_of", "blame_runner"]
 
 
@@ -87,13 +88,16 @@ def refuse_missing(reference, components: Sequence[Component], model_hint: str =
 def search(engine, reference, components: Sequence[Component], *, tolerances: Tolerances = Tolerances(),
            prompts: Sequence[int] | None = None, budget: int | None = None, probes: int = PROBES,
            progress: bool = True, supply=None, observe=None, floor=None, dtype: str | None = None,
-           batch_rows: int | None = None, drift_of=None, layer_types: Sequence[str] | None = None) -> BlameResult:
+           batch_rows: int | None = None, drift_of=None, layer_types: Sequence[str] | None = None,
+           covers: Mapping[str, Cover] | None = None) -> BlameResult:
     """The search of :mod:`fxreplace.blame.search` over ``components`` through ``engine``; ``floor``
     (:class:`fxreplace.floor.NoiseFloor`) scales it, else a target below float32 (``dtype``) is
     told its verdict has no scale. ``batch_rows``: the requests ``engine`` runs in one batch (default:
     a round of ``probes`` streams and "off"). ``drift_of``: each of the given capture names' part of the floor
     (:func:`precision_drift`). ``layer_types``: each layer's type (``config.layer_types``), naming the layers a
-    systematic fault holds ("every sliding attention layer")."""
+    systematic fault holds ("every sliding attention layer"). ``covers``: what each component's replacement spans
+    (:func:`fxreplace.blame.covers.component_covers`): the verdict names those modules and a class several kinds'
+    covers share."""
     if not components:
         raise BlameError("no components to search: give the family's components or your own")
     indices = check_inputs(reference, architecture=None, vocab_size=None, what="the target", prompts=prompts)
@@ -105,7 +109,8 @@ def search(engine, reference, components: Sequence[Component], *, tolerances: To
     unscaled = no_scale(dtype) if dtype and not is_full_precision(dtype) else ""
     result = Search(engine, reference, components, tolerances=tolerances, prompts=indices, budget=budget,
                     probes=probes, progress=progress, supply=supply, observe=observe, floor=floor,
-                    unscaled=unscaled, batch_rows=batch_rows, drift_of=drift_of, layer_types=layer_types).run()
+                    unscaled=unscaled, batch_rows=batch_rows, drift_of=drift_of, layer_types=layer_types,
+                    covers=covers).run()
     return result
 
 
@@ -177,6 +182,7 @@ def _blame_in_process(engine: BlameRunner, reference, directory, label, *, clean
         comps = engine.resolve(reference, clean)
     except ComponentError as e:
         raise BlameError(str(e)) from None
+    covers = component_covers(engine.model, comps)  # (before instrumenting: the model as given runs two tokens)
     on_demand = None
     if clean is not None:
         on_demand = OnDemand(clean, reference, comps, directory, progress=progress)
@@ -201,7 +207,8 @@ def _blame_in_process(engine: BlameRunner, reference, directory, label, *, clean
                                        loaded_in_dtype=engine.same)
         result = search(engine, reference, comps, tolerances=tolerances, prompts=indices, budget=budget, probes=probes,
                         progress=progress, supply=supply if on_demand else None, observe=engine.observe, floor=floor,
-                        dtype=name, batch_rows=engine.batch_rows, drift_of=drift_of, layer_types=engine.layer_types)
+                        dtype=name, batch_rows=engine.batch_rows, drift_of=drift_of, layer_types=engine.layer_types,
+                        covers=covers)
     finally:
         engine.close()
     result.floor_seconds = floor_seconds

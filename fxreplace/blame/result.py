@@ -116,6 +116,7 @@ class Systematic:
     alone: list[float]  # per layer, in ``layers``' order: the part its replacement removes by itself
     left_out: list[float]  # per layer: the part left when it alone is left out of the kind-wide replacement
     kind_wide: float  # of the divergence: the kind replaced in every layer holding it (beside the other origins)
+    cover: str = ""  # what replacing the first one spans in its layer ("input_layernorm (LlamaRMSNorm), self_attn (...)")
 
     def describe(self) -> str:
         each = ", ".join(f"layer {layer} {part(share)}" for layer, share in zip(self.layers, self.alone))
@@ -129,11 +130,53 @@ class Systematic:
     def advice(self) -> str:
         """Where the fix is: code every layer of the group runs, or what only these layers share."""
         if self.every:
-            return (f"A fault in {self.where} points at code they share (the {self.kind} module's class, its kernel, "
-                    f"how it reads the config), not at one layer's weights; `fxreplace repro write` takes the first, "
-                    f"{self.components[0]}.")
+            spans = (f"what replacing the {self.kind} spans in each layer, {self.cover}: their classes"
+                     if self.cover else f"the {self.kind} module's class")
+            text = (f"A fault in {self.where} points at code they share ({spans}, kernels, how they read the config), "
+                    f"not at one layer's weights; `fxreplace repro write` takes the first, {self.components[0]}")
+            if "), " in self.cover:  # several modules: the repro tells the last from those before it
+                text += (": where its module agrees with the reference on the reference's inputs, the fault is in what "
+                         "runs before it there")
+            return text + "."
         return ("The same kind at fault in some layers only points at what these layers share and the others do not "
                 "(their layer type, a per-layer config value), or at each one's weights.")
+
+
+@dataclass
+class SharedClass(Systematic):
+    """One class at fault wherever it runs: the covers of several kinds (and of what runs after the last layer)
+    run it, and every component replaced to tell it leaves a part of the divergence when left out (an RMSNorm
+    every layer's attention and MLP and the final norm run). ``kind`` joins the kinds; ``layers``/``components``
+    are those replaced; ``alone`` is not measured (a fault in every place at once is not one place's)."""
+
+    classes: list[str] = field(default_factory=list)  # the class, then any other that every one of those covers runs
+    instances: list[str] = field(default_factory=list)  # its modules in a layer ("input_layernorm", ...)
+    after: list[str] = field(default_factory=list)  # its modules after the last layer ("model.norm"), if any
+    whole: float = 1.0  # of the divergence: what arises in the layers (the stream after the last layer replaced)
+    member: float = 0.0  # the part a component left out must leave to be at fault (MEMBER, or the floor's part)
+    module: str = ""  # the first of its modules by qualified name: what a repro of the class runs
+
+    def describe(self) -> str:
+        low, high = pct(min(self.left_out)), pct(max(self.left_out))
+        after = f" and, after the last layer, {', '.join(self.after)}" if self.after else ""
+        rest = (f" (all that arises in the layers; the rest, {pct(1 - self.whole)}, arises after them, where "
+                f"{', '.join(self.after)} runs it too)" if self.after and self.whole < 1 else "")
+        leaving = sum(part >= self.member for part in self.left_out)
+        each = (f"any one of the {len(self.components)} leaves" if leaving == len(self.components) else
+                f"{leaving} of the {len(self.components)} leave at least {pct(self.member)}:")
+        return (f"{self.classes[0]}, the class that {self.kind} of {self.where} run ({', '.join(self.instances)}){after}: "
+                f"replacing {self.kind} in these {len(self.layers)} layers together removes {pct(self.explained)} of "
+                f"the divergence{rest}; left out, {each} {low if low == high else f'{low}-{high}'}")
+
+    def advice(self) -> str:
+        others = ""
+        if len(self.classes) > 1:
+            others = (f"; {', '.join(self.classes[1:])} runs in the same places, so replacing cannot tell it from "
+                      f"{self.classes[0]}")
+        return (f"One class at fault wherever it runs is one bug: fix {self.classes[0]} (its forward, its kernel, how it "
+                f"reads the config){others}; `fxreplace repro write --component {self.module}` runs one of its "
+                f"modules alone (with --blame it takes {self.components[0]}, whose replacement spans "
+                f"{self.cover}).")
 
 
 def _pattern(components: list[str], layers: list[int]) -> str:

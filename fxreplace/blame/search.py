@@ -39,7 +39,8 @@ import time
 from ..metrics import EXPLAINS, explained, phase_clue
 from .drift import DriftAccounting
 from .passes import LAYER, BudgetSpent
-from .result import MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, NonFinite, Origin
+from .result import MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, NonFinite, Origin, SharedClass
+from .covers import AFTER_LAYERS
 from .systematic import SystematicKinds
 from .verdict import verdict_text
 
@@ -78,6 +79,7 @@ class Search(SystematicKinds, DriftAccounting):
                 origins = self._beyond_own_drift()
             origins = self._systematic(origins)
             after_layers = self._after_layers(origins)
+            origins = self._shared_class(origins, after_layers)
             if within and not origins:
                 return self._result([], None, True, False, started, f"within precision noise: the target is "
                                     f"{self.floor.describe(self.off_summary).split(': ', 1)[1]}; no component stands "
@@ -131,15 +133,19 @@ class Search(SystematicKinds, DriftAccounting):
         origins become the candidates beside the drift)."""
         # a systematic kind is one place to fix, however many layers it holds
         places = len(origins) if self.systematic is None else self._places(origins)
-        builds_up = bool(origins) and (places > MAX_ORIGINS or sum(self._spread(origins)) >= SIGNIFICANT)
+        inside, after = self._spread(origins)
+        if isinstance(self.systematic, SharedClass) and self.systematic.after:
+            after = 0.0  # what arises after the layers, the class runs there too
         if self.floor is not None:  # nothing stands out from the floor, or too many would have to be fixed
             diffuse = (not origins and after_layers is None) or places > MAX_ORIGINS
         elif self.drifts:
-            diffuse = (not origins and after_layers is None) or builds_up
+            diffuse = (not origins and after_layers is None) or (
+                bool(origins) and (places > MAX_ORIGINS or inside + after >= SIGNIFICANT))
             if diffuse:  # precision drift builds up beside them: without a floor, no scale to tell them from it
                 self.candidates, origins = origins, []
-        else:
-            diffuse = builds_up
+        else:  # float32 does not drift: what arises after the layers is one more place (the final norm, lm_head)
+            places += after >= SIGNIFICANT
+            diffuse = bool(origins) and (places > MAX_ORIGINS or inside >= SIGNIFICANT)
         return diffuse, origins
 
     def _probe_points(self, a: int, b: int, known_last: bool) -> list[int]:
@@ -296,6 +302,8 @@ class Search(SystematicKinds, DriftAccounting):
         together = self.E(chosen) if chosen in self.cache else None
         # with a floor, explaining all that exceeds it is explaining all there is to explain
         enough = EXPLAINS if self.floor is None else min(EXPLAINS, 1 - self.noise)
+        if isinstance(systematic, SharedClass):  # beside what the class does after the layers, where none replaces it
+            enough *= systematic.whole
         confident = (not diffuse and not spent and bool(origins) and all(o.component for o in origins)
                      and (together or 0) >= enough)
         floor = None
@@ -307,7 +315,7 @@ class Search(SystematicKinds, DriftAccounting):
             verdict = verdict_text(origins, together, diffuse, self._spread(origins or self.candidates), spent, self.budget,
                                ranking, shares, after_layers, self.noise if self.floor is not None else None,
                                self.drifts, self.drift, floor is not None and floor["within"], self.candidates,
-                               systematic)
+                               systematic, self._cover_words(AFTER_LAYERS))
             if self.floor is not None:
                 verdict = f"{self.floor.describe(self.off_summary)}. " + verdict
         if self.floor is None and self.unscaled and hasattr(self, "off_summary") and nonfinite is None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..components import LAYER
+from ..metrics import EXPLAINS
 from ..points import ROUTING as ROUTING_POINT
+from .covers import AFTER_LAYERS
 from .passes import Passes
-from .result import Origin, Systematic
+from .result import Origin, SharedClass, Systematic
 
 #: A layer of a systematic kind is at fault when leaving it out of the kind's replacement leaves at least this
 #: part of the divergence (or the floor's part, when larger): with the kind replaced in the others, a sound
@@ -46,7 +49,10 @@ class SystematicKinds(Passes):
         return list(dict.fromkeys(o.kind for o in sorted(named, key=lambda o: -o.share)))
 
     def _places(self, origins: list[Origin]) -> int:
-        """The places to fix: the origins, a kind holding origins in several layers counted once."""
+        """The places to fix: the origins, a kind holding origins in several layers counted once (a class at fault
+        wherever it runs: its components)."""
+        if isinstance(self.systematic, SharedClass):
+            return len([o for o in origins if o.component not in self.systematic.components]) + 1
         repeated = self._repeated_kind(origins)
         return len([o for o in origins if repeated is None or o.kind != repeated]) + (repeated is not None)
 
@@ -152,8 +158,70 @@ class SystematicKinds(Passes):
         where, every = self._where(kind, [c.layer for c in faulty])
         self.systematic = Systematic(kind, [c.layer for c in faulty], [c.capture_name for c in faulty], where, every,
                                      self.E(chosen), [o.share for o in members],
-                                     [left(c.capture_name) for c in faulty], self.E(wide))
+                                     [left(c.capture_name) for c in faulty], self.E(wide),
+                                     self._cover_words(faulty[0].capture_name))
         return members + kept + [beside_all(x) for x in within.values()]
+
+    def _cover_words(self, name: str) -> str:
+        cover = self.covers.get(name)
+        return cover.words() if cover else ""
+
+    def _shared_class(self, origins: list[Origin], after_layers: float | None) -> list[Origin]:
+        """The origins as one class at fault wherever it runs, when no kind is one systematic fault and they do not
+        explain the divergence: a port's RMSNorm class is run by every layer's attention and MLP and by the final
+        norm, so its bug is origins of several kinds in many layers and a part after the layers, which read as
+        drift. Each class that the covers (:mod:`fxreplace.blame.covers`) of two or more kinds run is tried, the
+        model's own before torch's: every component running it replaced (the outermost in a layer: a router
+        inside its block goes with it), and each left out in turn. It is the fault when that explains what arises
+        in the layers (all of it or, where the class runs after the layers too, what the stream after the last
+        layer explains) and, of every kind, more than half the components leave at least MEMBER (the floor's part
+        when larger) when left out: a class runs in every place, where independent faults leave their own places
+        only (and one instance may matter little: a norm before a near-uniform attention). Classes the same
+        components run (an RMSNorm and Linear) are named together: replacing cannot tell them apart. Tried within
+        the budget only, leaving what a diffuse verdict's heat map measures. Sets ``self.systematic``."""
+        if self.systematic is not None or not self.covers or not origins or (self.drifts and self.floor is None):
+            return origins
+        named = [o.component or self.streams[o.layer].capture_name for o in origins]
+        if self.key(named) in self.cache and self.E(named) >= EXPLAINS:
+            return origins
+        after = self.covers.get(AFTER_LAYERS)
+        inner = [c for c in self.components if c.kind != LAYER and c not in self.feeders and c.capture_name in self.covers]
+        groups: dict[tuple, list[str]] = {}
+        for cls in sorted(set().union(*(self.covers[c.capture_name].classes for c in inner)),
+                          key=lambda cls: (cls in self.covers[inner[0].capture_name].framework, cls)):
+            running = [c for c in inner if cls in self.covers[c.capture_name].classes]
+            outer = [c for c in running if not any(self._inside(c.capture_name, x) for x in running if x is not c)]
+            if len({c.kind for c in outer}) >= 2:
+                groups.setdefault(tuple(c.capture_name for c in outer), []).append(cls)
+        least = max(MEMBER, self.noise)
+        for names, classes in groups.items():
+            names = list(names)
+            rounds = [names] + [[n for n in names if n != name] for name in names]
+            heat_map = [[c.capture_name] for c in self.components]
+            if len(self.passes) + len({self.key(r) for r in rounds + heat_map} - self.cache.keys()) > self.budget:
+                break  # too many to tell: the origins stand as found
+            self.measure(rounds)
+            runs_after = after is not None and classes[0] in after.classes and after_layers is not None
+            whole = after_layers if runs_after else 1.0
+            left = [self.E(names) - self.E([n for n in names if n != name]) for name in names]
+            members = [self.by_name[n] for n in names]
+            kinds = list(dict.fromkeys(c.kind for c in members))
+            # most places of every kind (an instance may matter little: a norm before a near-uniform attention)
+            leaving = {kind: [part >= least for c, part in zip(members, left) if c.kind == kind] for kind in kinds}
+            if self.E(names) < EXPLAINS * whole or not all(2 * sum(v) > len(v) for v in leaving.values()):
+                continue
+            layers = sorted({c.layer for c in members})
+            where, every = self._where(kinds[0], layers)
+            first = [c for c in members if c.layer == layers[0]]
+            self.systematic = SharedClass(
+                " and ".join(f"the {kind}" for kind in kinds), layers, names, where, every, self.E(names), [], left,
+                self.E(names), self._cover_words(names[0]), classes,
+                [m for c in first for m in self.covers[c.capture_name].holding(classes[0])],
+                after.holding(classes[0]) if runs_after else [], whole, least,
+                self.covers[names[0]].qualified(classes[0]) or names[0])
+            return [Origin(c.layer, share, c.capture_name, c.kind, [k.kind for k in self._kinds(c.layer)],
+                           sorted(set(names) - {c.capture_name})) for c, share in zip(members, left)]
+        return origins
 
     def _beside_systematic(self, fixed: list[str], others: list[Origin], wide: list[str]) -> list[Origin]:
         """The origins of other kinds that stand beside a systematic fault whose faulty layers' components are

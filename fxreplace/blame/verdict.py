@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from ..metrics import EXPLAINS
 from ..words import pct
-from .result import MAX_ORIGINS, SIGNIFICANT, Systematic
+from .result import MAX_ORIGINS, SIGNIFICANT, SharedClass, Systematic
 
 
 def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, shares, after_layers, noise=None,
-             drifts=False, drift=(), within=False, candidates=(), systematic: Systematic | None = None) -> str:
+             drifts=False, drift=(), within=False, candidates=(), systematic: Systematic | None = None,
+             after_modules: str = "") -> str:
     """The blame verdict; ``noise``: the floor's part of the divergence (None: no floor); ``drifts``: the
     target is below float32; ``drift``: the parts it replaced on its way that precision drift may explain;
     ``within``: the target as a whole is within its floor; ``candidates``: without a floor, the strongest
-    components beside a diffuse drift; ``systematic``: one kind at fault in several layers (its origins first)."""
+    components beside a diffuse drift; ``systematic``: one kind at fault in several layers (its origins first);
+    ``after_modules``: what runs after the last layer ("model.norm (LlamaRMSNorm), lm_head (Linear)")."""
     tail = ""
     if drift:
         scale = ("the floor's part" if noise is not None else
@@ -21,9 +23,13 @@ def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, sha
                  "precision drift")
         tail = (f" Not named, as they stand no higher than {scale}: "
                 + "; ".join(o.describe(noise) for o in drift) + ".")
-    if after_layers is not None and after_layers < EXPLAINS and not diffuse and (noise is None or drifts):
+    ran_after = isinstance(systematic, SharedClass) and systematic.after  # its words say what arises after the layers
+    after_place = (after_layers is not None and after_layers < EXPLAINS and not diffuse and (noise is None or drifts)
+                   and not ran_after)
+    after_words = f"{after_modules or 'the final norm, lm_head'}"
+    if after_place and not origins:
         tail += (f" Replacing the stream after the last layer removes {pct(after_layers)}: the rest arises after the "
-                "decoder layers (final norm, lm_head).")
+                 f"decoder layers ({after_words}).")
     if diffuse:
         return _diffuse_verdict(origins, spread, shares, after_layers, noise, drifts, candidates)
     if spent:
@@ -34,9 +40,9 @@ def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, sha
                 f"{SIGNIFICANT:.0%})." + tail)
     # a systematic kind's layers are one source: the same fault; the others stand by themselves
     rest = [o for o in origins if not (systematic and o.component in systematic.components)]
-    sources = len(rest) + (systematic is not None)
+    sources = len(rest) + (systematic is not None) + bool(after_place)  # what arises after the layers: a place too
     independent = len({o.layer for o in rest}) == len(rest)
-    if systematic and not rest:
+    if systematic and not rest and not after_place:
         count = "1 systematic fault" if systematic.every else f"1 kind at fault in {len(systematic.layers)} layers"
     else:  # a layer's guilty kinds are found together: not independent
         count = "1 source" if sources == 1 else f"{sources} {'independent ' if independent else ''}sources"
@@ -48,8 +54,14 @@ def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, sha
     elif noise is not None:
         count += " above the precision floor"
     named = ([systematic.describe()] if systematic else []) + [o.describe(noise) for o in rest]
+    if after_place:  # a place of its own: beside origins in the layers it is no sign of drift in float32
+        named.append(f"after the last layer, {after_words} ({pct(1 - after_layers)}: what the stream after the last "
+                     "layer does not remove)")
     text = f"{count}: " + "; ".join(named)
-    if together is not None and (rest or not systematic):
+    if together is not None and after_place:
+        text += (f"; replacing {'those' if len(origins) > 1 else 'the one'} in the layers removes {pct(together)} of "
+                 "the divergence")
+    elif together is not None and (rest or not systematic):
         text += f"; together they explain {pct(together)} of the divergence" if len(origins) > 1 else \
             f"; replacing it removes {pct(together)} of the divergence"
     if len(origins) == 1 and origins[0].component:
@@ -59,7 +71,7 @@ def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, sha
     if noise is not None:
         text += (f"; precision noise at the floor: {pct(noise)} of the divergence (the reference in the target's "
                  "precision diverges that much by itself)")
-    elif together is not None and together < EXPLAINS and not tail and not drifts:
+    elif together is not None and together < EXPLAINS and not tail and not drifts and not ran_after and not after_place:
         text += f"; the remaining {pct(1 - together)} arises in no single layer (each adds less than {SIGNIFICANT:.0%})"
     return text + "." + (" " + systematic.advice() if systematic else "") + tail
 
