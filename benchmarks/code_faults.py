@@ -333,6 +333,12 @@ FAULTS = [
               "linkedin/Liger-Kernel#74", single=False, in_class=True),
     CodeFault("rmsnorm offset in its class", QWEN, norm_class_offset, "", "attention and experts",
               "linkedin/Liger-Kernel#74", single=False, in_class=True),
+    CodeFault("rmsnorm offset in its class", MIXTRAL, norm_class_offset, "", "attention and experts",
+              "linkedin/Liger-Kernel#74", single=False, in_class=True),
+    CodeFault("rmsnorm offset in its class", DEEPSEEK, norm_class_offset, "", "attention and experts",
+              "linkedin/Liger-Kernel#74", single=False, in_class=True),
+    CodeFault("rmsnorm offset in its class", GPT_OSS, norm_class_offset, "", "attention and experts",
+              "linkedin/Liger-Kernel#74", GPT_OSS_TYPES, single=False, in_class=True),
     # a code fault beside a weight fault of another kind: two independent sources, the systematic one not
     # swallowing the other (a routing replacement also undoes a router-weight fault: it is downstream)
     CodeFault("attention scale + router rows", QWEN, scale_from_hidden_size, "self_attn", "attention",

@@ -362,8 +362,8 @@ def test_a_bug_in_the_norm_class_every_layer_runs_is_one_fault_naming_the_class(
         f"1 systematic fault: {norm}, the class that {kinds} of every layer run ({instances}) and, after the last "
         "layer, model.norm: "), result.verdict
     assert f"fix {norm} (its forward" in result.verdict and f"input_layernorm ({norm}), self_attn (" in result.verdict
-    assert f"`fxreplace repro write --component model.layers.0.input_layernorm` runs one of its modules alone" \
-        in result.verdict and found.module == "model.layers.0.input_layernorm"
+    assert f"`fxreplace repro write --component model.layers.0.input_layernorm` runs {norm} alone" in result.verdict
+    assert found.modules[0] == "model.layers.0.input_layernorm"
     assert "diffuse" not in result.verdict and "independent" not in result.verdict and not result.diffuse
     assert found.layers == list(range(LAYERS)) and len(found.components) == 2 * LAYERS
     assert all(part >= MEMBER for part in found.left_out) and result.confident, found

@@ -154,7 +154,7 @@ class SharedClass(Systematic):
     after: list[str] = field(default_factory=list)  # its modules after the last layer ("model.norm"), if any
     whole: float = 1.0  # of the divergence: what arises in the layers (the stream after the last layer replaced)
     member: float = 0.0  # the part a component left out must leave to be at fault (MEMBER, or the floor's part)
-    module: str = ""  # the first of its modules by qualified name: what a repro of the class runs
+    modules: list[str] = field(default_factory=list)  # per class, its first module (qualified): what a repro runs
 
     def describe(self) -> str:
         low, high = pct(min(self.left_out)), pct(max(self.left_out))
@@ -173,10 +173,11 @@ class SharedClass(Systematic):
         if len(self.classes) > 1:
             others = (f"; {', '.join(self.classes[1:])} runs in the same places, so replacing cannot tell it from "
                       f"{self.classes[0]}")
+        repros = "; ".join(f"`fxreplace repro write --component {module}` runs {cls} alone"
+                           for cls, module in zip(self.classes, self.modules))
         return (f"One class at fault wherever it runs is one bug: fix {self.classes[0]} (its forward, its kernel, how it "
-                f"reads the config){others}; `fxreplace repro write --component {self.module}` runs one of its "
-                f"modules alone (with --blame it takes {self.components[0]}, whose replacement spans "
-                f"{self.cover}).")
+                f"reads the config){others}; {repros} (with --blame it takes {self.components[0]}, whose replacement "
+                f"spans {self.cover}).")
 
 
 def _pattern(components: list[str], layers: list[int]) -> str:

@@ -218,7 +218,7 @@ class SystematicKinds(Passes):
                 self.E(names), self._cover_words(names[0]), classes,
                 [m for c in first for m in self.covers[c.capture_name].holding(classes[0])],
                 after.holding(classes[0]) if runs_after else [], whole, least,
-                self.covers[names[0]].qualified(classes[0]) or names[0])
+                [self.covers[names[0]].qualified(cls) or names[0] for cls in classes])
             return [Origin(c.layer, share, c.capture_name, c.kind, [k.kind for k in self._kinds(c.layer)],
                            sorted(set(names) - {c.capture_name})) for c, share in zip(members, left)]
         return origins
