@@ -443,3 +443,7 @@ def test_covers_name_the_modules_between_points_in_the_order_they_run():
     assert "Qwen3MoeExperts" in covers["model.layers.1.mlp"].classes
     assert covers["model.layers.1.self_attn"].holding("Qwen3MoeRMSNorm") == [
         "input_layernorm", "self_attn.q_norm", "self_attn.k_norm"]
+    # components given without the layers' streams (`blame(components=...)`): the layers come from their names
+    declared = {kind: target for kind, target in get_family(QWEN).components.items() if kind != "layer"}
+    assert {name: cover.words() for name, cover in component_covers(
+        model, resolve_components(model, declared)).items()} == words

@@ -58,7 +58,10 @@ def component_covers(model: nn.Module, components: list[Component]) -> dict[str,
     output holds it, yet the component's replacement undoes its fault."""
     order: list[tuple[str, str]] = []  # ("enter" | "exit", module name), as the forward runs them
     names = {module: name for name, module in model.named_modules() if name}
-    layer_names = tuple(c.module_name + "." for c in components if c.kind == LAYER)
+    # each numbered layer's module, from its components' names (declared ``layer`` streams or not)
+    layer_of_component = {c.capture_name: _layer_module(c.module_name) for c in components
+                          if c.layer is not None and _layer_module(c.module_name)}
+    layer_names = tuple(name + "." for name in set(layer_of_component.values()))
     called = {c.module_name for c in components if c.kind != LAYER}
     outside: dict[str, list[torch.Tensor]] = {}  # the outputs of modules outside the layers (kept: ids stay theirs)
     inputs: dict[str, set[int]] = {}  # the tensors each component's module is called with, by id
@@ -93,15 +96,15 @@ def component_covers(model: nn.Module, components: list[Component]) -> dict[str,
     for i, (event, name) in enumerate(order):
         if event == "enter":
             enters.setdefault(name, i)
-    layers = [c for c in components if c.kind == LAYER and c.module_name in exits]
-    holders = {x.module_name.rsplit(".", k)[0] for x in layers for k in range(x.module_name.count(".") + 1)}
+    layers = [name for name in set(layer_of_component.values()) if name in exits]
+    holders = {name.rsplit(".", k)[0] for name in layers for k in range(name.count(".") + 1)}
     covers = {}
     for c in components:
         if c.kind == LAYER or c.module_name not in exits:
             continue
         point = enters[c.module_name] if c.target.point == ROUTING else exits[c.module_name]
-        layer = next((x.module_name for x in layers if x.layer == c.layer), None)
-        if layer is None:  # before the layers (the embedding): what finished up to it
+        layer = layer_of_component.get(c.capture_name)
+        if layer is None or layer not in exits:  # before the layers (the embedding): what finished up to it
             start = -1
             within = ""
         else:
@@ -116,13 +119,20 @@ def component_covers(model: nn.Module, components: list[Component]) -> dict[str,
         caller = c.module_name.rpartition(".")[0] if c.target.point == ROUTING else None
         covers[c.capture_name] = _cover(spanned, classes, framework, caller)
     if layers:
-        last = max(exits[x.module_name] for x in layers)
+        last = max(exits[name] for name in layers)
         covers[AFTER_LAYERS] = _cover([n for n, i in exits.items() if i > last and n not in holders], classes, framework)
     return covers
 
 
 def _tensors(value) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def _layer_module(name: str) -> str | None:
+    """``model.layers.3.mlp.gate`` -> ``model.layers.3``: the name up to its layer index (None: it has none)."""
+    parts = name.split(".")
+    k = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return None if k is None else ".".join(parts[:k + 1])
 
 
 def _same_unit(x: Component, c: Component, layer: str) -> bool:
