@@ -27,6 +27,9 @@ ours):
 - RoPE scaling ignored: vllm-project/vllm#1956 (InternLM ignored rope_scaling), Blaizzy/mlx-vlm#1710
 - RMSNorm (1 + weight) offset: linkedin/Liger-Kernel#74 (Gemma's offset applied as Llama's, or the reverse)
 - decode-only: Blaizzy/mlx-vlm#1983 (decode positions ignore the cache offset), pytorch/executorch#2010
+- the residual taken after the norm (a pre-norm layer's own forward): Howuhh/faster-trajectory-transformer#3,
+  SHI-Labs/Compact-Transformers#25
+- RMSNorm (1 + weight) offset in the norm class itself, so every norm runs it: linkedin/Liger-Kernel#74
 """
 
 from __future__ import annotations
@@ -165,6 +168,25 @@ def norm_class_offset(model, layers):
         if type(module) is norm:
             module.__class__ = faulty
     return model
+
+
+# ---------------------------------------------------------------------------------------------- the layer itself
+
+def residual_after_norm(model, layers):
+    """The decoder layer takes the MLP's residual after the post-attention norm, not before it (a pre-norm layer
+    written as a post-norm one): the layer class's own forward, outside every submodule."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+            position_embeddings=position_embeddings, **kwargs)
+        hidden_states = self.post_attention_layernorm(residual + hidden_states)
+        return hidden_states + self.mlp(hidden_states)  # the bug: the residual is the normed stream
+
+    return ported(model, "", layers, forward=forward)
 
 
 # ---------------------------------------------------------------------------------------------- mlp / experts
@@ -339,6 +361,11 @@ FAULTS = [
               "linkedin/Liger-Kernel#74", single=False, in_class=True),
     CodeFault("rmsnorm offset in its class", GPT_OSS, norm_class_offset, "", "attention and experts",
               "linkedin/Liger-Kernel#74", GPT_OSS_TYPES, single=False, in_class=True),
+    # the layer class's own forward: no kind explains it, so each layer is named by itself; in every layer, one fault
+    CodeFault("residual after the norm", LLAMA, residual_after_norm, "", "layer",
+              "Howuhh/faster-trajectory-transformer#3"),
+    CodeFault("residual after the norm", QWEN, residual_after_norm, "", "layer",
+              "Howuhh/faster-trajectory-transformer#3"),
     # a code fault beside a weight fault of another kind: two independent sources, the systematic one not
     # swallowing the other (a routing replacement also undoes a router-weight fault: it is downstream)
     CodeFault("attention scale + router rows", QWEN, scale_from_hidden_size, "self_attn", "attention",

@@ -9,21 +9,32 @@ only, find a layer the search passed over, and keep "independent" for sources of
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxreplace.blame import MEMBER, SIGNIFICANT, Search, SharedClass, blame, resolve_components
-from fxreplace.blame.covers import AFTER_LAYERS, component_covers
+from fxreplace.blame import MEMBER, SIGNIFICANT, LayerCode, Search, SharedClass, blame, resolve_components
+from fxreplace.blame.covers import AFTER_LAYERS, component_covers, own_code
 from fxreplace.capture import capture_reference
 from fxreplace.engines.protocol import Engine
 from fxreplace.metrics import BELOW_ZERO, EXPLAINS, Tolerances
 from fxreplace.words import pct
 from fxreplace.models import get_family, tiny_model
 from fxreplace.repro import blamed_component
+
+# benchmarks/code_faults.py: the norm class's and the layer's own bugs the code-fault suite plants (one module)
+if "code_faults" not in sys.modules:
+    spec = importlib.util.spec_from_file_location("code_faults", Path(__file__).resolve().parent.parent / "benchmarks"
+                                                  / "code_faults.py")
+    sys.modules["code_faults"] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules["code_faults"])
+code_faults = sys.modules["code_faults"]
 
 QWEN, MIXTRAL, LLAMA = "Qwen3MoeForCausalLM", "MixtralForCausalLM", "LlamaForCausalLM"
 LAYERS = 4
@@ -328,22 +339,6 @@ def test_a_systematic_fault_beside_a_weight_fault_of_another_kind_names_both(set
     assert result.confident and result.explained >= EXPLAINS
 
 
-def norm_class_offset(model):
-    """The port's RMSNorm class scales by (1 + weight) (linkedin/Liger-Kernel#74), so every norm running it does:
-    each layer's input and post-attention norms (and Qwen3's q/k norms) and the final norm after the layers."""
-    model = copy.deepcopy(model)
-    norm = type(model.model.norm)
-
-    def forward(self, x):
-        return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    faulty = type(f"Ported{norm.__name__}", (norm,), {"forward": forward})
-    for module in model.modules():
-        if type(module) is norm:
-            module.__class__ = faulty
-    return model
-
-
 @pytest.mark.parametrize("arch, kinds, instances", [
     (LLAMA, "the attention and the mlp", "input_layernorm, post_attention_layernorm"),
     (QWEN, "the attention and the experts", "input_layernorm, self_attn.q_norm, self_attn.k_norm, post_attention_layernorm"),
@@ -353,7 +348,7 @@ def test_a_bug_in_the_norm_class_every_layer_runs_is_one_fault_naming_the_class(
     kinds in every layer and a part after the layers, which read as "diffuse drift". It is one fault, named by its
     class, with the norms running it; leaving any of the replaced components out leaves its own part."""
     clean, reference = setups(arch, {})
-    target = norm_class_offset(clean)
+    target = code_faults.norm_class_offset(clean, None)
     result = blame(target, reference, progress=False)
     found = result.systematic
     norm = type(target.model.norm).__name__
@@ -447,3 +442,56 @@ def test_covers_name_the_modules_between_points_in_the_order_they_run():
     declared = {kind: target for kind, target in get_family(QWEN).components.items() if kind != "layer"}
     assert {name: cover.words() for name, cover in component_covers(
         model, resolve_components(model, declared)).items()} == words
+
+
+def test_a_bug_in_the_layers_own_code_in_every_layer_is_one_fault(setups):
+    """No kind explains what arises in each layer (the residual path is the layer class's own forward): the layers
+    were named as independent sources, one each. They are one fault, the layer class's forward, with a repro of
+    one whole layer; in one layer only it stays that layer's."""
+    clean, reference = setups(LLAMA, {})
+    result = blame(code_faults.residual_after_norm(clean, list(range(LAYERS))), reference, progress=False)
+    found = result.systematic
+    assert isinstance(found, LayerCode) and found.layers == list(range(LAYERS)) and found.every, result.verdict
+    assert result.verdict.startswith("1 systematic fault: the layers' own code (PortedLlamaDecoderLayer.forward) in "
+                                     "every layer: no kind (attention/mlp) explains"), result.verdict
+    assert "independent" not in result.verdict and "diffuse" not in result.verdict and not result.diffuse
+    assert "`fxreplace repro write --component model.layers.0` runs one layer alone" in result.verdict
+    assert [(o.component, o.layer) for o in result.origins] == [(None, k) for k in range(LAYERS)]
+    assert all(part >= MEMBER for part in found.alone) and found.running == list(range(LAYERS))
+
+    one = blame(code_faults.residual_after_norm(clean, [2]), reference, progress=False)
+    assert one.systematic is None and one.verdict.startswith("1 source: layer 2 ("), one.verdict
+
+
+def test_layers_whose_part_a_module_outside_the_kinds_may_hold_are_not_their_own_code(setups):
+    """A norm after the MLP, before the residual add (Gemma's post-feedforward norm), lies in no kind's span: its
+    weights scaled in two layers leave two layers no kind explains, which are two places, not the layers' code."""
+
+    class PostNormLayer(type(setups(LLAMA, {})[0].model.layers[0])):
+        def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=False, position_embeddings=None, **kwargs):
+            residual = hidden_states
+            hidden_states, _ = self.self_attn(
+                hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                position_embeddings=position_embeddings, **kwargs)
+            hidden_states = residual + hidden_states
+            return hidden_states + self.post_feedforward_layernorm(self.mlp(self.post_attention_layernorm(hidden_states)))
+
+    clean = copy.deepcopy(setups(LLAMA, {})[0])
+    for layer in clean.model.layers:
+        layer.__class__ = PostNormLayer
+        layer.post_feedforward_layernorm = copy.deepcopy(layer.post_attention_layernorm)
+    reference = capture_reference(clean, prompts(), [], NEW, components=get_family(LLAMA).components, progress=False)
+    target = copy.deepcopy(clean)
+    with torch.no_grad():
+        for k in (1, 3):
+            target.model.layers[k].post_feedforward_layernorm.weight.mul_(-4.0)
+    result = blame(target, reference, progress=False)
+    assert result.systematic is None and sorted(o.layer for o in result.origins) == [1, 3], result.verdict
+    assert all(o.component is None for o in result.origins), result.verdict
+    assert result.verdict.startswith("2 independent sources: layer "), result.verdict
+    # what no kind spans in a layer: the layer's own forward and its post-feedforward norm
+    covers = component_covers(clean, resolve_components(clean, get_family(LLAMA).components))
+    assert covers[own_code("model.layers.1")].spanned == (("model.layers.1", "PostNormLayer"),
+                                                          ("model.layers.1.post_feedforward_layernorm", "LlamaRMSNorm"))

@@ -33,12 +33,12 @@ from ..targets import TargetLike
 from .covers import Cover, component_covers
 from .ondemand import OnDemand
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameError, BlameResult, LayerShare, NonFinite, Origin, Pass,
-                     SharedClass, Systematic)
+                     LayerCode, SharedClass, Systematic)
 from .passes import LAYER, PROBES, default_budget
 from .search import Search
 from .systematic import MEMBER
 
-__all__ = ["blame", "search", "Component", "resolve_components", "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "Systematic", "SharedClass", "LAYER",
+__all__ = ["blame", "search", "Component", "resolve_components", "check_inputs", "BlameError", "BlameResult", "Blame", "LayerShare", "Origin", "NonFinite", "Pass", "Systematic", "SharedClass", "LayerCode", "LAYER",
            "SIGNIFICANT", "MAX_ORIGINS", "MEMBER", "MAX_BATCH", "PROBES", "default_budget", "layer_of", "blame_runner"]
 
 

@@ -63,18 +63,20 @@ def component_covers(model: nn.Module, components: list[Component]) -> dict[str,
                           if c.layer is not None and _layer_module(c.module_name)}
     layer_names = tuple(name + "." for name in set(layer_of_component.values()))
     called = {c.module_name for c in components if c.kind != LAYER}
-    outside: dict[str, list[torch.Tensor]] = {}  # the outputs of modules outside the layers (kept: ids stay theirs)
-    inputs: dict[str, set[int]] = {}  # the tensors each component's module is called with, by id
+    # the outputs of modules outside the layers and the tensors each component's module is called with, kept
+    # until the end (a freed tensor's id may be another's: they are compared by id once all are alive)
+    outside: dict[str, list[torch.Tensor]] = {}
+    inputs: dict[str, list[torch.Tensor]] = {}
 
     def enter(module, args, kwargs, name):
         order.append(("enter", name))
         if name in called:
-            inputs.setdefault(name, set()).update(map(id, _tensors((args, kwargs))))
+            inputs.setdefault(name, []).extend(_tensors((args, kwargs)))
 
     def leave(module, args, output, name):
         order.append(("exit", name))
         if not (name + ".").startswith(layer_names):
-            outside[name] = _tensors(output)
+            outside.setdefault(name, []).extend(_tensors(output))
 
     hooks = []
     for module, name in names.items():
@@ -112,16 +114,26 @@ def component_covers(model: nn.Module, components: list[Component]) -> dict[str,
                                            if x.layer == c.layer and x.kind != LAYER and x.module_name in exits
                                            and exits[x.module_name] < point and not _same_unit(x, c, layer)])
             within = layer + "."
+        given = {id(t) for t in inputs.get(c.module_name, ())}
         handed = [n for n, outputs in outside.items() if n not in called and n not in holders
-                  and any(id(t) in inputs.get(c.module_name, ()) for t in outputs)]
+                  and any(id(t) in given for t in outputs)]
         spanned = handed + [n for n, i in exits.items() if start < i <= point and n.startswith(within)]
         # the block calling the module hands it the routing: its code is spanned
         caller = c.module_name.rpartition(".")[0] if c.target.point == ROUTING else None
         covers[c.capture_name] = _cover(spanned, classes, framework, caller)
+    spanned_anywhere = {n for cover in covers.values() for n, _ in cover.spanned}
+    for layer in layers:  # the layer's own forward (its residual adds), and what in it no component spans
+        covers[own_code(layer)] = _cover([layer] + [n for n in exits if n.startswith(layer + ".")
+                                                    and n not in spanned_anywhere], classes, framework)
     if layers:
         last = max(exits[name] for name in layers)
         covers[AFTER_LAYERS] = _cover([n for n, i in exits.items() if i > last and n not in holders], classes, framework)
     return covers
+
+
+def own_code(layer: str) -> str:
+    """The key of what layer module ``layer`` runs outside every component's cover (:func:`component_covers`)."""
+    return f"{layer} itself"
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -156,4 +168,4 @@ def _in_layer(name: str) -> str:
     """``model.layers.3.mlp.gate`` -> ``mlp.gate``; a name outside the layers as it is."""
     parts = name.split(".")
     k = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-    return name if k is None or layer_of(name) is None else ".".join(parts[k + 1:])
+    return name if k is None or layer_of(name) is None or k == len(parts) - 1 else ".".join(parts[k + 1:])

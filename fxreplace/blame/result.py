@@ -118,6 +118,10 @@ class Systematic:
     kind_wide: float  # of the divergence: the kind replaced in every layer holding it (beside the other origins)
     cover: str = ""  # what replacing the first one spans in its layer ("input_layernorm (LlamaRMSNorm), self_attn (...)")
 
+    def holds(self, origin: "Origin") -> bool:
+        """Whether ``origin`` is one of this fault's places (said once, as the fault)."""
+        return origin.component in self.components
+
     def describe(self) -> str:
         each = ", ".join(f"layer {layer} {part(share)}" for layer, share in zip(self.layers, self.alone))
         if any(share < 0 for share in self.alone):
@@ -178,6 +182,37 @@ class SharedClass(Systematic):
         return (f"One class at fault wherever it runs is one bug: fix {self.classes[0]} (its forward, its kernel, how it "
                 f"reads the config){others}; {repros} (with --blame it takes {self.components[0]}, whose replacement "
                 f"spans {self.cover}).")
+
+
+@dataclass
+class LayerCode(Systematic):
+    """The layers' own code at fault in several layers: no kind explains what arises in them, alone or together,
+    and nothing in them lies outside the kinds' spans but the layer class's own forward (its residual adds, where
+    it applies its norms). ``components`` are the layers' streams; ``alone`` each layer's part of the divergence
+    (what its stream adds to the one below); ``cls`` the layer class, ``kinds`` those tried."""
+
+    cls: str = ""
+    kinds: list[str] = field(default_factory=list)
+    module: str = ""  # the first faulty layer's module: what a repro of one layer runs
+    running: list[int] = field(default_factory=list)  # every layer running ``cls``
+
+    def holds(self, origin: "Origin") -> bool:
+        return origin.component is None and origin.layer in self.layers
+
+    def describe(self) -> str:
+        each = ", ".join(f"layer {layer} {part(share)}" for layer, share in zip(self.layers, self.alone))
+        others = [k for k in self.running if k not in self.layers]
+        hidden = (f"; {plural(len(others), 'other layer')} run{'s' if len(others) == 1 else ''} it too, adding less, "
+                  "which a later layer's code may hide: a norm it applies after the residual erases what an earlier "
+                  "layer got wrong" if others else "")
+        return (f"the layers' own code ({self.cls}.forward) in {self.where}: no kind ({'/'.join(self.kinds)}) explains "
+                f"what arises in them, alone or together (each layer's part: {each}; together they explain "
+                f"{pct(self.explained)} of the divergence{hidden})")
+
+    def advice(self) -> str:
+        return (f"A fault in {self.where} outside every kind's span is code they share: {self.cls}.forward itself (its "
+                f"residual adds, where it applies its norms, what it hands its submodules), not one layer's weights; "
+                f"`fxreplace repro write --component {self.module}` runs one layer alone.")
 
 
 def _pattern(components: list[str], layers: list[int]) -> str:

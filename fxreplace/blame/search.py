@@ -80,6 +80,7 @@ class Search(SystematicKinds, DriftAccounting):
             origins = self._systematic(origins)
             after_layers = self._after_layers(origins)
             origins = self._shared_class(origins, after_layers)
+            origins = self._layers_own_code(origins)
             if within and not origins:
                 return self._result([], None, True, False, started, f"within precision noise: the target is "
                                     f"{self.floor.describe(self.off_summary).split(': ', 1)[1]}; no component stands "
@@ -295,8 +296,7 @@ class Search(SystematicKinds, DriftAccounting):
         ranking = self._ranking(origins)  # in the order found: each row's attribution had the earlier ones beside it
         # the largest part first, wherever it arises; a systematic fault's layers first, in layer order (one fix)
         systematic = self.systematic
-        members = set(systematic.components) if systematic else set()
-        origins = sorted(origins, key=lambda o: (0, o.layer) if o.component in members else (1, -o.share))
+        origins = sorted(origins, key=lambda o: (0, o.layer) if systematic and systematic.holds(o) else (1, -o.share))
         shares = self._layer_shares()
         chosen = self.key(o.component or self.streams[o.layer].capture_name for o in origins)
         together = self.E(chosen) if chosen in self.cache else None

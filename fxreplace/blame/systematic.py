@@ -8,9 +8,9 @@ import dataclasses
 from ..components import LAYER
 from ..metrics import EXPLAINS
 from ..points import ROUTING as ROUTING_POINT
-from .covers import AFTER_LAYERS
+from .covers import AFTER_LAYERS, own_code
 from .passes import Passes
-from .result import Origin, SharedClass, Systematic
+from .result import LayerCode, Origin, SharedClass, Systematic
 
 #: A layer of a systematic kind is at fault when leaving it out of the kind's replacement leaves at least this
 #: part of the divergence (or the floor's part, when larger): with the kind replaced in the others, a sound
@@ -51,8 +51,8 @@ class SystematicKinds(Passes):
     def _places(self, origins: list[Origin]) -> int:
         """The places to fix: the origins, a kind holding origins in several layers counted once (a class at fault
         wherever it runs: its components)."""
-        if isinstance(self.systematic, SharedClass):
-            return len([o for o in origins if o.component not in self.systematic.components]) + 1
+        if isinstance(self.systematic, (SharedClass, LayerCode)):
+            return len([o for o in origins if not self.systematic.holds(o)]) + 1
         repeated = self._repeated_kind(origins)
         return len([o for o in origins if repeated is None or o.kind != repeated]) + (repeated is not None)
 
@@ -222,6 +222,48 @@ class SystematicKinds(Passes):
             return [Origin(c.layer, share, c.capture_name, c.kind, [k.kind for k in self._kinds(c.layer)],
                            sorted(set(names) - {c.capture_name})) for c, share in zip(members, left)]
         return origins
+
+    def _layers_own_code(self, origins: list[Origin]) -> list[Origin]:
+        """The origins no kind explains, in two or more layers, as one fault in the layer class's own forward, when
+        no other systematic fault is found: nothing else in those layers lies outside the kinds' covers (else a
+        module there, a post-feedforward norm, may hold each one's part: they stand as found) and the layers run
+        one class. Every layer's stream is measured (one round); the faulty layers are those holding no other
+        origin whose part (what their stream adds to the one below) is at least MEMBER (the floor's part when
+        larger): a sound layer adds ~0 in float32. Sets ``self.systematic``."""
+        unexplained = [o for o in origins if o.component is None]
+        if (self.systematic is not None or not self.covers or len(unexplained) < 2
+                or (self.drifts and self.floor is None)):
+            return origins
+        own = {k: self.covers.get(own_code(self.streams[k].module_name)) for k in self.stream_layers}
+
+        def layer_code_only(k) -> bool:  # the layer's own forward is all that lies outside the kinds' covers
+            return own[k] is not None and len(own[k].spanned) == 1
+
+        classes = {own[o.layer].top[0][1] for o in unexplained if layer_code_only(o.layer)}
+        if len(classes) != 1 or not all(layer_code_only(o.layer) for o in unexplained):
+            return origins
+        (cls,) = classes
+        streams = [[self.streams[k].capture_name] for k in self.stream_layers]
+        if len(self.passes) + len({self.key(r) for r in streams} - self.cache.keys()) > self.budget:
+            return origins
+        self.measure(streams)
+        parts = {s.layer: s.share or 0.0 for s in self._layer_shares()}
+        least = max(MEMBER, self.noise)
+        held = {o.layer for o in origins if o.component}
+        faulty = [k for k in self.stream_layers if k not in held and parts.get(k, 0.0) >= least
+                  and layer_code_only(k) and own[k].top[0][1] == cls]
+        if len(faulty) < 2 or not {o.layer for o in unexplained} <= set(faulty):
+            return origins
+        where, every = self._where(LAYER, faulty)
+        named = [o.component or self.streams[o.layer].capture_name for o in origins]
+        self.systematic = LayerCode(LAYER, faulty, [self.streams[k].capture_name for k in faulty], where, every,
+                                    self.E(named), [parts[k] for k in faulty], [parts[k] for k in faulty],
+                                    self.E(named), own[faulty[0]].words(), cls, list(self.kinds),
+                                    self.streams[faulty[0]].module_name,
+                                    [k for k in self.stream_layers if layer_code_only(k) and own[k].top[0][1] == cls])
+        found = {o.layer for o in unexplained}
+        return origins + [Origin(k, parts[k], None, None, [c.kind for c in self._kinds(k)]) for k in faulty
+                          if k not in found]
 
     def _beside_systematic(self, fixed: list[str], others: list[Origin], wide: list[str]) -> list[Origin]:
         """The origins of other kinds that stand beside a systematic fault whose faulty layers' components are

@@ -39,11 +39,12 @@ def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, sha
         return ("no layer's residual stream explains a significant part of the divergence (threshold "
                 f"{SIGNIFICANT:.0%})." + tail)
     # a systematic kind's layers are one source: the same fault; the others stand by themselves
-    rest = [o for o in origins if not (systematic and o.component in systematic.components)]
+    rest = [o for o in origins if not (systematic and systematic.holds(o))]
     sources = len(rest) + (systematic is not None) + bool(after_place)  # what arises after the layers: a place too
     independent = len({o.layer for o in rest}) == len(rest)
     if systematic and not rest and not after_place:
-        count = "1 systematic fault" if systematic.every else f"1 kind at fault in {len(systematic.layers)} layers"
+        some = "1 kind at fault" if type(systematic) is Systematic else "1 fault"  # (a class, the layers' own code)
+        count = "1 systematic fault" if systematic.every else f"{some} in {len(systematic.layers)} layers"
     else:  # a layer's guilty kinds are found together: not independent
         count = "1 source" if sources == 1 else f"{sources} {'independent ' if independent else ''}sources"
     if noise is not None and all(o.drift is not None for o in origins):  # told from the clean model's own drift
