@@ -333,8 +333,10 @@ class BlameResult:
             lines.append(f"{LAYERS_HEAD}: " + ", ".join(f"{s.layer}: {part(s.share)}" for s in self.layer_shares))
         if self.below_zero():
             lines.append(BELOW_ZERO_NOTE)
-        if self.systematic:
-            lines.append(f"systematic (the first rows, in layer order, each replaced alone): {self.systematic.describe()}")
+        if self.systematic:  # a kind's layers are its first rows; a class's or the layers' own code have their own figures
+            head = "(the first rows, in layer order, each replaced alone)" if type(self.systematic) is Systematic else \
+                "(its own figures)"
+            lines.append(f"systematic {head}: {self.systematic.describe()}")
         lines.append(f"{plural(len(self.passes), 'validation pass')} in {plural(self.rounds, 'round')} (budget {self.budget}), "
                      f"{len(self.captured)} components captured on demand, {self.seconds:.1f} s")
         return "\n".join(lines)
