@@ -461,6 +461,7 @@ def test_a_bug_in_the_layers_own_code_in_every_layer_is_one_fault(setups):
 
     one = blame(code_faults.residual_after_norm(clean, [2]), reference, progress=False)
     assert one.systematic is None and one.verdict.startswith("1 source: layer 2 ("), one.verdict
+    assert "look at what no kind spans there: model.layers.2 (PortedLlamaDecoderLayer)'s own forward" in one.verdict
 
 
 def test_layers_whose_part_a_module_outside_the_kinds_may_hold_are_not_their_own_code(setups):
@@ -491,6 +492,8 @@ def test_layers_whose_part_a_module_outside_the_kinds_may_hold_are_not_their_own
     assert result.systematic is None and sorted(o.layer for o in result.origins) == [1, 3], result.verdict
     assert all(o.component is None for o in result.origins), result.verdict
     assert result.verdict.startswith("2 independent sources: layer "), result.verdict
+    assert ("look at what no kind spans there: model.layers.1 (PostNormLayer)'s own forward, post_feedforward_layernorm "
+            "(LlamaRMSNorm)") in result.verdict
     # what no kind spans in a layer: the layer's own forward and its post-feedforward norm
     covers = component_covers(clean, resolve_components(clean, get_family(LLAMA).components))
     assert covers[own_code("model.layers.1")].spanned == (("model.layers.1", "PostNormLayer"),

@@ -36,7 +36,7 @@ class Cover:
 
     def words(self) -> str:
         """``input_layernorm (LlamaRMSNorm), self_attn (LlamaAttention)``, the layer's prefix dropped."""
-        return ", ".join(f"{_in_layer(name)} ({cls})" for name, cls in self.top)
+        return ", ".join(f"{in_layer(name)} ({cls})" for name, cls in self.top)
 
     def qualified(self, cls: str) -> str | None:
         """The first spanned module of class ``cls`` by its qualified name (a repro's ``--component``)."""
@@ -44,7 +44,7 @@ class Cover:
 
     def holding(self, cls: str) -> list[str]:
         """The spanned modules of class ``cls``, the layer's prefix dropped."""
-        return [_in_layer(name) for name, c in self.spanned if c == cls]
+        return [in_layer(name) for name, c in self.spanned if c == cls]
 
 
 #: where the layers end: the modules that finish after the last layer (a final norm, the LM head)
@@ -164,7 +164,7 @@ def _cover(spanned: list[str], classes: dict[str, str], framework: frozenset[str
     return Cover(tuple((n, classes[n]) for n in names), tuple((n, classes[n]) for n in top), framework)
 
 
-def _in_layer(name: str) -> str:
+def in_layer(name: str) -> str:
     """``model.layers.3.mlp.gate`` -> ``mlp.gate``; a name outside the layers as it is."""
     parts = name.split(".")
     k = next((i for i, p in enumerate(parts) if p.isdigit()), None)

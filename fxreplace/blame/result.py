@@ -88,6 +88,8 @@ class Origin:
     # of its share, the precision drift arising there (its replacement in the clean model in the target's precision);
     # None: not measured
     drift: float | None = None
+    # a layer itself: what no kind spans in it, in words (its own forward, a norm after its MLP); "": not known
+    outside: str = ""
 
     def describe(self, noise: float | None = None) -> str:
         """``noise``: the floor's part of the divergence; the origin's part is then also a multiple of it."""
@@ -95,8 +97,10 @@ class Origin:
         if self.drift is not None:
             scale += f"; {pct(self.share - self.drift)} beyond the precision drift arising there"
         if self.component is None:
+            look = (f"look at what no kind spans there: {self.outside}" if self.outside else
+                    "look at the norms or the residual path")
             return (f"layer {self.layer} ({pct(self.share)}{scale}): none of {'/'.join(self.kinds_tried) or 'its kinds'} "
-                    "explains it, alone or together; look at the norms or the residual path")
+                    f"explains it, alone or together; {look}")
         if layer_of(self.component) is None:  # a feeder of the layer (the embedding): its input, not in it
             return f"{self.kind} {self.component}, the input of layer {self.layer} ({pct(self.share)}{scale})"
         return f"layer {self.layer} {self.kind} {self.component} ({pct(self.share)}{scale})"

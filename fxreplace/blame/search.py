@@ -251,7 +251,7 @@ class Search(SystematicKinds, DriftAccounting):
                     guilty = shared  # its other members are measured again without them (all subsets are measured)
                 return [origin(c, self._member_share(base, guilty, c), [x for x in guilty if x is not c])
                         for c in guilty]
-        return [Origin(layer, self.E(stream) - e_base, None, None, kinds)]
+        return [Origin(layer, self.E(stream) - e_base, None, None, kinds, outside=self._outside_words(layer))]
 
     def _member_share(self, base: list[str], combo: list, member) -> float:
         """What ``combo`` (replaced beside ``base``) loses without ``member``."""

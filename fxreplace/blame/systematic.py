@@ -8,7 +8,7 @@ import dataclasses
 from ..components import LAYER
 from ..metrics import EXPLAINS
 from ..points import ROUTING as ROUTING_POINT
-from .covers import AFTER_LAYERS, own_code
+from .covers import AFTER_LAYERS, in_layer, own_code
 from .passes import Passes
 from .result import LayerCode, Origin, SharedClass, Systematic
 
@@ -162,6 +162,15 @@ class SystematicKinds(Passes):
                                      self._cover_words(faulty[0].capture_name))
         return members + kept + [beside_all(x) for x in within.values()]
 
+    def _outside_words(self, layer: int) -> str:
+        """What no kind spans in ``layer``: "model.layers.2 (LlamaDecoderLayer)'s own forward", and any module there
+        no component's cover holds ("post_feedforward_layernorm (RMSNorm)"); "" when not known."""
+        own = self.covers.get(own_code(self.streams[layer].module_name)) if layer in self.streams else None
+        if own is None:
+            return ""
+        (name, cls), *rest = own.spanned
+        return ", ".join([f"{name} ({cls})'s own forward"] + [f"{in_layer(n)} ({c})" for n, c in rest])
+
     def _cover_words(self, name: str) -> str:
         cover = self.covers.get(name)
         return cover.words() if cover else ""
@@ -262,8 +271,8 @@ class SystematicKinds(Passes):
                                     self.streams[faulty[0]].module_name,
                                     [k for k in self.stream_layers if layer_code_only(k) and own[k].top[0][1] == cls])
         found = {o.layer for o in unexplained}
-        return origins + [Origin(k, parts[k], None, None, [c.kind for c in self._kinds(k)]) for k in faulty
-                          if k not in found]
+        return origins + [Origin(k, parts[k], None, None, [c.kind for c in self._kinds(k)],
+                                 outside=self._outside_words(k)) for k in faulty if k not in found]
 
     def _beside_systematic(self, fixed: list[str], others: list[Origin], wide: list[str]) -> list[Origin]:
         """The origins of other kinds that stand beside a systematic fault whose faulty layers' components are
