@@ -26,7 +26,7 @@ def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, sha
     ran_after = isinstance(systematic, SharedClass) and systematic.after  # its words say what arises after the layers
     after_place = (after_layers is not None and after_layers < EXPLAINS and not diffuse and (noise is None or drifts)
                    and not ran_after)
-    after_words = f"{after_modules or 'the final norm, lm_head'}"
+    after_words = after_modules or "the final norm, lm_head"
     if after_place and not origins:
         tail += (f" Replacing the stream after the last layer removes {pct(after_layers)}: the rest arises after the "
                  f"decoder layers ({after_words}).")
