@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..components import LAYER, Component, layer_of
+from ..components import LAYER, Component
 from ..points import ROUTING
 
 
@@ -49,6 +49,8 @@ class Cover:
 
 #: where the layers end: the modules that finish after the last layer (a final norm, the LM head)
 AFTER_LAYERS = "after the last layer"
+
+
 def component_covers(model: nn.Module, components: list[Component]) -> dict[str, Cover]:
     """Each component's :class:`Cover` by capture name, and the modules after the last layer under
     :data:`AFTER_LAYERS`; empty when the model cannot run two tokens here (an engine's model).
@@ -59,8 +61,8 @@ def component_covers(model: nn.Module, components: list[Component]) -> dict[str,
     order: list[tuple[str, str]] = []  # ("enter" | "exit", module name), as the forward runs them
     names = {module: name for name, module in model.named_modules() if name}
     # each numbered layer's module, from its components' names (declared ``layer`` streams or not)
-    layer_of_component = {c.capture_name: _layer_module(c.module_name) for c in components
-                          if c.layer is not None and _layer_module(c.module_name)}
+    layer_of_component = {c.capture_name: split[0] for c in components
+                          if c.layer is not None and (split := _at_layer(c.module_name))}
     layer_names = tuple(name + "." for name in set(layer_of_component.values()))
     called = {c.module_name for c in components if c.kind != LAYER}
     # the outputs of modules outside the layers and the tensors each component's module is called with, kept
@@ -140,11 +142,12 @@ def _tensors(value) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
 
 
-def _layer_module(name: str) -> str | None:
-    """``model.layers.3.mlp.gate`` -> ``model.layers.3``: the name up to its layer index (None: it has none)."""
+def _at_layer(name: str) -> tuple[str, str] | None:
+    """``model.layers.3.mlp.gate`` -> (``model.layers.3``, ``mlp.gate``): split after its layer index (the first
+    numeric part, as :func:`~fxreplace.components.layer_of` reads it); None when it has none."""
     parts = name.split(".")
     k = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-    return None if k is None else ".".join(parts[:k + 1])
+    return None if k is None else (".".join(parts[:k + 1]), ".".join(parts[k + 1:]))
 
 
 def _same_unit(x: Component, c: Component, layer: str) -> bool:
@@ -165,7 +168,6 @@ def _cover(spanned: list[str], classes: dict[str, str], framework: frozenset[str
 
 
 def in_layer(name: str) -> str:
-    """``model.layers.3.mlp.gate`` -> ``mlp.gate``; a name outside the layers as it is."""
-    parts = name.split(".")
-    k = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-    return name if k is None or layer_of(name) is None or k == len(parts) - 1 else ".".join(parts[k + 1:])
+    """``model.layers.3.mlp.gate`` -> ``mlp.gate``; a layer itself, or a name outside the layers, as it is."""
+    split = _at_layer(name)
+    return split[1] if split and split[1] else name

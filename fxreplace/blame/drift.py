@@ -37,7 +37,7 @@ class DriftAccounting(Passes):
                 kept.append(o)
         if self.drift and kept:  # what the named ones remove together, without the drift replaced beside them
             try:
-                self.measure([[o.component or self.streams[o.layer].capture_name for o in kept]])
+                self.measure([self._replaced(kept)])
             except BudgetSpent:
                 pass
         return kept

@@ -128,6 +128,10 @@ class Passes:
         return frozenset(n for n in names if self.layer_of.get(n) is None or self.layer_of[n] > covered
                          or n == self.streams[covered].capture_name)
 
+    def _replaced(self, origins) -> list[str]:
+        """What replacing ``origins`` replaces: each one's component, or its layer's stream."""
+        return [o.component or self.streams[o.layer].capture_name for o in origins]
+
     def measure(self, selections: Sequence[Collection[str]]) -> list[tuple[Pass, dict]]:
         """Each selection's (pass, summary); the unmeasured ones run as one round."""
         keys = [self.key(s) for s in selections]

@@ -126,8 +126,16 @@ class Systematic:
         """Whether ``origin`` is one of this fault's places (said once, as the fault)."""
         return origin.component in self.components
 
+    @property
+    def runs_after(self) -> bool:
+        """Whether the fault also acts after the last layer (its words then say what arises there)."""
+        return False
+
+    def _each_layer(self) -> str:
+        return ", ".join(f"layer {layer} {part(share)}" for layer, share in zip(self.layers, self.alone))
+
     def describe(self) -> str:
-        each = ", ".join(f"layer {layer} {part(share)}" for layer, share in zip(self.layers, self.alone))
+        each = self._each_layer()
         if any(share < 0 for share in self.alone):
             each += f" ({BELOW_ZERO}: fixed alone, that layer makes the target worse: the layers' faults interact)"
         low, high = pct(min(self.left_out)), pct(max(self.left_out))
@@ -163,6 +171,10 @@ class SharedClass(Systematic):
     whole: float = 1.0  # of the divergence: what arises in the layers (the stream after the last layer replaced)
     member: float = 0.0  # the part a component left out must leave to be at fault (MEMBER, or the floor's part)
     modules: list[str] = field(default_factory=list)  # per class, its first module (qualified): what a repro runs
+
+    @property
+    def runs_after(self) -> bool:
+        return bool(self.after)
 
     def describe(self) -> str:
         low, high = pct(min(self.left_out)), pct(max(self.left_out))
@@ -204,7 +216,7 @@ class LayerCode(Systematic):
         return origin.component is None and origin.layer in self.layers
 
     def describe(self) -> str:
-        each = ", ".join(f"layer {layer} {part(share)}" for layer, share in zip(self.layers, self.alone))
+        each = self._each_layer()
         others = [k for k in self.running if k not in self.layers]
         hidden = (f"; {plural(len(others), 'other layer')} run{'s' if len(others) == 1 else ''} it too, adding less, "
                   "which a later layer's code may hide: a norm it applies after the residual erases what an earlier "

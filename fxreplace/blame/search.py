@@ -108,7 +108,7 @@ class Search(SystematicKinds, DriftAccounting):
             found_here = self._attribute(base, found)
             origins += found_here
             origin = found_here[0]
-            base = base + [o.component or self.streams[o.layer].capture_name for o in found_here]
+            base = base + self._replaced(found_here)
             if self._explains(base):
                 break
             repeated = self._repeated_kind(origins)
@@ -135,7 +135,7 @@ class Search(SystematicKinds, DriftAccounting):
         # a systematic kind is one place to fix, however many layers it holds
         places = len(origins) if self.systematic is None else self._places(origins)
         inside, after = self._spread(origins)
-        if isinstance(self.systematic, SharedClass) and self.systematic.after:
+        if self.systematic is not None and self.systematic.runs_after:
             after = 0.0  # what arises after the layers, the class runs there too
         if self.floor is not None:  # nothing stands out from the floor, or too many would have to be fixed
             diffuse = (not origins and after_layers is None) or places > MAX_ORIGINS
@@ -298,7 +298,7 @@ class Search(SystematicKinds, DriftAccounting):
         systematic = self.systematic
         origins = sorted(origins, key=lambda o: (0, o.layer) if systematic and systematic.holds(o) else (1, -o.share))
         shares = self._layer_shares()
-        chosen = self.key(o.component or self.streams[o.layer].capture_name for o in origins)
+        chosen = self.key(self._replaced(origins))
         together = self.E(chosen) if chosen in self.cache else None
         # with a floor, explaining all that exceeds it is explaining all there is to explain
         enough = EXPLAINS if self.floor is None else min(EXPLAINS, 1 - self.noise)
@@ -334,7 +334,7 @@ class Search(SystematicKinds, DriftAccounting):
         else the pass with the most origins replaced beside it)."""
         off, off_s = self.off, self.off_summary
         named = {o.component for o in origins if o.component}
-        chosen = [o.component or self.streams[o.layer].capture_name for o in origins + self.drift]
+        chosen = self._replaced(origins + self.drift)
         kept = set(chosen)
         # an origin's row is its attribution: the origins found before it (and the other guilty components
         # of its layer) replaced beside it

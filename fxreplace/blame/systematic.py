@@ -43,7 +43,7 @@ class SystematicKinds(Passes):
         if self.drifts and self.floor is None:
             return []  # no scale tells a kind's precision drift from its fault
         named = [o for o in origins if o.component and o.kind in self.kinds]
-        together = self.key([o.component or self.streams[o.layer].capture_name for o in origins])
+        together = self.key(self._replaced(origins))
         if not named or together not in self.cache or 1 - self.E(together) - self.noise < MEMBER:
             return []
         return list(dict.fromkeys(o.kind for o in sorted(named, key=lambda o: -o.share)))
@@ -190,7 +190,7 @@ class SystematicKinds(Passes):
         the budget only, leaving what a diffuse verdict's heat map measures. Sets ``self.systematic``."""
         if self.systematic is not None or not self.covers or not origins or (self.drifts and self.floor is None):
             return origins
-        named = [o.component or self.streams[o.layer].capture_name for o in origins]
+        named = self._replaced(origins)
         if self.key(named) in self.cache and self.E(named) >= EXPLAINS:
             return origins
         after = self.covers.get(AFTER_LAYERS)
@@ -203,28 +203,29 @@ class SystematicKinds(Passes):
             if len({c.kind for c in outer}) >= 2:
                 groups.setdefault(tuple(c.capture_name for c in outer), []).append(cls)
         least = max(MEMBER, self.noise)
+        heat_map = [[c.capture_name] for c in self.components]
         for names, classes in groups.items():
             names = list(names)
             rounds = [names] + [[n for n in names if n != name] for name in names]
-            heat_map = [[c.capture_name] for c in self.components]
             if len(self.passes) + len({self.key(r) for r in rounds + heat_map} - self.cache.keys()) > self.budget:
                 break  # too many to tell: the origins stand as found
             self.measure(rounds)
             runs_after = after is not None and classes[0] in after.classes and after_layers is not None
             whole = after_layers if runs_after else 1.0
-            left = [self.E(names) - self.E([n for n in names if n != name]) for name in names]
+            explained = self.E(names)
+            left = [explained - self.E([n for n in names if n != name]) for name in names]
             members = [self.by_name[n] for n in names]
             kinds = list(dict.fromkeys(c.kind for c in members))
             # most places of every kind (an instance may matter little: a norm before a near-uniform attention)
             leaving = {kind: [part >= least for c, part in zip(members, left) if c.kind == kind] for kind in kinds}
-            if self.E(names) < EXPLAINS * whole or not all(2 * sum(v) > len(v) for v in leaving.values()):
+            if explained < EXPLAINS * whole or not all(2 * sum(v) > len(v) for v in leaving.values()):
                 continue
             layers = sorted({c.layer for c in members})
             where, every = self._where(kinds[0], layers)
             first = [c for c in members if c.layer == layers[0]]
             self.systematic = SharedClass(
-                " and ".join(f"the {kind}" for kind in kinds), layers, names, where, every, self.E(names), [], left,
-                self.E(names), self._cover_words(names[0]), classes,
+                " and ".join(f"the {kind}" for kind in kinds), layers, names, where, every, explained, [], left,
+                explained, self._cover_words(names[0]), classes,
                 [m for c in first for m in self.covers[c.capture_name].holding(classes[0])],
                 after.holding(classes[0]) if runs_after else [], whole, least,
                 [self.covers[names[0]].qualified(cls) or names[0] for cls in classes])
@@ -259,17 +260,16 @@ class SystematicKinds(Passes):
         parts = {s.layer: s.share or 0.0 for s in self._layer_shares()}
         least = max(MEMBER, self.noise)
         held = {o.layer for o in origins if o.component}
-        faulty = [k for k in self.stream_layers if k not in held and parts.get(k, 0.0) >= least
-                  and layer_code_only(k) and own[k].top[0][1] == cls]
+        running = [k for k in self.stream_layers if layer_code_only(k) and own[k].top[0][1] == cls]
+        faulty = [k for k in running if k not in held and parts.get(k, 0.0) >= least]
         if len(faulty) < 2 or not {o.layer for o in unexplained} <= set(faulty):
             return origins
         where, every = self._where(LAYER, faulty)
-        named = [o.component or self.streams[o.layer].capture_name for o in origins]
+        explained = self.E(self._replaced(origins))
         self.systematic = LayerCode(LAYER, faulty, [self.streams[k].capture_name for k in faulty], where, every,
-                                    self.E(named), [parts[k] for k in faulty], [parts[k] for k in faulty],
-                                    self.E(named), own[faulty[0]].words(), cls, list(self.kinds),
-                                    self.streams[faulty[0]].module_name,
-                                    [k for k in self.stream_layers if layer_code_only(k) and own[k].top[0][1] == cls])
+                                    explained, [parts[k] for k in faulty], [parts[k] for k in faulty], explained,
+                                    own[faulty[0]].words(), cls, list(self.kinds), self.streams[faulty[0]].module_name,
+                                    running)
         found = {o.layer for o in unexplained}
         return origins + [Origin(k, parts[k], None, None, [c.kind for c in self._kinds(k)],
                                  outside=self._outside_words(k)) for k in faulty if k not in found]

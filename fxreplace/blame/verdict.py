@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..metrics import EXPLAINS
 from ..words import pct
-from .result import MAX_ORIGINS, SIGNIFICANT, SharedClass, Systematic
+from .result import MAX_ORIGINS, SIGNIFICANT, Systematic
 
 
 def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, shares, after_layers, noise=None,
@@ -23,7 +23,7 @@ def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, sha
                  "precision drift")
         tail = (f" Not named, as they stand no higher than {scale}: "
                 + "; ".join(o.describe(noise) for o in drift) + ".")
-    ran_after = isinstance(systematic, SharedClass) and systematic.after  # its words say what arises after the layers
+    ran_after = systematic is not None and systematic.runs_after  # its words say what arises after the layers
     after_place = (after_layers is not None and after_layers < EXPLAINS and not diffuse and (noise is None or drifts)
                    and not ran_after)
     after_words = after_modules or "the final norm, lm_head"
