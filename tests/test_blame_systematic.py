@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxreplace.blame import MEMBER, SIGNIFICANT, LayerCode, Search, SharedClass, blame, resolve_components
-from fxreplace.blame.covers import AFTER_LAYERS, component_covers, own_code
+from fxreplace.covers import AFTER_LAYERS, component_covers, own_code
 from fxreplace.capture import capture_reference
 from fxreplace.engines.protocol import Engine
 from fxreplace.metrics import BELOW_ZERO, EXPLAINS, Tolerances

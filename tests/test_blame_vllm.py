@@ -77,3 +77,46 @@ def test_vllm_blame_names_the_planted_faults_first(reference_dir, tmp_path, faul
     assert all(f"layer {layer} {kind} {component}" in proc.stdout for component, kind, layer in expected)
     # one engine for the whole search: the plugin logs "instrumented" once per engine start
     assert (proc.stdout + proc.stderr).count("fxreplace: instrumented") == 1
+
+
+# vLLM's RMSNorm as a port that reads Gemma's norm for it (linkedin/Liger-Kernel#74: (1 + weight)), planted in the
+# class itself in every process the engine starts (its worker included): each norm of the model runs it
+PORTED_NORM = '''
+import torch
+from vllm.model_executor.layers.layernorm import RMSNorm
+
+
+def forward_native(self, x, residual=None):
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype) * (1.0 + self.weight)
+    return out if residual is None else (out, residual)
+
+
+RMSNorm.forward_native = forward_native
+'''
+
+
+def test_vllm_blame_names_the_class_every_norm_runs(reference_dir, tmp_path):
+    """Through vLLM, blame reads what each component's replacement spans in vLLM's own model (its worker runs one
+    dummy forward with hooks), so a bug in the norm class every layer's attention and MoE block and the final norm
+    run is one fault named by vLLM's class, not drift."""
+    checkpoint = save_tiny_checkpoint(ARCH, tmp_path / "ckpt", num_hidden_layers=LAYERS)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(PORTED_NORM)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
+    env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(site))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "fxreplace", "blame", str(checkpoint), "--reference", str(reference_dir),
+                           "--engine", "vllm", "--dtype", "float32", "--eager", "--report-dir", str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads((out / "blame.json").read_text())
+    verdict = data["verdict"]
+    assert verdict.startswith("1 systematic fault: RMSNorm, the class that the attention and the experts of every "
+                              "layer run (input_layernorm, self_attn.q_norm, self_attn.k_norm, post_attention_layernorm)"
+                              " and, after the last layer, model.norm: "), verdict
+    assert "fix RMSNorm" in verdict and "diffuse" not in verdict and "independent" not in verdict, verdict

@@ -24,7 +24,7 @@ LAYERS = [
     ("the graph core", ["targets", "sharding", "adapters", "points", "injection", "passes", "bypass", "slots", "feeding",
                         "instrument", "unchanged", "liveness", "export", "context", "active_context",
                         "guards"]),
-    ("families, components", ["models", "components"]),
+    ("families, components", ["models", "components", "covers"]),
     ("store, reference, config, capture", ["store", "reference", "config", "loading", "capture"]),
     ("the replacer", ["replacer"]),
     ("the engine seam", ["engines", "engines.protocol", "engines.registry"]),

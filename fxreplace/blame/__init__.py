@@ -30,7 +30,7 @@ from ..metrics import Tolerances, no_scale
 from ..models import architecture
 from ..reference import load_reference
 from ..targets import TargetLike
-from .covers import Cover, component_covers
+from ..covers import Cover
 from .ondemand import OnDemand
 from .result import (MAX_ORIGINS, SIGNIFICANT, Blame, BlameError, BlameResult, LayerShare, NonFinite, Origin, Pass,
                      LayerCode, SharedClass, Systematic)
@@ -96,7 +96,7 @@ def search(engine, reference, components: Sequence[Component], *, tolerances: To
     a round of ``probes`` streams and "off"). ``drift_of``: each of the given capture names' part of the floor
     (:func:`precision_drift`). ``layer_types``: each layer's type (``config.layer_types``), naming the layers a
     systematic fault holds ("every sliding attention layer"). ``covers``: what each component's replacement spans
-    (:func:`fxreplace.blame.covers.component_covers`): the verdict names those modules and a class several kinds'
+    (:func:`fxreplace.covers.component_covers`): the verdict names those modules and a class several kinds'
     covers share."""
     if not components:
         raise BlameError("no components to search: give the family's components or your own")
@@ -165,7 +165,8 @@ def _blame(engine, reference, directory, label, *, clean, tolerances, prompts, b
     engine_dtype = None if engine.dtype is None else dtype_name(engine.dtype)
     return search(engine, reference, engine.components, tolerances=tolerances, prompts=prompts, budget=budget,
                   probes=probes, progress=progress, dtype=engine_dtype,
-                  floor=floor if floor is not None else stored_floors(reference, directory).get(engine_dtype or ""))
+                  floor=floor if floor is not None else stored_floors(reference, directory).get(engine_dtype or ""),
+                  covers=engine.covers(engine.components))
 
 
 def _blame_in_process(engine: BlameRunner, reference, directory, label, *, clean, tolerances, prompts, budget,
@@ -182,7 +183,7 @@ def _blame_in_process(engine: BlameRunner, reference, directory, label, *, clean
         comps = engine.resolve(reference, clean)
     except ComponentError as e:
         raise BlameError(str(e)) from None
-    covers = component_covers(engine.model, comps)  # (before instrumenting: the model as given runs two tokens)
+    covers = engine.covers(comps)  # (before instrumenting)
     on_demand = None
     if clean is not None:
         on_demand = OnDemand(clean, reference, comps, directory, progress=progress)

@@ -17,7 +17,7 @@ from ..components import LAYER
 from ..metrics import DIVERGED, EXPLAINS, Tolerances, explained
 from ..validation import ValidationResult, heartbeat, logit_validation
 from ..words import fmt
-from .covers import Cover
+from ..covers import Cover
 from .result import MAX_ORIGINS, SIGNIFICANT, LayerShare, Origin, Pass, Systematic
 
 #: streams probed per localisation round. A round costs a batch of copies, not a pass each, so wide
@@ -80,7 +80,7 @@ class Passes:
                  drift_of: Callable[[list[str]], dict[str, float]] | None = None,
                  layer_types: Sequence[str] | None = None, covers: Mapping[str, Cover] | None = None):
         self.engine, self.reference, self.components = engine, reference, list(components)
-        # what each component's replacement spans (blame.covers; empty for an engine's model): the verdict's words
+        # what each component's replacement spans (fxreplace.covers; empty for an engine's model): the verdict's words
         self.covers = dict(covers or {})
         # the model's kind of each layer (config.layer_types: "sliding_attention", ...): names the layers a systematic
         # fault holds the way the model groups them

@@ -37,7 +37,7 @@ import math
 import time
 
 from ..metrics import EXPLAINS, explained, phase_clue
-from .covers import AFTER_LAYERS
+from ..covers import AFTER_LAYERS
 from .drift import DriftAccounting
 from .passes import LAYER, BudgetSpent
 from .result import MAX_ORIGINS, SIGNIFICANT, Blame, BlameResult, NonFinite, Origin, SharedClass

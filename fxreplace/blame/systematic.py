@@ -8,7 +8,7 @@ import dataclasses
 from ..components import LAYER
 from ..metrics import EXPLAINS
 from ..points import ROUTING as ROUTING_POINT
-from .covers import AFTER_LAYERS, in_layer, own_code
+from ..covers import AFTER_LAYERS, in_layer, own_code
 from .passes import Passes
 from .result import LayerCode, Origin, SharedClass, Systematic
 
@@ -179,7 +179,7 @@ class SystematicKinds(Passes):
         """The origins as one class at fault wherever it runs, when no kind is one systematic fault and they do not
         explain the divergence: a port's RMSNorm class is run by every layer's attention and MLP and by the final
         norm, so its bug is origins of several kinds in many layers and a part after the layers, which read as
-        drift. Each class that the covers (:mod:`fxreplace.blame.covers`) of two or more kinds run is tried, the
+        drift. Each class that the covers (:mod:`fxreplace.covers`) of two or more kinds run is tried, the
         model's own before torch's: every component running it replaced (the outermost in a layer: a router
         inside its block goes with it), and each left out in turn. It is the fault when that explains what arises
         in the layers (all of it or, where the class runs after the layers too, what the stream after the last

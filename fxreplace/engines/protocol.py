@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Protocol, Sequence
+from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 
 import torch
 
@@ -81,6 +81,12 @@ class Engine(abc.ABC):
                  replace: bool | Collection[str]) -> list[Generation]:
         """One :class:`Generation` per prompt: ``max_new_tokens`` greedy tokens and the logits that
         chose each, ``replace`` True (every target replaced), False (none) or the capture names."""
+
+    def covers(self, components: Sequence) -> Mapping[str, object]:
+        """What replacing each of ``components`` spans in its model, by capture name
+        (:func:`fxreplace.covers.component_covers`, run where the model lives): blame's verdict names those
+        modules and a class several kinds' spans run. The default knows none: the verdict names kinds only."""
+        return {}
 
     def close(self) -> None:
         """Release what it holds (processes, memory); the default holds nothing."""

@@ -20,6 +20,7 @@ import torch
 
 from ..config import ReplacementConfig
 from ..context import ReplacementContext
+from ..covers import component_covers
 from ..instrument import instrument
 from ..models import architecture
 from ..unchanged import prove_unchanged
@@ -129,6 +130,12 @@ class Replacement:
             logger.info("fxreplace: %d target(s) not proven unchanged at start-up, their forward computing other bits "
                         "on every dummy call (%s%s)", len(unprovable), ", ".join(unprovable[:3]),
                         " ..." if len(unprovable) > 3 else "")
+
+    def covers(self, components: list) -> dict:
+        """What replacing each of ``components`` spans in this runner's model
+        (:func:`~fxreplace.covers.component_covers`), read on one eager dummy forward with replacement off
+        (as :meth:`check_points` runs): blame's verdict through this engine names those modules."""
+        return component_covers(self.model, components, run=lambda: self.side.off_forward(2))
 
     def unprovable_at_start(self) -> list[str]:
         """The targets whose own forward the start-up dummy forward cannot reproduce (none by default)."""

@@ -11,6 +11,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from ...covers import component_covers
 from ...components import LAYER, Component, ComponentError, default_components, resolve_components
 from ...instrument import instrument, uninstrument
 from ...models import architecture
@@ -57,6 +58,11 @@ class BlameRunner(Engine):
         if not self.components:
             raise ComponentError(f"the components {dict(components or {})} match no module of the target")
         return self.components
+
+    def covers(self, components: Sequence[Component]) -> dict:
+        """What replacing each component spans (:func:`~fxreplace.covers.component_covers`): the resolved model
+        runs two tokens, before :meth:`open` instruments it."""
+        return component_covers(self.model, list(components))
 
     def open(self, store, reference, prompts: Sequence[int], probes: int) -> None:
         """Instrument the components and build the runner of a search over ``prompts`` replacing from ``store``."""

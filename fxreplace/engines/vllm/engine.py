@@ -34,10 +34,11 @@ import torch
 from ...components import components_in
 from ...config import ReplacementConfig
 from ...context import PerRequest
+from ...covers import components_to_data, covers_from_data
 from ...models import architecture, get_family
 from ...reference import load_reference
 from ..protocol import Engine, Generation
-from . import shm
+from . import internals, shm
 from .sites import MODEL_CODE
 from .startup import engine_start
 
@@ -139,6 +140,16 @@ class VllmBlameEngine(Engine):
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
+
+    def covers(self, components) -> dict:
+        """What replacing each component spans in vLLM's model, read in its workers (one eager dummy forward
+        each): the same covers from every worker (tensor-parallel ranks hold the same modules), else none (the
+        stages of a pipeline each hold some layers: a verdict names kinds only)."""
+        answers = self.engine.llm.collective_rpc(internals.COVERS_METHOD, args=(components_to_data(list(components)),))
+        found = [data for data in answers if data]
+        if not found or any(data != found[0] for data in found[1:]):
+            return {}
+        return covers_from_data(found[0])
 
     def close(self) -> None:
         if self.engine is not None:

@@ -100,6 +100,8 @@ WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
 FINISH_CAPTURE_METHOD = "fxreplace_finish_capture"
 #: what a worker's fxreplace state did so far (:func:`fxreplace.engines.vllm.plugin.worker_state`)
 WORKER_STATE_METHOD = "fxreplace_worker_state"
+#: what replacing each component spans in a worker's model (:func:`fxreplace.engines.vllm.plugin.worker_covers`)
+COVERS_METHOD = "fxreplace_covers"
 
 
 def _import(where: tuple[str, str]):

@@ -34,6 +34,7 @@ import functools
 import logging
 import os
 
+from ...covers import components_from_data, covers_to_data
 from ...matching import PromptIndex
 from ...replacer.sources import reference_capture_names, reference_token_ids
 from ...targets import TargetError
@@ -42,7 +43,7 @@ from .neuron import internals as neuron_internals
 from .config import NEURON_KEYS, ConfigError, name_graph_key, parse_config, refuse_unsupported, wrap_in_place
 from .runners import VllmRunner
 from .startup import report_start_error
-from ..replacement import NoTargetOnThisStage
+from ..replacement import NoTargetOnThisStage, Replacement
 from .requests import selection_of, switched_off
 
 logger = logging.getLogger("fxreplace.vllm")
@@ -83,6 +84,7 @@ def register() -> None:
     worker = internals.worker_base()
     setattr(worker, internals.FINISH_CAPTURE_METHOD, _finish_capture)
     setattr(worker, internals.WORKER_STATE_METHOD, worker_state)
+    setattr(worker, internals.COVERS_METHOD, worker_covers)
     _registered = True
 
 
@@ -102,6 +104,16 @@ def worker_state(worker) -> dict | None:
         return None
     return {"pid": os.getpid(), "host_ip": os.environ.get("VLLM_HOST_IP"), "pp_rank": get_pp_group().rank_in_group,
             "tp_rank": get_tensor_model_parallel_rank(), **state.summary()}
+
+
+def worker_covers(worker, components: list) -> dict | None:
+    """``llm.collective_rpc("fxreplace_covers", args=(components,))``: what replacing each component
+    (:func:`~fxreplace.covers.components_to_data`) spans in this worker's model, as plain data (None: the worker
+    holds no replacement state: a capturing one, or none)."""
+    state = internals.get_state(worker.model_runner)
+    if not isinstance(state, Replacement):
+        return None
+    return covers_to_data(state.covers(components_from_data(components)))
 
 
 class _ToVllmLogger(logging.Handler):

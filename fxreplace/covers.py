@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..components import LAYER, Component
-from ..points import ROUTING
+from .components import LAYER, Component
+from .points import ROUTING
+from .targets import Target
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,12 @@ class Cover:
 AFTER_LAYERS = "after the last layer"
 
 
-def component_covers(model: nn.Module, components: list[Component]) -> dict[str, Cover]:
+def component_covers(model: nn.Module, components: list[Component],
+                     run: Callable[[], object] | None = None) -> dict[str, Cover]:
     """Each component's :class:`Cover` by capture name, and the modules after the last layer under
-    :data:`AFTER_LAYERS`; empty when the model cannot run two tokens here (an engine's model).
+    :data:`AFTER_LAYERS`; empty when the model cannot run so. ``run``: one forward of ``model`` on a few
+    tokens (default: an HF causal LM's on two; an engine's dummy step, whose values need not be right: only
+    the order modules run in and which tensors they hand on are read).
 
     A module outside the layers whose output a component is called with (the rotary embedding's cos/sin,
     computed once and handed to every layer's attention) is in that component's cover too: no component's
@@ -85,9 +90,11 @@ def component_covers(model: nn.Module, components: list[Component]) -> dict[str,
         hooks.append(module.register_forward_pre_hook(functools.partial(enter, name=name), with_kwargs=True))
         hooks.append(module.register_forward_hook(functools.partial(leave, name=name)))
     try:
-        device = next(model.parameters()).device
         with torch.no_grad():
-            model(input_ids=torch.tensor([[1, 2]], device=device))
+            if run is None:
+                model(input_ids=torch.tensor([[1, 2]], device=next(model.parameters()).device))
+            else:
+                run()
     except Exception:  # noqa: BLE001 - the covers are words only: a model that cannot run so gets the kind's
         return {}
     finally:
@@ -131,6 +138,29 @@ def component_covers(model: nn.Module, components: list[Component]) -> dict[str,
         last = max(exits[name] for name in layers)
         covers[AFTER_LAYERS] = _cover([n for n, i in exits.items() if i > last and n not in holders], classes, framework)
     return covers
+
+
+def covers_to_data(covers: Mapping[str, Cover]) -> dict[str, list]:
+    """``covers`` as lists of strings: what crosses an engine's boundary (vLLM's serializer takes no class of ours)."""
+    return {key: [[list(p) for p in c.spanned], [list(p) for p in c.top], sorted(c.framework)] for key, c in covers.items()}
+
+
+def covers_from_data(data: Mapping[str, list]) -> dict[str, Cover]:
+    """What :func:`covers_to_data` wrote, as covers again."""
+    return {key: Cover(tuple(map(tuple, spanned)), tuple(map(tuple, top)), frozenset(framework))
+            for key, (spanned, top, framework) in data.items()}
+
+
+def components_to_data(components: list[Component]) -> list[list]:
+    """What :func:`component_covers` reads of each component, as plain values (sent to an engine's worker): of its
+    point, whether it is the routing the module is called with (a callable point does not cross)."""
+    return [[c.kind, c.layer, c.module_name, c.capture_name, ROUTING if c.target.point == ROUTING else "output"]
+            for c in components]
+
+
+def components_from_data(data: list[list]) -> list[Component]:
+    return [Component(kind, layer, module, capture, Target(module, point=point)) for kind, layer, module, capture, point
+            in data]
 
 
 def own_code(layer: str) -> str:
