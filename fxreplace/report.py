@@ -292,6 +292,13 @@ def repro_step(model: str, reference: str, blame_json: str | Path) -> str:
             f"--blame {blame_json} --out repro/ (then fxreplace repro run repro/ --backend inductor)")
 
 
+def engine_code_step(component: str) -> str:
+    """The next step after a blame through an engine running its own code (vLLM's), which no repro of the
+    checkpoint runs (see :data:`fxreplace.blame.result.ENGINE_CODE`)."""
+    return (f"{component} runs the engine's own code (its class, kernels, weight loading): compare it with transformers' "
+            "there; `fxreplace repro write` exports transformers' code for the checkpoint, not the engine's")
+
+
 def blame_section(result, next_step: str = "") -> str:
     """The blame report's HTML section: verdict, next step, heat map (``blame_heatmap.png`` beside
     it), components table, per-layer shares; what :meth:`BlameResult.table` prints, as a page."""

@@ -20,6 +20,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
+from fxreplace.blame.result import ENGINE_CODE
 from fxreplace.capture import capture_reference
 from fxreplace.models import get_family, tiny_model
 from fxreplace.metrics import EXPLAINS
@@ -120,3 +121,7 @@ def test_vllm_blame_names_the_class_every_norm_runs(reference_dir, tmp_path):
                               "layer run (input_layernorm, self_attn.q_norm, self_attn.k_norm, post_attention_layernorm)"
                               " and, after the last layer, model.norm: "), verdict
     assert "fix RMSNorm" in verdict and "diffuse" not in verdict and "independent" not in verdict, verdict
+    # a repro of the checkpoint runs transformers' norm, not vLLM's: the verdict and the next step say so, not "repro"
+    assert verdict.endswith(f"; {ENGINE_CODE}.") and "repro write --component" not in verdict, verdict
+    next_step = proc.stdout.split("\nnext: ")[1]
+    assert not data["repro"] and "runs the engine's own code" in next_step and "--out repro/" not in next_step, next_step

@@ -17,6 +17,11 @@ from ..words import fmt, pct, plural, times
 SIGNIFICANT = round(1 - EXPLAINS, 6)
 #: More independent origins than this and the drift is called diffuse (the search stops there).
 MAX_ORIGINS = 3
+#: what a verdict says instead of a repro when blamed through an engine that runs its own code (vLLM's): ``fxreplace
+#: repro write`` exports transformers' code for the checkpoint, which agrees with the reference wherever the bug is
+#: in the engine's code
+ENGINE_CODE = ("the engine runs its own code for these modules, which `fxreplace repro write` (transformers' code for "
+               "the checkpoint) does not: compare the engine's with transformers' there")
 
 
 @dataclass
@@ -143,13 +148,17 @@ class Systematic:
                 f"{len(self.layers)} layers together removes {pct(self.explained)} of the divergence (each layer's "
                 f"alone: {each}; left out, any one of them leaves {low if low == high else f'{low}-{high}'})")
 
-    def advice(self) -> str:
-        """Where the fix is: code every layer of the group runs, or what only these layers share."""
+    def advice(self, repro: bool = True) -> str:
+        """Where the fix is: code every layer of the group runs, or what only these layers share. ``repro``:
+        whether ``fxreplace repro write`` runs the code blamed (see :data:`ENGINE_CODE` where it does not)."""
         if self.every:
             spans = (f"what replacing the {self.kind} spans in each layer, {self.cover}: their classes"
                      if self.cover else f"the {self.kind} module's class")
             text = (f"A fault in {self.where} points at code they share ({spans}, kernels, how they read the config), "
-                    f"not at one layer's weights; `fxreplace repro write` takes the first, {self.components[0]}")
+                    f"not at one layer's weights")
+            if not repro:
+                return f"{text}; {ENGINE_CODE}."
+            text += f"; `fxreplace repro write` takes the first, {self.components[0]}"
             if "), " in self.cover:  # several modules: the repro tells the last from those before it
                 text += (": where its module agrees with the reference on the reference's inputs, the fault is in what "
                          "runs before it there")
@@ -188,16 +197,17 @@ class SharedClass(Systematic):
                 f"replacing {self.kind} in these {len(self.layers)} layers together removes {pct(self.explained)} of "
                 f"the divergence{rest}; left out, {each} {low if low == high else f'{low}-{high}'}")
 
-    def advice(self) -> str:
+    def advice(self, repro: bool = True) -> str:
         others = ""
         if len(self.classes) > 1:
             others = (f"; {', '.join(self.classes[1:])} runs in the same places, so replacing cannot tell it from "
                       f"{self.classes[0]}")
         repros = "; ".join(f"`fxreplace repro write --component {module}` runs {cls} alone"
                            for cls, module in zip(self.classes, self.modules))
+        then = (f"{repros} (with --blame it takes {self.components[0]}, whose replacement spans {self.cover})" if repro
+                else ENGINE_CODE)
         return (f"One class at fault wherever it runs is one bug: fix {self.classes[0]} (its forward, its kernel, how it "
-                f"reads the config){others}; {repros} (with --blame it takes {self.components[0]}, whose replacement "
-                f"spans {self.cover}).")
+                f"reads the config){others}; {then}.")
 
 
 @dataclass
@@ -225,10 +235,11 @@ class LayerCode(Systematic):
                 f"what arises in them, alone or together (each layer's part: {each}; together they explain "
                 f"{pct(self.explained)} of the divergence{hidden})")
 
-    def advice(self) -> str:
+    def advice(self, repro: bool = True) -> str:
+        then = f"`fxreplace repro write --component {self.module}` runs one layer alone" if repro else ENGINE_CODE
         return (f"A fault in {self.where} outside every kind's span is code they share: {self.cls}.forward itself (its "
                 f"residual adds, where it applies its norms, what it hands its submodules), not one layer's weights; "
-                f"`fxreplace repro write --component {self.module}` runs one layer alone.")
+                f"{then}.")
 
 
 def _pattern(components: list[str], layers: list[int]) -> str:
@@ -293,6 +304,8 @@ class BlameResult:
                                                       "max_origins": MAX_ORIGINS})
     # one kind at fault in several layers (its origins come first, in layer order); None: none is
     systematic: Systematic | None = None
+    # whether ``fxreplace repro write`` runs the code blamed (the engine ran transformers' code for the checkpoint)
+    repro: bool = True
 
     @property
     def guilty(self) -> Blame | None:
@@ -312,7 +325,7 @@ class BlameResult:
                 "passes": len(self.passes), "rounds": self.rounds, "budget": self.budget,
                 "budget_spent": self.budget_spent, "captured": self.captured, "seconds": self.seconds,
                 "capture_seconds": self.capture_seconds, "noise_floor": self.floor, "floor_seconds": self.floor_seconds,
-                "program": self.program,
+                "program": self.program, "repro": self.repro,
                 "thresholds": self.thresholds, "kinds": self.kinds, "layers": self.layers,
                 "ranking": [asdict(b) for b in self.ranking], "layer_shares": [asdict(s) for s in self.layer_shares],
                 "pass_log": [asdict(p) for p in self.passes]}

@@ -315,7 +315,7 @@ class Search(SystematicKinds, DriftAccounting):
             verdict = verdict_text(origins, together, diffuse, self._spread(origins or self.candidates), spent, self.budget,
                                ranking, shares, after_layers, self.noise if self.floor is not None else None,
                                self.drifts, self.drift, floor is not None and floor["within"], self.candidates,
-                               systematic, self._cover_words(AFTER_LAYERS))
+                               systematic, self._cover_words(AFTER_LAYERS), self.engine.transformers_code)
             if self.floor is not None:
                 verdict = f"{self.floor.describe(self.off_summary)}. " + verdict
         if self.floor is None and self.unscaled and hasattr(self, "off_summary") and nonfinite is None:
@@ -327,7 +327,8 @@ class Search(SystematicKinds, DriftAccounting):
         ranking.sort(key=lambda b: order.get(b.component, len(order)))  # stable: the origins in order, then by share
         return BlameResult(ranking, shares, origins, self.passes, self.rounds, verdict, confident, diffuse, nonfinite,
                            self.kinds, self.layers, time.perf_counter() - started, self.budget, spent,
-                           explained=together, floor=floor, candidates=self.candidates, systematic=systematic)
+                           explained=together, floor=floor, candidates=self.candidates, systematic=systematic,
+                           repro=self.engine.transformers_code)
 
     def _ranking(self, origins: list[Origin]) -> list[Blame]:
         """One row per measured component (its most informative pass: the attribution that named it,

@@ -10,12 +10,13 @@ from .result import MAX_ORIGINS, SIGNIFICANT, Systematic
 
 def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, shares, after_layers, noise=None,
              drifts=False, drift=(), within=False, candidates=(), systematic: Systematic | None = None,
-             after_modules: str = "") -> str:
+             after_modules: str = "", repro: bool = True) -> str:
     """The blame verdict; ``noise``: the floor's part of the divergence (None: no floor); ``drifts``: the
     target is below float32; ``drift``: the parts it replaced on its way that precision drift may explain;
     ``within``: the target as a whole is within its floor; ``candidates``: without a floor, the strongest
     components beside a diffuse drift; ``systematic``: one kind at fault in several layers (its origins first);
-    ``after_modules``: what runs after the last layer ("model.norm (LlamaRMSNorm), lm_head (Linear)")."""
+    ``after_modules``: what runs after the last layer ("model.norm (LlamaRMSNorm), lm_head (Linear)"); ``repro``:
+    whether ``fxreplace repro write`` runs the code blamed (the engine ran transformers' code)."""
     tail = ""
     if drift:
         scale = ("the floor's part" if noise is not None else
@@ -74,7 +75,7 @@ def verdict_text(origins, together, diffuse, spread, spent, budget, ranking, sha
                  "precision diverges that much by itself)")
     elif together is not None and together < EXPLAINS and not tail and not drifts and not ran_after and not after_place:
         text += f"; the remaining {pct(1 - together)} arises in no single layer (each adds less than {SIGNIFICANT:.0%})"
-    return text + "." + (" " + systematic.advice() if systematic else "") + tail
+    return text + "." + (" " + systematic.advice(repro) if systematic else "") + tail
 
 
 def _diffuse_verdict(origins, spread, shares, after_layers, noise, drifts, candidates) -> str:

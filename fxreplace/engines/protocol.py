@@ -75,6 +75,9 @@ class Engine(abc.ABC):
     teacher_forcing: bool = False
     #: the graphs it compiled, which ``fxreplace validate`` reports (None: it does not count them)
     graphs_compiled: int | None = None
+    #: the model it runs is transformers' code for the checkpoint, which ``fxreplace repro write`` exports, so a
+    #: repro of a blamed module runs the code blamed (False: its own code, as vLLM's: no repro of the checkpoint runs it)
+    transformers_code: bool = False
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

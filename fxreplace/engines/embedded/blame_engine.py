@@ -59,6 +59,8 @@ class BlameRunner(Engine):
             raise ComponentError(f"the components {dict(components or {})} match no module of the target")
         return self.components
 
+    transformers_code = True  # the target itself: what `fxreplace repro write` exports
+
     def covers(self, components: Sequence[Component]) -> dict:
         """What replacing each component spans (:func:`~fxreplace.covers.component_covers`): the resolved model
         runs two tokens, before :meth:`open` instruments it."""
