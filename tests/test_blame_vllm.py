@@ -80,9 +80,11 @@ def test_vllm_blame_names_the_planted_faults_first(reference_dir, tmp_path, faul
     assert (proc.stdout + proc.stderr).count("fxreplace: instrumented") == 1
 
 
-# vLLM's RMSNorm as a port that reads Gemma's norm for it (linkedin/Liger-Kernel#74: (1 + weight)), planted in the
-# class itself in every process the engine starts (its worker included): each norm of the model runs it
-PORTED_NORM = '''
+# port bugs planted as code in vLLM's own classes, in every process the engine starts (its worker included), each
+# with the start of the verdict that names it as one fault
+PORTED = {
+    # vLLM's RMSNorm read as Gemma's norm (linkedin/Liger-Kernel#74: (1 + weight)): every norm of the model runs it
+    "norm class": ("""
 import torch
 from vllm.model_executor.layers.layernorm import RMSNorm
 
@@ -97,17 +99,41 @@ def forward_native(self, x, residual=None):
 
 
 RMSNorm.forward_native = forward_native
-'''
+""", "1 systematic fault: RMSNorm, the class that the attention and the experts of every layer run (input_layernorm, "
+     "self_attn.q_norm, self_attn.k_norm, post_attention_layernorm) and, after the last layer, model.norm: "),
+    # the decoder layer takes its residual after the input norm (Howuhh/faster-trajectory-transformer#3): vLLM's layer
+    # returns (MoE block output, residual), so replacing a layer's MoE block hands on part of its fault, which is the
+    # layer's code's reach there, not a source of its own
+    "layer code": ("""
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeDecoderLayer
 
 
-def test_vllm_blame_names_the_class_every_norm_runs(reference_dir, tmp_path):
+def forward(self, positions, hidden_states, residual):
+    if residual is None:
+        hidden_states = self.input_layernorm(hidden_states)
+    else:
+        hidden_states, _ = self.input_layernorm(hidden_states, residual)
+    residual = hidden_states
+    hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    return self.mlp(hidden_states), residual
+
+
+Qwen3MoeDecoderLayer.forward = forward
+""", "1 fault in 3 layers: the layers' own code (Qwen3MoeDecoderLayer.forward) in layers 1, 2 and 3 (3 of 4): "),
+}
+
+
+@pytest.mark.parametrize("bug", list(PORTED))
+def test_vllm_blame_names_a_bug_in_vllms_code_every_layer_runs_as_one_fault(reference_dir, tmp_path, bug):
     """Through vLLM, blame reads what each component's replacement spans in vLLM's own model (its worker runs one
     dummy forward with hooks), so a bug in the norm class every layer's attention and MoE block and the final norm
-    run is one fault named by vLLM's class, not drift."""
+    run, or in the decoder layer's own forward, is one fault named by vLLM's class, not drift or several sources."""
+    code, expected = PORTED[bug]
     checkpoint = save_tiny_checkpoint(ARCH, tmp_path / "ckpt", num_hidden_layers=LAYERS)
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(PORTED_NORM)
+    (site / "sitecustomize.py").write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FXREPLACE_"))}
     env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(site))
     out = tmp_path / "out"
@@ -117,11 +143,8 @@ def test_vllm_blame_names_the_class_every_norm_runs(reference_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads((out / "blame.json").read_text())
     verdict = data["verdict"]
-    assert verdict.startswith("1 systematic fault: RMSNorm, the class that the attention and the experts of every "
-                              "layer run (input_layernorm, self_attn.q_norm, self_attn.k_norm, post_attention_layernorm)"
-                              " and, after the last layer, model.norm: "), verdict
-    assert "fix RMSNorm" in verdict and "diffuse" not in verdict and "independent" not in verdict, verdict
-    # a repro of the checkpoint runs transformers' norm, not vLLM's: the verdict and the next step say so, not "repro"
+    assert verdict.startswith(expected), verdict
+    assert "diffuse" not in verdict and "independent" not in verdict, verdict
+    # a repro of the checkpoint runs transformers' classes, not vLLM's: the verdict says so, and offers no repro
     assert verdict.endswith(f"; {ENGINE_CODE}.") and "repro write --component" not in verdict, verdict
-    next_step = proc.stdout.split("\nnext: ")[1]
-    assert not data["repro"] and "runs the engine's own code" in next_step and "--out repro/" not in next_step, next_step
+    assert not data["repro"] and "--out repro/" not in proc.stdout

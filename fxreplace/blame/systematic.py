@@ -237,9 +237,12 @@ class SystematicKinds(Passes):
         """The origins no kind explains, in two or more layers, as one fault in the layer class's own forward, when
         no other systematic fault is found: nothing else in those layers lies outside the kinds' covers (else a
         module there, a post-feedforward norm, may hold each one's part: they stand as found) and the layers run
-        one class. Every layer's stream is measured (one round); the faulty layers are those holding no other
-        origin whose part (what their stream adds to the one below) is at least MEMBER (the floor's part when
-        larger): a sound layer adds ~0 in float32. Sets ``self.systematic``."""
+        one class. Every layer's stream is measured (one round); the faulty layers are those whose part (what their
+        stream adds to the one below) is at least MEMBER (the floor's part when larger: a sound layer adds ~0 in
+        float32) and whose kinds' origins, if any, leave at least that much of it: there the class's code acts too,
+        and such an origin is its reach, not a source of its own (a layer returning its block's output beside the
+        residual, as vLLM's do, hands that block's replacement part of what the layer got wrong). Sets
+        ``self.systematic``."""
         unexplained = [o for o in origins if o.component is None]
         if (self.systematic is not None or not self.covers or len(unexplained) < 2
                 or (self.drifts and self.floor is None)):
@@ -259,11 +262,15 @@ class SystematicKinds(Passes):
         self.measure(streams)
         parts = {s.layer: s.share or 0.0 for s in self._layer_shares()}
         least = max(MEMBER, self.noise)
-        held = {o.layer for o in origins if o.component}
         running = [k for k in self.stream_layers if layer_code_only(k) and own[k].top[0][1] == cls]
-        faulty = [k for k in running if k not in held and parts.get(k, 0.0) >= least]
+        kinds_part = {}
+        for o in origins:
+            if o.component:
+                kinds_part[o.layer] = kinds_part.get(o.layer, 0.0) + o.share
+        faulty = [k for k in running if parts.get(k, 0.0) - kinds_part.get(k, 0.0) >= least]
         if len(faulty) < 2 or not {o.layer for o in unexplained} <= set(faulty):
             return origins
+        origins = [o for o in origins if o.layer not in faulty or not o.component]
         where, every = self._where(LAYER, faulty)
         explained = self.E(self._replaced(origins))
         self.systematic = LayerCode(LAYER, faulty, [self.streams[k].capture_name for k in faulty], where, every,
