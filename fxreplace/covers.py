@@ -5,7 +5,9 @@ can replace before it: ``model.layers.N.mlp``'s output also undoes a fault in th
 naming the kind alone sends the fix to the wrong class; the cover names every module (and class) it spans,
 and the classes the covers of several kinds share are where one bug in every layer can sit (an RMSNorm class
 that every layer's attention and MLP run). Found by running the model once on two tokens with hooks on its
-modules, in the order they finish: no model is read by its source or its registration order.
+modules, in the order they finish: no model is read by its source or its registration order. An engine runs that
+forward where its model lives (a vLLM worker: :meth:`~fxreplace.engines.protocol.Engine.covers`) and hands the
+covers back as plain data (:func:`covers_to_data`).
 """
 
 from __future__ import annotations

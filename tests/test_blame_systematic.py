@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxreplace.blame import MEMBER, SIGNIFICANT, LayerCode, Search, SharedClass, blame, resolve_components
-from fxreplace.covers import AFTER_LAYERS, component_covers, own_code
+from fxreplace.covers import (AFTER_LAYERS, component_covers, components_from_data, components_to_data,
+                              covers_from_data, covers_to_data, own_code)
 from fxreplace.capture import capture_reference
 from fxreplace.engines.protocol import Engine
 from fxreplace.metrics import BELOW_ZERO, EXPLAINS, Tolerances
@@ -442,6 +443,11 @@ def test_covers_name_the_modules_between_points_in_the_order_they_run():
     declared = {kind: target for kind, target in get_family(QWEN).components.items() if kind != "layer"}
     assert {name: cover.words() for name, cover in component_covers(
         model, resolve_components(model, declared)).items()} == words
+    # what crosses an engine's worker boundary (vLLM's serializer: plain values) comes back the same
+    components = resolve_components(model, get_family(QWEN).components)
+    sent = json.loads(json.dumps(components_to_data(components)))
+    assert covers_from_data(json.loads(json.dumps(covers_to_data(component_covers(
+        model, components_from_data(sent)))))) == covers
 
 
 def test_a_bug_in_the_layers_own_code_in_every_layer_is_one_fault(setups):
