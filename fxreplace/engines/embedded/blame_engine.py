@@ -34,6 +34,7 @@ class BlameRunner(Engine):
     #: each request of one batch may replace its own selection (hypotheses side by side)
     per_request_selection = True
     teacher_forcing = True
+    transformers_code = True  # the target itself: what `fxreplace repro write` exports
 
     def __init__(self, target: nn.Module, *, components: Mapping[str, TargetLike] | None = None,
                  dtype: torch.dtype | None = None, compile: str | None = None):
@@ -58,8 +59,6 @@ class BlameRunner(Engine):
         if not self.components:
             raise ComponentError(f"the components {dict(components or {})} match no module of the target")
         return self.components
-
-    transformers_code = True  # the target itself: what `fxreplace repro write` exports
 
     def covers(self, components: Sequence[Component]) -> dict:
         """What replacing each component spans (:func:`~fxreplace.covers.component_covers`): the resolved model
