@@ -286,17 +286,16 @@ def write_blame_report(result, directory: str | Path, next_step: str = "") -> Pa
     return directory / "blame.html"
 
 
-def repro_step(model: str, reference: str, blame_json: str | Path) -> str:
-    """The next step after a blame that named a component, as a command line."""
-    return (f"the first origin alone, for the compiler team: fxreplace repro write {model} --reference {reference} "
-            f"--blame {blame_json} --out repro/ (then fxreplace repro run repro/ --backend inductor)")
-
-
-def engine_code_step(component: str) -> str:
-    """The next step after a blame through an engine running its own code (vLLM's), which no repro of the
-    checkpoint runs (see :data:`fxreplace.blame.result.ENGINE_CODE`)."""
-    return (f"{component} runs the engine's own code (its class, kernels, weight loading): compare it with transformers' "
-            "there; `fxreplace repro write` exports transformers' code for the checkpoint, not the engine's")
+def repro_step(model: str, reference: str, blame_json: str | Path, engine_code: bool = False) -> str:
+    """The next step after a blame that named a component, as a command line. ``engine_code``: the engine ran its
+    own code (vLLM's), which the repro does not: it runs transformers' code with the target's weights, so it tells
+    the weights from the engine's code (see :func:`fxreplace.blame.result.engine_code`)."""
+    write = f"fxreplace repro write {model} --reference {reference} --blame {blame_json} --out repro/"
+    if engine_code:
+        return (f"the first origin in transformers' code with the target's weights: {write} (then fxreplace repro run "
+                "repro/): where it disagrees with the reference the weights are wrong (their conversion); where it "
+                "agrees the fault is in the engine's own code for it (its class, kernels, weight loading)")
+    return f"the first origin alone, for the compiler team: {write} (then fxreplace repro run repro/ --backend inductor)"
 
 
 def blame_section(result, next_step: str = "") -> str:

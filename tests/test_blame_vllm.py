@@ -20,7 +20,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from fxreplace.blame.result import ENGINE_CODE
+from fxreplace.blame.result import engine_code
 from fxreplace.capture import capture_reference
 from fxreplace.models import get_family, tiny_model
 from fxreplace.metrics import EXPLAINS
@@ -145,6 +145,9 @@ def test_vllm_blame_names_a_bug_in_vllms_code_every_layer_runs_as_one_fault(refe
     verdict = data["verdict"]
     assert verdict.startswith(expected), verdict
     assert "diffuse" not in verdict and "independent" not in verdict, verdict
-    # a repro of the checkpoint runs transformers' classes, not vLLM's: the verdict says so, and offers no repro
-    assert verdict.endswith(f"; {ENGINE_CODE}.") and "repro write --component" not in verdict, verdict
-    assert not data["repro"] and "--out repro/" not in proc.stdout
+    # a repro of the checkpoint runs transformers' classes with the target's weights, not vLLM's code: the verdict and
+    # the next step say what its answer tells (the weights or vLLM's code), not that it runs the class blamed
+    module = data["systematic"]["modules"][0] if bug == "norm class" else data["systematic"]["module"]
+    assert verdict.endswith(f"; {engine_code(module)}.") and " alone" not in verdict.split("; ")[-1], verdict
+    assert not data["repro"] and ("\nnext: " not in proc.stdout or "where it agrees the fault is in the engine's own "
+                                  "code" in proc.stdout.split("\nnext: ")[1])

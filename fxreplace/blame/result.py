@@ -17,11 +17,12 @@ from ..words import fmt, pct, plural, times
 SIGNIFICANT = round(1 - EXPLAINS, 6)
 #: More independent origins than this and the drift is called diffuse (the search stops there).
 MAX_ORIGINS = 3
-#: what a verdict says instead of a repro when blamed through an engine that runs its own code (vLLM's): ``fxreplace
-#: repro write`` exports transformers' code for the checkpoint, which agrees with the reference wherever the bug is
-#: in the engine's code
-ENGINE_CODE = ("the engine runs its own code for these modules, which `fxreplace repro write` (transformers' code for "
-               "the checkpoint) does not: compare the engine's with transformers' there")
+def engine_code(module: str) -> str:
+    """What a verdict says of a repro of ``module`` when blamed through an engine that runs its own code (vLLM's):
+    ``fxreplace repro write`` runs transformers' code with the target's weights, which tells the two apart."""
+    return (f"the engine runs its own code there: `fxreplace repro write --component {module}` runs it in transformers' "
+            "code with the target's weights, so where that agrees with the reference the fault is in the engine's code "
+            "(compare it with transformers'), where it disagrees in the weights")
 
 
 @dataclass
@@ -150,14 +151,14 @@ class Systematic:
 
     def advice(self, repro: bool = True) -> str:
         """Where the fix is: code every layer of the group runs, or what only these layers share. ``repro``:
-        whether ``fxreplace repro write`` runs the code blamed (see :data:`ENGINE_CODE` where it does not)."""
+        whether ``fxreplace repro write`` runs the code blamed (see :func:`engine_code` where it does not)."""
         if self.every:
             spans = (f"what replacing the {self.kind} spans in each layer, {self.cover}: their classes"
                      if self.cover else f"the {self.kind} module's class")
             text = (f"A fault in {self.where} points at code they share ({spans}, kernels, how they read the config), "
                     f"not at one layer's weights")
             if not repro:
-                return f"{text}; {ENGINE_CODE}."
+                return f"{text}; {engine_code(self.components[0])}."
             text += f"; `fxreplace repro write` takes the first, {self.components[0]}"
             if "), " in self.cover:  # several modules: the repro tells the last from those before it
                 text += (": where its module agrees with the reference on the reference's inputs, the fault is in what "
@@ -205,7 +206,7 @@ class SharedClass(Systematic):
         repros = "; ".join(f"`fxreplace repro write --component {module}` runs {cls} alone"
                            for cls, module in zip(self.classes, self.modules))
         then = (f"{repros} (with --blame it takes {self.components[0]}, whose replacement spans {self.cover})" if repro
-                else ENGINE_CODE)
+                else engine_code(self.modules[0]))
         return (f"One class at fault wherever it runs is one bug: fix {self.classes[0]} (its forward, its kernel, how it "
                 f"reads the config){others}; {then}.")
 
@@ -236,7 +237,8 @@ class LayerCode(Systematic):
                 f"{pct(self.explained)} of the divergence{hidden})")
 
     def advice(self, repro: bool = True) -> str:
-        then = f"`fxreplace repro write --component {self.module}` runs one layer alone" if repro else ENGINE_CODE
+        then = (f"`fxreplace repro write --component {self.module}` runs one layer alone" if repro
+                else engine_code(self.module))
         return (f"A fault in {self.where} outside every kind's span is code they share: {self.cls}.forward itself (its "
                 f"residual adds, where it applies its norms, what it hands its submodules), not one layer's weights; "
                 f"{then}.")
@@ -304,7 +306,8 @@ class BlameResult:
                                                       "max_origins": MAX_ORIGINS})
     # one kind at fault in several layers (its origins come first, in layer order); None: none is
     systematic: Systematic | None = None
-    # whether ``fxreplace repro write`` runs the code blamed (the engine ran transformers' code for the checkpoint)
+    # whether ``fxreplace repro write`` runs the code blamed (the engine ran transformers' code for the checkpoint; else
+    # its repro tells the weights from the engine's code)
     repro: bool = True
 
     @property

@@ -9,7 +9,7 @@ from ..blame import BlameError, blame
 from ..components import ComponentError
 from ..junit import write_blame_junit
 from ..loading import check_reference_matches, check_vocab, load_model, model_architecture
-from ..report import describe_program, engine_code_step, repro_step, write_blame_report
+from ..report import describe_program, repro_step, write_blame_report
 from ..store.publish import BLAME_COMPONENTS_DIR
 from .args import EXIT_OK, UsageError
 from .common import check_writable_dir, dispatch_args, folder_state, load_reference_arg
@@ -62,9 +62,8 @@ def _say(result, args) -> None:
     """Write the report and print the ranking, the program examined, the verdict and what to do
     next: the terminal says what blame.html says."""
     ranking = Path(args.report_dir).resolve() / "blame.json"
-    first = next((o.component for o in result.origins if o.component), None)  # repro takes a component, not a layer
-    next_step = ("" if first is None else repro_step(args.model, args.reference, ranking) if result.repro
-                 else engine_code_step(first))
+    next_step = (repro_step(args.model, args.reference, ranking, engine_code=not result.repro)
+                 if any(o.component for o in result.origins) else "")  # repro takes a component, not a layer
     report = write_blame_report(result, args.report_dir, next_step)
     print()
     print(result.table())
