@@ -17,6 +17,8 @@ from ..words import fmt, pct, plural, times
 SIGNIFICANT = round(1 - EXPLAINS, 6)
 #: More independent origins than this and the drift is called diffuse (the search stops there).
 MAX_ORIGINS = 3
+
+
 def engine_code(module: str) -> str:
     """What a verdict says of a repro of ``module`` when blamed through an engine that runs its own code (vLLM's):
     ``fxreplace repro write`` runs transformers' code with the target's weights, which tells the two apart."""
