@@ -322,5 +322,10 @@ EXPLAINED_NOTE = ("explained: the part of the divergence gone with the component
                   "accounts for itself. Order: the origins first, then the rest, each by share.")
 #: Said instead of an empty ranking.
 NOTHING_RANKED = "no component ranked: none was measured alone (the verdict says why)"
+#: What a repro tells after a blame through an engine that runs its own code (vLLM's): ``fxreplace repro write``
+#: runs transformers' code with the target's weights, not the code blamed (the verdict's advice and the CLI's
+#: ``next:`` line both say it).
+ENGINE_CODE_REPRO = ("where it agrees with the reference the fault is in the engine's own code for it (compare its class, "
+                     "kernels and weight loading with transformers'), where it disagrees in the weights (their conversion)")
 #: The per-layer shares' heading.
 LAYERS_HEAD = "arising per layer (the residual stream after the layer replaced)"

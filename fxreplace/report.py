@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import BELOW_ZERO, BELOW_ZERO_NOTE, LAYERS_HEAD, NOTHING_RANKED, part
+from .metrics import BELOW_ZERO, BELOW_ZERO_NOTE, ENGINE_CODE_REPRO, LAYERS_HEAD, NOTHING_RANKED, part
 from .words import fmt, pct, plural, times
 
 import matplotlib
@@ -286,15 +286,14 @@ def write_blame_report(result, directory: str | Path, next_step: str = "") -> Pa
     return directory / "blame.html"
 
 
-def repro_step(model: str, reference: str, blame_json: str | Path, engine_code: bool = False) -> str:
-    """The next step after a blame that named a component, as a command line. ``engine_code``: the engine ran its
-    own code (vLLM's), which the repro does not: it runs transformers' code with the target's weights, so it tells
-    the weights from the engine's code (see :func:`fxreplace.blame.result.engine_code`)."""
+def repro_step(model: str, reference: str, blame_json: str | Path, repro: bool = True) -> str:
+    """The next step after a blame that named a component, as a command line. ``repro``: whether the repro runs
+    the code blamed (``BlameResult.repro``); where the engine ran its own code (vLLM's), the repro runs
+    transformers' code with the target's weights, which tells the weights from the engine's code."""
     write = f"fxreplace repro write {model} --reference {reference} --blame {blame_json} --out repro/"
-    if engine_code:
+    if not repro:
         return (f"the first origin in transformers' code with the target's weights: {write} (then fxreplace repro run "
-                "repro/): where it disagrees with the reference the weights are wrong (their conversion); where it "
-                "agrees the fault is in the engine's own code for it (its class, kernels, weight loading)")
+                f"repro/): {ENGINE_CODE_REPRO}")
     return f"the first origin alone, for the compiler team: {write} (then fxreplace repro run repro/ --backend inductor)"
 
 

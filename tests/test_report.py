@@ -21,7 +21,7 @@ from fxreplace.blame import blame
 from fxreplace.capture import capture_reference
 from fxreplace.engines.embedded import Runner, RunnerConfig
 from fxreplace.floor import measure_floor
-from fxreplace.metrics import BELOW_ZERO_NOTE, DIVERGED, MATCHED, Verdict
+from fxreplace.metrics import BELOW_ZERO_NOTE, DIVERGED, ENGINE_CODE_REPRO, MATCHED, Verdict
 from fxreplace.models import get_family, tiny_model
 from fxreplace.report import DPI, blame_figure, errors_figure, repro_step, router_figure, write_blame_report
 from fxreplace.validation import StepRecord, ValidationResult, logit_validation
@@ -295,3 +295,15 @@ def test_both_pages_read_at_both_widths_in_a_browser(investigations, chromium, p
     assert command in shown and 0 < shown[command]["width"] and shown[command]["right"] <= window, shown.get(command)
     for fig in figures.values():
         plt.close(fig)
+
+
+def test_next_step_says_what_a_repro_tells_where_the_engine_ran_its_own_code():
+    """The CLI's ``next:`` line: the repro runs the code blamed (the compiler team's case), or, through an engine that
+    runs its own code (vLLM's), transformers' code with the target's weights, with what agreeing or not then tells."""
+    own = repro_step("ckpt", "ref", "out/blame.json")
+    engines = repro_step("ckpt", "ref", "out/blame.json", repro=False)
+    write = "fxreplace repro write ckpt --reference ref --blame out/blame.json --out repro/"
+    assert write in own and write in engines
+    assert "--backend inductor" in own and ENGINE_CODE_REPRO not in own
+    assert engines.startswith("the first origin in transformers' code with the target's weights") and engines.endswith(
+        ENGINE_CODE_REPRO) and "--backend inductor" not in engines

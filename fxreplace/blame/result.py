@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ..components import layer_of
 from ..errors import BlameError
-from ..metrics import BELOW_ZERO, BELOW_ZERO_NOTE, EXPLAINED_NOTE, EXPLAINS, LAYERS_HEAD, NOTHING_RANKED, part
+from ..metrics import (BELOW_ZERO, BELOW_ZERO_NOTE, ENGINE_CODE_REPRO, EXPLAINED_NOTE, EXPLAINS, LAYERS_HEAD,
+                       NOTHING_RANKED, part)
 from ..words import fmt, pct, plural, times
 
 #: A part of the divergence that matters: more than what a replacement that explains it may leave.
@@ -23,8 +24,7 @@ def engine_code(module: str) -> str:
     """What a verdict says of a repro of ``module`` when blamed through an engine that runs its own code (vLLM's):
     ``fxreplace repro write`` runs transformers' code with the target's weights, which tells the two apart."""
     return (f"the engine runs its own code there: `fxreplace repro write --component {module}` runs it in transformers' "
-            "code with the target's weights, so where that agrees with the reference the fault is in the engine's code "
-            "(compare it with transformers'), where it disagrees in the weights")
+            f"code with the target's weights: {ENGINE_CODE_REPRO}")
 
 
 @dataclass

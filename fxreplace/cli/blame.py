@@ -62,7 +62,7 @@ def _say(result, args) -> None:
     """Write the report and print the ranking, the program examined, the verdict and what to do
     next: the terminal says what blame.html says."""
     ranking = Path(args.report_dir).resolve() / "blame.json"
-    next_step = (repro_step(args.model, args.reference, ranking, engine_code=not result.repro)
+    next_step = (repro_step(args.model, args.reference, ranking, result.repro)
                  if any(o.component for o in result.origins) else "")  # repro takes a component, not a layer
     report = write_blame_report(result, args.report_dir, next_step)
     print()
