@@ -313,7 +313,7 @@ BELOW_ZERO_NOTE = ("* below 0: with it replaced more of the divergence remained 
 def part(v) -> str:
     """:func:`pct` of a part of the divergence, marked with :data:`BELOW_ZERO` where it is below 0."""
     text = pct(v)
-    return text + BELOW_ZERO if text.startswith("-") else text
+    return text + BELOW_ZERO if v is not None and text.startswith("-") else text
 
 
 #: What the ranking's columns mean and its order, under the table.

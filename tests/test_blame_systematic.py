@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxreplace.blame import MEMBER, SIGNIFICANT, LayerCode, Search, SharedClass, blame, resolve_components
+from fxreplace.blame.systematic import LEAVE_OUT
+from fxreplace.components import layer_of
 from fxreplace.covers import (AFTER_LAYERS, component_covers, components_from_data, components_to_data,
                               covers_from_data, covers_to_data, own_code)
 from fxreplace.capture import capture_reference
@@ -366,6 +368,32 @@ def test_a_bug_in_the_norm_class_every_layer_runs_is_one_fault_naming_the_class(
     # what arises in the layers is what it removes; the rest arises after them, where the final norm runs it
     assert found.explained >= EXPLAINS * found.whole and found.whole < 1 - SIGNIFICANT
     assert sorted(o.component for o in result.origins) == sorted(found.components)
+
+
+def test_a_bug_in_the_norm_class_of_a_deep_model_is_one_fault_told_by_groups_of_layers(setups):
+    """In a deep model a class's fault is spread over as many places: one norm left out leaves too small a part to
+    tell, and leaving each out alone would not fit the budget beside the heat map (64 layers: 128 passes), so each
+    kind's components are left out in LEAVE_OUT groups of neighbouring layers (before: the layers' own code in 36 of
+    64 layers, or diffuse drift)."""
+    layers = 64
+    clean, reference = setups(LLAMA, {}, layers=layers)
+    target = code_faults.norm_class_offset(clean, None)
+    result = blame(target, reference, progress=False)
+    found = result.systematic
+    norm = type(target.model.norm).__name__
+    assert isinstance(found, SharedClass) and found.classes[0] == norm and found.every, result.verdict
+    assert result.verdict.startswith(f"1 systematic fault: {norm}, the class that the attention and the mlp of every "
+                                     "layer run (input_layernorm, post_attention_layernorm) and, after the last layer, "
+                                     "model.norm: "), result.verdict
+    assert f"any one of the {2 * LEAVE_OUT} groups of neighbouring layers' components leaves" in result.verdict
+    attention = found.tried[:LEAVE_OUT]  # the attention's groups, then the mlp's, each of 8 neighbouring layers
+    assert len(found.tried) == 2 * LEAVE_OUT and [layer_of(n) for group in attention for n in group] == list(range(layers))
+    assert all(len(group) == layers // LEAVE_OUT for group in found.tried) and len(found.left_out) == 2 * LEAVE_OUT
+    assert all(part >= MEMBER for part in found.left_out) and result.confident, found
+    assert len(result.passes) < 2 * layers  # fewer than leaving each of the 128 out alone would take
+    # one fault in 128 places, none measured alone
+    assert sorted(o.component for o in result.origins) == sorted(found.components)
+    assert all(o.share is None for o in result.origins) and "diffuse" not in result.verdict
 
 
 def test_faults_of_two_kinds_and_after_the_layers_are_not_a_class(setups):

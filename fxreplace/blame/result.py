@@ -88,7 +88,9 @@ class Origin:
     its declared kinds explains that part."""
 
     layer: int
-    share: float  # of the whole divergence (beyond the origins found before)
+    # of the whole divergence (beyond the origins found before); None: not measured (a place of a class at fault
+    # wherever it runs, left out with its neighbours, see SharedClass.tried)
+    share: float | None
     component: str | None
     kind: str | None
     kinds_tried: list[str] = field(default_factory=list)
@@ -101,7 +103,7 @@ class Origin:
 
     def describe(self, noise: float | None = None) -> str:
         """``noise``: the floor's part of the divergence; the origin's part is then also a multiple of it."""
-        scale = f", {times(self.share / noise)} the floor" if noise else ""
+        scale = f", {times(self.share / noise)} the floor" if noise and self.share is not None else ""
         if self.drift is not None:
             scale += f"; {pct(self.share - self.drift)} beyond the precision drift arising there"
         if self.component is None:
@@ -175,7 +177,8 @@ class SharedClass(Systematic):
     """One class at fault wherever it runs: the covers of several kinds (and of what runs after the last layer)
     run it, and every component replaced to tell it leaves a part of the divergence when left out (an RMSNorm
     every layer's attention and MLP and the final norm run). ``kind`` joins the kinds; ``layers``/``components``
-    are those replaced; ``alone`` is not measured (a fault in every place at once is not one place's)."""
+    are those replaced; ``alone`` is not measured (a fault in every place at once is not one place's); ``left_out``
+    is per group in ``tried``."""
 
     classes: list[str] = field(default_factory=list)  # the class, then any other that every one of those covers runs
     instances: list[str] = field(default_factory=list)  # its modules in a layer ("input_layernorm", ...)
@@ -183,6 +186,9 @@ class SharedClass(Systematic):
     whole: float = 1.0  # of the divergence: what arises in the layers (the stream after the last layer replaced)
     member: float = 0.0  # the part a component left out must leave to be at fault (MEMBER, or the floor's part)
     modules: list[str] = field(default_factory=list)  # per class, its first module (qualified): what a repro runs
+    # the components left out together, group by group: each alone, or in a deep model a kind's in a few groups of
+    # neighbouring layers (one place's part is too small to tell there)
+    tried: list[list[str]] = field(default_factory=list)
 
     @property
     def runs_after(self) -> bool:
@@ -193,9 +199,11 @@ class SharedClass(Systematic):
         after = f" and, after the last layer, {', '.join(self.after)}" if self.after else ""
         rest = (f" (all that arises in the layers; the rest, {pct(1 - self.whole)}, arises after them, where "
                 f"{', '.join(self.after)} runs it too)" if self.after and self.whole < 1 else "")
-        leaving = sum(part >= self.member for part in self.left_out)
-        each = (f"any one of the {len(self.components)} leaves" if leaving == len(self.components) else
-                f"{leaving} of the {len(self.components)} leave at least {pct(self.member)}:")
+        leaving, count = sum(part >= self.member for part in self.left_out), len(self.left_out)
+        what = (f"the {count}" if count == len(self.components) else
+                f"the {count} groups of neighbouring layers' components")
+        each = (f"any one of {what} leaves" if leaving == count else
+                f"{leaving} of {what} leave at least {pct(self.member)}:")
         return (f"{self.classes[0]}, the class that {self.kind} of {self.where} run ({', '.join(self.instances)}){after}: "
                 f"replacing {self.kind} in these {len(self.layers)} layers together removes {pct(self.explained)} of "
                 f"the divergence{rest}; left out, {each} {low if low == high else f'{low}-{high}'}")

@@ -349,7 +349,9 @@ class Search(SystematicKinds, DriftAccounting):
                 if not set(others) <= kept or attributed.get(c.capture_name, frozenset(others)) != frozenset(others):
                     continue
                 e = explained(off_s, on_s, signed=True)
-                share = None if e["explained"] is None else e["explained"] - self.E(others, signed=True)
+                # (the others not measured without it: a class's place that was not left out alone, see SharedClass)
+                share = (None if e["explained"] is None or (others and self.key(others) not in self.cache)
+                         else e["explained"] - self.E(others, signed=True))
                 row = Blame(c.capture_name, c.kind, c.layer, off.mean_kl, on.mean_kl, off.mean_top5_error,
                             on.mean_top5_error, off.top1_agreement, on.top1_agreement, off.first_divergence,
                             on.first_divergence, off.prompts_diverged, on.prompts_diverged, e["kl"], e["top5"],

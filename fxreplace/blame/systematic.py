@@ -18,6 +18,11 @@ from .result import LayerCode, Origin, SharedClass, Systematic
 MEMBER = 0.01
 #: the kind a family's router logits are declared as: the layers holding one are its MoE layers
 ROUTER = "router"
+#: A class at fault wherever it runs leaves a part wherever its components are left out: each kind's are left out in
+#: at most this many groups of neighbouring layers, one at a time (each alone in a model this deep or less). In a deep
+#: model one place's part is too small to tell (the fault is spread over as many places), and leaving each out alone
+#: would not fit the budget beside the heat map a diffuse verdict needs (a 64-layer model's 128)
+LEAVE_OUT = 8
 
 
 class SystematicKinds(Passes):
@@ -181,13 +186,14 @@ class SystematicKinds(Passes):
         norm, so its bug is origins of several kinds in many layers and a part after the layers, which read as
         drift. Each class that the covers (:mod:`fxreplace.covers`) of two or more kinds run is tried, the
         model's own before torch's: every component running it replaced (the outermost in a layer: a router
-        inside its block goes with it), and each left out in turn. It is the fault when that explains what arises
-        in the layers (all of it or, where the class runs after the layers too, what the stream after the last
-        layer explains) and, of every kind, more than half the components leave at least MEMBER (the floor's part
-        when larger) when left out: a class runs in every place, where independent faults leave their own places
-        only (and one instance may matter little: a norm before a near-uniform attention). Classes the same
-        components run (an RMSNorm and Linear) are named together: replacing cannot tell them apart. Tried within
-        the budget only, leaving what a diffuse verdict's heat map measures. Sets ``self.systematic``."""
+        inside its block goes with it), and each left out in turn (in a deep model, groups of neighbouring layers':
+        LEAVE_OUT). It is the fault when that explains what arises in the layers (all of it or, where the class
+        runs after the layers too, what the stream after the last layer explains) and, of every kind, more than
+        half of those left out leave at least MEMBER (the floor's part when larger): a class runs in every place,
+        where independent faults leave their own places only (and one instance may matter little: a norm before a
+        near-uniform attention). Classes the same components run (an RMSNorm and Linear) are named together:
+        replacing cannot tell them apart. Tried within the budget only, leaving what a diffuse verdict's heat map
+        measures. Sets ``self.systematic``."""
         if self.systematic is not None or not self.covers or not origins or (self.drifts and self.floor is None):
             return origins
         named = self._replaced(origins)
@@ -206,18 +212,21 @@ class SystematicKinds(Passes):
         heat_map = [[c.capture_name] for c in self.components]
         for names, classes in groups.items():
             names = list(names)
-            rounds = [names] + [[n for n in names if n != name] for name in names]
+            members = [self.by_name[n] for n in names]
+            kinds = list(dict.fromkeys(c.kind for c in members))
+            tried = [group for kind in kinds
+                     for group in _neighbours([c.capture_name for c in members if c.kind == kind])]
+            rounds = [names] + [[n for n in names if n not in group] for group in tried]
             if len(self.passes) + len({self.key(r) for r in rounds + heat_map} - self.cache.keys()) > self.budget:
                 break  # too many to tell: the origins stand as found
             self.measure(rounds)
             runs_after = after is not None and classes[0] in after.classes and after_layers is not None
             whole = after_layers if runs_after else 1.0
             explained = self.E(names)
-            left = [explained - self.E([n for n in names if n != name]) for name in names]
-            members = [self.by_name[n] for n in names]
-            kinds = list(dict.fromkeys(c.kind for c in members))
+            left = [explained - self.E([n for n in names if n not in group]) for group in tried]
             # most places of every kind (an instance may matter little: a norm before a near-uniform attention)
-            leaving = {kind: [part >= least for c, part in zip(members, left) if c.kind == kind] for kind in kinds}
+            leaving = {kind: [part >= least for group, part in zip(tried, left) if self.by_name[group[0]].kind == kind]
+                       for kind in kinds}
             if explained < EXPLAINS * whole or not all(2 * sum(v) > len(v) for v in leaving.values()):
                 continue
             layers = sorted({c.layer for c in members})
@@ -228,9 +237,11 @@ class SystematicKinds(Passes):
                 explained, self._cover_words(names[0]), classes,
                 [m for c in first for m in self.covers[c.capture_name].holding(classes[0])],
                 after.holding(classes[0]) if runs_after else [], whole, least,
-                [self.covers[names[0]].qualified(cls) or names[0] for cls in classes])
-            return [Origin(c.layer, share, c.capture_name, c.kind, [k.kind for k in self._kinds(c.layer)],
-                           sorted(set(names) - {c.capture_name})) for c, share in zip(members, left)]
+                [self.covers[names[0]].qualified(cls) or names[0] for cls in classes], tried)
+            alone = {group[0]: part for group, part in zip(tried, left) if len(group) == 1}
+            return [Origin(c.layer, alone.get(c.capture_name), c.capture_name, c.kind,
+                           [k.kind for k in self._kinds(c.layer)], sorted(set(names) - {c.capture_name}))
+                    for c in members]
         return origins
 
     def _layers_own_code(self, origins: list[Origin]) -> list[Origin]:
@@ -330,3 +341,9 @@ class SystematicKinds(Passes):
                 return name, True
         listed = ", ".join(map(str, layers[:-1])) + f" and {layers[-1]}"
         return f"layers {listed} ({len(layers)} of {len(self.layers)})", False
+
+
+def _neighbours(names: list[str]) -> list[list[str]]:
+    """``names`` (in layer order) in at most LEAVE_OUT groups of neighbours, as even as they come."""
+    count = min(len(names), LEAVE_OUT)
+    return [names[i * len(names) // count:(i + 1) * len(names) // count] for i in range(count)]
