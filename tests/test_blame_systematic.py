@@ -396,6 +396,23 @@ def test_a_bug_in_the_norm_class_of_a_deep_model_is_one_fault_told_by_groups_of_
     assert all(o.share is None for o in result.origins) and "diffuse" not in result.verdict
 
 
+def test_a_routing_bug_in_every_layer_of_a_deep_model_the_search_named_a_block_for_is_one_fault(setups):
+    """A router that does not renormalise, in all 64 layers: the search reaches one layer's MoE block before its
+    routing, and with the block replaced there the routing left out leaves nothing, so that layer stood apart (before:
+    "2 independent sources: routing ... in 63 of 64 layers; layer 2 routing (23%)"). The routing is left out with the
+    block holding it: one fault in every layer."""
+    layers, g = 64, torch.Generator().manual_seed(0)
+    ids = [torch.randint(4, 128, (int(n),), generator=g).tolist() for n in torch.randint(6, 14, (2,), generator=g)]
+    clean, reference = setups(QWEN, {}, layers=layers, ids=ids, new=8)  # (the code-fault suite's prompts, seed 0)
+    result = blame(code_faults.renorm_skipped(clean, list(range(layers))), reference, progress=False)
+    found = result.systematic
+    assert found is not None and (found.kind, found.layers, found.every) == ("routing", list(range(layers)), True), \
+        result.verdict
+    assert result.verdict.startswith("1 systematic fault: routing (model.layers.N.mlp.experts) in every layer: ")
+    assert named(result) == [("routing", k) for k in range(layers)] and all(p >= MEMBER for p in found.left_out)
+    assert "independent" not in result.verdict and "diffuse" not in result.verdict and result.confident
+
+
 def test_faults_of_two_kinds_and_after_the_layers_are_not_a_class(setups):
     """Weights flipped in layer 0's attention, layer 2's MLP and the final norm: origins of two kinds and a part
     after the layers, as a norm class's bug gives. The class is tried (every attention and MLP replaced, each left

@@ -98,7 +98,9 @@ class SystematicKinds(Passes):
         leaving less is dropped (it hid an upstream error), and when its origins leave part of what the kind-wide
         replacement removes, every other layer holding it is left out in turn (one the search passed over, its part
         below SIGNIFICANT); there, a component inside the kind's (its router) explaining what the layer leaves is an
-        origin of its own, as the search would name it. An origin of another kind stays when leaving it out leaves a
+        origin of its own, as the search would name it; where an origin of another kind holds the kind's component
+        (the MoE block a search reached before its routing) and leaves nothing itself, the component is left out
+        with it (the block replaced hides what it leaves). An origin of another kind stays when leaving it out leaves a
         significant part, attributed again with the faulty layers replaced beside it where the fault acted upstream
         of it (:meth:`_beside_systematic`), and a layer no kind explained goes (the kind explains it). Each faulty
         layer's share is its replacement alone."""
@@ -122,7 +124,19 @@ class SystematicKinds(Passes):
         def left(name, *instead):  # what leaving ``name`` out of the kind-wide replacement (``instead`` in) leaves
             return self.E(wide) - self.E(without(name, *instead))
 
-        self.measure(self._kind_round(kind, origins))
+        # the kind's component inside an origin of another kind in its layer (the routing inside the MoE block a search
+        # reached first) leaves nothing alone, the block replaced there: where the block leaves nothing either, the
+        # kind's component is left out with it
+        holder = {c.capture_name: o for c in self._of_kind(kind) for o in others
+                  if self.by_name[o].layer == c.layer and self._inside(c.capture_name, self.by_name[o])}
+
+        def left_here(name):  # what leaving the kind's ``name`` out leaves, with the origin holding it where it hid it
+            outer = holder.get(name)
+            if outer is None or left(outer) >= least:
+                return left(name)
+            return self.E(wide) - self.E([n for n in wide if n not in (name, outer)])
+
+        self.measure(self._kind_round(kind, origins) + [[n for n in wide if n not in pair] for pair in holder.items()])
         if not self._explains(wide):
             return origins  # the kind is not the whole story: its origins stand as found
         passed = []
@@ -133,9 +147,11 @@ class SystematicKinds(Passes):
         self.measure([without(c.capture_name) for c in passed] + [[c.capture_name] for c in passed]
                      + [without(name, x.capture_name) for name, xs in inner.items() for x in xs])
         leaving = [c for c in self._of_kind(kind)
-                   if (c.capture_name in group or c in passed) and left(c.capture_name) >= least]
+                   if (c.capture_name in group or c in passed) and left_here(c.capture_name) >= least]
         within = {}  # a passed layer's component inside the kind's that explains what the layer leaves
         for c in leaving:
+            if c.capture_name in holder:
+                continue  # (the block holding it replaced: nothing inside it leaves a part)
             explaining = [x for x in inner.get(c.capture_name, []) if left(c.capture_name, x.capture_name) < least]
             if explaining:
                 within[c.capture_name] = explaining[0]
@@ -163,7 +179,7 @@ class SystematicKinds(Passes):
         where, every = self._where(kind, [c.layer for c in faulty])
         self.systematic = Systematic(kind, [c.layer for c in faulty], [c.capture_name for c in faulty], where, every,
                                      self.E(chosen), [o.share for o in members],
-                                     [left(c.capture_name) for c in faulty], self.E(wide),
+                                     [left_here(c.capture_name) for c in faulty], self.E(wide),
                                      self._cover_words(faulty[0].capture_name))
         return members + kept + [beside_all(x) for x in within.values()]
 
