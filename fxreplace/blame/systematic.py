@@ -53,6 +53,15 @@ class SystematicKinds(Passes):
             return []
         return list(dict.fromkeys(o.kind for o in sorted(named, key=lambda o: -o.share)))
 
+    def _every_kind(self, origins: list[Origin]) -> list[str]:
+        """Every kind, in turn, when the origins are two or more layers no kind explains and nothing else: in a deep
+        model a kind's bug in every layer leaves each layer part of its error from the faulty layers upstream, which
+        its own kind does not remove alone (64 layers of an attention bug read as the layers' own code); one kind
+        replaced in every layer tells it (one pass a kind where it does not explain)."""
+        if (self.drifts and self.floor is None) or any(o.component for o in origins) or len(origins) < 2:
+            return []
+        return list(self.kinds)
+
     def _places(self, origins: list[Origin]) -> int:
         """The places to fix: the origins, a kind holding origins in several layers counted once (a class at fault
         wherever it runs: its components)."""
@@ -90,8 +99,8 @@ class SystematicKinds(Passes):
     def _systematic(self, origins: list[Origin]) -> list[Origin]:
         """The origins, with a kind holding origins in several layers made one systematic fault when replacing it in
         every layer holding it (beside the other origins) explains the divergence; when no kind holds origins in two
-        layers and the origins leave MEMBER, each origin's kind is tried so in turn, the largest origin's first.
-        Sets ``self.systematic``.
+        layers and the origins leave MEMBER, each origin's kind is tried so in turn, the largest origin's first; when
+        they are only layers no kind explains, every kind (:meth:`_every_kind`). Sets ``self.systematic``.
 
         Its faulty layers leave at least MEMBER of the divergence when left out of that replacement: with the kind
         replaced in the others, a sound layer computes the reference's values and leaves ~0. So an origin of the kind
@@ -105,7 +114,7 @@ class SystematicKinds(Passes):
         of it (:meth:`_beside_systematic`), and a layer no kind explained goes (the kind explains it). Each faulty
         layer's share is its replacement alone."""
         repeated = self._repeated_kind(origins)
-        for kind in [repeated] if repeated else self._leaving_kinds(origins):
+        for kind in [repeated] if repeated else self._leaving_kinds(origins) or self._every_kind(origins):
             found = self._systematic_of(kind, origins)
             if self.systematic is not None:
                 return found
