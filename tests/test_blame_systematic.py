@@ -50,6 +50,13 @@ def prompts():
     return [torch.randint(4, 128, (length,), generator=g).tolist() for length in (6, 9)]
 
 
+def suite_prompts():
+    """The code-fault suite's prompts for seed 0 (benchmarks/bench_blame_suite.py, 2 prompts), on which the search
+    at 64 layers takes the paths the deep-model tests reenact."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(4, 128, (int(n),), generator=g).tolist() for n in torch.randint(6, 14, (2,), generator=g)]
+
+
 def ported(model: nn.Module, path: str, layers=None, **code) -> nn.Module:
     """A copy of ``model`` whose module at ``path`` in each of ``layers`` (default: every layer) runs one subclass
     of its class with ``code`` (methods, properties) instead: the port's bug, the weights untouched."""
@@ -402,9 +409,8 @@ def test_a_routing_bug_in_every_layer_of_a_deep_model_the_search_named_a_block_f
     routing, and with the block replaced there the routing left out leaves nothing, so that layer stood apart (before:
     "2 independent sources: routing ... in 63 of 64 layers; layer 2 routing (23%)"). The routing is left out with the
     block holding it: one fault in every layer."""
-    layers, g = 64, torch.Generator().manual_seed(0)
-    ids = [torch.randint(4, 128, (int(n),), generator=g).tolist() for n in torch.randint(6, 14, (2,), generator=g)]
-    clean, reference = setups(QWEN, {}, layers=layers, ids=ids, new=8)  # (the code-fault suite's prompts, seed 0)
+    layers = 64
+    clean, reference = setups(QWEN, {}, layers=layers, ids=suite_prompts(), new=8)
     result = blame(code_faults.renorm_skipped(clean, list(range(layers))), reference, progress=False)
     found = result.systematic
     assert found is not None and (found.kind, found.layers, found.every) == ("routing", list(range(layers)), True), \
@@ -419,10 +425,9 @@ def test_an_attention_bug_in_every_layer_of_a_deep_model_no_kind_explained_alone
     of the faulty layers upstream, which its own attention replaced alone does not remove, so the search named layers
     no kind explains (before: "the layers' own code ... in 33 of 64 layers", explaining 48%). The attention replaced
     in every layer explains it all: one fault of that kind."""
-    layers, g = 64, torch.Generator().manual_seed(0)
-    ids = [torch.randint(4, 128, (int(n),), generator=g).tolist() for n in torch.randint(6, 14, (2,), generator=g)]
-    clean, reference = setups(LLAMA, {"num_attention_heads": 4, "num_key_value_heads": 2}, layers=layers, ids=ids,
-                              new=8)  # (the code-fault suite's prompts, seed 0)
+    layers = 64
+    clean, reference = setups(LLAMA, {"num_attention_heads": 4, "num_key_value_heads": 2}, layers=layers,
+                              ids=suite_prompts(), new=8)
     result = blame(code_faults.kv_heads_tiled(clean, list(range(layers))), reference, progress=False)
     found = result.systematic
     assert type(found) is Systematic and (found.kind, found.every) == ("attention", True), result.verdict

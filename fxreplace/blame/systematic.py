@@ -45,8 +45,6 @@ class SystematicKinds(Passes):
         """The origins' kinds, the largest origin's first, when the origins together leave at least MEMBER of the
         divergence beyond the floor's part: the same fault in other layers, each adding less than SIGNIFICANT, may be
         what they leave (beside a larger fault of another kind: a flipped router beside an attention bug)."""
-        if self.drifts and self.floor is None:
-            return []  # no scale tells a kind's precision drift from its fault
         named = [o for o in origins if o.component and o.kind in self.kinds]
         together = self.key(self._replaced(origins))
         if not named or together not in self.cache or 1 - self.E(together) - self.noise < MEMBER:
@@ -58,9 +56,7 @@ class SystematicKinds(Passes):
         model a kind's bug in every layer leaves each layer part of its error from the faulty layers upstream, which
         its own kind does not remove alone (64 layers of an attention bug read as the layers' own code); one kind
         replaced in every layer tells it (one pass a kind where it does not explain)."""
-        if (self.drifts and self.floor is None) or any(o.component for o in origins) or len(origins) < 2:
-            return []
-        return list(self.kinds)
+        return [] if any(o.component for o in origins) or len(origins) < 2 else list(self.kinds)
 
     def _places(self, origins: list[Origin]) -> int:
         """The places to fix: the origins, a kind holding origins in several layers counted once (a class at fault
@@ -113,6 +109,8 @@ class SystematicKinds(Passes):
         significant part, attributed again with the faulty layers replaced beside it where the fault acted upstream
         of it (:meth:`_beside_systematic`), and a layer no kind explained goes (the kind explains it). Each faulty
         layer's share is its replacement alone."""
+        if self.drifts and self.floor is None:
+            return origins  # no scale tells a kind's precision drift from its fault
         repeated = self._repeated_kind(origins)
         for kind in [repeated] if repeated else self._leaving_kinds(origins) or self._every_kind(origins):
             found = self._systematic_of(kind, origins)
